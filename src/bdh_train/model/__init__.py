@@ -1,0 +1,1 @@
+"""The BDH model: config, module, state, executors, positions, heads, quantizers."""

@@ -1,0 +1,179 @@
+"""BDHConfig: the model's hyper-parameters and their validation (spec §1, §8, §9)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from bdh_train.errors import ConfigError
+
+POSITIONS = ("rope", "alibi")
+NORMS = ("layernorm", "layernorm_affine")
+EXECUTORS = ("auto", "dense", "chunked", "recurrent")
+WEIGHT_FORMATS = ("ternary158", "ternary_threshold", "int8")
+ACT_FORMATS = ("int8", "int8_tensor_mean")
+QUANT_TARGETS = ("decoder_x", "decoder_y", "encoder")
+TRAINING_MODES = ("qat_ste", "train_kernel")
+SAVED_ACTIVATIONS = ("none", "quantized_cache_recompute")
+HEAD_TYPES = ("token", "nca_factorized_patch")
+
+
+def _check_choice(path: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{path} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def _check_positive_int(path: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{path} must be a positive integer, got {value!r}")
+
+
+def _check_nonneg_int(path: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{path} must be a non-negative integer, got {value!r}")
+
+
+@dataclass
+class QuantConfig:
+    """BitNet b1.58 quantization-aware training options (spec §9)."""
+
+    enable: bool = False
+    weight_format: str = "ternary158"
+    act_format: str = "int8"
+    target_modules: list[str] = field(default_factory=lambda: list(QUANT_TARGETS))
+    training_mode: str = "qat_ste"
+    saved_activations: str = "none"
+    warmup_steps: int = 0
+
+    def validate(self, prefix: str = "model.quant") -> None:
+        if not isinstance(self.enable, bool):
+            raise ConfigError(f"{prefix}.enable must be true or false, got {self.enable!r}")
+        _check_choice(f"{prefix}.weight_format", self.weight_format, WEIGHT_FORMATS)
+        _check_choice(f"{prefix}.act_format", self.act_format, ACT_FORMATS)
+        if not isinstance(self.target_modules, (list, tuple)) or not self.target_modules:
+            raise ConfigError(
+                f"{prefix}.target_modules must be a non-empty list drawn from "
+                f"{', '.join(map(repr, QUANT_TARGETS))}, got {self.target_modules!r}"
+            )
+        for t in self.target_modules:
+            _check_choice(f"{prefix}.target_modules[]", t, QUANT_TARGETS)
+        _check_choice(f"{prefix}.training_mode", self.training_mode, TRAINING_MODES)
+        _check_choice(f"{prefix}.saved_activations", self.saved_activations, SAVED_ACTIVATIONS)
+        if self.saved_activations != "none" and self.training_mode != "train_kernel":
+            raise ConfigError(
+                f"{prefix}.saved_activations={self.saved_activations!r} needs "
+                f"{prefix}.training_mode='train_kernel', got {self.training_mode!r}"
+            )
+        _check_nonneg_int(f"{prefix}.warmup_steps", self.warmup_steps)
+
+
+@dataclass
+class LanguageHeadConfig:
+    """The output head: plain token logits, or the NCA factorized patch head (spec §8)."""
+
+    type: str = "token"
+    state_count: int = 2
+    patch_size: int = 1
+    frame_special_tokens: bool = False
+    eos_id: int | None = None
+
+    def validate(self, vocab_size: int, prefix: str = "model.language_head") -> None:
+        _check_choice(f"{prefix}.type", self.type, HEAD_TYPES)
+        if self.type == "token":
+            return
+        if isinstance(self.state_count, bool) or not isinstance(self.state_count, int) or (
+            self.state_count < 2
+        ):
+            raise ConfigError(f"{prefix}.state_count must be an integer >= 2, got {self.state_count!r}")
+        _check_positive_int(f"{prefix}.patch_size", self.patch_size)
+        if self.eos_id is not None:
+            _check_nonneg_int(f"{prefix}.eos_id", self.eos_id)
+        needed = self.patch_vocab + len(self.special_tokens)
+        if vocab_size < needed:
+            raise ConfigError(
+                f"model.vocab_size must be >= {needed} (patch vocabulary {self.patch_vocab} + "
+                f"{len(self.special_tokens)} special tokens) for {prefix}, got {vocab_size}"
+            )
+        if self.eos_id is not None and self.eos_id >= vocab_size:
+            raise ConfigError(f"{prefix}.eos_id must be < model.vocab_size ({vocab_size}), got {self.eos_id}")
+
+    @property
+    def cells(self) -> int:
+        return self.patch_size * self.patch_size
+
+    @property
+    def patch_vocab(self) -> int:
+        return self.state_count**self.cells
+
+    @property
+    def special_tokens(self) -> list[int]:
+        specials = [self.patch_vocab, self.patch_vocab + 1] if self.frame_special_tokens else []
+        if self.eos_id is not None and self.eos_id not in specials:
+            specials.append(self.eos_id)
+        return specials
+
+
+@dataclass
+class BDHConfig:
+    """Hyper-parameters of a BDH model. Defaults are the official ones (spec §1)."""
+
+    n_layer: int = 6
+    n_embd: int = 256
+    n_head: int = 4
+    mlp_internal_dim_multiplier: int = 128
+    vocab_size: int = 256
+    dropout: float = 0.1
+    position: str = "rope"
+    norm: str = "layernorm"
+    executor: str = "auto"
+    chunk_size: int = 64
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    language_head: LanguageHeadConfig = field(default_factory=LanguageHeadConfig)
+
+    @property
+    def n_neurons(self) -> int:
+        """N: neurons per head = multiplier * D / H."""
+        return self.mlp_internal_dim_multiplier * self.n_embd // self.n_head
+
+    def validate(self, prefix: str = "model") -> BDHConfig:
+        for name in ("n_layer", "n_embd", "n_head", "mlp_internal_dim_multiplier", "vocab_size",
+                     "chunk_size"):
+            _check_positive_int(f"{prefix}.{name}", getattr(self, name))
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"{prefix}.n_embd must be divisible by {prefix}.n_head ({self.n_head}), "
+                f"got {self.n_embd}"
+            )
+        if (self.mlp_internal_dim_multiplier * self.n_embd) % self.n_head:
+            raise ConfigError(
+                f"{prefix}.mlp_internal_dim_multiplier * {prefix}.n_embd must be divisible by "
+                f"{prefix}.n_head ({self.n_head}), got "
+                f"{self.mlp_internal_dim_multiplier} * {self.n_embd}"
+            )
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not (
+            0.0 <= self.dropout < 1.0
+        ):
+            raise ConfigError(f"{prefix}.dropout must be a number in [0, 1), got {self.dropout!r}")
+        _check_choice(f"{prefix}.position", self.position, POSITIONS)
+        _check_choice(f"{prefix}.norm", self.norm, NORMS)
+        _check_choice(f"{prefix}.executor", self.executor, EXECUTORS)
+        self.quant.validate(f"{prefix}.quant")
+        self.language_head.validate(self.vocab_size, f"{prefix}.language_head")
+        if self.quant.enable and self.language_head.type != "token":
+            raise ConfigError(
+                f"{prefix}.quant.enable=true is not supported with "
+                f"{prefix}.language_head.type={self.language_head.type!r}; "
+                "disable quantization or use the token head"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], prefix: str = "model") -> BDHConfig:
+        """Build and validate from a plain dict (e.g. a TOML table); unknown keys are errors."""
+        from bdh_train.utils import build_dataclass
+
+        return build_dataclass(cls, data, prefix).validate(prefix)

@@ -82,10 +82,14 @@ class LanguageHeadConfig:
         _check_choice(f"{prefix}.type", self.type, HEAD_TYPES)
         if self.type == "token":
             return
-        if isinstance(self.state_count, bool) or not isinstance(self.state_count, int) or (
-            self.state_count < 2
+        if (
+            isinstance(self.state_count, bool)
+            or not isinstance(self.state_count, int)
+            or (self.state_count < 2)
         ):
-            raise ConfigError(f"{prefix}.state_count must be an integer >= 2, got {self.state_count!r}")
+            raise ConfigError(
+                f"{prefix}.state_count must be an integer >= 2, got {self.state_count!r}"
+            )
         _check_positive_int(f"{prefix}.patch_size", self.patch_size)
         if self.eos_id is not None:
             _check_nonneg_int(f"{prefix}.eos_id", self.eos_id)
@@ -96,7 +100,9 @@ class LanguageHeadConfig:
                 f"{len(self.special_tokens)} special tokens) for {prefix}, got {vocab_size}"
             )
         if self.eos_id is not None and self.eos_id >= vocab_size:
-            raise ConfigError(f"{prefix}.eos_id must be < model.vocab_size ({vocab_size}), got {self.eos_id}")
+            raise ConfigError(
+                f"{prefix}.eos_id must be < model.vocab_size ({vocab_size}), got {self.eos_id}"
+            )
 
     @property
     def cells(self) -> int:
@@ -137,22 +143,30 @@ class BDHConfig:
         return self.mlp_internal_dim_multiplier * self.n_embd // self.n_head
 
     def validate(self, prefix: str = "model") -> BDHConfig:
-        for name in ("n_layer", "n_embd", "n_head", "mlp_internal_dim_multiplier", "vocab_size",
-                     "chunk_size"):
+        for name in (
+            "n_layer",
+            "n_embd",
+            "n_head",
+            "mlp_internal_dim_multiplier",
+            "vocab_size",
+            "chunk_size",
+        ):
             _check_positive_int(f"{prefix}.{name}", getattr(self, name))
-        if self.n_embd % self.n_head:
-            raise ConfigError(
-                f"{prefix}.n_embd must be divisible by {prefix}.n_head ({self.n_head}), "
-                f"got {self.n_embd}"
-            )
         if (self.mlp_internal_dim_multiplier * self.n_embd) % self.n_head:
             raise ConfigError(
                 f"{prefix}.mlp_internal_dim_multiplier * {prefix}.n_embd must be divisible by "
                 f"{prefix}.n_head ({self.n_head}), got "
                 f"{self.mlp_internal_dim_multiplier} * {self.n_embd}"
             )
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not (
-            0.0 <= self.dropout < 1.0
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"{prefix}.n_embd must be divisible by {prefix}.n_head ({self.n_head}), "
+                f"got {self.n_embd}"
+            )
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, (int, float))
+            or not (0.0 <= self.dropout < 1.0)
         ):
             raise ConfigError(f"{prefix}.dropout must be a number in [0, 1), got {self.dropout!r}")
         _check_choice(f"{prefix}.position", self.position, POSITIONS)

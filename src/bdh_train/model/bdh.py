@@ -1,0 +1,231 @@
+"""The BDH module (spec §1-§3): read it top to bottom.
+
+u = norm(embed[idx])
+repeat n_layer times with THE SAME weights:
+    x  = relu(u @ encoder)                 neurons, sparse and non-negative
+    a  = norm(mixer(q = x, v = u, rho_l))  linear attention over the carried state
+    y  = dropout(x * relu(a @ encoder_v))
+    u  = norm(u + norm(y @ decoder))
+logits = u @ lm_head
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bdh_train.model.config import BDHConfig
+from bdh_train.model.mixer import linear_attention
+from bdh_train.model.positions import alibi_log_decay, apply_rope, rope_cos_sin
+from bdh_train.model.state import ModelState
+from bdh_train.train.batch import IGNORE_INDEX
+
+LN_EPS = 1e-5
+
+
+class BDH(nn.Module):
+    def __init__(self, config: BDHConfig):
+        super().__init__()
+        self.config = config.validate()
+        c = config
+        h, d, n = c.n_head, c.n_embd, c.n_neurons
+        self.embed = nn.Embedding(c.vocab_size, d)
+        self.encoder = nn.Parameter(torch.empty(h, d, n))
+        self.encoder_v = nn.Parameter(torch.empty(h, d, n))
+        self.decoder = nn.Parameter(torch.empty(h * n, d))
+        self.lm_head = nn.Parameter(torch.empty(d, c.vocab_size))
+        self.norm = nn.LayerNorm(d, eps=LN_EPS) if c.norm == "layernorm_affine" else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Official init: every weight N(0, 0.02); the shared affine norm starts as identity."""
+        for p in (self.embed.weight, self.encoder, self.encoder_v, self.decoder, self.lm_head):
+            nn.init.normal_(p, std=0.02)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+
+    # ---------------------------------------------------------------- building blocks
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm is not None:
+            return self.norm(x)
+        return F.layer_norm(x, (x.shape[-1],), eps=LN_EPS)
+
+    def _project(self, name: str, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """inputs @ weight for the three shared projections; the quantization hook (spec §9)."""
+        return inputs @ weight
+
+    def init_state(self, batch_size: int) -> ModelState:
+        return ModelState(self.config.n_layer, batch_size, self.lm_head.device)
+
+    def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> normalized embeddings [B, T, D] (the first layer's input)."""
+        return self._norm(self.embed(idx))
+
+    def _position_terms(self, state: ModelState, seq_len: int, dtype: torch.dtype):
+        """What the mixer needs for positions: rope cos/sin or alibi log-decays."""
+        if self.config.position == "rope":
+            offsets = torch.arange(seq_len, device=state.position.device)
+            positions = state.position.unsqueeze(1) + offsets
+            return rope_cos_sin(positions, self.config.n_neurons, dtype), None
+        return None, alibi_log_decay(self.config.n_head)
+
+    def layer(
+        self,
+        u: torch.Tensor,
+        layer_index: int,
+        state: ModelState,
+        position_terms,
+        executor: str | None = None,
+        need_state: bool = True,
+    ) -> torch.Tensor:
+        """One application of the shared layer to u [B, 1, T, D]; updates state.rho[layer]."""
+        c = self.config
+        rope, log_decay = position_terms
+        x = F.relu(self._project("encoder", u, self.encoder))  # [B, H, T, N]
+        q = x if rope is None else apply_rope(x, *rope)
+        attn, new_rho = linear_attention(
+            q,
+            u,
+            state.rho[layer_index],
+            log_decay,
+            executor or c.executor,
+            c.chunk_size,
+            need_state,
+        )
+        if need_state:
+            state.rho[layer_index] = new_rho
+        a = self._norm(attn)
+        y = x * F.relu(self._project("encoder_v", a, self.encoder_v))
+        y = F.dropout(y, c.dropout, self.training)
+        batch, heads, seq_len, n = y.shape
+        y = y.transpose(1, 2).reshape(batch, 1, seq_len, heads * n)
+        m = self._norm(self._project("decoder", y, self.decoder))
+        return self._norm(u + m)
+
+    # ---------------------------------------------------------------- entry points
+    def forward_hidden(
+        self,
+        idx: torch.Tensor,
+        state: ModelState | None = None,
+        executor: str | None = None,
+        layers: range | None = None,
+        u: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [B, T, D]. With a state, continue from it and advance it in place.
+
+        `layers` and `u` let a pipeline stage run a contiguous range of layers on the
+        previous stage's output; the position advances only after the last layer.
+        """
+        batch, seq_len = idx.shape
+        need_state = state is not None
+        if state is None:
+            state = self.init_state(batch)
+        layers = range(self.config.n_layer) if layers is None else layers
+        if u is None:
+            u = self.embed_tokens(idx)
+        u = u.view(batch, 1, seq_len, self.config.n_embd)
+        terms = self._position_terms(state, seq_len, u.dtype)
+        for layer_index in layers:
+            u = self.layer(u, layer_index, state, terms, executor, need_state)
+        if need_state and layers.stop == self.config.n_layer:
+            state.position = state.position + seq_len
+        return u.view(batch, seq_len, self.config.n_embd)
+
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.config.language_head.type != "token":
+            raise ValueError(
+                f"the {self.config.language_head.type!r} head has no flat token logits; "
+                "use loss_from_hidden"
+            )
+        return hidden @ self.lm_head
+
+    def loss_from_hidden(
+        self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
+    ) -> torch.Tensor:
+        """Cross-entropy over counted targets (!= IGNORE_INDEX); reduction 'mean' or 'sum'."""
+        logits = self.logits_from_hidden(hidden)
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction=reduction,
+        )
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        state: ModelState | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = self.forward_hidden(idx, state)
+        logits = self.logits_from_hidden(hidden)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(),
+                targets.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+            )
+        return logits, loss
+
+    # ---------------------------------------------------------------- generation
+    @torch.no_grad()
+    def stream_generate(
+        self,
+        prompt_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield new tokens [B] one at a time.
+
+        The prompt is consumed once; then each token costs one recurrent step on the carried
+        state, independent of how many tokens came before. temperature 0 means greedy.
+        """
+        if prompt_ids.dim() == 1:
+            prompt_ids = prompt_ids.unsqueeze(0)
+        if prompt_ids.shape[1] == 0:
+            raise ValueError("generate needs a prompt of at least one token")
+        state = self.init_state(prompt_ids.shape[0])
+        hidden = self.forward_hidden(prompt_ids, state)[:, -1:]
+        for _ in range(max_new_tokens):
+            logits = self.logits_from_hidden(hidden)[:, -1].float()
+            token = sample_next_token(logits, temperature, top_k, generator)
+            yield token
+            hidden = self.forward_hidden(token.unsqueeze(1), state, executor="recurrent")
+
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Prompt followed by `max_new_tokens` sampled tokens ([B, T + new])."""
+        squeeze = prompt_ids.dim() == 1
+        prompt = prompt_ids.unsqueeze(0) if squeeze else prompt_ids
+        new = list(self.stream_generate(prompt, max_new_tokens, temperature, top_k, generator))
+        out = torch.cat([prompt, torch.stack(new, dim=1)], dim=1) if new else prompt
+        return out[0] if squeeze else out
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row from logits [B, V]: greedy at temperature 0, else top-k sampling."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)

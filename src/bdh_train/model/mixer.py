@@ -1,0 +1,147 @@
+"""Causal linear attention with a carried state (spec §3), in three equivalent executors.
+
+All executors compute, for queries q [B,H,T,N] (keys are the queries), values v [B,1,T,D]
+(shared by all heads), an incoming state rho0 [B,H,N,D] (None = zeros) and an optional
+per-head log-decay:
+
+    out_t = d^t q_t.rho0 + sum_{s<t} d^(t-s) (q_t.q_s) v_s
+    rho_T = d^T rho0 + sum_s d^(T-s) q_s^T v_s
+
+* dense     - the T x T masked score matrix; O(T^2 (N+D)) work, O(T^2) memory.
+* chunked   - dense inside chunks of C tokens, the state carried between chunks;
+              O(T (C (N+D) + 2 N D)) work, O(T C) score memory.
+* recurrent - token by token, read before write (the definition; generation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+EXECUTORS = ("dense", "chunked", "recurrent")
+
+
+def choose_executor(seq_len: int, n_neurons: int, n_embd: int, chunk_size: int) -> str:
+    """Pick dense or chunked by counting multiply-adds per token and head.
+
+    dense costs T (N + D) per token (score row + weighted sum); chunked costs C (N + D) for its
+    chunk plus 2 N D for reading and writing the state. Chunking also loops in Python and
+    saves one state per chunk for backward, so it must win by a margin (x1.5) to be chosen.
+    """
+    if seq_len <= chunk_size:
+        return "dense"
+    dense_cost = seq_len * (n_neurons + n_embd)
+    chunked_cost = chunk_size * (n_neurons + n_embd) + 2 * n_neurons * n_embd
+    return "chunked" if 1.5 * chunked_cost < dense_cost else "dense"
+
+
+def _decay_powers(log_decay: torch.Tensor, exponents: torch.Tensor, like: torch.Tensor):
+    """d_h^e for every e in `exponents` -> [H, *exponents.shape] in `like`'s dtype/device."""
+    log_decay = log_decay.to(like.device).view(-1, *([1] * exponents.dim()))
+    powers = torch.exp(log_decay * exponents.to(torch.float64))
+    return powers.to(like.dtype)
+
+
+def dense_attention(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    rho: torch.Tensor | None,
+    log_decay: torch.Tensor | None = None,
+    need_state: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The whole call at once through the masked T x T score matrix."""
+    seq_len = q.shape[2]
+    scores = q @ q.transpose(-1, -2)
+    if log_decay is None:
+        scores = scores.tril_(diagonal=-1)
+    else:
+        t = torch.arange(seq_len, device=q.device)
+        gap = (t.unsqueeze(1) - t.unsqueeze(0)).clamp_min(0)
+        weight = _decay_powers(log_decay, gap, q)  # [H, T, T]
+        scores = scores * weight.tril_(diagonal=-1)
+    out = scores @ v
+    if rho is not None:
+        q_read = q
+        if log_decay is not None:
+            t = torch.arange(seq_len, device=q.device)
+            q_read = q * _decay_powers(log_decay, t, q).unsqueeze(-1)  # d^t, [H, T, 1]
+        out = out + q_read @ rho
+    if not need_state:
+        return out, None
+    q_write = q
+    if log_decay is not None:
+        s = torch.arange(seq_len, device=q.device)
+        q_write = q * _decay_powers(log_decay, seq_len - s, q).unsqueeze(-1)
+    new_rho = q_write.transpose(-1, -2) @ v
+    if rho is not None:
+        carried = rho
+        if log_decay is not None:
+            total = torch.tensor([seq_len], device=q.device)
+            carried = rho * _decay_powers(log_decay, total, q).view(1, -1, 1, 1)
+        new_rho = carried + new_rho
+    return out, new_rho
+
+
+def chunked_attention(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    rho: torch.Tensor | None,
+    log_decay: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    need_state: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Dense inside chunks of `chunk_size` tokens; the state carries the past between them."""
+    seq_len = q.shape[2]
+    outs = []
+    for start in range(0, seq_len, chunk_size):
+        end = min(start + chunk_size, seq_len)
+        last = end == seq_len
+        out, rho = dense_attention(
+            q[:, :, start:end], v[:, :, start:end], rho, log_decay, need_state or not last
+        )
+        outs.append(out)
+    return torch.cat(outs, dim=2), rho
+
+
+def recurrent_attention(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    rho: torch.Tensor | None,
+    log_decay: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token, read before write: the definition itself."""
+    batch, heads, seq_len, n = q.shape
+    d = v.shape[-1]
+    if rho is None:
+        rho = q.new_zeros(batch, heads, n, d)
+    step_decay = None
+    if log_decay is not None:
+        step_decay = torch.exp(log_decay.to(q.device)).to(q.dtype).view(1, -1, 1, 1)
+    outs = []
+    for t in range(seq_len):
+        q_t = q[:, :, t : t + 1]
+        outs.append(q_t @ rho)
+        rho = rho + q_t.transpose(-1, -2) @ v[:, :, t : t + 1]
+        if step_decay is not None:
+            rho = rho * step_decay
+    return torch.cat(outs, dim=2), rho
+
+
+def linear_attention(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    rho: torch.Tensor | None,
+    log_decay: torch.Tensor | None,
+    executor: str,
+    chunk_size: int,
+    need_state: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Dispatch to one executor; 'auto' resolves through `choose_executor`."""
+    if executor == "auto":
+        executor = choose_executor(q.shape[2], q.shape[3], v.shape[3], chunk_size)
+    if executor == "dense":
+        return dense_attention(q, v, rho, log_decay, need_state)
+    if executor == "chunked":
+        return chunked_attention(q, v, rho, log_decay, chunk_size, need_state)
+    if executor == "recurrent":
+        return recurrent_attention(q, v, rho, log_decay)
+    raise ValueError(f"unknown executor {executor!r}; expected one of {EXECUTORS} or 'auto'")

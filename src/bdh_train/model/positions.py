@@ -1,0 +1,48 @@
+"""Position schemes (spec §4).
+
+rope rotates the queries (= keys) by absolute position, so the carried state must remember
+where each row is; alibi decays the state per head and per token, which needs no position.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ROPE_THETA = 2.0**16
+
+
+def rope_frequencies(n: int, device: torch.device | None = None) -> torch.Tensor:
+    """freq[i] = 1 / theta^(2*floor(i/2) / n) / (2*pi), in float64 (shape [n])."""
+    i = torch.arange(n, dtype=torch.float64, device=device)
+    return 1.0 / ROPE_THETA ** (torch.floor(i / 2) * 2 / n) / (2 * math.pi)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, n: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the phases for absolute positions [B, T] -> each [B, 1, T, n].
+
+    Phases are computed in float64 from integer positions, so a token gets bit-identical
+    phases however the sequence is split into calls.
+    """
+    freqs = rope_frequencies(n, positions.device)
+    turns = positions.to(torch.float64).unsqueeze(-1) * freqs
+    phase = torch.frac(turns) * (2 * math.pi)
+    return phase.cos().to(dtype).unsqueeze(1), phase.sin().to(dtype).unsqueeze(1)
+
+
+def rotate_pairs(v: torch.Tensor) -> torch.Tensor:
+    """rot(v)[2k] = -v[2k+1], rot(v)[2k+1] = v[2k] over the last dimension."""
+    return torch.stack((-v[..., 1::2], v[..., ::2]), dim=-1).flatten(-2)
+
+
+def apply_rope(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return v * cos + rotate_pairs(v) * sin
+
+
+def alibi_log_decay(n_head: int) -> torch.Tensor:
+    """log d_h = -slope_h with slope_h = 2^(-h/H): the per-head, per-token state decay."""
+    h = torch.arange(n_head, dtype=torch.float64)
+    return -(2.0 ** (-h / n_head))

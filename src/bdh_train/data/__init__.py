@@ -1,0 +1,42 @@
+"""The data layer: byte tokenizer, token sources (builtin corpora, text, .bin files, registered
+generators) and deterministic, resumable loaders that produce SequenceBatch."""
+
+from bdh_train.data.loaders import (
+    RandomWindowLoader,
+    StreamingDocumentLoader,
+    TokenSource,
+    eval_batches,
+)
+from bdh_train.data.sources import (
+    BUILTIN_CORPORA,
+    RESERVED_GENERATORS,
+    TOKEN_DTYPES,
+    TokenData,
+    TokenGenerator,
+    builtin_corpus,
+    header_path,
+    load_splits,
+    load_tokens,
+    read_header,
+    write_token_file,
+)
+from bdh_train.data.tokenizer import ByteTokenizer
+
+__all__ = [
+    "BUILTIN_CORPORA",
+    "RESERVED_GENERATORS",
+    "TOKEN_DTYPES",
+    "ByteTokenizer",
+    "RandomWindowLoader",
+    "StreamingDocumentLoader",
+    "TokenData",
+    "TokenGenerator",
+    "TokenSource",
+    "builtin_corpus",
+    "eval_batches",
+    "header_path",
+    "load_splits",
+    "load_tokens",
+    "read_header",
+    "write_token_file",
+]

@@ -1,0 +1,380 @@
+"""Batch loaders over a flat token stream.
+
+Both training loaders are deterministic functions of their seed and a small cursor, and expose
+that cursor through `state_dict()` / `load_state_dict()`, so a resumed run draws exactly the
+batches the uninterrupted run would have drawn. Both work on the GLOBAL batch (all ranks'
+rows) and hand each rank its contiguous slice of rows; world_size can therefore change
+between save and resume without changing what any global row sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from bdh_train.data.sources import TokenData
+from bdh_train.errors import ConfigError, DataError
+from bdh_train.train.batch import SequenceBatch
+
+TokenSource = TokenData | np.ndarray | torch.Tensor
+"""What the loaders accept: a TokenData, a 1-D integer numpy array/memmap or tensor."""
+
+_U64 = (1 << 64) - 1
+_STREAM_PERM_TAG = 0x5D0C
+"""Mixed into the epoch-permutation seed so it never coincides with a random-window seed."""
+
+
+def _as_tokens(tokens: TokenSource) -> tuple[np.ndarray, str]:
+    if isinstance(tokens, TokenData):
+        return tokens.tokens, tokens.source
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise DataError(
+            f"loaders need a 1-D integer token array, got shape {arr.shape} dtype {arr.dtype}"
+        )
+    return arr, "the token array"
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _check_ranks(batch_size: int, rank: int, world_size: int) -> None:
+    _positive_int("world_size", world_size)
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise ConfigError(f"rank must be an integer, got {rank!r}")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if batch_size % world_size:
+        raise ConfigError(
+            f"batch_size {batch_size} is not divisible by world_size {world_size}: the global "
+            f"batch is split into equal per-rank slices; pick a batch_size that is a multiple "
+            f"of {world_size}"
+        )
+
+
+def _seed_from(*words: int) -> int:
+    """A 64-bit torch seed that depends on every word (SeedSequence hashing, so (1, 23) and
+    (12, 3) never collide the way `a * k + b` formulas can)."""
+    state = np.random.SeedSequence([w & _U64 for w in words]).generate_state(2, np.uint64)
+    return int(state[0]) ^ (int(state[1]) >> 1)
+
+
+def _gather(tokens: np.ndarray, starts: list[int] | np.ndarray, width: int) -> torch.Tensor:
+    """[len(starts), width] int64 tensor of tokens[s : s + width] (copied out of the memmap)."""
+    if len(starts) == 0:
+        return torch.empty((0, width), dtype=torch.long)
+    rows = np.stack([np.asarray(tokens[int(s) : int(s) + width]) for s in starts])
+    return torch.from_numpy(rows.astype(np.int64))
+
+
+def _windows_to_batch(windows: torch.Tensor, reset: torch.Tensor | None) -> SequenceBatch:
+    return SequenceBatch(windows[:, :-1].contiguous(), windows[:, 1:].contiguous(), reset)
+
+
+class RandomWindowLoader:
+    """Windows of block_size + 1 tokens at uniformly random positions.
+
+    The global batch of micro-batch `micro` of optimizer step `step` is a pure function of
+    (seed, step, micro): resuming, changing world_size or skipping ahead never changes it.
+    The cursor maps the n-th `next_batch()` call to (n // micro_per_step, n % micro_per_step).
+    """
+
+    kind = "random_window"
+
+    def __init__(
+        self,
+        tokens: TokenSource,
+        block_size: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        micro_per_step: int = 1,
+    ) -> None:
+        self.tokens, self.source = _as_tokens(tokens)
+        self.block_size = _positive_int("block_size", block_size)
+        self.batch_size = _positive_int("batch_size", batch_size)
+        _check_ranks(self.batch_size, rank, world_size)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ConfigError(f"seed must be an integer, got {seed!r}")
+        self.seed = int(seed)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.micro_per_step = _positive_int("micro_per_step", micro_per_step)
+        n = int(self.tokens.shape[0])
+        if n < self.block_size + 1:
+            raise DataError(
+                f"{self.source} has {n} tokens, fewer than block_size + 1 = "
+                f"{self.block_size + 1}: use a longer source or a smaller block_size"
+            )
+        self.num_starts = n - self.block_size
+        self.step = 0
+        self.micro = 0
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.batch_size // self.world_size
+
+    def set_micro_per_step(self, k: int) -> None:
+        """Micro-batches per optimizer step (gradient accumulation); the cursor keeps its
+        (step, micro) position, which must still be valid."""
+        k = _positive_int("micro_per_step", k)
+        if self.micro >= k:
+            raise ConfigError(
+                f"cannot set micro_per_step={k} while the cursor is at micro-batch {self.micro} "
+                f"of step {self.step}; change it at a step boundary"
+            )
+        self.micro_per_step = k
+
+    def global_starts(self, step: int, micro: int) -> torch.Tensor:
+        """Start offsets of all batch_size windows (every rank's rows) for (step, micro)."""
+        gen = torch.Generator().manual_seed(_seed_from(self.seed, int(step), int(micro)))
+        return torch.randint(0, self.num_starts, (self.batch_size,), generator=gen)
+
+    def batch_at(self, step: int, micro: int = 0) -> SequenceBatch:
+        """This rank's rows of the global batch for (step, micro); does not move the cursor."""
+        starts = self.global_starts(step, micro)
+        lo = self.rank * self.rows_per_rank
+        windows = _gather(
+            self.tokens, starts[lo : lo + self.rows_per_rank].numpy(), self.block_size + 1
+        )
+        return _windows_to_batch(windows, None)
+
+    def next_batch(self) -> SequenceBatch:
+        """The batch at the cursor, then advance it by one micro-batch."""
+        batch = self.batch_at(self.step, self.micro)
+        self.micro += 1
+        if self.micro == self.micro_per_step:
+            self.step, self.micro = self.step + 1, 0
+        return batch
+
+    def __iter__(self) -> Iterator[SequenceBatch]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor, plus the settings that must match for it to mean the same batches."""
+        return {
+            "kind": self.kind,
+            "step": self.step,
+            "micro": self.micro,
+            "seed": self.seed,
+            "block_size": self.block_size,
+            "batch_size": self.batch_size,
+            "num_starts": self.num_starts,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the cursor; refuses a state saved with a different seed, shape or data."""
+        _check_state(state, self.kind, self._fingerprint())
+        step, micro = int(state["step"]), int(state["micro"])
+        if step < 0 or not 0 <= micro < self.micro_per_step:
+            raise DataError(
+                f"loader state cursor (step={step}, micro={micro}) is invalid with "
+                f"micro_per_step={self.micro_per_step}"
+            )
+        self.step, self.micro = step, micro
+
+    def _fingerprint(self) -> dict[str, int]:
+        return {
+            "seed": self.seed,
+            "block_size": self.block_size,
+            "batch_size": self.batch_size,
+            "num_starts": self.num_starts,
+        }
+
+
+class StreamingDocumentLoader:
+    """Consecutive windows of documents, for training with state carried across steps
+    (spec §11).
+
+    The stream is cut into documents of `logical_length` L tokens (a multiple of block_size T):
+    doc i covers tokens [i*L, i*L + L + 1) and yields L/T windows of T + 1 tokens, window k
+    covering [i*L + k*T, i*L + k*T + T + 1), so consecutive windows share one token and every
+    target is the next window's first input. Each epoch visits documents in a permutation
+    seeded by (seed, epoch). Global row b reads its document's windows in order; a row that
+    finishes takes the next document from the shared epoch queue (rows in order, so the
+    assignment is deterministic), and the batch's `reset[b]` is True exactly on a document's
+    first window. Each call advances every row by one window: a trainer that accumulates k
+    micro-batches per step calls it k times and the rows' stored state carries across them.
+    """
+
+    kind = "streaming_document"
+
+    def __init__(
+        self,
+        tokens: TokenSource,
+        block_size: int,
+        batch_size: int,
+        logical_length: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.tokens, self.source = _as_tokens(tokens)
+        self.block_size = _positive_int("block_size", block_size)
+        self.batch_size = _positive_int("batch_size", batch_size)
+        self.logical_length = _positive_int("logical_length", logical_length)
+        _check_ranks(self.batch_size, rank, world_size)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ConfigError(f"seed must be an integer, got {seed!r}")
+        if self.logical_length % self.block_size:
+            raise ConfigError(
+                f"logical_length {self.logical_length} must be a multiple of block_size "
+                f"{self.block_size} (documents are cut into whole windows); try "
+                f"{max(1, round(self.logical_length / self.block_size)) * self.block_size}"
+            )
+        self.seed = int(seed)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.windows_per_doc = self.logical_length // self.block_size
+        n = int(self.tokens.shape[0])
+        self.num_docs = (n - 1) // self.logical_length
+        if self.num_docs < 1:
+            raise DataError(
+                f"{self.source} has {n} tokens, fewer than logical_length + 1 = "
+                f"{self.logical_length + 1} needed for one document: use a longer source or a "
+                f"smaller logical_length"
+            )
+        self.epoch = 0
+        self.position = 0  # next index into the current epoch's permutation
+        self.row_doc = [-1] * self.batch_size  # -1: the row has no document yet
+        self.row_window = [0] * self.batch_size  # next window index to read in row_doc
+        self.calls = 0
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.batch_size // self.world_size
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Document order of `epoch`: a permutation of range(num_docs) seeded by (seed, epoch)."""
+        gen = torch.Generator().manual_seed(_seed_from(self.seed, int(epoch), _STREAM_PERM_TAG))
+        return torch.randperm(self.num_docs, generator=gen).numpy()
+
+    def _next_doc(self) -> int:
+        if self.position == self.num_docs:
+            self.epoch, self.position = self.epoch + 1, 0
+        if self._perm_epoch != self.epoch:
+            self._perm, self._perm_epoch = self.epoch_order(self.epoch), self.epoch
+        doc = int(self._perm[self.position])
+        self.position += 1
+        return doc
+
+    def next_batch(self) -> SequenceBatch:
+        """This rank's rows of the next global batch; reset marks rows starting a document."""
+        starts: list[int] = []
+        reset: list[bool] = []
+        for b in range(self.batch_size):  # every rank replays all rows: the queue is shared
+            if self.row_doc[b] < 0 or self.row_window[b] == self.windows_per_doc:
+                self.row_doc[b], self.row_window[b] = self._next_doc(), 0
+            starts.append(
+                self.row_doc[b] * self.logical_length + self.row_window[b] * self.block_size
+            )
+            reset.append(self.row_window[b] == 0)
+            self.row_window[b] += 1
+        self.calls += 1
+        lo, hi = self.rank * self.rows_per_rank, (self.rank + 1) * self.rows_per_rank
+        windows = _gather(self.tokens, starts[lo:hi], self.block_size + 1)
+        return _windows_to_batch(windows, torch.tensor(reset[lo:hi], dtype=torch.bool))
+
+    def __iter__(self) -> Iterator[SequenceBatch]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, queue position and every global row's (doc, next window), as plain ints."""
+        return {
+            "kind": self.kind,
+            "epoch": self.epoch,
+            "position": self.position,
+            "rows": [[d, w] for d, w in zip(self.row_doc, self.row_window, strict=True)],
+            "calls": self.calls,
+            **self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the cursor; refuses a state saved with a different seed, shape or data."""
+        _check_state(state, self.kind, self._fingerprint())
+        rows = [(int(d), int(w)) for d, w in state["rows"]]
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if (
+            len(rows) != self.batch_size
+            or epoch < 0
+            or not 0 <= position <= self.num_docs
+            or any(
+                not (-1 <= d < self.num_docs and 0 <= w <= self.windows_per_doc) for d, w in rows
+            )
+        ):
+            raise DataError("streaming loader state is inconsistent with this loader's data")
+        self.epoch, self.position = epoch, position
+        self.row_doc = [d for d, _ in rows]
+        self.row_window = [w for _, w in rows]
+        self.calls = int(state.get("calls", 0))
+
+    def _fingerprint(self) -> dict[str, int]:
+        return {
+            "seed": self.seed,
+            "block_size": self.block_size,
+            "batch_size": self.batch_size,
+            "logical_length": self.logical_length,
+            "num_docs": self.num_docs,
+        }
+
+
+def _check_state(state: dict[str, Any], kind: str, expected: dict[str, int]) -> None:
+    if not isinstance(state, dict) or state.get("kind") != kind:
+        got = state.get("kind") if isinstance(state, dict) else type(state).__name__
+        raise DataError(f"loader state is for {got!r}, not {kind!r}; was data.loader changed?")
+    diffs = [
+        f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in expected.items() if state.get(k) != v
+    ]
+    if diffs:
+        raise DataError(
+            f"cannot resume the {kind} loader: its settings or data changed since the checkpoint "
+            f"({'; '.join(diffs)}); resume with the original settings or start a fresh run"
+        )
+
+
+def eval_batches(
+    tokens: TokenSource,
+    block_size: int,
+    batch_size: int,
+    max_batches: int | None = None,
+) -> Iterator[SequenceBatch]:
+    """Deterministic evaluation batches: window j covers [j*T, j*T + T + 1), so every token
+    after the first is predicted exactly once. The last batch may have fewer rows; max_batches
+    None means all windows. Each call starts over, so repeated evals see identical data."""
+    arr, source = _as_tokens(tokens)
+    block_size = _positive_int("block_size", block_size)
+    batch_size = _positive_int("batch_size", batch_size)
+    if max_batches is not None and (isinstance(max_batches, bool) or max_batches < 0):
+        raise ConfigError(f"max_batches must be None or >= 0, got {max_batches!r}")
+    n_windows = (int(arr.shape[0]) - 1) // block_size
+    if n_windows < 1:
+        raise DataError(
+            f"validation data from {source} has {arr.shape[0]} tokens, fewer than block_size + "
+            f"1 = {block_size + 1}: use a larger data.val_fraction or a smaller block_size"
+        )
+    n_batches = -(-n_windows // batch_size)
+    if max_batches is not None:
+        n_batches = min(n_batches, int(max_batches))
+    return _eval_iter(arr, block_size, batch_size, n_windows, n_batches)
+
+
+def _eval_iter(
+    arr: np.ndarray, block_size: int, batch_size: int, n_windows: int, n_batches: int
+) -> Iterator[SequenceBatch]:
+    # A separate generator so eval_batches raises its errors at the call, not at first next().
+    for i in range(n_batches):
+        js = np.arange(i * batch_size, min((i + 1) * batch_size, n_windows))
+        yield _windows_to_batch(_gather(arr, js * block_size, block_size + 1), None)

@@ -1,0 +1,392 @@
+"""Where training tokens come from: builtin corpora, text files, directories of text files,
+pre-tokenized `.bin` files, and generators registered by the caller (e.g. NCA).
+
+Every source becomes a `TokenData`: one flat 1-D integer array (memory-mapped for files, so a
+large corpus is never read into Python lists) plus the vocabulary size its ids must fit in.
+Every failure is a DataError whose message names the source and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import numpy as np
+
+from bdh_train.errors import ConfigError, DataError
+from bdh_train.utils import atomic_write, suggest
+
+BUILTIN_PREFIX = "builtin:"
+TOKEN_DTYPES = ("uint16", "uint32")
+"""dtypes a `.bin` token file may hold (named in its JSON header)."""
+RESERVED_GENERATORS = ("nca",)
+"""Source names that only a registered generator can serve (implemented elsewhere)."""
+_SCAN_CHUNK = 1 << 22
+"""Ids checked per chunk, so validating a huge memmap never materializes it whole."""
+
+
+def _pydoc_text() -> str:
+    """The Python documentation topics shipped with CPython: ~0.45 MB of real English prose
+    that is always available offline, so the demo and the tests need no download."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key].rstrip() for key in sorted(topics)) + "\n"
+
+
+BUILTIN_CORPORA: Mapping[str, Callable[[], str]] = MappingProxyType({"pydoc": _pydoc_text})
+"""Name -> function returning the corpus text. Read-only: corpora are fixed, not plugins."""
+
+TokenGenerator = Callable[[int], "TokenData | np.ndarray"]
+"""A synthetic source: called with the model's vocab_size, returns the token stream.
+Bind its other settings (seed, sizes) with functools.partial before passing it in."""
+
+
+def builtin_corpus(name: str) -> str:
+    """Text of builtin corpus `name`; unknown names raise DataError listing the known ones."""
+    try:
+        make = BUILTIN_CORPORA[name]
+    except KeyError:
+        raise DataError(
+            f"unknown builtin corpus {name!r}{suggest(name, BUILTIN_CORPORA)}; "
+            f"available: {', '.join(sorted(BUILTIN_CORPORA))}"
+        ) from None
+    return make()
+
+
+@dataclass(frozen=True)
+class TokenData:
+    """A flat stream of token ids and the vocabulary they belong to.
+
+    tokens: 1-D integer array; a numpy.memmap when it came from a file (slices stay memmaps).
+    vocab_size: every id is < vocab_size (checked by load_tokens).
+    source: human-readable origin, used in error messages.
+    """
+
+    tokens: np.ndarray
+    vocab_size: int
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.tokens.ndim != 1 or not np.issubdtype(self.tokens.dtype, np.integer):
+            raise DataError(
+                f"token data from {self.source} must be a 1-D integer array, got shape "
+                f"{tuple(self.tokens.shape)} dtype {self.tokens.dtype}"
+            )
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def split(self, val_fraction: float) -> tuple[TokenData, TokenData | None]:
+        """(train, validation): validation is the LAST `val_fraction` of the stream.
+
+        Deterministic and contiguous, so no window straddles the two sets except at the one
+        boundary; val_fraction 0 gives no validation set. A positive fraction always yields at
+        least one token; whether that is enough is `validate_for_block`'s call.
+        """
+        if (
+            isinstance(val_fraction, bool)
+            or not isinstance(val_fraction, (int, float))
+            or not (0.0 <= float(val_fraction) < 1.0)
+        ):
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction!r}")
+        if val_fraction == 0:
+            return self, None
+        n = len(self)
+        n_val = min(max(1, int(round(n * float(val_fraction)))), n - 1)
+        if n_val <= 0:
+            raise DataError(
+                f"{self.source} has {n} token(s), too few to split off a validation set; "
+                f"use more data or set data.val_fraction = 0"
+            )
+        cut = n - n_val
+        train = TokenData(self.tokens[:cut], self.vocab_size, f"{self.source} (train split)")
+        val = TokenData(self.tokens[cut:], self.vocab_size, f"{self.source} (validation split)")
+        return train, val
+
+    def validate_for_block(self, block_size: int, what: str = "data") -> None:
+        """Raise DataError unless at least one window of block_size + 1 tokens fits."""
+        need = int(block_size) + 1
+        if len(self) < need:
+            raise DataError(
+                f"{what} from {self.source} has {len(self)} tokens, fewer than "
+                f"block_size + 1 = {need}: use a longer source, a smaller block_size"
+                + (" or a larger data.val_fraction" if "validation" in what else "")
+            )
+
+    def check_ids(self, vocab_size: int | None = None) -> None:
+        """Raise DataError naming the first id >= vocab_size (default: self.vocab_size) and its
+        position. Scans in chunks so a memmap is never loaded whole."""
+        limit = self.vocab_size if vocab_size is None else int(vocab_size)
+        pos = first_id_at_least(self.tokens, limit)
+        if pos is None:
+            return
+        bad = int(self.tokens[pos])
+        if bad < 0:
+            raise DataError(f"token id {bad} at position {pos} in {self.source} is negative")
+        raise DataError(
+            f"token id {bad} at position {pos} in {self.source} is >= vocab_size {limit}: "
+            f"raise model.vocab_size to at least {_max_id(self) + 1} or re-tokenize the data"
+        )
+
+
+def first_id_at_least(tokens: np.ndarray, limit: int) -> int | None:
+    """Position of the first element >= limit (or < 0), or None; chunked for memmaps."""
+    if np.issubdtype(tokens.dtype, np.unsignedinteger) and limit > np.iinfo(tokens.dtype).max:
+        return None
+    for start in range(0, tokens.shape[0], _SCAN_CHUNK):
+        chunk = np.asarray(tokens[start : start + _SCAN_CHUNK])
+        bad = np.flatnonzero((chunk >= limit) | (chunk < 0))
+        if bad.size:
+            return start + int(bad[0])
+    return None
+
+
+def _max_id(data: TokenData) -> int:
+    return max(
+        int(np.asarray(data.tokens[s : s + _SCAN_CHUNK]).max())
+        for s in range(0, len(data), _SCAN_CHUNK)
+    )
+
+
+def load_tokens(
+    source: str | os.PathLike[str],
+    vocab_size: int = 256,
+    generators: Mapping[str, TokenGenerator] | None = None,
+) -> TokenData:
+    """Resolve `source` to a TokenData whose ids are all < vocab_size.
+
+    source is, checked in this order: a name in `generators` (called with vocab_size);
+    "builtin:<name>" (UTF-8 bytes of a builtin corpus); a path to a `.bin` token file with a
+    `<file>.json` header; a directory of `.txt` files (sorted by name, joined by a newline);
+    any other file, read as UTF-8 bytes. Byte sources give ids 0..255, so they need
+    vocab_size >= 256 unless the text happens to use fewer byte values.
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ConfigError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"data.source must be a string, got {source!r}")
+    name = os.fspath(source)
+    if not name:
+        raise ConfigError(
+            "data.source is empty; give 'builtin:pydoc', a text file, a directory of .txt "
+            "files or a .bin token file"
+        )
+    generators = generators or {}
+    if name in generators:
+        data = _from_generator(name, generators[name], vocab_size)
+    elif name in RESERVED_GENERATORS:
+        raise DataError(
+            f"data.source={name!r} needs a token generator registered under {name!r}, and none "
+            f"was given: pass load_tokens(..., generators={{{name!r}: make_tokens}}) where "
+            f"make_tokens(vocab_size) returns the token array"
+        )
+    elif name.startswith(BUILTIN_PREFIX):
+        corpus = name[len(BUILTIN_PREFIX) :]
+        text = builtin_corpus(corpus).encode("utf-8")
+        data = TokenData(np.frombuffer(text, dtype=np.uint8), vocab_size, f"'{name}'")
+    else:
+        data = _from_path(Path(name).expanduser(), vocab_size, name)
+    data.check_ids(vocab_size)
+    return data
+
+
+def load_splits(
+    source: str,
+    vocab_size: int,
+    block_size: int,
+    val_fraction: float = 0.0,
+    generators: Mapping[str, TokenGenerator] | None = None,
+) -> tuple[TokenData, TokenData | None]:
+    """load_tokens + split + validate_for_block on both parts: what a trainer needs, with every
+    data problem reported before the first step rather than mid-run."""
+    data = load_tokens(source, vocab_size, generators)
+    train, val = data.split(val_fraction)
+    train.validate_for_block(block_size, "training data")
+    if val is not None:
+        val.validate_for_block(block_size, "validation data")
+    return train, val
+
+
+def _from_generator(name: str, make: TokenGenerator, vocab_size: int) -> TokenData:
+    out = make(vocab_size)
+    if isinstance(out, TokenData):
+        return (
+            out if out.vocab_size == vocab_size else TokenData(out.tokens, vocab_size, out.source)
+        )
+    arr = np.asarray(out)
+    if arr.size == 0:
+        raise DataError(f"the {name!r} generator returned no tokens")
+    return TokenData(arr.reshape(-1), vocab_size, f"generator {name!r}")
+
+
+def _from_path(path: Path, vocab_size: int, name: str) -> TokenData:
+    if not path.exists():
+        hint = ""
+        if name in BUILTIN_CORPORA:
+            hint = f" (did you mean '{BUILTIN_PREFIX}{name}'?)"
+        raise DataError(
+            f"data source path '{path}' does not exist{hint}; give a text file, a directory of "
+            f".txt files, a .bin token file with a .json header, or one of "
+            f"{', '.join(BUILTIN_PREFIX + n for n in sorted(BUILTIN_CORPORA))}"
+        )
+    if path.is_dir():
+        return _from_directory(path, vocab_size)
+    if path.suffix == ".bin":
+        return _from_bin(path, vocab_size)
+    return _from_text_file(path, vocab_size)
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as exc:
+        raise DataError(f"cannot read data file '{path}': {exc.strerror or exc}") from exc
+
+
+def _memmap(path: Path, dtype: str, what: str) -> np.ndarray:
+    """Read-only memmap of `path`, turning OS errors into one clear DataError."""
+    try:
+        with open(path, "rb"):  # permission problems surface here with a plain strerror
+            pass
+        return np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    except OSError as exc:
+        raise DataError(
+            f"cannot read {what} '{path}': {exc.strerror or exc}; check that it is a readable "
+            f"regular file"
+        ) from exc
+
+
+def _from_text_file(path: Path, vocab_size: int) -> TokenData:
+    if _file_size(path) == 0:
+        raise DataError(f"data file '{path}' is empty; point data.source at a file with text")
+    return TokenData(_memmap(path, "uint8", "text file"), vocab_size, f"'{path}'")
+
+
+def _from_directory(path: Path, vocab_size: int) -> TokenData:
+    try:
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() == ".txt" and p.is_file())
+    except OSError as exc:
+        raise DataError(f"cannot list data directory '{path}': {exc.strerror or exc}") from exc
+    if not files:
+        raise DataError(
+            f"data directory '{path}' contains no .txt files; put UTF-8 text files named "
+            f"*.txt in it or point data.source at a single file"
+        )
+    if sum(_file_size(p) for p in files) == 0:
+        raise DataError(f"data directory '{path}': all {len(files)} .txt files are empty")
+    parts: list[np.ndarray] = []
+    sep = np.frombuffer(b"\n", dtype=np.uint8)
+    for i, p in enumerate(files):
+        if i:
+            parts.append(sep)
+        if _file_size(p):
+            parts.append(_memmap(p, "uint8", "text file"))
+    tokens = np.concatenate(parts)
+    return TokenData(tokens, vocab_size, f"'{path}' ({len(files)} .txt files)")
+
+
+def header_path(path: str | os.PathLike[str]) -> Path:
+    """The JSON header that describes token file `path`: `<path>.json`, e.g. `x.bin.json`."""
+    p = Path(path)
+    return p.with_name(p.name + ".json")
+
+
+def read_header(path: Path) -> dict[str, object]:
+    """Parse and check a token file's header; every defect is a DataError that says what the
+    header must look like."""
+    hpath = header_path(path)
+    expected = '{"dtype": "uint16" or "uint32", "vocab_size": <int>}'
+    if not hpath.exists():
+        raise DataError(
+            f"token file '{path}' has no header '{hpath}'; write one containing {expected} "
+            f"(bdh_train.data.write_token_file does this)"
+        )
+    try:
+        header = json.loads(hpath.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise DataError(f"cannot read token header '{hpath}': {exc.strerror or exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(
+            f"token header '{hpath}' is not valid JSON ({exc}); expected {expected}"
+        ) from exc
+    if not isinstance(header, dict):
+        raise DataError(f"token header '{hpath}' must be a JSON object like {expected}")
+    dtype = header.get("dtype")
+    if dtype is None:
+        raise DataError(f"token header '{hpath}' has no 'dtype'; expected {expected}")
+    if dtype not in TOKEN_DTYPES:
+        raise DataError(
+            f"token header '{hpath}' has unsupported dtype {dtype!r}; supported: "
+            f"{', '.join(TOKEN_DTYPES)}"
+        )
+    vocab = header.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0:
+        raise DataError(
+            f"token header '{hpath}' needs a positive integer 'vocab_size', got {vocab!r}"
+        )
+    return header
+
+
+def _from_bin(path: Path, vocab_size: int) -> TokenData:
+    header = read_header(path)
+    dtype = str(header["dtype"])
+    file_vocab = int(header["vocab_size"])  # type: ignore[arg-type]
+    size = _file_size(path)
+    itemsize = np.dtype(dtype).itemsize
+    if size == 0:
+        raise DataError(f"token file '{path}' is empty")
+    if size % itemsize:
+        raise DataError(
+            f"token file '{path}' has {size} bytes, not a multiple of {itemsize} ({dtype}); "
+            f"the file is truncated or its header's dtype is wrong"
+        )
+    data = TokenData(_memmap(path, dtype, "token file"), vocab_size, f"'{path}'")
+    if file_vocab < vocab_size:
+        pos = first_id_at_least(data.tokens, file_vocab)
+        if pos is not None:
+            raise DataError(
+                f"token id {int(data.tokens[pos])} at position {pos} in '{path}' is >= the "
+                f"vocab_size {file_vocab} its header declares; the file or header is corrupt"
+            )
+    return data
+
+
+def write_token_file(
+    path: str | os.PathLike[str],
+    ids: Sequence[int] | np.ndarray,
+    vocab_size: int,
+    dtype: str | None = None,
+) -> Path:
+    """Write ids as a `.bin` token file plus its `<path>.json` header (both atomically).
+
+    dtype defaults to uint16 when vocab_size fits in it, else uint32. Ids are checked against
+    vocab_size first, so a written file always loads.
+    """
+    if dtype is None:
+        dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
+    if dtype not in TOKEN_DTYPES:
+        raise DataError(f"unsupported token dtype {dtype!r}; supported: {', '.join(TOKEN_DTYPES)}")
+    if vocab_size - 1 > np.iinfo(dtype).max:
+        raise DataError(f"vocab_size {vocab_size} does not fit in {dtype}; use uint32")
+    arr = np.asarray(ids).reshape(-1)
+    if arr.size == 0:
+        raise DataError(f"write_token_file('{path}'): no ids to write")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise DataError(f"write_token_file('{path}'): ids must be integers, got {arr.dtype}")
+    pos = first_id_at_least(arr, vocab_size)
+    if pos is not None:
+        raise DataError(
+            f"write_token_file('{path}'): id {int(arr[pos])} at position {pos} is outside "
+            f"0..{vocab_size - 1}"
+        )
+    path = Path(path)
+    with atomic_write(path, "wb") as fh:
+        fh.write(arr.astype(dtype).tobytes())
+    with atomic_write(header_path(path), "w") as fh:
+        json.dump({"dtype": dtype, "vocab_size": int(vocab_size)}, fh)
+        fh.write("\n")
+    return path

@@ -1,0 +1,226 @@
+"""Loaders: determinism, resume, rank slicing, streaming semantics (spec §11), eval windows.
+
+Token streams are np.arange(N) so every token is its own position and windows can be checked
+arithmetically.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bdh_train.data import (
+    RandomWindowLoader,
+    StreamingDocumentLoader,
+    TokenData,
+    eval_batches,
+    load_tokens,
+    write_token_file,
+)
+from bdh_train.errors import ConfigError, DataError
+from bdh_train.train.batch import SequenceBatch
+
+TOKENS = np.arange(5000, dtype=np.int64)
+
+
+def _same(a: SequenceBatch, b: SequenceBatch) -> bool:
+    same_reset = (a.reset is None and b.reset is None) or (
+        a.reset is not None and b.reset is not None and torch.equal(a.reset, b.reset)
+    )
+    return torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets) and same_reset
+
+
+def _cat(batches: list[SequenceBatch]) -> SequenceBatch:
+    resets = [b.reset for b in batches]
+    return SequenceBatch(
+        torch.cat([b.inputs for b in batches]),
+        torch.cat([b.targets for b in batches]),
+        None if resets[0] is None else torch.cat(resets),  # type: ignore[arg-type]
+    )
+
+
+# ---------------------------------------------------------------- random windows
+
+
+def test_random_windows_are_shifted_slices() -> None:
+    loader = RandomWindowLoader(TOKENS, block_size=16, batch_size=8, seed=0)
+    batch = loader.next_batch()
+    assert batch.inputs.shape == (8, 16) and batch.inputs.dtype == torch.long
+    assert batch.reset is None
+    starts = batch.inputs[:, 0]
+    assert torch.equal(batch.inputs, starts[:, None] + torch.arange(16))
+    assert torch.equal(batch.targets, batch.inputs + 1)
+    assert int(starts.max()) <= len(TOKENS) - 17
+
+
+def test_random_is_pure_function_of_seed_step_micro() -> None:
+    a = RandomWindowLoader(TOKENS, 8, 4, seed=7, micro_per_step=3)
+    b = RandomWindowLoader(TOKENS, 8, 4, seed=7, micro_per_step=3)
+    calls = [a.next_batch() for _ in range(7)]
+    for i, batch in enumerate(calls):
+        assert _same(batch, b.batch_at(i // 3, i % 3))
+    assert (a.step, a.micro) == (2, 1)
+    assert not _same(calls[0], calls[1])
+    other = RandomWindowLoader(TOKENS, 8, 4, seed=8)
+    assert not _same(calls[0], other.batch_at(0, 0))
+
+
+def test_random_resume_continues_identically() -> None:
+    ref = RandomWindowLoader(TOKENS, 8, 4, seed=3, micro_per_step=2)
+    for _ in range(5):
+        ref.next_batch()
+    state = json.loads(json.dumps(ref.state_dict()))  # must survive plain serialization
+    resumed = RandomWindowLoader(TOKENS, 8, 4, seed=3, micro_per_step=2)
+    resumed.load_state_dict(state)
+    for _ in range(6):
+        assert _same(ref.next_batch(), resumed.next_batch())
+
+
+def test_random_rank_slices_concatenate_to_global_batch() -> None:
+    full = RandomWindowLoader(TOKENS, 8, 6, seed=11)
+    ranks = [RandomWindowLoader(TOKENS, 8, 6, seed=11, rank=r, world_size=2) for r in range(2)]
+    for _ in range(3):
+        parts = [r.next_batch() for r in ranks]
+        assert parts[0].batch_size == 3
+        assert _same(_cat(parts), full.next_batch())
+
+
+def test_random_errors() -> None:
+    with pytest.raises(ConfigError, match=r"batch_size 6 is not divisible by world_size 4"):
+        RandomWindowLoader(TOKENS, 8, 6, seed=0, world_size=4)
+    with pytest.raises(ConfigError, match=r"rank must be in \[0, world_size=2\), got 2"):
+        RandomWindowLoader(TOKENS, 8, 6, seed=0, rank=2, world_size=2)
+    with pytest.raises(DataError, match=r"has 8 tokens, fewer than block_size \+ 1 = 9"):
+        RandomWindowLoader(np.arange(8), 8, 2, seed=0)
+    loader = RandomWindowLoader(TOKENS, 8, 4, seed=0)
+    with pytest.raises(DataError, match=r"settings or data changed.*seed: saved 0, now 1"):
+        RandomWindowLoader(TOKENS, 8, 4, seed=1).load_state_dict(loader.state_dict())
+    with pytest.raises(DataError, match=r"loader state is for 'streaming_document'"):
+        loader.load_state_dict({"kind": "streaming_document"})
+
+
+def test_set_micro_per_step() -> None:
+    loader = RandomWindowLoader(TOKENS, 8, 4, seed=0, micro_per_step=2)
+    loader.next_batch()
+    with pytest.raises(ConfigError, match=r"change it at a step boundary"):
+        loader.set_micro_per_step(1)
+    loader.next_batch()
+    loader.set_micro_per_step(4)
+    for m in range(4):
+        assert _same(loader.next_batch(), loader.batch_at(1, m))
+    assert (loader.step, loader.micro) == (2, 0)
+
+
+def test_random_over_memmapped_bin(tmp_path: Path) -> None:
+    path = write_token_file(tmp_path / "t.bin", np.arange(3000) % 1000, vocab_size=1000)
+    data = load_tokens(str(path), vocab_size=1000)
+    batch = RandomWindowLoader(data, 16, 4, seed=0).next_batch()
+    assert torch.equal(batch.targets % 1000, (batch.inputs + 1) % 1000)
+
+
+# ---------------------------------------------------------------- streaming documents
+
+T, L, B = 4, 12, 4  # 3 windows per document
+STREAM = np.arange(7 * L + 1 + 3, dtype=np.int64)  # 7 documents plus a short tail
+
+
+def test_streaming_windows_resets_and_contiguity() -> None:
+    loader = StreamingDocumentLoader(STREAM, T, B, logical_length=L, seed=5)
+    assert loader.num_docs == 7 and loader.windows_per_doc == 3
+    prev: SequenceBatch | None = None
+    started: list[int] = []
+    for _ in range(3 * 5):  # five documents per row: crosses two epoch boundaries
+        batch = loader.next_batch()
+        assert batch.reset is not None and batch.inputs.shape == (B, T)
+        assert torch.equal(batch.targets, batch.inputs + 1)
+        assert torch.equal(batch.inputs, batch.inputs[:, :1] + torch.arange(T))
+        starts = batch.inputs[:, 0]
+        at_doc_start = starts % L == 0
+        assert torch.equal(batch.reset, at_doc_start)
+        for b in range(B):
+            if batch.reset[b]:
+                started.append(int(starts[b]) // L)
+            else:
+                assert prev is not None and prev.reset is not None
+                # window k+1 starts where window k's last target is
+                assert int(starts[b]) == int(prev.targets[b, -1])
+        prev = batch
+    # documents are handed out in row order from the per-epoch permutations
+    assert started[:7] == loader.epoch_order(0).tolist()
+    assert started[7:14] == loader.epoch_order(1).tolist()
+    assert loader.epoch_order(0).tolist() != loader.epoch_order(1).tolist()
+    assert sorted(started[:7]) == list(range(7))
+
+
+def test_streaming_is_seeded() -> None:
+    a = StreamingDocumentLoader(STREAM, T, B, L, seed=1)
+    b = StreamingDocumentLoader(STREAM, T, B, L, seed=1)
+    c = StreamingDocumentLoader(STREAM, T, B, L, seed=2)
+    a_batches = [a.next_batch() for _ in range(6)]
+    assert all(_same(x, b.next_batch()) for x in a_batches)
+    assert not all(_same(x, c.next_batch()) for x in a_batches)
+
+
+@pytest.mark.parametrize("stop", [1, 3, 7, 10])
+def test_streaming_resume_continues_identically(stop: int) -> None:
+    ref = StreamingDocumentLoader(STREAM, T, B, L, seed=9)
+    for _ in range(stop):
+        ref.next_batch()
+    state = json.loads(json.dumps(ref.state_dict()))
+    assert state["rows"] == [[d, w] for d, w in zip(ref.row_doc, ref.row_window, strict=True)]
+    resumed = StreamingDocumentLoader(STREAM, T, B, L, seed=9)
+    resumed.load_state_dict(state)
+    for _ in range(12):
+        assert _same(ref.next_batch(), resumed.next_batch())
+
+
+def test_streaming_rank_slices_concatenate_to_global_batch() -> None:
+    full = StreamingDocumentLoader(STREAM, T, B, L, seed=4)
+    ranks = [StreamingDocumentLoader(STREAM, T, B, L, seed=4, rank=r, world_size=2) for r in (0, 1)]
+    for _ in range(8):
+        assert _same(_cat([r.next_batch() for r in ranks]), full.next_batch())
+    # a rank's state resumes the global cursor, so world_size may change across a resume
+    one = StreamingDocumentLoader(STREAM, T, B, L, seed=4)
+    one.load_state_dict(ranks[1].state_dict())
+    assert _same(one.next_batch(), full.next_batch())
+
+
+def test_streaming_errors() -> None:
+    with pytest.raises(ConfigError, match=r"logical_length 10 must be a multiple of block_size 4"):
+        StreamingDocumentLoader(STREAM, 4, 2, logical_length=10, seed=0)
+    with pytest.raises(DataError, match=r"has 12 tokens, fewer than logical_length \+ 1 = 13"):
+        StreamingDocumentLoader(np.arange(12), 4, 2, logical_length=12, seed=0)
+    with pytest.raises(ConfigError, match=r"batch_size 3 is not divisible by world_size 2"):
+        StreamingDocumentLoader(STREAM, 4, 3, 12, seed=0, world_size=2)
+    loader = StreamingDocumentLoader(STREAM, T, B, L, seed=0)
+    other = StreamingDocumentLoader(STREAM, T, B, 2 * L, seed=0)
+    with pytest.raises(DataError, match=r"logical_length: saved 24, now 12"):
+        loader.load_state_dict(other.state_dict())
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def test_eval_batches_cover_tokens_once() -> None:
+    val = TokenData(np.arange(23), 256, "val")
+    batches = list(eval_batches(val, block_size=4, batch_size=2))
+    assert [b.batch_size for b in batches] == [2, 2, 1]  # 5 windows, smaller last batch
+    assert torch.equal(torch.cat([b.inputs for b in batches]).flatten(), torch.arange(20))
+    assert torch.equal(torch.cat([b.targets for b in batches]).flatten(), torch.arange(1, 21))
+    again = list(eval_batches(val, 4, 2))
+    assert all(_same(x, y) for x, y in zip(batches, again, strict=True))
+    assert len(list(eval_batches(val, 4, 2, max_batches=2))) == 2
+    assert [b.batch_size for b in eval_batches(val, 4, 64)] == [5]
+
+
+def test_eval_batches_too_short() -> None:
+    with pytest.raises(
+        DataError,
+        match=r"validation data from .* has 4 tokens, fewer than "
+        r"block_size \+ 1 = 5",
+    ):
+        eval_batches(np.arange(4), 4, 2)  # raises at the call, not at first next()

@@ -1,0 +1,260 @@
+"""The language train step (port of burn_dragon's LanguageTrainModel, spec §6, §7, §10, §11).
+
+One object owns the model and the step policies:
+  * TBPTT: the block is cut into chunks along time; every `backprop_chunks` chunks run
+    forward then backward together, then the state is detached, so activation memory is that
+    of those chunks, not of the block;
+  * streaming: the detached state is carried to the next step; rows flagged `reset` start
+    fresh at position 0 while the others continue;
+  * pipeline microbatches: the batch is split and each microbatch runs the plan's layer
+    ranges in its forward-event order with a fresh state (single-process emulation);
+  * gradient-scale schedules, applied after backward;
+  * profiling hooks that cost nothing when off.
+
+Losses are token-weighted: every piece (TBPTT chunk, microbatch) contributes its loss SUM
+divided by the counted targets of the whole block, so the pieces add up to the block's mean
+loss exactly, whatever the chunk lengths or ignored targets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bdh_train.distributed.planner import PipelinePlan, split_microbatch_ranges
+from bdh_train.errors import CheckpointError, ConfigError
+from bdh_train.model import BDH, ModelState, groups
+from bdh_train.train.batch import IGNORE_INDEX, SequenceBatch
+from bdh_train.train.profile import NullProfiler, StepProfiler
+from bdh_train.train.schedules import GradientScaleSchedule
+
+
+@dataclass
+class StepOutput:
+    """loss: the block's mean loss over counted targets (detached); counted: that count."""
+
+    loss: torch.Tensor
+    counted: float
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class LanguageTrainModel:
+    def __init__(
+        self,
+        model: BDH,
+        tbptt_chunk_size: int = 0,
+        tbptt_backprop_chunks: int = 1,
+        persist_across_steps: bool = False,
+        pipeline_plan: PipelinePlan | None = None,
+        gradient_scales: GradientScaleSchedule | None = None,
+        profiler: StepProfiler | NullProfiler | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ):
+        if tbptt_backprop_chunks < 1:
+            raise ConfigError(
+                f"training.tbptt_backprop_chunks must be a positive integer, got "
+                f"{tbptt_backprop_chunks}"
+            )
+        if pipeline_plan is not None and persist_across_steps:
+            raise ConfigError(
+                "pipeline execution does not support training.tbptt_persist_across_steps: "
+                "each microbatch runs with its own fresh state"
+            )
+        if pipeline_plan is not None and tbptt_chunk_size > 0:
+            raise ConfigError(
+                "pipeline execution does not support TBPTT chunking "
+                "(training.tbptt_chunk_size must be 0 with a pipeline plan)"
+            )
+        if pipeline_plan is not None and pipeline_plan.n_layer != model.config.n_layer:
+            raise ConfigError(
+                f"the pipeline plan covers {pipeline_plan.n_layer} layers but model.n_layer is "
+                f"{model.config.n_layer}"
+            )
+        self.model = model
+        self.tbptt_chunk_size = tbptt_chunk_size
+        self.tbptt_backprop_chunks = tbptt_backprop_chunks
+        self.persist_across_steps = persist_across_steps
+        self.pipeline_plan = pipeline_plan
+        self.gradient_scales = gradient_scales or GradientScaleSchedule(model)
+        self.profiler = profiler or NullProfiler()
+        self.autocast = autocast or contextlib.nullcontext
+        self.carried_state: ModelState | None = None
+
+    # ------------------------------------------------------------ parameter groups
+    def params_for_target(self, target: str) -> list[str]:
+        return groups.params_for_target(self.model, target)
+
+    def transferred_backbone_params(self, preserve_fresh_decoder=False, preserve_fresh_norm=False):
+        return groups.transferred_backbone_params(
+            self.model, preserve_fresh_decoder, preserve_fresh_norm
+        )
+
+    def interface_surface_params(self, preserve_fresh_decoder=False, preserve_fresh_norm=False):
+        return groups.interface_surface_params(
+            self.model, preserve_fresh_decoder, preserve_fresh_norm
+        )
+
+    def shared_lowrank_target_lr_scale(self) -> float:
+        return self.gradient_scales.shared_lowrank_target_lr_scale()
+
+    # ------------------------------------------------------------ helpers
+    def effective_chunk_size(self, block_size: int) -> int | None:
+        c = self.tbptt_chunk_size
+        return c if 0 < c < block_size else None
+
+    def _load_state(self, batch: SequenceBatch) -> ModelState:
+        """The state this step starts from: carried (with per-row resets) or fresh."""
+        state = self.carried_state if self.persist_across_steps else None
+        if state is None or state.batch_size != batch.batch_size:
+            return self.model.init_state(batch.batch_size)
+        if batch.reset is not None:
+            state.reset_(batch.reset)
+        return state
+
+    def _store_state(self, state: ModelState) -> None:
+        if self.persist_across_steps:
+            self.carried_state = state.detach_()
+
+    def _piece_loss(self, hidden, targets, normalizer: float) -> torch.Tensor:
+        return self.model.loss_from_hidden(hidden, targets, reduction="sum") / normalizer
+
+    # ------------------------------------------------------------ train
+    def compute_gradients(self, batch: SequenceBatch, loss_scale: float = 1.0) -> StepOutput:
+        """Forward and backward of one block; gradients of `loss_scale * mean loss` are ADDED
+        to the parameters' .grad. No gradient-scale schedule is applied (see train_step)."""
+        counted = float((batch.targets != IGNORE_INDEX).sum().item())
+        normalizer = max(counted, 1.0)
+        self.profiler.begin_step()
+        self.model.train()
+        if self.pipeline_plan is not None:
+            loss = self._pipeline_forward_backward(batch, normalizer, loss_scale)
+        else:
+            loss = self._tbptt_forward_backward(batch, normalizer, loss_scale)
+        profile = self.profiler.end_step()
+        stats: dict[str, Any] = {}
+        if profile is not None:
+            stats["profile"] = profile
+        return StepOutput(loss, counted, stats)
+
+    def apply_gradient_scale_schedule(self) -> None:
+        """Multiply gradients by this step's schedule, then advance the step counter."""
+        self.gradient_scales.apply_(list(self.model.named_parameters()))
+
+    def train_step(self, batch: SequenceBatch) -> StepOutput:
+        """The seed's train step: fresh gradients of the mean loss, scaled by the schedule."""
+        self.model.zero_grad(set_to_none=True)
+        out = self.compute_gradients(batch)
+        self.apply_gradient_scale_schedule()
+        return out
+
+    def _backward(self, loss: torch.Tensor, loss_scale: float) -> None:
+        self.profiler.begin_backward()
+        (loss * loss_scale).backward()
+        self.profiler.end_backward()
+
+    def _tbptt_forward_backward(self, batch, normalizer, loss_scale) -> torch.Tensor:
+        chunk = self.effective_chunk_size(batch.block_size) or batch.block_size
+        # A final state is only worth computing if a later chunk or step reads it.
+        needs_state = self.persist_across_steps or chunk < batch.block_size
+        state = self._load_state(batch) if needs_state else None
+        starts = list(range(0, batch.block_size, chunk))
+        total = torch.zeros((), dtype=torch.float64)
+        window_loss: torch.Tensor | None = None
+        for i, start in enumerate(starts):
+            end = min(start + chunk, batch.block_size)
+            self.profiler.begin_forward()
+            with self.autocast():
+                hidden = self.model.forward_hidden(batch.inputs[:, start:end], state)
+                piece = self._piece_loss(hidden, batch.targets[:, start:end], normalizer)
+            self.profiler.end_forward()
+            window_loss = piece if window_loss is None else window_loss + piece
+            total += piece.detach().double()
+            last = i == len(starts) - 1
+            if last or (i + 1) % self.tbptt_backprop_chunks == 0:
+                self._backward(window_loss, loss_scale)
+                window_loss = None
+                if not last:
+                    state.detach_()
+        if state is not None:
+            self._store_state(state)
+        return total.float()
+
+    def _pipeline_forward_backward(self, batch, normalizer, loss_scale) -> torch.Tensor:
+        losses = self._pipeline_losses(batch, normalizer)
+        loss = torch.stack(losses).sum()
+        self._backward(loss, loss_scale)
+        return loss.detach().float()
+
+    def _pipeline_losses(self, batch: SequenceBatch, normalizer: float) -> list[torch.Tensor]:
+        """Microbatches with fresh states, layer ranges run in the plan's forward order."""
+        plan = self.pipeline_plan
+        assert plan is not None
+        ranges = split_microbatch_ranges(batch.batch_size, plan.microbatches)
+        micro = [batch.rows(r.start, r.stop) for r in ranges]
+        states = [self.model.init_state(len(r)) for r in ranges]
+        activations: list[torch.Tensor | None] = [None] * len(ranges)
+        self.profiler.begin_forward()
+        with self.autocast():
+            for event in plan.forward_events():
+                mb = event.microbatch_id
+                layers = plan.assignment(event.virtual_stage_id).layer_range
+                activations[mb] = self.model.forward_hidden(
+                    micro[mb].inputs, states[mb], layers=layers, u=activations[mb]
+                )
+            losses = [
+                self._piece_loss(activations[mb], micro[mb].targets, normalizer)
+                for mb in range(len(ranges))
+            ]
+        self.profiler.end_forward()
+        return losses
+
+    # ------------------------------------------------------------ validation
+    @torch.no_grad()
+    def valid_step(self, batch: SequenceBatch) -> torch.Tensor:
+        """Mean loss of a block from a fresh state; no graph, the carried state is untouched."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            counted = float((batch.targets != IGNORE_INDEX).sum().item())
+            normalizer = max(counted, 1.0)
+            if self.pipeline_plan is not None:
+                return torch.stack(self._pipeline_losses(batch, normalizer)).sum().float()
+            state = self.model.init_state(batch.batch_size)
+            chunk = self.effective_chunk_size(batch.block_size) or batch.block_size
+            total = torch.zeros((), dtype=torch.float64)
+            for start in range(0, batch.block_size, chunk):
+                end = min(start + chunk, batch.block_size)
+                with self.autocast():
+                    hidden = self.model.forward_hidden(batch.inputs[:, start:end], state)
+                    total += self._piece_loss(hidden, batch.targets[:, start:end], normalizer)
+            return total.float()
+        finally:
+            self.model.train(was_training)
+
+    # ------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Counters and the carried streaming state (tensors under 'carried_state')."""
+        return {
+            "gradient_scales": self.gradient_scales.state_dict(),
+            "carried_state": None
+            if self.carried_state is None
+            else self.carried_state.state_dict(),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        try:
+            self.gradient_scales.load_state_dict(sd["gradient_scales"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"train-step state has no valid 'gradient_scales': {exc}"
+            ) from exc
+        carried = sd.get("carried_state")
+        if carried is None:
+            self.carried_state = None
+        else:
+            batch = int(carried["position"].shape[0])
+            self.carried_state = self.model.init_state(batch).load_state_dict(carried)

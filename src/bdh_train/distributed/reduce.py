@@ -1,0 +1,135 @@
+"""Token-weighted gradient reduction across data-parallel ranks.
+
+DDP's default averages per-rank gradients equally, which is wrong when ranks saw different
+numbers of tokens (or none). Here every rank contributes its loss-SUM gradients and its
+effective weight; one SUM all-reduce adds them, and the result is divided by the loss scale and
+then by the global weight once. Any split of the global batch over ranks and microbatches
+therefore gives the single-process gradient of the global mean loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from bdh_train.train.accumulate import (
+    AccumulatedGradients,
+    EmptyWeightError,
+    GradientError,
+    InvalidWeightError,
+    NamedParams,
+    named_parameter_dict,
+    normalize_gradients,
+)
+
+__all__ = ["all_reduce_accumulated", "assert_same_window_settings", "distributed_active"]
+
+_DTYPE_CODES = {torch.float32: 32.0, torch.float64: 64.0}
+
+
+def distributed_active() -> bool:
+    """True when collectives can run: torch.distributed is built and a group is initialized."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """NCCL only reduces CUDA tensors; every other backend here takes CPU tensors."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def assert_same_window_settings(
+    result: AccumulatedGradients, group: dist.ProcessGroup | None = None
+) -> None:
+    """Raise GradientError on every rank unless all ranks used the same loss scale and dtype.
+
+    A mismatch would silently mis-scale the sum (loss scale) or make the buckets of
+    `all_reduce_accumulated` differ in dtype (dtype). Costs one small MAX all-reduce; a no-op
+    without an initialized process group.
+    """
+    if not distributed_active():
+        return
+    scale = result.state.loss_scale
+    code = _DTYPE_CODES.get(result.state.dtype, 0.0)
+    # max(x) and max(-x) = -min(x): one MAX reduction gives both extremes of each setting.
+    probe = torch.tensor(
+        [scale, -scale, code, -code], dtype=torch.float64, device=_collective_device(group)
+    )
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    hi_scale, neg_lo_scale, hi_code, neg_lo_code = probe.tolist()
+    if hi_scale != -neg_lo_scale or hi_code != -neg_lo_code:
+        raise GradientError(
+            f"ranks disagree on the accumulation window: loss scale in "
+            f"[{-neg_lo_scale!r}, {hi_scale!r}], dtype code in [{-neg_lo_code}, {hi_code}]"
+        )
+
+
+def all_reduce_accumulated(
+    result: AccumulatedGradients,
+    named_params: NamedParams,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, torch.Tensor]:
+    """Globally token-weighted mean gradients from each rank's `finish_sums()` result.
+
+    One SUM all-reduce of a flat bucket in the work dtype holding, in sorted-name order, every
+    parameter's gradient (zeros where this rank has none), then this rank's total weight, then
+    a presence mask, so a parameter no rank produced stays absent rather than becoming zeros.
+    The sum is divided by the loss scale and then by the global weight. A global weight of 0
+    raises EmptyWeightError on every rank. In float32 the weights are summed in float32 (exact
+    for integer token counts below 2**24).
+
+    Without an initialized process group this is the single-process `finish_mean`.
+    """
+    state = result.state
+    params = named_parameter_dict(named_params)
+    for name, grad in result.gradients.items():
+        if name not in params:
+            raise GradientError(f"gradient for unknown parameter {name!r}")
+        if grad.shape != params[name].shape:
+            raise GradientError(
+                f"gradient for parameter {name!r} has shape {tuple(grad.shape)}, "
+                f"expected {tuple(params[name].shape)}"
+            )
+        if grad.dtype != state.dtype:
+            raise GradientError(
+                f"gradient for parameter {name!r} is {grad.dtype}, work dtype is {state.dtype}"
+            )
+    if not distributed_active():
+        return normalize_gradients(result.gradients, state.loss_scale, state.total_weight)
+
+    names = sorted(params)
+    sizes = [params[name].numel() for name in names]
+    grad_numel = sum(sizes)
+    weight_at = grad_numel
+    bucket = torch.zeros(
+        grad_numel + 1 + len(names), dtype=state.dtype, device=_collective_device(group)
+    )
+    offset = 0
+    for name, size in zip(names, sizes, strict=True):
+        grad = result.gradients.get(name)
+        if grad is not None:
+            bucket[offset : offset + size].copy_(grad.detach().reshape(-1))
+        offset += size
+    # Weight and presence mask go in with one host-to-device copy, not one per parameter.
+    tail = [state.total_weight] + [float(name in result.gradients) for name in names]
+    bucket[weight_at:].copy_(torch.tensor(tail, dtype=state.dtype))
+
+    dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group)
+
+    reduced_tail = bucket[weight_at:].tolist()
+    global_weight, present = reduced_tail[0], reduced_tail[1:]
+    if not math.isfinite(global_weight):
+        raise InvalidWeightError(f"global weight {global_weight!r} in {state.dtype}")
+    if not global_weight > 0.0:
+        raise EmptyWeightError(f"global weight over all ranks is {global_weight!r}")
+    summed: dict[str, torch.Tensor] = {}
+    offset = 0
+    for index, (name, size) in enumerate(zip(names, sizes, strict=True)):
+        if present[index] > 0.0:
+            param = params[name]
+            summed[name] = bucket[offset : offset + size].view(param.shape).to(param.device)
+        offset += size
+    return normalize_gradients(summed, state.loss_scale, global_weight)

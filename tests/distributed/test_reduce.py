@@ -1,0 +1,226 @@
+"""Token-weighted all-reduce of accumulated gradients: ranks with unequal (even zero) token
+counts must give exactly the single-process gradient of the global mean loss."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from bdh_train.distributed.reduce import (
+    all_reduce_accumulated,
+    assert_same_window_settings,
+    distributed_active,
+)
+from bdh_train.train.accumulate import (
+    AccumulatedGradients,
+    EmptyWeightError,
+    GradientError,
+    WeightedAccumulationState,
+    WeightedGradientAccumulator,
+)
+
+WORLD = 2
+SPAWN_TIMEOUT_S = 50.0
+EMPTY_MSG = "cannot normalize an accumulation window with zero effective weight"
+
+# case -> (loss scale, per-rank microbatch sizes, per-rank loss reduction)
+CASES: dict[str, tuple[float, list[list[int]], list[str]]] = {
+    "unequal": (1.0, [[5, 2, 7], [3]], ["sum", "mean"]),
+    "rank1_empty": (1024.0, [[4, 6, 1], [0]], ["mean", "sum"]),
+    "global_empty": (1.0, [[0], [0, 0]], ["sum", "mean"]),
+}
+
+
+class TinyMLP(nn.Module):
+    """Seeded 2-layer MLP; `unused` is produced by no rank and must stay absent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(1234)
+        self.fc1 = nn.Linear(4, 6, dtype=torch.float64)
+        self.fc2 = nn.Linear(6, 3, dtype=torch.float64)
+        self.unused = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def global_batch(case: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch of a case: rank 0's microbatches first, then rank 1's."""
+    _, sizes, _ = CASES[case]
+    n = sum(sum(rank) for rank in sizes)
+    gen = torch.Generator().manual_seed(len(case) * 7919 + n)
+    return torch.randn(n, 4, generator=gen, dtype=torch.float64), torch.randint(
+        0, 3, (n,), generator=gen
+    )
+
+
+def rank_microbatches(case: str, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    _, sizes, _ = CASES[case]
+    x, y = global_batch(case)
+    start = sum(sum(r) for r in sizes[:rank])
+    out = []
+    for size in sizes[rank]:
+        out.append((x[start : start + size], y[start : start + size]))
+        start += size
+    return out
+
+
+def local_sums(case: str, rank: int, model: nn.Module, scale: float) -> AccumulatedGradients:
+    """What one rank does: accumulate its microbatches through `.grad`, then finish_sums."""
+    _, _, reductions = CASES[case]
+    acc = WeightedGradientAccumulator(model, dtype=torch.float64, loss_scale=scale)
+    for x, y in rank_microbatches(case, rank):
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y, reduction=reductions[rank])
+        (loss * scale).backward()
+        if reductions[rank] == "sum":
+            acc.accumulate_sum(weight=len(y))
+        else:
+            acc.accumulate_mean(weight=len(y))
+    return acc.finish_sums()
+
+
+def reference(case: str) -> dict[str, torch.Tensor]:
+    model = TinyMLP()
+    x, y = global_batch(case)
+    names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    grads = torch.autograd.grad(
+        F.cross_entropy(model(x), y), [model.get_parameter(n) for n in names]
+    )
+    return dict(zip(names, grads, strict=True))
+
+
+def assert_rel_close(actual: dict, expected: dict, rtol: float, what: str) -> None:
+    """Relative error in the 2-norm of the whole gradient (all parameters concatenated)."""
+    assert actual.keys() == expected.keys(), what
+    err_sq = sum(((actual[n] - e) ** 2).sum() for n, e in expected.items())
+    ref_sq = sum((e**2).sum() for e in expected.values())
+    err = math.sqrt(err_sq / ref_sq)
+    assert err <= rtol, f"{what}: norm-relative error {err:.3e} exceeds tolerance {rtol:g}"
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    """One rank: run every case in one process group, write outcomes for the parent."""
+    outcome: dict[str, Any] = {}
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        for case, (loss_scale, _, _) in CASES.items():
+            result = local_sums(case, rank, TinyMLP(), loss_scale)
+            assert_same_window_settings(result)
+            try:
+                outcome[case] = all_reduce_accumulated(result, TinyMLP())
+            except EmptyWeightError as exc:
+                outcome[case] = f"{type(exc).__name__}: {exc}"
+        # Ranks that disagree on the loss scale are told so, on every rank.
+        skewed = AccumulatedGradients({}, WeightedAccumulationState(torch.float64, 1.0 + rank))
+        try:
+            assert_same_window_settings(skewed)
+            outcome["skewed"] = "not detected"
+        except GradientError as exc:
+            outcome["skewed"] = f"{type(exc).__name__}: {exc}"
+    except BaseException:
+        outcome["error"] = traceback.format_exc()
+        raise
+    finally:
+        torch.save(outcome, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp_outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Spawn WORLD gloo ranks once for all cases; kill them if they outlive the timeout."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    ctx = mp.start_processes(
+        _worker,
+        args=(str(tmp / "init"), str(tmp)),
+        nprocs=WORLD,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"distributed workers did not finish within {SPAWN_TIMEOUT_S} s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["unequal", "rank1_empty"])
+def test_ddp_equals_single_process_gradient(ddp_outcomes: list[dict], case: str) -> None:
+    expected = reference(case)
+    for rank, outcome in enumerate(ddp_outcomes):
+        got = outcome[case]
+        assert isinstance(got, dict), f"rank {rank}: {got}"
+        assert "unused" not in got, "a parameter no rank produced must stay absent"
+        assert_rel_close(got, expected, 1e-12, f"{case} rank {rank} (float64, rtol 1e-12)")
+    for name in expected:
+        assert torch.equal(ddp_outcomes[0][case][name], ddp_outcomes[1][case][name])
+
+
+@pytest.mark.multiprocess
+def test_ddp_zero_global_weight_raises_on_every_rank(ddp_outcomes: list[dict]) -> None:
+    for outcome in ddp_outcomes:
+        assert outcome["global_empty"] == f"EmptyWeightError: {EMPTY_MSG}"
+
+
+@pytest.mark.multiprocess
+def test_ddp_loss_scale_mismatch_is_detected_on_every_rank(ddp_outcomes: list[dict]) -> None:
+    for outcome in ddp_outcomes:
+        assert outcome["skewed"].startswith("GradientError: ranks disagree")
+
+
+def test_without_process_group_it_is_the_single_process_finish() -> None:
+    assert not distributed_active()
+    model = TinyMLP()
+    sums = [local_sums("unequal", rank, model, 8.0) for rank in range(WORLD)]
+    acc = WeightedGradientAccumulator(model, dtype=torch.float64, loss_scale=8.0)
+    for rank_sums in sums:
+        acc.accumulate_sum(rank_sums.gradients, weight=rank_sums.state.total_weight)
+    merged = acc.finish_sums()
+    out = all_reduce_accumulated(merged, model)
+    assert_rel_close(out, reference("unequal"), 1e-12, "no process group (float64, rtol 1e-12)")
+    empty = AccumulatedGradients({}, WeightedAccumulationState(torch.float64, 1.0, 0.0, 3))
+    with pytest.raises(EmptyWeightError) as info:
+        all_reduce_accumulated(empty, model)
+    assert str(info.value) == EMPTY_MSG
+
+
+@pytest.mark.parametrize(
+    ("grads", "message"),
+    [
+        ({"nope": torch.zeros(1, dtype=torch.float64)}, "'nope'"),
+        ({"fc1.bias": torch.zeros(5, dtype=torch.float64)}, "'fc1.bias' has shape"),
+        ({"fc1.bias": torch.zeros(6, dtype=torch.float32)}, "'fc1.bias' is torch.float32"),
+    ],
+)
+def test_foreign_gradients_are_rejected(grads: dict, message: str) -> None:
+    state = WeightedAccumulationState(torch.float64, 1.0, 1.0, 1)
+    with pytest.raises(GradientError, match=message):
+        all_reduce_accumulated(AccumulatedGradients(grads, state), TinyMLP())

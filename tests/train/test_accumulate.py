@@ -1,0 +1,582 @@
+"""WeightedGradientAccumulator: exactness over unequal microbatches, every validation rule of
+the reference (type, message, and no mutation on rejection), and mid-window checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from bdh_train.errors import BDHTrainError
+from bdh_train.train.accumulate import (
+    U64_MAX,
+    AccumulatedGradients,
+    CounterOverflowError,
+    EmptyWeightError,
+    GradientError,
+    InvalidStateError,
+    InvalidWeightError,
+    WeightedAccumulationError,
+    WeightedAccumulationState,
+    WeightedGradientAccumulator,
+    load_accumulator,
+    save_accumulator,
+    write_to_params,
+)
+
+WEIGHT_MSG = "effective accumulation weight must be finite, nonnegative and representable"
+COUNTER_MSG = "accumulation microbatch counter overflow"
+EMPTY_MSG = "cannot normalize an accumulation window with zero effective weight"
+STATE_MSG = "inconsistent weighted accumulation checkpoint state"
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-6}
+
+IN, HIDDEN, CLASSES = 4, 8, 3
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+class MLP(nn.Module):
+    """Two layers and a cross-entropy over a few classes; `unused` never gets a gradient."""
+
+    def __init__(self, dtype: torch.dtype, seed: int = 0, with_unused: bool = False) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.fc1 = nn.Linear(IN, HIDDEN, dtype=dtype)
+        self.fc2 = nn.Linear(HIDDEN, CLASSES, dtype=dtype)
+        if with_unused:
+            self.unused = nn.Parameter(torch.zeros(2, dtype=dtype))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def make_data(n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN, generator=gen, dtype=torch.float64).to(dtype)
+    y = torch.randint(0, CLASSES, (n,), generator=gen)
+    return x, y
+
+
+def split(n_sizes: Sequence[int], x: torch.Tensor, y: torch.Tensor) -> list[tuple[Any, Any]]:
+    out, start = [], 0
+    for size in n_sizes:
+        out.append((x[start : start + size], y[start : start + size]))
+        start += size
+    return out
+
+
+def grads_of(model: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for n, p in model.named_parameters() if p.requires_grad]
+    values = torch.autograd.grad(loss, params, allow_unused=True)
+    return {n: g for n, g in zip(names, values, strict=True) if g is not None}
+
+
+def reference_mean_grad(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    return grads_of(model, F.cross_entropy(model(x), y))
+
+
+def run_window(
+    model: nn.Module,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    mode: str,
+    dtype: torch.dtype,
+    loss_scale: float = 1.0,
+) -> AccumulatedGradients:
+    """Accumulate through `.grad` (grads=None), as a training loop would."""
+    acc = WeightedGradientAccumulator(model, dtype=dtype, loss_scale=loss_scale)
+    for x, y in batches:
+        model.zero_grad(set_to_none=True)
+        reduction = "sum" if mode == "sum" else "mean"
+        (F.cross_entropy(model(x), y, reduction=reduction) * loss_scale).backward()
+        if mode == "sum":
+            acc.accumulate_sum(weight=len(y))
+        else:
+            acc.accumulate_mean(weight=len(y))
+    return acc.finish_mean()
+
+
+def assert_rel_close(actual: dict, expected: dict, rtol: float, what: str) -> None:
+    """Relative error in the 2-norm of the whole gradient (all parameters concatenated).
+
+    Per-element (or per-small-tensor) relative error is dominated by cancellation in tiny
+    entries, which says nothing about the accumulator; the whole-gradient norm does.
+    """
+    assert actual.keys() == expected.keys(), what
+    err_sq = sum(((actual[n].double() - e.double()) ** 2).sum() for n, e in expected.items())
+    ref_sq = sum((e.double() ** 2).sum() for e in expected.values())
+    err = math.sqrt(err_sq / ref_sq)
+    assert err <= rtol, f"{what}: norm-relative error {err:.3e} exceeds tolerance {rtol:g}"
+
+
+def assert_unchanged(acc: WeightedGradientAccumulator, before: dict[str, Any]) -> None:
+    after = acc.state_dict()
+    assert after["state"] == before["state"]
+    assert after["gradients"].keys() == before["gradients"].keys()
+    for name, value in before["gradients"].items():
+        assert torch.equal(after["gradients"][name], value), name
+
+
+def expect_rejected(
+    acc: WeightedGradientAccumulator,
+    call: Callable[[], object],
+    error: type[Exception],
+    message: str,
+    exact: bool = True,
+) -> Exception:
+    """Assert `call` raises `error` with `message` (exactly or as a substring) and no effect."""
+    before = acc.state_dict()
+    with pytest.raises(error) as info:
+        call()
+    if exact:
+        assert str(info.value) == message
+    else:
+        assert message in str(info.value) or message in (info.value.detail or "")
+    assert_unchanged(acc, before)
+    return info.value
+
+
+def primed(dtype: torch.dtype = torch.float64, **kwargs: Any) -> tuple[MLP, Any]:
+    """An accumulator with one real microbatch pending, so 'unchanged' is meaningful."""
+    model = MLP(dtype, **kwargs)
+    acc = WeightedGradientAccumulator(model, dtype=dtype)
+    x, y = make_data(3, dtype, 1)
+    acc.accumulate_sum(grads_of(model, F.cross_entropy(model(x), y, reduction="sum")), weight=3)
+    return model, acc
+
+
+# ------------------------------------------------------------------------ exactness properties
+
+sizes_strategy = st.lists(st.integers(0, 7), min_size=1, max_size=5).filter(lambda s: sum(s) > 0)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@settings(max_examples=25, deadline=None)
+@given(sizes=sizes_strategy, seed=st.integers(0, 2**31 - 1))
+def test_window_equals_mean_over_concatenated_batch(
+    mode: str, dtype: torch.dtype, sizes: list[int], seed: int
+) -> None:
+    model = MLP(dtype, seed=seed % 1000)
+    x, y = make_data(sum(sizes), dtype, seed)
+    expected = reference_mean_grad(model, x, y)
+    rtol = TOLERANCE[dtype]
+    batches = split(sizes, x, y)
+
+    result = run_window(model, batches, mode, dtype)
+    assert result.state.total_weight == sum(sizes)
+    assert result.state.microbatches == len(sizes)
+    assert all(g.dtype == dtype for g in result.gradients.values())
+    assert_rel_close(result.gradients, expected, rtol, f"{mode} {sizes} (rtol {rtol:g})")
+
+    scaled = run_window(model, batches, mode, dtype, loss_scale=1024.0)
+    assert scaled.state.loss_scale == 1024.0
+    assert_rel_close(scaled.gradients, expected, rtol, f"{mode} x1024 {sizes} (rtol {rtol:g})")
+
+
+def test_float32_work_dtype_for_float64_gradients_and_low_precision_params() -> None:
+    """Gradients are converted to the work dtype; bf16 model gradients accumulate in float32."""
+    model = MLP(torch.float64)
+    x, y = make_data(9, torch.float64, 3)
+    expected = reference_mean_grad(model, x, y)
+    acc = WeightedGradientAccumulator(model, dtype=torch.float32)
+    for bx, by in split([4, 0, 5], x, y):
+        acc.accumulate_mean(grads_of(model, F.cross_entropy(model(bx), by)), weight=len(by))
+    result = acc.finish_mean()
+    assert all(g.dtype == torch.float32 for g in result.gradients.values())
+    assert_rel_close(result.gradients, expected, 1e-6, "f64 grads in f32 work dtype (rtol 1e-6)")
+
+
+def test_averaging_microbatch_means_is_wrong_for_unequal_sizes() -> None:
+    """The bug this fixes: mean of per-microbatch means weights a 1-item batch like a 9-item."""
+    model = MLP(torch.float64, seed=5)
+    x, y = make_data(10, torch.float64, 7)
+    expected = reference_mean_grad(model, x, y)
+    batches = split([9, 1], x, y)
+    naive: dict[str, torch.Tensor] = {}
+    for bx, by in batches:
+        for name, g in grads_of(model, F.cross_entropy(model(bx), by)).items():
+            naive[name] = naive.get(name, 0) + g / len(batches)
+    worst = max(((naive[n] - e).norm() / e.norm()).item() for n, e in expected.items())
+    assert worst > 1e-3, "naive averaging should differ visibly from the exact mean"
+    ours = run_window(model, batches, "mean", torch.float64)
+    assert_rel_close(ours.gradients, expected, 1e-12, "weighted accumulation (rtol 1e-12)")
+
+
+# ------------------------------------------------------------------------ window behaviour
+
+
+def test_zero_weight_counts_but_contributes_nothing_even_with_nan_gradients() -> None:
+    model, acc = primed()
+    before = acc.state_dict()
+    nan = {n: torch.full_like(p, math.nan) for n, p in model.named_parameters()}
+    acc.accumulate_mean(nan, weight=0)
+    acc.accumulate_sum({}, weight=0.0)
+    assert acc.state.microbatches == 3
+    assert acc.state.total_weight == 3.0
+    after = acc.state_dict()
+    for name, value in before["gradients"].items():
+        assert torch.equal(after["gradients"][name], value)
+
+
+def test_finish_sums_returns_scaled_sums_and_resets() -> None:
+    model = MLP(torch.float64)
+    acc = WeightedGradientAccumulator(model, dtype=torch.float64, loss_scale=8.0)
+    g = {"fc1.bias": torch.ones(HIDDEN, dtype=torch.float64)}
+    acc.accumulate_sum(g, weight=2)
+    acc.accumulate_mean(g, weight=3)
+    result = acc.finish_sums()
+    assert result.state == WeightedAccumulationState(torch.float64, 8.0, 5.0, 2)
+    assert list(result.gradients) == ["fc1.bias"]
+    assert torch.equal(
+        result.gradients["fc1.bias"], torch.full((HIDDEN,), 4.0, dtype=torch.float64)
+    )
+    assert acc.state == WeightedAccumulationState(torch.float64, 8.0, 0.0, 0)
+    assert acc.state_dict()["gradients"] == {}
+    g["fc1.bias"].add_(100)  # the accumulator copied the caller's tensor
+    assert torch.equal(
+        result.gradients["fc1.bias"], torch.full((HIDDEN,), 4.0, dtype=torch.float64)
+    )
+
+
+def test_finish_mean_divides_sequentially_not_by_the_product() -> None:
+    """loss_scale * total_weight overflows float32; the two divisions do not."""
+    model = MLP(torch.float32)
+    acc = WeightedGradientAccumulator(model, dtype=torch.float32, loss_scale=1e30)
+    acc.accumulate_sum({"fc2.bias": torch.full((CLASSES,), 2e38)}, weight=1e20)
+    result = acc.finish_mean()
+    expected = torch.tensor(2e38, dtype=torch.float32) / torch.tensor(1e30) / torch.tensor(1e20)
+    assert torch.isfinite(result.gradients["fc2.bias"]).all()
+    assert torch.equal(result.gradients["fc2.bias"], expected.expand(CLASSES))
+
+
+def test_unused_parameters_stay_absent_and_write_to_params_sets_none() -> None:
+    model = MLP(torch.float32, with_unused=True)
+    x, y = make_data(4, torch.float32, 0)
+    result = run_window(model, [(x, y)], "mean", torch.float32)
+    assert "unused" not in result.gradients
+    model.unused.grad = torch.ones(2)
+    result.write_to(model)
+    assert model.unused.grad is None
+    assert torch.equal(model.fc1.weight.grad, result.gradients["fc1.weight"])
+    assert model.fc1.weight.grad is not result.gradients["fc1.weight"]
+    half = MLP(torch.float32).to(torch.bfloat16)
+    write_to_params(result.gradients, half)
+    assert half.fc1.weight.grad.dtype == torch.bfloat16
+    with pytest.raises(GradientError, match="'nope'"):
+        write_to_params({"nope": torch.zeros(1)}, half)
+
+
+def test_accepts_named_parameter_iterables_and_mappings() -> None:
+    model = MLP(torch.float64)
+    for source in (model.named_parameters(), dict(model.named_parameters())):
+        acc = WeightedGradientAccumulator(source, dtype=torch.float64)
+        acc.accumulate_sum({"fc1.bias": torch.ones(HIDDEN, dtype=torch.float64)}, weight=1)
+        assert acc.pending_names == ["fc1.bias"]
+
+
+# ------------------------------------------------------------------------ validation rules
+
+
+def test_error_hierarchy() -> None:
+    for cls in (InvalidWeightError, CounterOverflowError, EmptyWeightError, InvalidStateError):
+        assert issubclass(cls, WeightedAccumulationError)
+    assert issubclass(GradientError, WeightedAccumulationError)
+    assert issubclass(WeightedAccumulationError, BDHTrainError)
+    assert str(InvalidStateError("why")) == STATE_MSG
+
+
+@pytest.mark.parametrize(
+    ("dtype", "weight"),
+    [
+        (torch.float64, -1.0),
+        (torch.float64, -0.5e-300),
+        (torch.float64, math.nan),
+        (torch.float64, math.inf),
+        (torch.float32, -math.inf),
+        (torch.float32, 1e300),  # finite in float64, overflows float32
+        (torch.float32, 1e-300),  # non-zero in float64, flushes to zero in float32
+        (torch.float64, True),
+        (torch.float64, "3"),
+    ],
+)
+def test_invalid_weight_is_rejected_without_mutation(dtype: torch.dtype, weight: Any) -> None:
+    model, acc = primed(dtype)
+    good = {n: torch.ones_like(p) for n, p in model.named_parameters()}
+    for method in (acc.accumulate_sum, acc.accumulate_mean):
+        expect_rejected(
+            acc, lambda m=method: m(good, weight=weight), InvalidWeightError, WEIGHT_MSG
+        )
+
+
+def test_weights_unrepresentable_in_float32_are_fine_in_float64() -> None:
+    model, acc = primed(torch.float64)
+    acc.accumulate_sum({}, weight=1e300)
+    acc.accumulate_sum({}, weight=1e-300)
+    assert acc.state.microbatches == 3
+
+
+def test_total_weight_overflow_is_rejected_without_mutation() -> None:
+    model, acc = primed(torch.float32)
+    acc.accumulate_sum({}, weight=3e38)
+    expect_rejected(
+        acc, lambda: acc.accumulate_sum({}, weight=1e38), InvalidWeightError, WEIGHT_MSG
+    )
+    model64, acc64 = primed(torch.float64)
+    acc64.accumulate_sum({}, weight=1.7e308)
+    expect_rejected(
+        acc64, lambda: acc64.accumulate_mean({}, weight=1.7e308), InvalidWeightError, WEIGHT_MSG
+    )
+
+
+def test_counter_overflow_is_rejected_without_mutation() -> None:
+    model = MLP(torch.float64)
+    acc = WeightedGradientAccumulator(model, dtype=torch.float64)
+    state = WeightedAccumulationState(torch.float64, 1.0, 0.0, U64_MAX).to_dict()
+    acc.load_state_dict({"gradients": {}, "state": state})
+    good = {"fc1.bias": torch.ones(HIDDEN, dtype=torch.float64)}
+    expect_rejected(
+        acc, lambda: acc.accumulate_sum(good, weight=1), CounterOverflowError, COUNTER_MSG
+    )
+    expect_rejected(acc, lambda: acc.accumulate_mean(weight=0), CounterOverflowError, COUNTER_MSG)
+    # Order: the weight is checked before the counter, the counter before the gradients.
+    expect_rejected(
+        acc, lambda: acc.accumulate_sum(good, weight=-1), InvalidWeightError, WEIGHT_MSG
+    )
+    bad = {"nope": torch.ones(1)}
+    expect_rejected(
+        acc, lambda: acc.accumulate_sum(bad, weight=1), CounterOverflowError, COUNTER_MSG
+    )
+
+
+def _bad_gradients(model: nn.Module) -> list[tuple[str, dict[str, Any], str]]:
+    w = model.fc1.weight
+    return [
+        (
+            "unknown",
+            {"fc1.bias": torch.ones(HIDDEN, dtype=w.dtype), "nope": torch.ones(1)},
+            "'nope'",
+        ),
+        ("shape", {"fc1.weight": torch.ones(IN, HIDDEN, dtype=w.dtype)}, "'fc1.weight' has shape"),
+        (
+            "int",
+            {"fc1.weight": torch.ones(w.shape, dtype=torch.int64)},
+            "'fc1.weight' has non-float",
+        ),
+        ("device", {"fc1.weight": torch.ones(w.shape, device="meta")}, "'fc1.weight' is on meta"),
+        ("not a tensor", {"fc1.weight": [1.0]}, "'fc1.weight' is not a tensor"),
+    ]
+
+
+@pytest.mark.parametrize("weight", [2.0, 0.0], ids=["positive", "zero"])
+@pytest.mark.parametrize("case", range(5), ids=["unknown", "shape", "int", "device", "notensor"])
+def test_bad_gradient_is_rejected_without_mutation(case: int, weight: float) -> None:
+    """Every supplied gradient is validated before anything is added, also at zero weight."""
+    model, acc = primed(torch.float64)
+    _, grads, message = _bad_gradients(model)[case]
+    for method in (acc.accumulate_sum, acc.accumulate_mean):
+        err = expect_rejected(
+            acc, lambda m=method: m(grads, weight=weight), GradientError, message, exact=False
+        )
+        assert isinstance(err, WeightedAccumulationError)
+
+
+def test_weight_is_validated_before_gradients() -> None:
+    model, acc = primed(torch.float64)
+    bad = {"nope": torch.ones(1)}
+    expect_rejected(
+        acc, lambda: acc.accumulate_sum(bad, weight=math.nan), InvalidWeightError, WEIGHT_MSG
+    )
+
+
+def test_finish_mean_with_zero_weight_keeps_the_window() -> None:
+    model = MLP(torch.float64)
+    acc = WeightedGradientAccumulator(model, dtype=torch.float64)
+    expect_rejected(acc, acc.finish_mean, EmptyWeightError, EMPTY_MSG)
+    acc.accumulate_sum({"fc1.bias": torch.ones(HIDDEN, dtype=torch.float64)}, weight=0)
+    acc.accumulate_mean(weight=0)
+    expect_rejected(acc, acc.finish_mean, EmptyWeightError, EMPTY_MSG)
+    assert acc.state.microbatches == 2
+    acc.accumulate_sum({"fc1.bias": torch.full((HIDDEN,), 6.0, dtype=torch.float64)}, weight=3)
+    result = acc.finish_mean()
+    assert result.state.microbatches == 3
+    assert torch.equal(
+        result.gradients["fc1.bias"], torch.full((HIDDEN,), 2.0, dtype=torch.float64)
+    )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "loss_scale"),
+    [
+        (torch.float16, 1.0),
+        (torch.bfloat16, 1.0),
+        (torch.int64, 1.0),
+        (torch.float64, 0.0),
+        (torch.float64, -1.0),
+        (torch.float64, math.nan),
+        (torch.float64, math.inf),
+        (torch.float32, 1e39),
+        (torch.float32, 1e-50),
+    ],
+)
+def test_invalid_dtype_or_loss_scale_at_construction(dtype: torch.dtype, loss_scale: float) -> None:
+    with pytest.raises(GradientError, match="invalid (work dtype|scalar)"):
+        WeightedGradientAccumulator(MLP(torch.float32), dtype=dtype, loss_scale=loss_scale)
+
+
+# ------------------------------------------------------------------------ checkpoints
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_mid_window_checkpoint_resumes_bit_for_bit(
+    tmp_path: Path, mode: str, dtype: torch.dtype
+) -> None:
+    model = MLP(dtype, seed=3, with_unused=True)
+    x, y = make_data(17, dtype, 11)
+    batches = split([6, 1, 0, 10], x, y)
+    micro = [
+        grads_of(model, F.cross_entropy(model(bx), by, reduction=mode) * 256.0)
+        for bx, by in batches
+    ]
+
+    def feed(acc: WeightedGradientAccumulator, idx: range) -> None:
+        for i in idx:
+            method = acc.accumulate_sum if mode == "sum" else acc.accumulate_mean
+            method(micro[i], weight=len(batches[i][1]))
+
+    whole = WeightedGradientAccumulator(model, dtype=dtype, loss_scale=256.0)
+    feed(whole, range(4))
+    uninterrupted = whole.finish_mean()
+
+    first = WeightedGradientAccumulator(model, dtype=dtype, loss_scale=256.0)
+    feed(first, range(2))
+    save_accumulator(first, tmp_path / "acc")
+    assert json.loads((tmp_path / "acc" / "state.json").read_text())["microbatches"] == 2
+    resumed = WeightedGradientAccumulator(model)  # default dtype/scale: the checkpoint's win
+    load_accumulator(resumed, tmp_path / "acc")
+    assert resumed.state == first.state
+    feed(resumed, range(2, 4))
+    result = resumed.finish_mean()
+
+    assert result.state == uninterrupted.state
+    assert result.gradients.keys() == uninterrupted.gradients.keys()
+    assert "unused" not in result.gradients
+    for name, value in uninterrupted.gradients.items():
+        assert torch.equal(result.gradients[name], value), name
+
+
+def test_checkpoint_of_empty_window_round_trips(tmp_path: Path) -> None:
+    model = MLP(torch.float32)
+    acc = WeightedGradientAccumulator(model, loss_scale=4.0)
+    acc.accumulate_sum(weight=0)
+    save_accumulator(acc, tmp_path)
+    other = WeightedGradientAccumulator(model)
+    load_accumulator(other, tmp_path)
+    assert other.state == WeightedAccumulationState(torch.float32, 4.0, 0.0, 1)
+
+
+def _state_edits() -> list[tuple[str, dict[str, Any], type[Exception], str]]:
+    return [
+        ("dtype f16", {"dtype": "float16"}, InvalidStateError, STATE_MSG),
+        ("dtype torch", {"dtype": "torch.float64"}, InvalidStateError, STATE_MSG),
+        ("dtype int", {"dtype": 64}, InvalidStateError, STATE_MSG),
+        ("negative total", {"total_weight": -1.0}, InvalidStateError, STATE_MSG),
+        ("nan total", {"total_weight": math.nan}, InvalidStateError, STATE_MSG),
+        ("no batches", {"microbatches": 0, "total_weight": 3.0}, InvalidStateError, STATE_MSG),
+        ("counter > u64", {"microbatches": U64_MAX + 1}, InvalidStateError, STATE_MSG),
+        ("counter < 0", {"microbatches": -1}, InvalidStateError, STATE_MSG),
+        ("counter float", {"microbatches": 2.0}, InvalidStateError, STATE_MSG),
+        ("zero weight, pending", {"total_weight": 0.0}, InvalidStateError, STATE_MSG),
+        ("pending dtype", {"dtype": "float32"}, InvalidStateError, STATE_MSG),
+        ("zero scale", {"loss_scale": 0.0}, GradientError, "invalid scalar"),
+        ("f32 scale overflow", {"dtype": "float32", "loss_scale": 1e39}, GradientError, "invalid"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(13))
+def test_inconsistent_checkpoint_state_is_rejected(tmp_path: Path, case: int) -> None:
+    name, edit, error, message = _state_edits()[case]
+    model, source = primed(torch.float64)
+    save_accumulator(source, tmp_path)
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    _, target = primed(torch.float64, seed=9)
+    target.accumulate_sum(weight=0)
+    expect_rejected(target, lambda: load_accumulator(target, tmp_path), error, message, exact=False)
+    sd = source.state_dict()
+    sd["state"] = {**sd["state"], **edit}
+    expect_rejected(target, lambda: target.load_state_dict(sd), error, message, exact=False)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda g: {**g, "nope": torch.zeros(1, dtype=torch.float64)}, "'nope'"),
+        (lambda g: {**g, "fc1.weight": torch.zeros(IN, HIDDEN, dtype=torch.float64)}, "shape"),
+    ],
+    ids=["unknown name", "wrong shape"],
+)
+def test_checkpoint_with_foreign_gradients_is_rejected(
+    tmp_path: Path, edit: Callable[[dict], dict], message: str
+) -> None:
+    model, source = primed(torch.float64)
+    save_accumulator(source, tmp_path)
+    grads = edit(load_file(tmp_path / "grads.safetensors"))
+    save_file(grads, tmp_path / "grads.safetensors")
+    state = json.loads((tmp_path / "state.json").read_text())
+    _, target = primed(torch.float64, seed=9)
+    # The recorded digest catches a gradient file that does not belong to state.json ...
+    expect_rejected(
+        target, lambda: load_accumulator(target, tmp_path), InvalidStateError, STATE_MSG
+    )
+    # ... and without a digest the names and shapes are checked against the model.
+    del state["grads_sha256"]
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    expect_rejected(
+        target, lambda: load_accumulator(target, tmp_path), GradientError, message, exact=False
+    )
+
+
+def test_malformed_checkpoint_files_are_rejected(tmp_path: Path) -> None:
+    model, source = primed(torch.float64)
+    save_accumulator(source, tmp_path)
+    _, target = primed(torch.float64, seed=9)
+    (tmp_path / "state.json").write_text("{not json")
+    expect_rejected(
+        target, lambda: load_accumulator(target, tmp_path), InvalidStateError, STATE_MSG
+    )
+    save_accumulator(source, tmp_path)
+    state = json.loads((tmp_path / "state.json").read_text())
+    del state["grads_sha256"]
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    (tmp_path / "grads.safetensors").write_bytes(b"garbage")
+    expect_rejected(
+        target, lambda: load_accumulator(target, tmp_path), InvalidStateError, STATE_MSG
+    )
+    expect_rejected(
+        target, lambda: target.load_state_dict({"state": {}}), InvalidStateError, STATE_MSG
+    )
+
+
+def test_state_dict_is_a_snapshot() -> None:
+    model, acc = primed(torch.float64)
+    sd = acc.state_dict()
+    json.dumps(sd["state"])
+    assert sd["state"]["dtype"] == "float64"
+    acc.accumulate_sum({"fc1.bias": torch.ones(HIDDEN, dtype=torch.float64)}, weight=1)
+    assert not torch.equal(acc.state_dict()["gradients"]["fc1.bias"], sd["gradients"]["fc1.bias"])

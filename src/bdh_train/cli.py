@@ -1,0 +1,309 @@
+"""`bdh-train`: train, generate, eval, config, plot, plan, export.
+
+Every user error (bad config, data, checkpoint) is a BDHTrainError: printed as one line on
+stderr with exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import datetime as _dt
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from bdh_train.errors import BDHTrainError, CheckpointError
+
+EXIT_USER_ERROR = 2
+ERROR_LOG = "error.log"
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE.toml",
+        help="config file (repeatable; later files override earlier ones)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        dest="overrides",
+        help="override one value, e.g. training.max_steps=30",
+    )
+    p.add_argument("--preset", default=None, help="start from a preset: tiny | small | pathway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bdh-train", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a BDH (default: the tiny preset on builtin:pydoc)")
+    _add_config_args(p)
+    p.add_argument("--run-dir", default=None, help="run directory (default runs/<date-time>)")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="continue a run exactly from its latest checkpoint (default: --run-dir)",
+    )
+
+    p = sub.add_parser("generate", help="stream text from a checkpoint (O(1) per token)")
+    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR")
+    p.add_argument("--prompt", default="\n")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("eval", help="validation loss and bits per byte of a checkpoint")
+    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR")
+    p.add_argument(
+        "--data", default=None, help="held-out data source (default: the run's validation split)"
+    )
+    p.add_argument("--batches", type=int, default=None, help="at most this many batches")
+
+    p = sub.add_parser("config", help="print the fully resolved config")
+    _add_config_args(p)
+    p.add_argument("--show", action="store_true", help="print it (the default action)")
+
+    p = sub.add_parser("plot", help="draw RUN_DIR/loss.png from metrics.jsonl")
+    p.add_argument("run_dir")
+
+    p = sub.add_parser("plan", help="print a pipeline schedule's timeline and bubble")
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--virtual", type=int, default=1)
+    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--schedule", default="gpipe", help="gpipe | 1f1b | interleaved_1f1b")
+    p.add_argument("--png", default=None, metavar="PATH", help="also draw it to PATH")
+
+    p = sub.add_parser("export", help="export a checkpoint for inference")
+    p.add_argument(
+        "--ternary",
+        action="store_true",
+        required=True,
+        help="pack ternary (BitNet b1.58) weights 4 per byte",
+    )
+    p.add_argument("run_dir")
+    p.add_argument("out")
+    return parser
+
+
+# ---------------------------------------------------------------------- commands
+def cmd_train(args: argparse.Namespace) -> int:
+    from bdh_train.config import load_config
+    from bdh_train.distributed.env import DistContext
+    from bdh_train.train.trainer import CONFIG_FILE, Trainer, resolve_device
+
+    resume = args.resume is not None
+    run_dir = Path(args.resume or args.run_dir or "") if resume else None
+    if resume and str(run_dir) in ("", "."):
+        raise BDHTrainError("--resume needs a run directory: --resume DIR or --run-dir DIR")
+    if run_dir is None:
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(args.run_dir or f"runs/{stamp}")
+    args.error_dir = run_dir
+    if resume:
+        saved = run_dir / CONFIG_FILE
+        if not saved.is_file():
+            raise CheckpointError(
+                f"cannot resume: {saved} does not exist (is {run_dir} a run "
+                "directory written by bdh-train train?)"
+            )
+        cfg = load_config([saved, *args.config], args.overrides)
+    else:
+        cfg = load_config(args.config, args.overrides, args.preset)
+    dist_ctx = DistContext.from_env(resolve_device(cfg.training.device).type)
+    try:
+        trainer = Trainer(cfg, run_dir, resume=resume, dist_ctx=dist_ctx)
+        previous = signal.signal(signal.SIGTERM, lambda *_: trainer.request_stop())
+        try:
+            trainer.run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    finally:
+        dist_ctx.close()
+    return 0
+
+
+def _load_checkpoint_model(path: str):
+    import torch
+    from safetensors import safe_open
+
+    from bdh_train.model import BDH, BDHConfig
+    from bdh_train.train import checkpoint as ckpt
+
+    directory = ckpt.resolve_checkpoint(path)
+    with safe_open(str(directory / ckpt.MODEL_FILE), "pt") as handle:
+        meta = handle.metadata() or {}
+    if "bdh_config" not in meta:
+        raise CheckpointError(
+            f"{directory / ckpt.MODEL_FILE} has no bdh_config metadata; "
+            "was it written by bdh-train?"
+        )
+    model = BDH(BDHConfig.from_dict(json.loads(meta["bdh_config"])))
+    ckpt.load_into_model(model, ckpt.load_model_weights(directory), directory)
+    torch.set_grad_enabled(False)
+    return model.eval(), directory
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from bdh_train.data.tokenizer import ByteTokenizer
+
+    model, _ = _load_checkpoint_model(args.checkpoint)
+    if model.config.vocab_size != 256 or model.config.language_head.type != "token":
+        raise BDHTrainError(
+            "generate prints bytes: it needs a byte-level model (vocab_size 256, token head)"
+        )
+    if args.max_new_tokens < 0:
+        raise BDHTrainError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    tok = ByteTokenizer()
+    prompt = torch.tensor(tok.encode(args.prompt or "\n"), dtype=torch.long)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = sys.stdout
+    out.write(args.prompt)
+    out.flush()
+    stream = model.stream_generate(
+        prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        torch.Generator().manual_seed(args.seed),
+    )
+    for token in stream:
+        out.write(decoder.decode(bytes([int(token)])))
+        out.flush()
+    out.write(decoder.decode(b"", final=True) + "\n")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import math
+
+    from bdh_train.config import load_config
+    from bdh_train.data import eval_batches, load_splits, load_tokens
+    from bdh_train.train.step import LanguageTrainModel
+    from bdh_train.train.trainer import CONFIG_FILE, data_generators
+
+    model, directory = _load_checkpoint_model(args.checkpoint)
+    cfg = load_config([directory / CONFIG_FILE])
+    t = cfg.training
+    if args.data:
+        data = load_tokens(args.data, cfg.model.vocab_size, data_generators(cfg))
+        data.validate_for_block(t.block_size, "eval data")
+    else:
+        _, data = load_splits(
+            cfg.data.source,
+            cfg.model.vocab_size,
+            t.block_size,
+            cfg.data.val_fraction,
+            generators=data_generators(cfg),
+        )
+        if data is None:
+            raise BDHTrainError(
+                "the run has no validation split (data.val_fraction = 0); pass --data SOURCE"
+            )
+    step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
+    total = count = 0.0
+    for batch in eval_batches(data, t.block_size, t.batch_size, args.batches):
+        n = batch.counted_tokens()
+        total += float(step.valid_step(batch)) * n
+        count += n
+    loss = total / max(count, 1.0)
+    result = {"val_loss": loss, "tokens": int(count)}
+    if cfg.model.vocab_size == 256:
+        result["bits_per_byte"] = loss / math.log(2)
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from bdh_train.config import dump_toml, load_config
+
+    print(dump_toml(load_config(args.config, args.overrides, args.preset)), end="")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from bdh_train.train.metrics import METRICS_FILE, plot_losses
+
+    if not (Path(args.run_dir) / METRICS_FILE).is_file():
+        raise BDHTrainError(
+            f"{Path(args.run_dir) / METRICS_FILE} does not exist: is "
+            f"{args.run_dir} a run directory?"
+        )
+    print(plot_losses(Path(args.run_dir)))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from bdh_train.distributed.planner import build_pipeline_plan, plot_timeline, render_timeline
+
+    plan = build_pipeline_plan(
+        args.layers, args.stages, args.virtual, args.microbatches, args.schedule
+    )
+    print(render_timeline(plan))
+    if args.png:
+        print(plot_timeline(plan, args.png))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from bdh_train.export import export_ternary
+
+    model, _ = _load_checkpoint_model(args.run_dir)
+    print(export_ternary(model, args.out))
+    return 0
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "generate": cmd_generate,
+    "eval": cmd_eval,
+    "config": cmd_config,
+    "plot": cmd_plot,
+    "plan": cmd_plan,
+    "export": cmd_export,
+}
+
+
+def _log_error(directory: Path | None, message: str) -> None:
+    """Leave the error beside the run, creating only the error log if nothing else exists."""
+    if directory is None:
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / ERROR_LOG, "a") as handle:
+            handle.write(f"{_dt.datetime.now().isoformat(timespec='seconds')} {message}\n")
+    except OSError:
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.error_dir = None
+    try:
+        return COMMANDS[args.command](args)
+    except BDHTrainError as exc:
+        message = f"error: {exc}"
+        print(message, file=sys.stderr)
+        _log_error(args.error_dir, message)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The process group of a `torchrun` launch: who am I, how many are we, which device."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    owns_group: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def from_env(cls, device_type: str) -> DistContext:
+        """Join the group torchrun describes in the environment (gloo on CPU, nccl on GPU)."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls()
+        rank = int(os.environ["RANK"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        owns = False
+        if not dist.is_initialized():
+            backend = "nccl" if device_type == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=timedelta(minutes=5))
+            owns = True
+        return cls(rank, world, local_rank, owns)
+
+    def device(self, device_type: str) -> torch.device:
+        if device_type == "cuda":
+            torch.cuda.set_device(self.local_rank)
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,109 @@
+"""What a run reports: metrics.jsonl rows, a progress bar or plain log lines, loss.png."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from bdh_train.utils import atomic_write
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+class MetricsLog:
+    """Appends one JSON object per row; on resume, rows past the checkpoint are dropped."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None, enabled: bool = True):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.enabled = enabled
+        if enabled and resume_step is not None and self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            with atomic_write(self.path) as handle:
+                for row in kept:
+                    handle.write(json.dumps(row) + "\n")
+
+    def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows
+
+
+class Progress:
+    """A tqdm bar on a terminal; plain periodic lines otherwise (no bar spam in logs)."""
+
+    def __init__(
+        self, total: int, initial: int, stream: IO[str] | None = None, enabled: bool = True
+    ):
+        self.stream = stream or sys.stdout
+        self.enabled = enabled
+        self.bar = None
+        if enabled and self.stream.isatty():
+            self.bar = tqdm(
+                total=total, initial=initial, file=self.stream, unit="step", dynamic_ncols=True
+            )
+
+    def update(self, step: int, row: dict[str, Any] | None) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            if row is not None:
+                self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        elif row is not None:
+            self.log(
+                f"step {row['step']:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+                f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_s']:.0f} tok/s | "
+                f"{row['elapsed_s']:.1f}s"
+            )
+
+    def log(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(message, file=self.stream)
+        else:
+            print(message, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def plot_losses(run_dir: Path) -> Path:
+    """Draw train and validation loss against step into run_dir/loss.png."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = read_metrics(Path(run_dir) / METRICS_FILE)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    fig = Figure(figsize=(7, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss", color="tab:blue")
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation loss", color="tab:orange")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(run_dir) / PLOT_FILE
+    with atomic_write(out, "wb") as handle:
+        fig.savefig(handle, format="png", dpi=110)
+    return out

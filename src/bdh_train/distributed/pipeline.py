@@ -1,0 +1,327 @@
+"""Real pipeline parallelism across processes with ``torch.distributed.pipelining``.
+
+Every rank holds a FULL replica of the BDH parameters. BDH applies the same encoder, encoder_v,
+decoder (and the optional affine norm) at every layer, so every stage needs them anyway; holding
+embed and lm_head everywhere too keeps the replicas uniform and checkpointable from rank 0.
+A stage runs only its contiguous layer range (from the planner, spec §10) with a fresh state per
+microbatch. After the schedule's backward, the gradients of ALL parameters are SUM-all-reduced
+over the pipeline group (zeros where a rank did not use a parameter): the Megatron treatment of
+tied weights, so every replica takes the identical optimizer step and stays bit-identical.
+
+Loss scaling happens once: each microbatch's loss is a SUM over its counted targets divided by
+the counted targets of the WHOLE batch, and the schedule runs with ``scale_grads=False``, so
+pipeline gradients equal the single-process mean-loss gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+from bdh_train.distributed.planner import PipelinePlan, StageAssignment
+from bdh_train.errors import ConfigError, DataError
+from bdh_train.model.bdh import BDH
+from bdh_train.train.batch import SequenceBatch
+
+Schedule = PipelineScheduleSingle | PipelineScheduleMulti
+
+__all__ = ["BDHStage", "PipelineRunner", "check_batch_size", "check_pipeline_config"]
+
+
+class BDHStage(nn.Module):
+    """One virtual pipeline stage: a full BDH replica that runs only `layers`.
+
+    The first stage takes token ids [mb, T] and embeds them; later stages take the previous
+    stage's hidden [mb, T, D]. Every stage returns hidden [mb, T, D]; the last stage's loss is
+    applied by the schedule's loss_fn. The replica is shared, not copied, between the virtual
+    stages of one rank, so their gradients accumulate into the same tensors.
+    """
+
+    def __init__(self, model: BDH, layers: range, is_first: bool) -> None:
+        super().__init__()
+        if len(layers) == 0:
+            raise ConfigError(f"a pipeline stage needs at least one layer, got {layers}")
+        self.model = model
+        self.layers = layers
+        self.is_first = is_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states -> hidden after this stage's layers."""
+        if self.is_first:
+            return self.model.forward_hidden(x, layers=self.layers)
+        # forward_hidden reads only the shape of idx when u is given.
+        shape_only = torch.empty(x.shape[:2], dtype=torch.long, device=x.device)
+        return self.model.forward_hidden(shape_only, layers=self.layers, u=x)
+
+
+def check_pipeline_config(
+    n_layer: int,
+    plan: PipelinePlan,
+    *,
+    tbptt_chunk_size: int = 0,
+    persist_across_steps: bool = False,
+    batch_size: int | None = None,
+) -> None:
+    """Raise ConfigError, naming the field, for a setup the pipeline cannot run.
+
+    Called before any process group traffic so a bad config fails on every rank at once
+    instead of hanging in a send/recv that the other ranks never post.
+    """
+    if tbptt_chunk_size:
+        raise ConfigError(
+            "pipeline parallelism does not support truncated BPTT (each stage runs a fresh "
+            "state per microbatch, so there is no state to carry between chunks); set "
+            f"training.tbptt_chunk_size=0, got {tbptt_chunk_size}"
+        )
+    if persist_across_steps:
+        raise ConfigError(
+            "pipeline parallelism does not support streamed state (a stage keeps no state "
+            "between microbatches or steps); set training.tbptt_persist_across_steps=false"
+        )
+    total_virtual = plan.stage_count * plan.virtual_stages_per_rank
+    if total_virtual > n_layer:
+        raise ConfigError(
+            f"model.n_layer={n_layer} is too small for parallel.pipeline_stages="
+            f"{plan.stage_count} x parallel.virtual_stages_per_rank="
+            f"{plan.virtual_stages_per_rank} = {total_virtual} virtual stages; every virtual "
+            "stage needs at least one layer"
+        )
+    if plan.n_layer != n_layer:
+        raise ConfigError(
+            f"the pipeline plan was built for model.n_layer={plan.n_layer}, but the model has "
+            f"{n_layer} layers"
+        )
+    if plan.schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
+        raise ConfigError(
+            "parallel.schedule must be 'gpipe', '1f1b' or 'interleaved_1f1b', "
+            f"got {plan.schedule!r}"
+        )
+    if plan.schedule != "interleaved_1f1b" and plan.virtual_stages_per_rank != 1:
+        raise ConfigError(
+            f"parallel.virtual_stages_per_rank={plan.virtual_stages_per_rank} needs "
+            f"parallel.schedule='interleaved_1f1b'; {plan.schedule!r} runs one stage per rank"
+        )
+    m, stages = plan.microbatches, plan.stage_count
+    if plan.schedule != "gpipe" and m < stages:
+        raise ConfigError(
+            f"parallel.microbatches must be >= parallel.pipeline_stages={stages} with "
+            f"parallel.schedule={plan.schedule!r} (1F1B fills the pipeline before its steady "
+            f"state), got {m}"
+        )
+    rounds = max(1, m // stages)
+    if plan.schedule == "interleaved_1f1b" and m % rounds:
+        raise ConfigError(
+            f"parallel.microbatches={m} must be a multiple of its number of rounds "
+            f"max(1, microbatches // parallel.pipeline_stages) = {rounds} with "
+            "parallel.schedule='interleaved_1f1b' (torch's ScheduleInterleaved1F1B runs whole "
+            "rounds); a multiple of parallel.pipeline_stages always works"
+        )
+    if batch_size is not None:
+        check_batch_size(batch_size, plan.microbatches)
+
+
+def check_batch_size(batch_size: int, microbatches: int) -> None:
+    """torch's pipeline splitter sizes receive buffers from the first microbatch, so every
+    microbatch must have the same number of rows."""
+    if batch_size < microbatches or batch_size % microbatches:
+        raise ConfigError(
+            f"training.batch_size={batch_size} must be a positive multiple of "
+            f"parallel.microbatches={microbatches}: torch.distributed.pipelining splits the "
+            "batch into equal microbatches (its receive buffers are shaped by the first one)"
+        )
+
+
+class PipelineRunner:
+    """Runs one rank's share of a pipeline-parallel train step.
+
+    Collective: every rank of `group` must construct a runner and call `train_step` /
+    `eval_loss` with the same batch, in the same order.
+    """
+
+    def __init__(
+        self,
+        model: BDH,
+        plan: PipelinePlan,
+        rank: int,
+        group: dist.ProcessGroup | None = None,
+        *,
+        tbptt_chunk_size: int = 0,
+        persist_across_steps: bool = False,
+    ) -> None:
+        check_pipeline_config(
+            model.config.n_layer,
+            plan,
+            tbptt_chunk_size=tbptt_chunk_size,
+            persist_across_steps=persist_across_steps,
+        )
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                "parallel.pipeline_stages > 1 needs an initialized torch.distributed process "
+                "group (one process per stage)"
+            )
+        world = dist.get_world_size(group)
+        if world != plan.stage_count:
+            raise ConfigError(
+                f"parallel.pipeline_stages={plan.stage_count} must equal the number of "
+                f"processes in the pipeline group, got {world}"
+            )
+        if not 0 <= rank < plan.stage_count:
+            raise ConfigError(f"pipeline rank must be in [0, {plan.stage_count}), got {rank}")
+        if rank != dist.get_rank(group):
+            raise ConfigError(
+                f"pipeline rank {rank} differs from this process's rank in the group "
+                f"({dist.get_rank(group)}); stage v runs on group rank v % pipeline_stages"
+            )
+        self.model = model
+        self.plan = plan
+        self.rank = rank
+        self.group = group
+        self.device = next(model.parameters()).device
+        self._loss_denominator = 1.0
+        total = plan.total_virtual_stages
+        self._assignments: tuple[StageAssignment, ...] = plan.assignments_for_rank(rank)
+        self.stage_modules = tuple(
+            BDHStage(model, a.layer_range, a.virtual_stage_id == 0) for a in self._assignments
+        )
+        self.has_first = any(a.virtual_stage_id == 0 for a in self._assignments)
+        self.has_last = any(a.virtual_stage_id == total - 1 for a in self._assignments)
+        self._last_rank = (total - 1) % plan.stage_count
+        self._batch_shape: tuple[int, int] | None = None
+        self.stages, self.schedule = self._build_schedule()
+
+    def _build_schedule(self) -> tuple[tuple[PipelineStage, ...], Schedule]:
+        """Fresh PipelineStages and schedule; torch shapes their buffers on the first step."""
+        total = self.plan.total_virtual_stages
+        stages = tuple(
+            PipelineStage(m, a.virtual_stage_id, total, self.device, group=self.group)
+            for m, a in zip(self.stage_modules, self._assignments, strict=True)
+        )
+        m = self.plan.microbatches
+        if self.plan.schedule == "gpipe":
+            return stages, ScheduleGPipe(stages[0], m, loss_fn=self._loss_fn, scale_grads=False)
+        if self.plan.schedule == "1f1b":
+            return stages, Schedule1F1B(stages[0], m, loss_fn=self._loss_fn, scale_grads=False)
+        schedule = ScheduleInterleaved1F1B(
+            list(stages), m, loss_fn=self._loss_fn, scale_grads=False
+        )
+        return stages, schedule
+
+    def _loss_fn(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Microbatch SUM loss over the whole batch's counted targets: scaled exactly once."""
+        return self.model.loss_from_hidden(hidden, targets, reduction="sum") / (
+            self._loss_denominator
+        )
+
+    def train_step(self, batch: SequenceBatch) -> float:
+        """Forward+backward of the whole batch through the pipeline; returns its mean loss.
+
+        Gradients are REPLACED (zeroed first), then summed over the group so every replica
+        holds the full gradient; call the optimizer afterwards on every rank.
+        """
+        check_batch_size(batch.batch_size, self.plan.microbatches)
+        shape = (batch.batch_size, batch.block_size)
+        if self._batch_shape is not None and shape != self._batch_shape:
+            # The stages' send/recv buffers were shaped by the first batch; every rank sees
+            # the same batch, so all of them rebuild here together.
+            self.stages, self.schedule = self._build_schedule()
+        self._batch_shape = shape
+        batch = batch.to(self.device)
+        # Known before the step from the whole batch, which every rank holds.
+        counted = batch.counted_tokens()
+        self._check_same_batch(shape, counted)
+        self._loss_denominator = max(1.0, counted)
+        self.model.zero_grad(set_to_none=True)
+        self.model.train()
+        args = (batch.inputs,) if self.has_first else ()
+        target = batch.targets if self.has_last else None
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self.all_reduce_grads()
+        loss = torch.zeros((), dtype=torch.float64)
+        if losses:
+            loss = torch.stack([x.detach().to(torch.float64) for x in losses]).sum().cpu()
+        return self._broadcast_from(loss, self._last_rank)
+
+    def _check_same_batch(self, shape: tuple[int, int], counted: float) -> None:
+        """Refuse, on every rank at once, batches that differ between ranks.
+
+        Different shapes would leave a send without its receive (a hang); different counts
+        would scale the microbatch losses differently. One 6-float MAX all-reduce carries
+        each value and its negation, so max == -min exactly when all ranks agree.
+        """
+        values = torch.tensor([*shape, counted], dtype=torch.float64)
+        probe = torch.cat([values, -values])
+        self._all_reduce_small(probe, dist.ReduceOp.MAX)
+        high, low = probe[:3], -probe[3:]
+        if not torch.equal(high, low):
+            raise DataError(
+                "every rank of a pipeline must pass the same batch to train_step; got "
+                f"(batch_size, block_size, counted targets) ranging from {low.tolist()} to "
+                f"{high.tolist()} across ranks"
+            )
+
+    def all_reduce_grads(self) -> None:
+        """SUM every parameter's gradient over the group (zeros where unused), in one bucket
+        per dtype, so every replica takes the same optimizer step."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for group_params in by_dtype.values():
+            grads = [p.grad for p in group_params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            pieces = flat.split([g.numel() for g in grads])
+            for g, reduced in zip(grads, pieces, strict=True):
+                g.copy_(reduced.view_as(g))
+
+    @torch.no_grad()
+    def eval_loss(self, batch: SequenceBatch) -> tuple[float, float]:
+        """(loss sum, counted tokens) of `batch`, computed by the full replica on group rank 0
+        and broadcast: cheaper than a forward-only pipeline pass for small eval batches and
+        identical in value, since every rank holds all parameters."""
+        batch = batch.to(self.device)
+        result = torch.zeros(2, dtype=torch.float64)
+        if self.rank == 0:
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                hidden = self.model.forward_hidden(batch.inputs)
+                loss_sum = self.model.loss_from_hidden(hidden, batch.targets, reduction="sum")
+            finally:
+                self.model.train(was_training)
+            counted = torch.tensor(batch.counted_tokens(), dtype=torch.float64)
+            result = torch.stack([loss_sum.detach().double().cpu(), counted])
+        self._broadcast_tensor(result, 0)
+        return float(result[0]), float(result[1])
+
+    def _collective_device(self) -> torch.device:
+        """NCCL only moves CUDA tensors; gloo takes CPU ones."""
+        return self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+
+    def _all_reduce_small(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        buf = tensor.to(self._collective_device())
+        dist.all_reduce(buf, op=op, group=self.group)
+        tensor.copy_(buf.cpu())
+
+    def _broadcast_tensor(self, tensor: torch.Tensor, group_rank: int) -> None:
+        """Broadcast a small CPU tensor in place from a rank of the pipeline group."""
+        buf = tensor.to(self._collective_device())
+        dist.broadcast(buf, group_src=group_rank, group=self.group)
+        tensor.copy_(buf.cpu())
+
+    def _broadcast_from(self, value: torch.Tensor, group_rank: int) -> float:
+        buf = value.clone()
+        self._broadcast_tensor(buf, group_rank)
+        return float(buf)

@@ -1,0 +1,371 @@
+"""Pipeline parallelism across real processes (gloo, CPU): pipelined training must take exactly
+the optimizer steps of the single-process run, and every rank's replica must stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import tiny_model
+
+from bdh_train.distributed.pipeline import (
+    BDHStage,
+    PipelineRunner,
+    check_batch_size,
+    check_pipeline_config,
+)
+from bdh_train.distributed.planner import PipelinePlan, build_pipeline_plan
+from bdh_train.errors import ConfigError, DataError
+from bdh_train.train.batch import IGNORE_INDEX, SequenceBatch
+
+WORLD = 2
+N_LAYER = 4
+MICROBATCHES = 4
+BATCH, BLOCK = 8, 6
+STEPS = 3
+JOIN_TIMEOUT_S = 45.0
+LR = 1e-2
+
+
+# ------------------------------------------------------------------ multi-process helper
+def _free_port() -> int:
+    """A port the OS just handed out; the race until gloo binds it is acceptable in tests."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    fn: Callable[..., Any],
+    world: int,
+    port: int,
+    out_dir: str,
+    args: tuple[Any, ...],
+) -> None:
+    """One process: join the gloo group, run fn, save its result (or traceback) to a file."""
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
+        )
+        result = fn(rank, world, *args)
+        torch.save(result, out / f"rank{rank}.pt")
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_multiprocess(
+    fn: Callable[..., Any],
+    out_dir: Path,
+    *args: Any,
+    world: int = WORLD,
+    timeout: float = JOIN_TIMEOUT_S,
+) -> list[Any]:
+    """Run fn(rank, world, *args) in `world` spawned gloo processes; return results by rank.
+
+    A hung or failed worker fails the test within `timeout`: the survivors are terminated,
+    then killed, so no process outlives the test.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.start_processes(
+        _worker,
+        args=(fn, world, _free_port(), str(out_dir), args),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                errors = [p.read_text() for p in sorted(out_dir.glob("rank*.err"))]
+                raise TimeoutError(
+                    f"pipeline workers did not finish within {timeout:.0f} s\n" + "\n".join(errors)
+                )
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+# ------------------------------------------------------------------ shared data
+def _batch(step: int) -> SequenceBatch:
+    """Deterministic batch per step, with ignored targets so the global count matters.
+
+    The last step changes the batch shape, which makes the runner rebuild its stages (torch
+    shapes the send/recv buffers on the first step).
+    """
+    rows, block = (BATCH, BLOCK) if step < STEPS - 1 else (MICROBATCHES, BLOCK - 1)
+    gen = torch.Generator().manual_seed(100 + step)
+    inputs = torch.randint(0, 32, (rows, block), generator=gen)
+    targets = torch.randint(0, 32, (rows, block), generator=gen)
+    targets[step % rows, : step + 2] = IGNORE_INDEX
+    targets[-1, -1] = IGNORE_INDEX
+    return SequenceBatch(inputs, targets)
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _reference_run() -> dict[str, Any]:
+    """The single-process run: full model, mean loss over the whole batch."""
+    model = tiny_model(torch.float64, seed=0, n_layer=N_LAYER)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    snaps, losses = [], []
+    for step in range(STEPS):
+        batch = _batch(step)
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(batch.inputs, batch.targets)
+        loss.backward()
+        opt.step()
+        snaps.append(_snapshot(model))
+        losses.append(loss.item())
+    eval_batch = _batch(0)
+    with torch.no_grad():
+        hidden = model.forward_hidden(eval_batch.inputs)
+        eval_sum = model.loss_from_hidden(hidden, eval_batch.targets, reduction="sum").item()
+    return {"snaps": snaps, "losses": losses, "eval": (eval_sum, eval_batch.counted_tokens())}
+
+
+def _train_worker(rank: int, world: int, schedule: str, virtual: int) -> dict[str, Any]:
+    """One pipeline rank: STEPS AdamW steps, recording which layers this process ran."""
+    model = tiny_model(torch.float64, seed=0, n_layer=N_LAYER)
+    ran_layers: set[int] = set()
+    layer = model.layer
+
+    def recording_layer(u: torch.Tensor, layer_index: int, *args: Any, **kwargs: Any):
+        ran_layers.add(layer_index)
+        return layer(u, layer_index, *args, **kwargs)
+
+    model.layer = recording_layer  # type: ignore[method-assign]
+    plan = build_pipeline_plan(N_LAYER, world, virtual, MICROBATCHES, schedule)
+    runner = PipelineRunner(model, plan, rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    snaps, losses = [], []
+    for step in range(STEPS):
+        losses.append(runner.train_step(_batch(step)))
+        opt.step()
+        snaps.append(_snapshot(model))
+    layers_run = sorted(ran_layers)
+    return {
+        "snaps": snaps,
+        "losses": losses,
+        "eval": runner.eval_loss(_batch(0)),
+        "layers_run": layers_run,
+        "stages": len(runner.stages),
+    }
+
+
+# ------------------------------------------------------------------ multi-process tests
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("schedule", "virtual"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+)
+def test_pipeline_matches_single_process(schedule: str, virtual: int, tmp_path: Path) -> None:
+    """Pipelined AdamW steps equal the single-process ones; replicas stay bit-identical."""
+    results = run_multiprocess(_train_worker, tmp_path, schedule, virtual)
+    ref = _reference_run()
+    plan = build_pipeline_plan(N_LAYER, WORLD, virtual, MICROBATCHES, schedule)
+    for rank, result in enumerate(results):
+        # A real pipeline: each process ran only the layers of its own virtual stages.
+        own = sorted(i for a in plan.assignments_for_rank(rank) for i in a.layer_range)
+        assert result["layers_run"] == own
+        assert result["stages"] == virtual
+        assert result["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert result["eval"] == pytest.approx(ref["eval"], rel=1e-5)
+    for step in range(STEPS):
+        rank0, rank1 = (r["snaps"][step] for r in results)
+        for name, expected in ref["snaps"][step].items():
+            # Shared weights (encoder, encoder_v, decoder) and all others: one identical step.
+            assert torch.equal(rank0[name], rank1[name]), f"step {step}: {name} differs"
+            torch.testing.assert_close(
+                rank0[name], expected, rtol=1e-5, atol=1e-8, msg=f"step {step}: {name}"
+            )
+    assert results[0]["losses"] == results[1]["losses"]
+    assert results[0]["eval"] == results[1]["eval"]
+
+
+def _mismatch_worker(rank: int, world: int) -> str:
+    """Rank 1 passes a shorter batch: both ranks must refuse it instead of hanging."""
+    model = tiny_model(torch.float64, seed=0, n_layer=N_LAYER)
+    runner = PipelineRunner(model, build_pipeline_plan(N_LAYER, world, 1, 4, "1f1b"), rank)
+    batch = _batch(0)
+    if rank == 1:
+        batch = batch.time_slice(0, BLOCK - 1)
+    try:
+        runner.train_step(batch)
+    except DataError as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_ranks_with_different_batches_refuse_together(tmp_path: Path) -> None:
+    messages = run_multiprocess(_mismatch_worker, tmp_path)
+    for message in messages:
+        assert "every rank of a pipeline must pass the same batch" in message
+
+
+def _hang_worker(rank: int, world: int) -> None:
+    """Rank 0 never reaches the barrier: the shape of a pipeline deadlock."""
+    if rank == 0:
+        time.sleep(600)
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_helper_fails_fast_on_a_hang_and_leaves_no_process(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish"):
+        run_multiprocess(_hang_worker, tmp_path, timeout=5.0)
+    assert time.monotonic() - start < 30
+    for pid_file in tmp_path.glob("rank*.pid"):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), 0)
+
+
+# ------------------------------------------------------------------ in-process tests
+def test_stages_compose_to_the_full_forward() -> None:
+    """Chaining the stages of a plan gives the model's own hidden states."""
+    model = tiny_model(torch.float64, seed=3, n_layer=N_LAYER)
+    plan = build_pipeline_plan(N_LAYER, 2, 2, MICROBATCHES, "interleaved_1f1b")
+    idx = _batch(0).inputs
+    x: torch.Tensor = idx
+    for a in plan.assignments:
+        x = BDHStage(model, a.layer_range, is_first=a.virtual_stage_id == 0)(x)
+    torch.testing.assert_close(x, model.forward_hidden(idx), rtol=0, atol=1e-12)
+
+
+def _plan(schedule: str = "1f1b", virtual: int = 1, microbatches: int = 4) -> PipelinePlan:
+    return build_pipeline_plan(N_LAYER, 2, virtual, microbatches, schedule)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(tbptt_chunk_size=2), "training.tbptt_chunk_size"),
+        (dict(persist_across_steps=True), "training.tbptt_persist_across_steps"),
+    ],
+)
+def test_runner_refuses_carried_state(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        PipelineRunner(tiny_model(n_layer=N_LAYER), _plan(), 0, **kwargs)
+
+
+def test_runner_refuses_more_virtual_stages_than_layers() -> None:
+    plan = _plan("interleaved_1f1b", virtual=2)
+    with pytest.raises(ConfigError, match="model.n_layer.*parallel.virtual_stages_per_rank"):
+        PipelineRunner(tiny_model(n_layer=3), plan, 0)
+    with pytest.raises(ConfigError, match="model.n_layer"):
+        build_pipeline_plan(3, 2, 2, 4, "interleaved_1f1b")
+
+
+@pytest.mark.parametrize(("schedule", "virtual"), [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_runner_refuses_fewer_microbatches_than_stages(schedule: str, virtual: int) -> None:
+    # The planner refuses too; a hand-made plan must not slip past the runner.
+    with pytest.raises(ConfigError, match="parallel.microbatches"):
+        build_pipeline_plan(N_LAYER, 2, virtual, 1, schedule)
+    plan = replace(_plan(schedule, virtual), microbatches=1)
+    with pytest.raises(ConfigError, match="parallel.microbatches.*parallel.pipeline_stages"):
+        PipelineRunner(tiny_model(n_layer=N_LAYER), plan, 0)
+
+
+def test_runner_refuses_incomplete_interleaved_rounds() -> None:
+    plan = _plan("interleaved_1f1b", virtual=2, microbatches=5)
+    with pytest.raises(ConfigError, match="parallel.microbatches=5 must be a multiple"):
+        PipelineRunner(tiny_model(n_layer=N_LAYER), plan, 0)
+
+
+def test_runner_refuses_virtual_stages_without_interleaving() -> None:
+    plan = _plan("gpipe", virtual=2)
+    with pytest.raises(ConfigError, match="parallel.virtual_stages_per_rank=2 needs"):
+        PipelineRunner(tiny_model(n_layer=N_LAYER), plan, 0)
+
+
+def test_batch_size_must_split_into_equal_microbatches() -> None:
+    with pytest.raises(ConfigError, match="training.batch_size=6 .*parallel.microbatches=4"):
+        check_batch_size(6, 4)
+    with pytest.raises(ConfigError, match="training.batch_size=2"):
+        check_pipeline_config(N_LAYER, _plan(), batch_size=2)
+    check_pipeline_config(N_LAYER, _plan(), batch_size=8)
+
+
+def test_runner_needs_a_process_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialized in this process")
+    with pytest.raises(ConfigError, match="process group"):
+        PipelineRunner(tiny_model(n_layer=N_LAYER), _plan(), 0)
+
+
+@pytest.fixture
+def single_process_group(tmp_path: Path):
+    """A world-size-1 gloo group in this process, destroyed even when the test fails."""
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialized in this process")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path / 'store'}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_runner_refuses_group_size_mismatch(single_process_group: None) -> None:
+    with pytest.raises(ConfigError, match="parallel.pipeline_stages=2 must equal"):
+        PipelineRunner(tiny_model(n_layer=N_LAYER), _plan(), 0)
+
+
+@pytest.mark.timeout(90)
+def test_single_stage_runner(single_process_group: None) -> None:
+    """One stage: the schedule degenerates to microbatched accumulation and must equal the
+    full-batch mean-loss gradient; an indivisible batch is refused before any traffic."""
+    model = tiny_model(torch.float64, seed=0, n_layer=N_LAYER)
+    reference = tiny_model(torch.float64, seed=0, n_layer=N_LAYER)
+    runner = PipelineRunner(model, build_pipeline_plan(N_LAYER, 1, 1, MICROBATCHES, "gpipe"), 0)
+    batch = _batch(0)
+    loss = runner.train_step(batch)
+    _, ref_loss = reference(batch.inputs, batch.targets)
+    ref_loss.backward()
+    assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
+    for (name, p), ref_p in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, ref_p.grad, rtol=1e-5, atol=1e-10, msg=name)
+    with pytest.raises(ConfigError, match="training.batch_size=6"):
+        runner.train_step(batch.rows(0, 6))

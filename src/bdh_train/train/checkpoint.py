@@ -28,8 +28,9 @@ LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 
 
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:07d}"
+def checkpoint_name(step: int, micro: int = 0) -> str:
+    """step-0000010, or step-0000010-m01 for one taken 1 micro-step into step 11's window."""
+    return f"step-{step:07d}" + (f"-m{micro:02d}" if micro else "")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -42,7 +43,7 @@ def _fsync_dir(path: Path) -> None:
 
 def save_checkpoint(
     run_dir: Path,
-    step: int,
+    name: str,
     write: Callable[[Path], None],
     keep: int = 0,
     before_rename: Callable[[Path], None] | None = None,
@@ -54,7 +55,7 @@ def save_checkpoint(
     """
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
-    final = root / checkpoint_name(step)
+    final = root / name
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
     try:
         write(tmp)
@@ -63,7 +64,7 @@ def save_checkpoint(
                 os.fsync(handle.fileno())
         if before_rename is not None:
             before_rename(tmp)
-        if final.exists():  # a re-save of the same step (e.g. after resume): replace it
+        if final.exists():  # a re-save of the same point (e.g. after resume): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)

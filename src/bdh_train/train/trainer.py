@@ -24,9 +24,10 @@ from bdh_train.config import RunConfig, dump_toml, save_config
 from bdh_train.data import RandomWindowLoader, StreamingDocumentLoader, eval_batches, load_splits
 from bdh_train.data.tokenizer import ByteTokenizer
 from bdh_train.distributed.env import DistContext
+from bdh_train.distributed.pipeline import PipelineRunner
 from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.distributed.reduce import all_reduce_accumulated
-from bdh_train.errors import BDHTrainError, CheckpointError
+from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
 from bdh_train.model import BDH, groups
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.accumulate import WeightedGradientAccumulator, write_to_params
@@ -145,11 +146,9 @@ class Trainer:
         self.fresh_params: list[str] = []
         if cfg.checkpoint.init_from and not resume:
             self.fresh_params = init_weights_from(self.model, cfg, cfg.checkpoint.init_from)
-        self.loader = self._make_loader()
-        self.optimizer = self._make_optimizer()
         plan = None
         p = cfg.parallel
-        if p.pipeline_stages > 1 and p.emulate:
+        if p.pipeline_stages > 1:
             plan = build_pipeline_plan(
                 cfg.model.n_layer,
                 p.pipeline_stages,
@@ -157,6 +156,25 @@ class Trainer:
                 p.microbatches,
                 p.schedule,
             )
+        self.pipeline: PipelineRunner | None = None
+        if plan is not None and not p.emulate:
+            if self.dist.world_size != p.pipeline_stages:
+                raise ConfigError(
+                    f"parallel.pipeline_stages={p.pipeline_stages} needs exactly that many "
+                    f"processes (torchrun --nproc-per-node {p.pipeline_stages}), got "
+                    f"{self.dist.world_size}; or set parallel.emulate=true to run the plan's "
+                    "microbatches in one process"
+                )
+            self.pipeline = PipelineRunner(
+                self.model,
+                plan,
+                self.dist.rank,
+                tbptt_chunk_size=t.tbptt_chunk_size,
+                persist_across_steps=t.streaming,
+            )
+            plan = None  # the runner executes it; the step object does not emulate it
+        self.loader = self._make_loader()
+        self.optimizer = self._make_optimizer()
         self.profiler = StepProfiler(self.device) if t.profile else None
         self.step_model = LanguageTrainModel(
             self.model,
@@ -193,7 +211,11 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _make_loader(self) -> RandomWindowLoader | StreamingDocumentLoader:
+        """Data-parallel ranks take their rows of the global batch; pipeline ranks all see it."""
         t = self.cfg.training
+        rank, world = (
+            (0, 1) if self.pipeline is not None else (self.dist.rank, self.dist.world_size)
+        )
         if t.streaming:
             return StreamingDocumentLoader(
                 self.train_data,
@@ -201,16 +223,16 @@ class Trainer:
                 t.batch_size,
                 t.logical_block_size,
                 t.seed,
-                self.dist.rank,
-                self.dist.world_size,
+                rank,
+                world,
             )
         return RandomWindowLoader(
             self.train_data,
             t.block_size,
             t.batch_size,
             t.seed,
-            self.dist.rank,
-            self.dist.world_size,
+            rank,
+            world,
             micro_per_step=self.accum_steps,
         )
 
@@ -297,16 +319,20 @@ class Trainer:
     def _micro_step(self) -> None:
         batch = self.loader.next_batch().to(self.device)
         self.model.zero_grad(set_to_none=True)
-        out = self.step_model.compute_gradients(batch)
-        self.accumulator.accumulate_mean(None, weight=out.counted)
-        self.window_loss += float(out.loss) * out.counted
-        self.window_count += out.counted
+        if self.pipeline is not None:  # gradients come back already summed over the stages
+            loss, counted = self.pipeline.train_step(batch), batch.counted_tokens()
+        else:
+            out = self.step_model.compute_gradients(batch)
+            loss, counted = float(out.loss), out.counted
+        self.accumulator.accumulate_mean(None, weight=counted)
+        self.window_loss += loss * counted
+        self.window_count += counted
         self.micro += 1
 
     def _optimizer_step(self) -> dict[str, Any]:
         """Close the window: reduce, schedule, clip, step (or skip a non-finite step)."""
         loss_sum, count = self.window_loss, self.window_count
-        if self.dist.active:
+        if self.dist.active and self.pipeline is None:
             result = self.accumulator.finish_sums()
             grads = all_reduce_accumulated(result, self.model.named_parameters())
             totals = torch.tensor([loss_sum, count], dtype=torch.float64)
@@ -361,8 +387,12 @@ class Trainer:
         total, count = 0.0, 0.0
         for batch in eval_batches(self.val_data, t.block_size, t.batch_size, t.eval_steps):
             batch = batch.to(self.device)
-            n = batch.counted_tokens()
-            total += float(self.step_model.valid_step(batch)) * n
+            if self.pipeline is not None:
+                loss_sum, n = self.pipeline.eval_loss(batch)
+            else:
+                n = batch.counted_tokens()
+                loss_sum = float(self.step_model.valid_step(batch)) * n
+            total += loss_sum
             count += n
         val_loss = total / max(count, 1.0)
         row: dict[str, Any] = {"step": self.step, "val_loss": val_loss}
@@ -440,7 +470,11 @@ class Trainer:
                 (directory / CONFIG_FILE).write_text(dump_toml(self.cfg))
 
             path = ckpt.save_checkpoint(
-                self.run_dir, self.step, write, self.cfg.training.keep_checkpoints, before_rename
+                self.run_dir,
+                ckpt.checkpoint_name(self.step, self.micro),
+                write,
+                self.cfg.training.keep_checkpoints,
+                before_rename,
             )
         self.dist.barrier()
         return path if path is not None else self.run_dir / ckpt.CHECKPOINTS

@@ -1,0 +1,297 @@
+"""The training loop end to end on micro configs (issue 7): bit-exact resume (also from the
+middle of an accumulation window), crash-safe checkpoints, non-finite steps, DDP == 1 process."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bdh_train.config import load_config
+from bdh_train.train import checkpoint as ckpt
+from bdh_train.train.metrics import read_metrics
+from bdh_train.train.step import LanguageTrainModel
+from bdh_train.train.trainer import Trainer, TrainingDiverged
+
+MICRO = [
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.mlp_internal_dim_multiplier=4",
+    "model.dropout=0.1",
+    "training.block_size=16",
+    "training.batch_size=4",
+    "training.log_every=1",
+    "training.eval_every=5",
+    "training.eval_steps=2",
+    "training.checkpoint_every=5",
+    "training.keep_checkpoints=0",
+    "training.max_steps=20",
+    "optimizer.warmup_steps=3",
+    "optimizer.schedule='cosine'",
+    "optimizer.min_lr=1e-4",
+]
+RANDOM_ACCUM = [*MICRO, "training.gradient_accumulation_steps=3"]
+STREAMING_TBPTT = [
+    *MICRO,
+    "training.block_size=8",
+    "training.tbptt_chunk_size=3",
+    "training.tbptt_backprop_chunks=2",
+    "training.tbptt_persist_across_steps=true",
+    "training.min_logical_block_size=32",
+    "training.gradient_accumulation_steps=2",
+]
+DETERMINISTIC = ("step", "tokens", "loss", "lr", "grad_norm", "val_loss", "bits_per_byte")
+
+
+def params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt.resolve_checkpoint(run_dir) / ckpt.MODEL_FILE))
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    return [
+        {k: v for k, v in r.items() if k in DETERMINISTIC}
+        for r in read_metrics(run_dir / "metrics.jsonl")
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides", [RANDOM_ACCUM, STREAMING_TBPTT], ids=["random-windows-accum3", "streaming-tbptt"]
+)
+@pytest.mark.parametrize("stop_micro", [None, 1], ids=["at-step-boundary", "mid-window"])
+def test_resume_is_bit_exact(tmp_path, overrides, stop_micro):
+    cfg = load_config(overrides=overrides)
+    accum = cfg.training.accumulation_steps
+    whole = tmp_path / "whole"
+    Trainer(cfg, whole, stream=io.StringIO()).run()
+
+    split = tmp_path / "split"
+    stop_after = 10 * accum + (stop_micro or 0)
+    first = Trainer(load_config(overrides=overrides), split, stream=io.StringIO())
+    result = first.run(stop_after_micro_steps=stop_after)
+    assert result.stopped_early and first.step == 10 and first.micro == (stop_micro or 0)
+    if stop_micro:
+        assert result.checkpoint.name == "step-0000010-m01"
+        assert first.accumulator.state.microbatches == 1  # the window really was open
+    Trainer(load_config(overrides=overrides), split, resume=True, stream=io.StringIO()).run()
+
+    a, b = params(whole), params(split)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert metric_rows(whole) == metric_rows(split)
+    assert len(metric_rows(whole)) == 20 + 4  # 20 train rows, evals at 5, 10, 15, 20
+
+
+def test_crash_during_checkpoint_leaves_previous_one_loadable(tmp_path):
+    """SIGKILL between the complete temporary write and the rename."""
+    run_dir = tmp_path / "run"
+    script = textwrap.dedent(f"""
+        import io, os, signal
+        from bdh_train.config import load_config
+        from bdh_train.train.trainer import Trainer
+        t = Trainer(load_config(overrides={MICRO!r}), {str(run_dir)!r}, stream=io.StringIO())
+        t.run(stop_after_micro_steps=3)               # checkpoint step-0000003
+        t.run(stop_after_micro_steps=2)               # train on to step 5 ...
+        t.save_checkpoint(before_rename=lambda tmp: os.kill(os.getpid(), signal.SIGKILL))
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -9, proc.stderr
+    latest = ckpt.resolve_checkpoint(run_dir)
+    assert latest.name == "step-0000005"  # the completed stop-checkpoint, not the killed one
+    leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    assert leftovers, "the killed save should have left only its hidden temporary directory"
+    resumed = Trainer(load_config(overrides=MICRO), run_dir, resume=True, stream=io.StringIO())
+    assert resumed.step == 5
+
+
+def test_failed_save_keeps_pointer_and_cleans_up(tmp_path):
+    t = Trainer(load_config(overrides=MICRO), tmp_path, stream=io.StringIO())
+    t.run(stop_after_micro_steps=2)
+
+    def boom(_tmp):
+        raise OSError("disk full")
+
+    t.step += 1
+    with pytest.raises(OSError, match="disk full"):
+        t.save_checkpoint(before_rename=boom)
+    assert ckpt.resolve_checkpoint(tmp_path).name == "step-0000002"
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
+    overrides = [
+        *MICRO,
+        "training.max_consecutive_skips=2",
+        "training.checkpoint_every=2",
+        "training.eval_every=0",
+    ]
+    t = Trainer(load_config(overrides=overrides), tmp_path, stream=io.StringIO())
+    original = LanguageTrainModel.compute_gradients
+
+    def poisoned(self, batch, loss_scale=1.0):
+        out = original(self, batch, loss_scale)
+        if t.step >= 4:
+            self.model.encoder.grad.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(LanguageTrainModel, "compute_gradients", poisoned)
+    with pytest.raises(TrainingDiverged, match="3 consecutive steps had a non-finite"):
+        t.run()
+    assert t.step == 6  # steps 5 and 6 skipped and counted, the 7th aborts
+    good = ckpt.resolve_checkpoint(tmp_path)
+    assert good.name == "step-0000006"
+    weights = load_file(str(good / ckpt.MODEL_FILE))
+    assert all(torch.isfinite(v).all() for v in weights.values())
+    four = load_file(str(tmp_path / "checkpoints/step-0000004" / ckpt.MODEL_FILE))
+    assert all(torch.equal(four[k], weights[k]) for k in four)  # skipped steps changed nothing
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_ddp_two_processes_equal_one_process(tmp_path):
+    overrides = [
+        *MICRO,
+        "model.dropout=0.0",
+        "training.max_steps=5",
+        "training.gradient_accumulation_steps=2",
+        "training.checkpoint_every=5",
+        "training.eval_every=0",
+    ]
+    sets = [a for o in overrides for a in ("--set", o)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run(
+        [sys.executable, "-m", "bdh_train", "train", "--run-dir", str(tmp_path / "one"), *sets],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+    )
+    assert one.returncode == 0, one.stderr
+    torchrun = Path(sys.executable).with_name("torchrun")
+    two = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "bdh_train",
+            "train",
+            "--run-dir",
+            str(tmp_path / "two"),
+            *sets,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = params(tmp_path / "one"), params(tmp_path / "two")
+    for name in a:
+        err = ((a[name] - b[name]).norm() / a[name].norm()).item()
+        assert err < 1e-5, f"{name}: relative difference {err:.2e} (tol 1e-5)"
+    rows_one, rows_two = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "two")
+    assert [r["tokens"] for r in rows_one] == [r["tokens"] for r in rows_two]
+    for r1, r2 in zip(rows_one, rows_two, strict=True):
+        assert abs(r1["loss"] - r2["loss"]) < 1e-5 * abs(r1["loss"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_torchrun_pipeline_training_equals_one_process(tmp_path, schedule):
+    """`torchrun --nproc-per-node 2 -m bdh_train train --set parallel.pipeline_stages=2`."""
+    overrides = [
+        *MICRO,
+        "model.dropout=0.0",
+        "model.n_layer=4",
+        "training.max_steps=3",
+        "training.gradient_accumulation_steps=2",
+        "training.checkpoint_every=3",
+        "training.eval_every=3",
+    ]
+    sets = [a for o in overrides for a in ("--set", o)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run(
+        [sys.executable, "-m", "bdh_train", "train", "--run-dir", str(tmp_path / "one"), *sets],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+    )
+    assert one.returncode == 0, one.stderr
+    torchrun = Path(sys.executable).with_name("torchrun")
+    pipe = [
+        "--set",
+        "parallel.pipeline_stages=2",
+        "--set",
+        "parallel.microbatches=2",
+        "--set",
+        f"parallel.schedule='{schedule}'",
+    ]
+    two = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "bdh_train",
+            "train",
+            "--run-dir",
+            str(tmp_path / "two"),
+            *sets,
+            *pipe,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = params(tmp_path / "one"), params(tmp_path / "two")
+    for name in a:
+        err = ((a[name] - b[name]).norm() / a[name].norm()).item()
+        assert err < 1e-5, f"{name}: relative difference {err:.2e} (tol 1e-5)"
+    val_one = [r["val_loss"] for r in metric_rows(tmp_path / "one") if "val_loss" in r]
+    val_two = [r["val_loss"] for r in metric_rows(tmp_path / "two") if "val_loss" in r]
+    assert abs(val_one[0] - val_two[0]) < 1e-5 * val_one[0]
+
+
+def test_pipeline_without_enough_processes_is_refused(tmp_path):
+    from bdh_train.errors import ConfigError
+
+    cfg = load_config(overrides=[*MICRO, "parallel.pipeline_stages=2", "parallel.microbatches=2"])
+    with pytest.raises(ConfigError, match="needs exactly that many processes"):
+        Trainer(cfg, tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_emulated_pipeline_trains_in_one_process(tmp_path):
+    cfg = load_config(
+        overrides=[
+            *MICRO,
+            "model.dropout=0.0",
+            "parallel.pipeline_stages=2",
+            "parallel.microbatches=2",
+            "parallel.emulate=true",
+            "training.max_steps=2",
+        ]
+    )
+    reference = load_config(overrides=[*MICRO, "model.dropout=0.0", "training.max_steps=2"])
+    Trainer(cfg, tmp_path / "emu", stream=io.StringIO()).run()
+    Trainer(reference, tmp_path / "ref", stream=io.StringIO()).run()
+    a, b = params(tmp_path / "emu"), params(tmp_path / "ref")
+    for name in a:
+        assert ((a[name] - b[name]).norm() / b[name].norm()).item() < 1e-5, name

@@ -136,7 +136,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _load_checkpoint_model(path: str):
-    import torch
     from safetensors import safe_open
 
     from bdh_train.model import BDH, BDHConfig
@@ -152,7 +151,6 @@ def _load_checkpoint_model(path: str):
         )
     model = BDH(BDHConfig.from_dict(json.loads(meta["bdh_config"])))
     ckpt.load_into_model(model, ckpt.load_model_weights(directory), directory)
-    torch.set_grad_enabled(False)
     return model.eval(), directory
 
 

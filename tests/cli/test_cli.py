@@ -1,0 +1,222 @@
+"""The command line as a user meets it (issue 7): the default run, generate/eval on its
+checkpoint, and every bad input answered with one message, exit status 2, and nothing in the
+run directory but the error log."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bdh_train.cli import main
+from bdh_train.data import write_token_file
+
+MICRO = [
+    "--set",
+    "model.n_layer=2",
+    "--set",
+    "model.n_embd=32",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "model.mlp_internal_dim_multiplier=4",
+    "--set",
+    "training.block_size=16",
+    "--set",
+    "training.batch_size=4",
+    "--set",
+    "training.max_steps=3",
+    "--set",
+    "training.eval_every=3",
+    "--set",
+    "training.checkpoint_every=3",
+]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("bdh-train")), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+@pytest.mark.slow
+def test_default_train_then_generate_and_eval(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "--run-dir", str(run_dir), "--set", "training.max_steps=30")
+    assert proc.returncode == 0, proc.stderr
+    assert "--- sample" in proc.stdout
+    for name in ("config.toml", "metrics.jsonl", "loss.png", "checkpoints/latest"):
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "checkpoints/step-0000030/model.safetensors").is_file()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert train_rows[-1]["step"] == 30
+    assert set(train_rows[0]) == {
+        "step",
+        "tokens",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "elapsed_s",
+    }
+    assert any("val_loss" in r and "bits_per_byte" in r for r in rows)
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+
+    gen = run_cli(
+        "generate",
+        "--checkpoint",
+        str(run_dir),
+        "--prompt",
+        "def ",
+        "--max-new-tokens",
+        "20",
+        "--seed",
+        "1",
+    )
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("def ") and len(gen.stdout.encode()) >= 20
+
+    ev = run_cli("eval", "--checkpoint", str(run_dir), "--batches", "2")
+    assert ev.returncode == 0, ev.stderr
+    result = json.loads(ev.stdout)
+    assert result["val_loss"] > 0
+    assert abs(result["bits_per_byte"] - result["val_loss"] / np.log(2)) < 1e-9
+
+
+def test_generate_is_deterministic_for_a_seed(tmp_path, capsys):
+    assert main(["train", "--run-dir", str(tmp_path), *MICRO]) == 0
+    capsys.readouterr()
+    args = ["generate", "--checkpoint", str(tmp_path), "--max-new-tokens", "12", "--seed", "3"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_config_show_prints_the_resolved_config(capsys):
+    assert main(["config", "--show", "--set", "training.max_steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert "max_steps = 7" in out and "[model]" in out and 'source = "builtin:pydoc"' in out
+
+
+def test_plan_prints_timeline_and_png(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    assert (
+        main(["plan", "--layers", "4", "--stages", "2", "--microbatches", "4", "--png", str(png)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "stage 0  F0 F1 F2 F3 .  .  B0 B1 B2 B3" in out
+    assert "bubble fraction: 0.200" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_bad_argument_names_the_field(capsys):
+    assert main(["plan", "--layers", "2", "--stages", "4", "--microbatches", "4"]) == 2
+    assert "model.n_layer" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- bad input
+def _bad_sources(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    big_ids = tmp_path / "ids.bin"
+    write_token_file(big_ids, np.array([1, 2, 300, 4] * 50), vocab_size=512)
+    no_txt = tmp_path / "no_txt"
+    no_txt.mkdir()
+    return {
+        "missing": (str(tmp_path / "nope.txt"), "does not exist"),
+        "empty": (str(empty), "is empty"),
+        "short": (str(short), "fewer than"),
+        "ids": (str(big_ids), "300"),
+        "no-txt-dir": (str(no_txt), ".txt"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "short", "ids", "no-txt-dir"])
+def test_bad_data_is_one_message_and_nothing_written(tmp_path, capsys, case):
+    source, expected = _bad_sources(tmp_path)[case]
+    run_dir = tmp_path / "run"
+    code = main(["train", "--run-dir", str(run_dir), *MICRO, "--set", f"data.source='{source}'"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and expected in err and err.count("\n") == 1
+    assert "Traceback" not in err
+    assert sorted(p.name for p in run_dir.iterdir()) == ["error.log"]
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("training.blok_size=3", "unknown key training.blok_size (did you mean 'block_size'?)"),
+        ("training.block_size=-3", "training.block_size must be a positive integer, got -3"),
+        ("model.position=sinusoidal", "model.position must be one of 'rope', 'alibi'"),
+        ("optimizer.lr=0", "optimizer.lr"),
+        ("training.tbptt_chunk_size=64", "training.tbptt_chunk_size must be 0 (off) or less than"),
+    ],
+)
+def test_bad_config_is_one_message_and_nothing_written(tmp_path, capsys, override, expected):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run_dir), *MICRO, "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert sorted(p.name for p in run_dir.iterdir()) == ["error.log"]
+    assert expected in (run_dir / "error.log").read_text()
+
+
+def test_bad_toml_file_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nblock_size = = 3\n")
+    assert main(["train", "--run-dir", str(tmp_path / "run"), "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.toml" in err and "line 2" in err
+
+
+def test_resume_into_an_incompatible_model_is_refused(tmp_path, capsys):
+    assert main(["train", "--run-dir", str(tmp_path), *MICRO]) == 0
+    capsys.readouterr()
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    code = main(
+        [
+            "train",
+            "--resume",
+            str(tmp_path),
+            "--set",
+            "model.n_embd=64",
+            "--set",
+            "training.max_steps=6",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "does not fit this model" in err and "encoder" in err
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+def test_resume_of_a_directory_that_is_not_a_run(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "config.toml does not exist" in capsys.readouterr().err
+
+
+def test_generate_from_missing_checkpoint(tmp_path, capsys):
+    assert main(["generate", "--checkpoint", str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_plot_redraws_loss_png(tmp_path, capsys):
+    assert main(["train", "--run-dir", str(tmp_path), *MICRO]) == 0
+    (tmp_path / "loss.png").unlink()
+    assert main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"

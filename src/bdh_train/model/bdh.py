@@ -6,7 +6,9 @@ repeat n_layer times with THE SAME weights:
     a  = norm(mixer(q = x, v = u, rho_l))  linear attention over the carried state
     y  = dropout(x * relu(a @ encoder_v))
     u  = norm(u + norm(y @ decoder))
-logits = u @ lm_head
+logits = u @ lm_head                   (or the NCA factorized head's loss, spec §8)
+
+Quantization-aware training (spec §9) hooks in at `_project`; the head loss lives in heads.py.
 """
 
 from __future__ import annotations
@@ -18,10 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from bdh_train.model.config import BDHConfig
+from bdh_train.model.heads import (
+    head_parameter_shapes,
+    nca_factorized_loss,
+    token_cross_entropy,
+)
 from bdh_train.model.mixer import linear_attention
 from bdh_train.model.positions import alibi_log_decay, apply_rope, rope_cos_sin
+from bdh_train.model.quant import LowBitQuantizer
 from bdh_train.model.state import ModelState
-from bdh_train.train.batch import IGNORE_INDEX
 
 LN_EPS = 1e-5
 
@@ -36,13 +43,17 @@ class BDH(nn.Module):
         self.encoder = nn.Parameter(torch.empty(h, d, n))
         self.encoder_v = nn.Parameter(torch.empty(h, d, n))
         self.decoder = nn.Parameter(torch.empty(h * n, d))
-        self.lm_head = nn.Parameter(torch.empty(d, c.vocab_size))
+        # lm_head [D, V] for the token head; nca_lm_head (+ nca_special_head) for the NCA head
+        for name, shape in head_parameter_shapes(c).items():
+            self.register_parameter(name, nn.Parameter(torch.empty(shape)))
         self.norm = nn.LayerNorm(d, eps=LN_EPS) if c.norm == "layernorm_affine" else None
+        self.quantizer = LowBitQuantizer(c.quant) if c.quant.enable else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Official init: every weight N(0, 0.02); the shared affine norm starts as identity."""
-        for p in (self.embed.weight, self.encoder, self.encoder_v, self.decoder, self.lm_head):
+        heads = [getattr(self, name) for name in head_parameter_shapes(self.config)]
+        for p in (self.embed.weight, self.encoder, self.encoder_v, self.decoder, *heads):
             nn.init.normal_(p, std=0.02)
         if self.norm is not None:
             self.norm.reset_parameters()
@@ -54,11 +65,25 @@ class BDH(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), eps=LN_EPS)
 
     def _project(self, name: str, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """inputs @ weight for the three shared projections; the quantization hook (spec §9)."""
+        """inputs @ weight for the three shared projections; the quantization hook (spec §9).
+
+        `name` is the parameter's name ('encoder', 'encoder_v', 'decoder'); the quantizer maps
+        it to the paper's target names and quantizes only the targeted projections.
+        """
+        if self.quantizer is not None and self.quantizer.applies_to(name):
+            return self.quantizer.project(name, inputs, weight)
         return inputs @ weight
 
+    def set_quant_step(self, step: int) -> None:
+        """Training step for the quantization warm-up: lambda = min(1, step / warmup_steps).
+
+        Call it every step (and after resuming); a no-op for a float model.
+        """
+        if self.quantizer is not None:
+            self.quantizer.set_step(step)
+
     def init_state(self, batch_size: int) -> ModelState:
-        return ModelState(self.config.n_layer, batch_size, self.lm_head.device)
+        return ModelState(self.config.n_layer, batch_size, self.embed.weight.device)
 
     def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] -> normalized embeddings [B, T, D] (the first layer's input)."""
@@ -135,40 +160,37 @@ class BDH(nn.Module):
         return u.view(batch, seq_len, self.config.n_embd)
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Token logits [..., V]. The NCA head has none, so it cannot sample (generate) either."""
         if self.config.language_head.type != "token":
             raise ValueError(
-                f"the {self.config.language_head.type!r} head has no flat token logits; "
-                "use loss_from_hidden"
+                f"the {self.config.language_head.type!r} head has no flat token logits, so "
+                "logits and generation are unavailable; use loss_from_hidden"
             )
         return hidden @ self.lm_head
 
     def loss_from_hidden(
         self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
     ) -> torch.Tensor:
-        """Cross-entropy over counted targets (!= IGNORE_INDEX); reduction 'mean' or 'sum'."""
-        logits = self.logits_from_hidden(hidden)
-        return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(),
-            targets.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction=reduction,
-        )
+        """Loss over counted targets (!= IGNORE_INDEX); reduction 'mean' or 'sum'."""
+        head = self.config.language_head
+        if head.type == "nca_factorized_patch":
+            special = getattr(self, "nca_special_head", None)
+            return nca_factorized_loss(hidden, targets, self.nca_lm_head, special, head, reduction)
+        return token_cross_entropy(self.logits_from_hidden(hidden), targets, reduction)
 
     def forward(
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         state: ModelState | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits, mean loss or None). The NCA head has no logits: (None, loss)."""
         hidden = self.forward_hidden(idx, state)
+        if self.config.language_head.type != "token":
+            loss = None if targets is None else self.loss_from_hidden(hidden, targets)
+            return None, loss
         logits = self.logits_from_hidden(hidden)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]).float(),
-                targets.reshape(-1),
-                ignore_index=IGNORE_INDEX,
-            )
+        loss = None if targets is None else token_cross_entropy(logits, targets)
         return logits, loss
 
     # ---------------------------------------------------------------- generation

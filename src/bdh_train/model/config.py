@@ -58,6 +58,10 @@ class QuantConfig:
             )
         for t in self.target_modules:
             _check_choice(f"{prefix}.target_modules[]", t, QUANT_TARGETS)
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ConfigError(
+                f"{prefix}.target_modules lists a module twice, got {self.target_modules!r}"
+            )
         _check_choice(f"{prefix}.training_mode", self.training_mode, TRAINING_MODES)
         _check_choice(f"{prefix}.saved_activations", self.saved_activations, SAVED_ACTIVATIONS)
         if self.saved_activations != "none" and self.training_mode != "train_kernel":
@@ -91,8 +95,18 @@ class LanguageHeadConfig:
                 f"{prefix}.state_count must be an integer >= 2, got {self.state_count!r}"
             )
         _check_positive_int(f"{prefix}.patch_size", self.patch_size)
+        if not isinstance(self.frame_special_tokens, bool):
+            raise ConfigError(
+                f"{prefix}.frame_special_tokens must be true or false, "
+                f"got {self.frame_special_tokens!r}"
+            )
         if self.eos_id is not None:
             _check_nonneg_int(f"{prefix}.eos_id", self.eos_id)
+            if self.eos_id < self.patch_vocab:
+                raise ConfigError(
+                    f"{prefix}.eos_id must be >= the patch vocabulary {self.patch_vocab} "
+                    f"(ids 0..{self.patch_vocab - 1} are patches), got {self.eos_id}"
+                )
         needed = self.patch_vocab + len(self.special_tokens)
         if vocab_size < needed:
             raise ConfigError(
@@ -174,6 +188,17 @@ class BDHConfig:
         _check_choice(f"{prefix}.executor", self.executor, EXECUTORS)
         self.quant.validate(f"{prefix}.quant")
         self.language_head.validate(self.vocab_size, f"{prefix}.language_head")
+        q = self.quant
+        if q.enable and q.weight_format == "int8" and q.training_mode == "train_kernel":
+            # int8 x int8 products summed over K must fit the kernel's int32 accumulator
+            k_max = max(self.n_embd, self.n_head * self.n_neurons)
+            if 128 * 127 * k_max >= 2**31:
+                raise ConfigError(
+                    f"{prefix}.quant.weight_format='int8' with training_mode='train_kernel' "
+                    f"overflows the int32 accumulator for a contraction of {k_max} "
+                    "(n_head * n_neurons); use weight_format='ternary158' or "
+                    "training_mode='qat_ste'"
+                )
         if self.quant.enable and self.language_head.type != "token":
             raise ConfigError(
                 f"{prefix}.quant.enable=true is not supported with "

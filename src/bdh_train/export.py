@@ -1,0 +1,141 @@
+"""Ternary export: a BitNet-trained BDH as 2-bit packed weights in one safetensors file.
+
+Targeted projections (spec §9) are stored as their ternary codes, 4 per byte, plus one float32
+scale gamma each: 1/16 of their float32 size. Every other tensor (embedding, head, untargeted
+projections, norm) stays float. The BDHConfig rides along as JSON metadata, so the file alone
+rebuilds the model. Loading gives an inference model that runs the targeted projections as
+integer matmuls on the stored codes, with the same logits as the fake-quant model at lambda = 1
+(the export always uses full quantization, whatever the warm-up step).
+
+Packing: code c in {-1, 0, +1} is stored as c + 1 in 2 bits; element 4i + j of the flattened
+tensor occupies bits 2j..2j+1 of byte i (little-endian within the byte); the tail is padded
+with code 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from bdh_train.errors import CheckpointError, ConfigError
+from bdh_train.model.bdh import BDH
+from bdh_train.model.config import BDHConfig
+from bdh_train.model.quant import PROJECTION_TARGETS, TERNARY_FORMATS, quantize_weight
+
+FORMAT = "bdh-ternary/1"
+PACKED_SUFFIX = ".ternary"
+SCALE_SUFFIX = ".scale"
+
+
+def pack_ternary(codes: torch.Tensor) -> torch.Tensor:
+    """Ternary codes (any shape, values in {-1, 0, 1}) -> uint8 [ceil(numel / 4)]."""
+    flat = codes.detach().reshape(-1).to(torch.int16)
+    if flat.numel() and (flat.abs() > 1).any():
+        raise ValueError("pack_ternary needs codes in {-1, 0, 1}")
+    pad = (-flat.numel()) % 4
+    two_bits = torch.nn.functional.pad(flat + 1, (0, pad), value=1).view(-1, 4)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int16, device=flat.device)
+    return (two_bits << shifts).sum(dim=1).to(torch.uint8)
+
+
+def unpack_ternary(packed: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """Inverse of pack_ternary: uint8 [ceil(numel / 4)] -> int8 codes of `shape`."""
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int16, device=packed.device)
+    two_bits = (packed.to(torch.int16).unsqueeze(1) >> shifts) & 3
+    if two_bits.numel() < numel:
+        raise CheckpointError(f"packed ternary tensor too short for shape {list(shape)}")
+    return (two_bits.reshape(-1)[:numel] - 1).to(torch.int8).reshape(tuple(shape))
+
+
+def _targeted(config: BDHConfig) -> list[str]:
+    """BDH parameter names of the quantized projections, in a fixed order."""
+    targets = config.quant.target_modules
+    return [name for name, paper in PROJECTION_TARGETS.items() if paper in targets]
+
+
+def export_ternary(model: BDH, out_path: str | os.PathLike[str]) -> Path:
+    """Write `model` as a packed ternary safetensors file; returns the path.
+
+    Needs a model configured for ternary QAT (quant.enable with a ternary weight_format);
+    exporting a float model would silently destroy it (spec §9).
+    """
+    config = model.config
+    q = config.quant
+    if not q.enable or q.weight_format not in TERNARY_FORMATS:
+        raise ConfigError(
+            "export --ternary needs a model trained with model.quant.enable = true and "
+            f"model.quant.weight_format in {TERNARY_FORMATS}, got enable={q.enable}, "
+            f"weight_format={q.weight_format!r}"
+        )
+    targeted = _targeted(config)
+    tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, list[int]] = {}
+    for name, param in model.state_dict().items():
+        if name in targeted:
+            codes, scale = quantize_weight(param, q.weight_format)
+            tensors[name + PACKED_SUFFIX] = pack_ternary(codes).cpu()
+            tensors[name + SCALE_SUFFIX] = scale.reshape(1).to(torch.float32).cpu()
+            shapes[name] = list(param.shape)
+        else:
+            tensors[name] = param.detach().cpu().contiguous()
+    metadata = {
+        "format": FORMAT,
+        "config": json.dumps(config.to_dict()),
+        "ternary": json.dumps(shapes),
+    }
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, out)
+    return out
+
+
+def load_ternary(path: str | os.PathLike[str], device: torch.device | str = "cpu") -> BDH:
+    """Rebuild the inference model from an `export_ternary` file (eval mode, lambda = 1).
+
+    The targeted projections run from the stored integer codes; their float parameters hold
+    the dequantized values codes * gamma for inspection only.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"ternary export '{path}' does not exist")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"cannot read ternary export '{path}': {exc}") from exc
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(
+            f"'{path}' is not a {FORMAT} export (format={metadata.get('format')!r})"
+        )
+    config = BDHConfig.from_dict(json.loads(metadata["config"]))
+    shapes = {k: tuple(v) for k, v in json.loads(metadata["ternary"]).items()}
+    model = BDH(config).to(tensors["embed.weight"].dtype)
+    state = {}
+    frozen = {}
+    for name, shape in shapes.items():
+        codes = unpack_ternary(tensors.pop(name + PACKED_SUFFIX), shape)
+        scale = tensors.pop(name + SCALE_SUFFIX).reshape(())
+        frozen[name] = (codes, scale)
+        state[name] = codes.to(scale.dtype) * scale
+    state.update(tensors)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise CheckpointError(f"ternary export '{path}' does not fit its config: {exc}") from exc
+    if model.quantizer is None:
+        raise CheckpointError(f"ternary export '{path}' has a config without quantization")
+    for name, (codes, scale) in frozen.items():
+        model.quantizer.freeze_weight(name, codes, scale)
+    model.set_quant_step(config.quant.warmup_steps)
+    return model.to(device).eval()

@@ -25,6 +25,7 @@ from bdh_train.model.heads import (
     nca_factorized_loss,
     token_cross_entropy,
 )
+from bdh_train.model.matmul import per_head_matmul
 from bdh_train.model.mixer import linear_attention
 from bdh_train.model.positions import alibi_log_decay, apply_rope, rope_cos_sin
 from bdh_train.model.quant import LowBitQuantizer
@@ -72,7 +73,7 @@ class BDH(nn.Module):
         """
         if self.quantizer is not None and self.quantizer.applies_to(name):
             return self.quantizer.project(name, inputs, weight)
-        return inputs @ weight
+        return per_head_matmul(inputs, weight)
 
     def set_quant_step(self, step: int) -> None:
         """Training step for the quantization warm-up: lambda = min(1, step / warmup_steps).

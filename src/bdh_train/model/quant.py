@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from bdh_train.model.config import QuantConfig
+from bdh_train.model.matmul import per_head_matmul, per_head_matmul_backward
 
 EPS = 1e-5
 """Guards the scale divisions (BitNet's epsilon)."""
@@ -180,25 +181,6 @@ def native_matmul(
 
 
 # ------------------------------------------------------------------------------- autograd
-def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Undo broadcasting: sum t down to `shape`."""
-    lead = t.dim() - len(shape)
-    if lead:
-        t = t.sum(dim=tuple(range(lead)))
-    dims = tuple(i for i, n in enumerate(shape) if n == 1 and t.shape[i] != 1)
-    return t.sum(dim=dims, keepdim=True) if dims else t
-
-
-def _weight_grad(x: torch.Tensor, g: torch.Tensor, w_shape: torch.Size) -> torch.Tensor:
-    """d(x @ w)/dw . g without materialising a per-batch [B, H, K, N] intermediate."""
-    k = x.shape[-1]
-    if len(w_shape) == 2:
-        return x.reshape(-1, k).mT @ g.reshape(-1, g.shape[-1])
-    xr = x.transpose(0, 1).reshape(x.shape[1], -1, k)  # [1|H, B*T, K]
-    gr = g.transpose(0, 1).reshape(g.shape[1], -1, g.shape[-1])  # [H, B*T, N]
-    return xr.mT @ gr
-
-
 class _KernelProjection(torch.autograd.Function):
     """train_kernel: native integer forward, fake-quant (STE) gradients.
 
@@ -218,7 +200,7 @@ class _KernelProjection(torch.autograd.Function):
             out = native_matmul(x_codes, s, w_codes, scale, x.dtype)
         else:  # warm-up: the operands are blends, not integers; use the reference value
             x_eff, w_eff = torch.lerp(x, x_q, lam), torch.lerp(w, w_q, lam)
-            out = x_eff @ w_eff
+            out = per_head_matmul(x_eff, w_eff)
         ctx.lam, ctx.weight_format, ctx.recompute = lam, weight_format, recompute
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         if recompute:
@@ -239,12 +221,8 @@ class _KernelProjection(torch.autograd.Function):
         # one dtype for the products (autocast may hand us bf16 grads with fp32 weights)
         dtype = torch.promote_types(x_eff.dtype, w_eff.dtype)
         g = grad_out.to(dtype)
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _sum_to(g @ w_eff.to(dtype).mT, ctx.x_shape).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = _weight_grad(x_eff.to(dtype), g, w_eff.shape).to(w_eff.dtype)
-        return grad_x, grad_w, None, None, None, None
+        grad_x, grad_w = per_head_matmul_backward(x_eff.to(dtype), w_eff.to(dtype), g)
+        return grad_x.to(ctx.x_dtype), grad_w.to(w_eff.dtype), None, None, None, None
 
 
 def quantized_projection(
@@ -255,11 +233,11 @@ def quantized_projection(
 ) -> torch.Tensor:
     """x @ w with x activation-quantized and w weight-quantized, per `cfg` (spec §9)."""
     if lam == 0.0:
-        return x @ w  # the float model, exactly
+        return per_head_matmul(x, w)  # the float model, exactly
     if cfg.training_mode == "qat_ste":
         x_q = ste(x, fake_quant_activation(x, cfg.act_format), lam)
         w_q = ste(w, fake_quant_weight(w, cfg.weight_format), lam)
-        return x_q @ w_q
+        return per_head_matmul(x_q, w_q)
     recompute = cfg.saved_activations == "quantized_cache_recompute"
     return _KernelProjection.apply(x, w, cfg.weight_format, cfg.act_format, float(lam), recompute)
 

@@ -295,3 +295,27 @@ def test_emulated_pipeline_trains_in_one_process(tmp_path):
     a, b = params(tmp_path / "emu"), params(tmp_path / "ref")
     for name in a:
         assert ((a[name] - b[name]).norm() / b[name].norm()).item() < 1e-5, name
+
+
+def test_nca_data_with_factorized_head_trains(tmp_path):
+    config = Path(__file__).parents[2] / "configs" / "nca.toml"
+    cfg = load_config(
+        [config], [*MICRO, "model.vocab_size=19", "training.max_steps=4", "data.nca.grid_size=4"]
+    )
+    result = Trainer(cfg, tmp_path, stream=io.StringIO()).run()
+    assert result.sample is None  # no flat logits for this head
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 4 and all(r["loss"] > 0 for r in rows)
+    assert "bits_per_byte" not in read_metrics(tmp_path / "metrics.jsonl")[-1]
+
+
+def test_bitnet_warmup_follows_the_trainer_step(tmp_path):
+    config = Path(__file__).parents[2] / "configs" / "bitnet.toml"
+    cfg = load_config([config], [*MICRO, "model.quant.warmup_steps=4", "training.max_steps=3"])
+    trainer = Trainer(cfg, tmp_path, stream=io.StringIO())
+    trainer.run()
+    assert trainer.model.quantizer.lam == pytest.approx(2 / 4)  # set for step index 2
+    resumed = Trainer(cfg, tmp_path, resume=True, stream=io.StringIO())
+    resumed.cfg.training.max_steps = 4
+    resumed.run()
+    assert resumed.model.quantizer.lam == pytest.approx(3 / 4)

@@ -69,10 +69,8 @@ def build_model(cfg: RunConfig, device: torch.device) -> BDH:
 
 def data_generators(cfg: RunConfig) -> dict[str, Callable[[int], Any]]:
     """Token generators for non-file sources (`data.source = "nca"`)."""
-    try:
-        from bdh_train.data.nca import nca_source
-    except ImportError:  # pragma: no cover - the NCA module ships with the package
-        return {}
+    from bdh_train.data.nca import nca_source
+
     return {"nca": lambda vocab_size: nca_source(cfg.data.nca, vocab_size)}
 
 
@@ -319,6 +317,7 @@ class Trainer:
     def _micro_step(self) -> None:
         batch = self.loader.next_batch().to(self.device)
         self.model.zero_grad(set_to_none=True)
+        self.model.set_quant_step(self.step)  # BitNet warm-up lambda follows the step
         if self.pipeline is not None:  # gradients come back already summed over the stages
             loss, counted = self.pipeline.train_step(batch), batch.counted_tokens()
         else:

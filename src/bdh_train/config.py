@@ -239,7 +239,7 @@ class InitTransferConfig:
     backbone_grad_scale: float | None = None
     """Multiply the backbone's gradients by this (None: no scaling)."""
     backbone_grad_scale_steps: int = 0
-    """For how many optimizer steps the scaling applies (0: the whole run)."""
+    """For how many optimizer steps the scaling applies (0: not at all, as in the seed)."""
     preserve_fresh_decoder: bool = False
     preserve_fresh_norm: bool = False
 

@@ -352,7 +352,7 @@ BAD_VALUES = [
      "parallel.virtual_stages_per_rank must be in [1, parallel.pipeline_stages (1)], got 2"),
     ("parallel.microbatches=0", "parallel.microbatches must be a positive integer"),
     ("parallel.microbatches=17", "parallel.microbatches must be <= training.batch_size (16)"),
-    ("parallel.schedule=zb", "parallel.schedule must be one of 'gpipe', '1f1b'"),
+    ("parallel.schedule=zb", "parallel.schedule must be one of 'gpipe', 'interleaved_1f1b', '1f1b'"),
     ("parallel.emulate=1", "parallel.emulate must be true or false"),
     # [model] goes through BDHConfig.validate
     ("model.n_layer=0", "model.n_layer must be a positive integer, got 0"),

@@ -30,8 +30,10 @@ from typing import Any
 
 import tomli_w
 
+from bdh_train.distributed.planner import SCHEDULES as PLANNER_SCHEDULES
 from bdh_train.errors import ConfigError
 from bdh_train.model.config import BDHConfig
+from bdh_train.model.groups import TARGETS as GRADIENT_SCALE_TARGETS
 from bdh_train.utils import atomic_write, build_dataclass, suggest
 
 if sys.version_info >= (3, 11):
@@ -49,15 +51,8 @@ NCA_SOURCE = "nca"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 LR_SCHEDULES = ("constant", "cosine")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-LR_SCALE_TARGETS = (
-    "embedding",
-    "normalization",
-    "output_head",
-    "shared_lowrank_encoder",
-    "shared_lowrank_decoder",
-    "other_backbone",
-)
+PIPELINE_SCHEDULES = PLANNER_SCHEDULES
+LR_SCALE_TARGETS = GRADIENT_SCALE_TARGETS  # the parameter groups of spec §6
 EXTENDS_KEY = "extends"
 PRESET_PREFIX = "preset:"
 

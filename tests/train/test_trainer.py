@@ -319,3 +319,93 @@ def test_bitnet_warmup_follows_the_trainer_step(tmp_path):
     resumed.cfg.training.max_steps = 4
     resumed.run()
     assert resumed.model.quantizer.lam == pytest.approx(3 / 4)
+
+
+def _first_loss_and_params(tmp_path, extra):
+    cfg = load_config(
+        overrides=[
+            *MICRO,
+            "model.dropout=0.0",
+            "training.max_steps=2",
+            "training.eval_every=0",
+            *extra,
+        ]
+    )
+    trainer = Trainer(cfg, tmp_path, stream=io.StringIO())
+    trainer.run()
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+    return rows, dict(trainer.model.named_parameters())
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager(tmp_path):
+    eager_rows, eager = _first_loss_and_params(tmp_path / "eager", [])
+    rows, compiled = _first_loss_and_params(tmp_path / "compiled", ["training.compile=true"])
+    assert abs(rows[0]["loss"] - eager_rows[0]["loss"]) < 1e-5 * eager_rows[0]["loss"]
+    for name, p in compiled.items():
+        assert ((p - eager[name]).norm() / eager[name].norm()).item() < 1e-5, name
+
+
+def test_bfloat16_autocast_trains_with_float32_master_weights(tmp_path):
+    rows, params = _first_loss_and_params(tmp_path, ["training.dtype='bfloat16'"])
+    fp32_rows, _ = _first_loss_and_params(tmp_path / "fp32", [])
+    assert all(p.dtype == torch.float32 for p in params.values())
+    assert abs(rows[0]["loss"] - fp32_rows[0]["loss"]) < 0.05 * fp32_rows[0]["loss"]
+    assert rows[0]["loss"] != fp32_rows[0]["loss"]  # autocast really ran in bfloat16
+
+
+def test_profile_numbers_go_to_the_metrics_stream(tmp_path):
+    rows, _ = _first_loss_and_params(tmp_path, ["training.profile=true"])
+    assert rows[0]["forward_s"] > 0 and rows[0]["backward_s"] > 0
+    assert rows[0]["mem_after_forward_mib"] > 0
+
+
+def test_init_from_loads_weights_only_and_honours_preserve_fresh(tmp_path):
+    source = tmp_path / "source"
+    Trainer(
+        load_config(overrides=[*MICRO, "training.max_steps=2"]), source, stream=io.StringIO()
+    ).run()
+    trained = params(source)
+    overrides = [
+        *MICRO,
+        "training.max_steps=1",
+        f"checkpoint.init_from='{source}'",
+        "training.init_transfer.preserve_fresh_decoder=true",
+    ]
+    t = Trainer(load_config(overrides=overrides), tmp_path / "new", stream=io.StringIO())
+    assert t.step == 0 and t.fresh_params == ["decoder"]
+    weights = dict(t.model.named_parameters())
+    assert torch.equal(weights["encoder"], trained["encoder"])
+    assert not torch.equal(weights["decoder"], trained["decoder"])
+
+
+def test_init_from_an_official_checkpoint(tmp_path):
+    from bdh_train.interop import official_frequencies_buffer
+
+    path = tmp_path / "official.pt"
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "decoder": torch.randn(128, 32, generator=g) * 0.02,
+        "encoder": torch.randn(2, 32, 64, generator=g) * 0.02,
+        "encoder_v": torch.randn(2, 32, 64, generator=g) * 0.02,
+        "embed.weight": torch.randn(256, 32, generator=g) * 0.02,
+        "lm_head": torch.randn(32, 256, generator=g) * 0.02,
+        "attn.freqs": official_frequencies_buffer(64),
+    }
+    torch.save(sd, path)
+    overrides = [*MICRO, f"checkpoint.init_from='{path}'"]
+    t = Trainer(load_config(overrides=overrides), tmp_path / "run", stream=io.StringIO())
+    assert torch.equal(t.model.encoder.detach(), sd["encoder"])
+    assert t.fresh_params == []
+
+
+def test_init_from_with_a_mismatched_backbone_is_refused(tmp_path):
+    from bdh_train.errors import CheckpointError
+
+    source = tmp_path / "source"
+    Trainer(
+        load_config(overrides=[*MICRO, "training.max_steps=1"]), source, stream=io.StringIO()
+    ).run()
+    overrides = [*MICRO, "model.mlp_internal_dim_multiplier=8", f"checkpoint.init_from='{source}'"]
+    with pytest.raises(CheckpointError, match=r"backbone parameter encoder has shape \[2, 32, 64\], the model needs \[2, 32, 128\]"):
+        Trainer(load_config(overrides=overrides), tmp_path / "new")

@@ -49,6 +49,7 @@ class BDH(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.empty(shape)))
         self.norm = nn.LayerNorm(d, eps=LN_EPS) if c.norm == "layernorm_affine" else None
         self.quantizer = LowBitQuantizer(c.quant) if c.quant.enable else None
+        self._layer_fn = self.layer_step  # replaced by a compiled twin in compile_layers()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -108,28 +109,42 @@ class BDH(nn.Module):
         need_state: bool = True,
     ) -> torch.Tensor:
         """One application of the shared layer to u [B, 1, T, D]; updates state.rho[layer]."""
-        c = self.config
-        rope, log_decay = position_terms
-        x = F.relu(self._project("encoder", u, self.encoder))  # [B, H, T, N]
-        q = x if rope is None else apply_rope(x, *rope)
-        attn, new_rho = linear_attention(
-            q,
+        u, new_rho = self._layer_fn(
             u,
             state.rho[layer_index],
-            log_decay,
-            executor or c.executor,
-            c.chunk_size,
+            position_terms,
+            executor or self.config.executor,
             need_state,
         )
         if need_state:
             state.rho[layer_index] = new_rho
+        return u
+
+    def layer_step(
+        self,
+        u: torch.Tensor,
+        rho: torch.Tensor | None,
+        position_terms,
+        executor: str,
+        need_state: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer as a pure function (u, rho) -> (new u, new rho), for compile_layers."""
+        c = self.config
+        rope, log_decay = position_terms
+        x = F.relu(self._project("encoder", u, self.encoder))  # [B, H, T, N]
+        q = x if rope is None else apply_rope(x, *rope)
+        attn, new_rho = linear_attention(q, u, rho, log_decay, executor, c.chunk_size, need_state)
         a = self._norm(attn)
         y = x * F.relu(self._project("encoder_v", a, self.encoder_v))
         y = F.dropout(y, c.dropout, self.training)
         batch, heads, seq_len, n = y.shape
         y = y.transpose(1, 2).reshape(batch, 1, seq_len, heads * n)
         m = self._norm(self._project("decoder", y, self.decoder))
-        return self._norm(u + m)
+        return self._norm(u + m), new_rho
+
+    def compile_layers(self, **options) -> None:
+        """torch.compile the layer (one graph shared by every layer, weights being shared)."""
+        self._layer_fn = torch.compile(self.layer_step, **options)
 
     # ---------------------------------------------------------------- entry points
     def forward_hidden(

@@ -42,7 +42,8 @@ def apply_rope(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """v*cos + rot(v)*sin. For float32/64 with an even N this is one complex multiply per
     (2k, 2k+1) pair (both members share a frequency), instead of five elementwise passes."""
     n = v.shape[-1]
-    if n % 2 == 0 and v.dtype in (torch.float32, torch.float64) and cos.dtype == v.dtype:
+    fast = n % 2 == 0 and v.dtype in (torch.float32, torch.float64) and cos.dtype == v.dtype
+    if fast and not torch.compiler.is_compiling():  # inductor does not generate complex code
         pairs = torch.view_as_complex(v.reshape(*v.shape[:-1], n // 2, 2))
         turn = torch.complex(cos[..., ::2], sin[..., ::2])
         return torch.view_as_real(pairs * turn).reshape(v.shape)

@@ -32,7 +32,7 @@ from bdh_train.model import BDH, groups
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.accumulate import WeightedGradientAccumulator, write_to_params
 from bdh_train.train.metrics import MetricsLog, Progress, plot_losses
-from bdh_train.train.profile import StepProfiler
+from bdh_train.train.profile import StepProfile, StepProfiler
 from bdh_train.train.schedules import GradientScaleSchedule, learning_rate
 from bdh_train.train.step import LanguageTrainModel
 
@@ -141,6 +141,8 @@ class Trainer:
         )
         self.byte_level = cfg.model.vocab_size == 256 and not str(cfg.data.source).endswith(".bin")
         self.model = build_model(cfg, self.device)
+        if t.compile:
+            self.model.compile_layers()
         self.fresh_params: list[str] = []
         if cfg.checkpoint.init_from and not resume:
             self.fresh_params = init_weights_from(self.model, cfg, cfg.checkpoint.init_from)
@@ -193,6 +195,7 @@ class Trainer:
         self.skips = 0
         self.window_loss = 0.0
         self.window_count = 0.0
+        self.window_profiles: list[StepProfile] = []
         self.elapsed = 0.0
         self.stop_requested = False
         self.resumed_from: Path | None = None
@@ -323,6 +326,8 @@ class Trainer:
         else:
             out = self.step_model.compute_gradients(batch)
             loss, counted = float(out.loss), out.counted
+            if "profile" in out.stats:
+                self.window_profiles.append(out.stats["profile"])
         self.accumulator.accumulate_mean(None, weight=counted)
         self.window_loss += loss * counted
         self.window_count += counted
@@ -369,13 +374,25 @@ class Trainer:
         self.micro = 0
         self.tokens += int(count)
         self.window_loss = self.window_count = 0.0
-        return {
+        row = {
             "step": self.step,
             "tokens": self.tokens,
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,
         }
+        if self.window_profiles:  # training.profile: this window's time and memory
+            mib = 1024 * 1024
+            p = self.window_profiles
+            row |= {
+                "forward_s": sum(x.forward_s for x in p),
+                "backward_s": sum(x.backward_s for x in p),
+                "mem_before_mib": p[0].memory_before / mib,
+                "mem_after_forward_mib": max(x.memory_after_forward for x in p) / mib,
+                "mem_after_backward_mib": p[-1].memory_after_backward / mib,
+            }
+            self.window_profiles = []
+        return row
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> float | None:

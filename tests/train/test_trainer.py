@@ -407,5 +407,8 @@ def test_init_from_with_a_mismatched_backbone_is_refused(tmp_path):
         load_config(overrides=[*MICRO, "training.max_steps=1"]), source, stream=io.StringIO()
     ).run()
     overrides = [*MICRO, "model.mlp_internal_dim_multiplier=8", f"checkpoint.init_from='{source}'"]
-    with pytest.raises(CheckpointError, match=r"backbone parameter encoder has shape \[2, 32, 64\], the model needs \[2, 32, 128\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"backbone parameter encoder has shape \[2, 32, 64\], the model needs \[2, 32, 128\]",
+    ):
         Trainer(load_config(overrides=overrides), tmp_path / "new")

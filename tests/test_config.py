@@ -98,12 +98,17 @@ def test_lists_replace_rather_than_merge(tmp_path: Path) -> None:
 
 
 def test_extends_chain_and_order(tmp_path: Path) -> None:
-    write(tmp_path / "base" / "base.toml",
-          'extends = "preset:tiny"\n[training]\nmax_steps = 11\nlog_every = 3\n')
-    write(tmp_path / "mid.toml",
-          'extends = ["base/base.toml"]\n[training]\nmax_steps = 12\n[model]\nn_layer = 2\n')
-    top = write(tmp_path / "top.toml",
-                'extends = ["mid.toml", "preset:tiny"]\n[training]\neval_steps = 2\n')
+    write(
+        tmp_path / "base" / "base.toml",
+        'extends = "preset:tiny"\n[training]\nmax_steps = 11\nlog_every = 3\n',
+    )
+    write(
+        tmp_path / "mid.toml",
+        'extends = ["base/base.toml"]\n[training]\nmax_steps = 12\n[model]\nn_layer = 2\n',
+    )
+    top = write(
+        tmp_path / "top.toml", 'extends = ["mid.toml", "preset:tiny"]\n[training]\neval_steps = 2\n'
+    )
     cfg = load_config([top])
     # preset:tiny listed after mid.toml overrides it; top's own values win over both
     assert cfg.training.max_steps == 300
@@ -196,7 +201,7 @@ def test_deep_merge_does_not_mutate() -> None:
         ("optimizer.lr=5e-3", lambda c: c.optimizer.lr, 5e-3),
         ("optimizer.weight_decay = 0.5", lambda c: c.optimizer.weight_decay, 0.5),
         ("training.compile=true", lambda c: c.training.compile, True),
-        ("model.position=\"alibi\"", lambda c: c.model.position, "alibi"),
+        ('model.position="alibi"', lambda c: c.model.position, "alibi"),
         ("model.position=alibi", lambda c: c.model.position, "alibi"),
         ("data.source=/tmp/some text.txt", lambda c: c.data.source, "/tmp/some text.txt"),
         ("data.source=builtin:pydoc", lambda c: c.data.source, "builtin:pydoc"),
@@ -204,11 +209,16 @@ def test_deep_merge_does_not_mutate() -> None:
         ("data.nca.grid_size=16", lambda c: c.data.nca.grid_size, 16),
         ("optimizer.betas=[0.8, 0.9]", lambda c: c.optimizer.betas, [0.8, 0.9]),
         ("checkpoint.resume=runs/x", lambda c: c.checkpoint.resume, "runs/x"),
-        ("training.init_transfer.backbone_grad_scale=0.5",
-         lambda c: c.training.init_transfer.backbone_grad_scale, 0.5),
-        ("model.quant={enable = true, warmup_steps = 3}",
-         lambda c: (c.model.quant.enable, c.model.quant.warmup_steps, c.model.quant.act_format),
-         (True, 3, "int8")),
+        (
+            "training.init_transfer.backbone_grad_scale=0.5",
+            lambda c: c.training.init_transfer.backbone_grad_scale,
+            0.5,
+        ),
+        (
+            "model.quant={enable = true, warmup_steps = 3}",
+            lambda c: (c.model.quant.enable, c.model.quant.warmup_steps, c.model.quant.act_format),
+            (True, 3, "int8"),
+        ),
     ],
 )
 def test_set_overrides(item: str, getter, expected) -> None:
@@ -216,10 +226,12 @@ def test_set_overrides(item: str, getter, expected) -> None:
 
 
 def test_set_module_lr_scales_list_of_tables() -> None:
-    cfg = load_config(overrides=[
-        'training.module_lr_scales=[{target="embedding", scale=0.1, '
-        "schedule={final_scale=1.0, start_fraction=0.2, end_fraction=0.5}}]"
-    ])
+    cfg = load_config(
+        overrides=[
+            'training.module_lr_scales=[{target="embedding", scale=0.1, '
+            "schedule={final_scale=1.0, start_fraction=0.2, end_fraction=0.5}}]"
+        ]
+    )
     (item,) = cfg.training.module_lr_scales
     assert item == ModuleLrScale("embedding", 0.1, ModuleLrScaleSchedule(1.0, 0.2, 0.5))
 
@@ -267,14 +279,20 @@ BAD_VALUES = [
     ("training.tbptt_chunk_size=-1", "training.tbptt_chunk_size must be a non-negative integer"),
     ("training.tbptt_chunk_size=128", "training.tbptt_chunk_size must be 0 (off) or less than"),
     ("training.tbptt_backprop_chunks=0", "training.tbptt_backprop_chunks must be a positive"),
-    ("training.tbptt_persist_across_steps=1",
-     "training.tbptt_persist_across_steps must be true or false, got 1"),
-    ("training.min_logical_block_size=200",
-     "training.min_logical_block_size must be 0 or a multiple of training.block_size (128)"),
+    (
+        "training.tbptt_persist_across_steps=1",
+        "training.tbptt_persist_across_steps must be true or false, got 1",
+    ),
+    (
+        "training.min_logical_block_size=200",
+        "training.min_logical_block_size must be 0 or a multiple of training.block_size (128)",
+    ),
     ("training.gradient_accumulation_steps=0", "training.gradient_accumulation_steps must be"),
-    ("training.target_tokens_per_step=1000",
-     "training.target_tokens_per_step must be a multiple of training.block_size * "
-     "training.batch_size (2048)"),
+    (
+        "training.target_tokens_per_step=1000",
+        "training.target_tokens_per_step must be a multiple of training.block_size * "
+        "training.batch_size (2048)",
+    ),
     ("training.max_steps=0", "training.max_steps must be a positive integer"),
     ("training.seed=-1", "training.seed must be a non-negative integer"),
     ("training.log_every=-1", "training.log_every must be a non-negative integer (0 disables"),
@@ -289,33 +307,59 @@ BAD_VALUES = [
     ("training.max_consecutive_skips=-1", "training.max_consecutive_skips must be"),
     ("training.module_lr_scales=3", "training.module_lr_scales must be a list of tables"),
     ("training.module_lr_scales=[3]", r"training.module_lr_scales[0] must be a table"),
-    ('training.module_lr_scales=[{target="encoder"}]',
-     "training.module_lr_scales[0].target must be one of 'embedding'"),
-    ('training.module_lr_scales=[{target="embedding", scale=-1}]',
-     "training.module_lr_scales[0].scale must be a non-negative number, got -1"),
-    ('training.module_lr_scales=[{target="embedding", scal=1}]',
-     "unknown key training.module_lr_scales[0].scal (did you mean 'scale'?)"),
-    ('training.module_lr_scales=[{target="embedding"}, {target="embedding"}]',
-     "training.module_lr_scales[1].target 'embedding' repeats"),
-    ('training.module_lr_scales=[{target="embedding", schedule={start_fraction=1.5}}]',
-     "training.module_lr_scales[0].schedule.start_fraction must be a number in [0, 1]"),
-    ('training.module_lr_scales=[{target="embedding", schedule={end_fraction=-0.1}}]',
-     "training.module_lr_scales[0].schedule.end_fraction must be a number in [0, 1]"),
-    ('training.module_lr_scales=[{target="embedding", '
-     'schedule={start_fraction=0.6, end_fraction=0.5}}]',
-     "training.module_lr_scales[0].schedule.start_fraction (0.6) must be <="),
-    ('training.module_lr_scales=[{target="embedding", schedule={final_scale=-2.0}}]',
-     "training.module_lr_scales[0].schedule.final_scale must be a non-negative number"),
-    ('training.module_lr_scales=[{target="embedding", schedule=2}]',
-     "training.module_lr_scales[0].schedule must be a table"),
-    ("training.init_transfer.backbone_grad_scale=-1",
-     "training.init_transfer.backbone_grad_scale must be a non-negative number"),
-    ("training.init_transfer.backbone_grad_scale_steps=-1",
-     "training.init_transfer.backbone_grad_scale_steps must be a non-negative integer"),
-    ("training.init_transfer.preserve_fresh_decoder=1",
-     "training.init_transfer.preserve_fresh_decoder must be true or false"),
-    ("training.init_transfer.preserve_fresh_norm=no",
-     "training.init_transfer.preserve_fresh_norm must be true or false"),
+    (
+        'training.module_lr_scales=[{target="encoder"}]',
+        "training.module_lr_scales[0].target must be one of 'embedding'",
+    ),
+    (
+        'training.module_lr_scales=[{target="embedding", scale=-1}]',
+        "training.module_lr_scales[0].scale must be a non-negative number, got -1",
+    ),
+    (
+        'training.module_lr_scales=[{target="embedding", scal=1}]',
+        "unknown key training.module_lr_scales[0].scal (did you mean 'scale'?)",
+    ),
+    (
+        'training.module_lr_scales=[{target="embedding"}, {target="embedding"}]',
+        "training.module_lr_scales[1].target 'embedding' repeats",
+    ),
+    (
+        'training.module_lr_scales=[{target="embedding", schedule={start_fraction=1.5}}]',
+        "training.module_lr_scales[0].schedule.start_fraction must be a number in [0, 1]",
+    ),
+    (
+        'training.module_lr_scales=[{target="embedding", schedule={end_fraction=-0.1}}]',
+        "training.module_lr_scales[0].schedule.end_fraction must be a number in [0, 1]",
+    ),
+    (
+        'training.module_lr_scales=[{target="embedding", '
+        "schedule={start_fraction=0.6, end_fraction=0.5}}]",
+        "training.module_lr_scales[0].schedule.start_fraction (0.6) must be <=",
+    ),
+    (
+        'training.module_lr_scales=[{target="embedding", schedule={final_scale=-2.0}}]',
+        "training.module_lr_scales[0].schedule.final_scale must be a non-negative number",
+    ),
+    (
+        'training.module_lr_scales=[{target="embedding", schedule=2}]',
+        "training.module_lr_scales[0].schedule must be a table",
+    ),
+    (
+        "training.init_transfer.backbone_grad_scale=-1",
+        "training.init_transfer.backbone_grad_scale must be a non-negative number",
+    ),
+    (
+        "training.init_transfer.backbone_grad_scale_steps=-1",
+        "training.init_transfer.backbone_grad_scale_steps must be a non-negative integer",
+    ),
+    (
+        "training.init_transfer.preserve_fresh_decoder=1",
+        "training.init_transfer.preserve_fresh_decoder must be true or false",
+    ),
+    (
+        "training.init_transfer.preserve_fresh_norm=no",
+        "training.init_transfer.preserve_fresh_norm must be true or false",
+    ),
     ("training.init_transfer=3", "training.init_transfer must be a table, got 3"),
     ("optimizer.lr=0", "optimizer.lr must be a positive number, got 0"),
     ("optimizer.lr=nan", "optimizer.lr must be a positive number, got nan"),
@@ -327,8 +371,10 @@ BAD_VALUES = [
     ("optimizer.eps=0", "optimizer.eps must be a positive number"),
     ("optimizer.weight_decay=-0.1", "optimizer.weight_decay must be a non-negative number"),
     ("optimizer.warmup_steps=-1", "optimizer.warmup_steps must be a non-negative integer"),
-    ("optimizer.schedule=cosin",
-     "optimizer.schedule must be one of 'constant', 'cosine', got 'cosin' (did you mean"),
+    (
+        "optimizer.schedule=cosin",
+        "optimizer.schedule must be one of 'constant', 'cosine', got 'cosin' (did you mean",
+    ),
     ("optimizer.min_lr=-1", "optimizer.min_lr must be a non-negative number"),
     ("optimizer.min_lr=1.0", "optimizer.min_lr must be <= optimizer.lr"),
     ("optimizer.grad_clip_norm=-1", "optimizer.grad_clip_norm must be a non-negative number"),
@@ -348,11 +394,16 @@ BAD_VALUES = [
     ("data.nca.rule_count=0", "data.nca.rule_count must be a positive integer"),
     ("parallel.pipeline_stages=0", "parallel.pipeline_stages must be a positive integer"),
     ("parallel.virtual_stages_per_rank=0", "parallel.virtual_stages_per_rank must be a positive"),
-    ("parallel.virtual_stages_per_rank=2",
-     "parallel.virtual_stages_per_rank must be in [1, parallel.pipeline_stages (1)], got 2"),
+    (
+        "parallel.virtual_stages_per_rank=2",
+        "parallel.virtual_stages_per_rank must be in [1, parallel.pipeline_stages (1)], got 2",
+    ),
     ("parallel.microbatches=0", "parallel.microbatches must be a positive integer"),
     ("parallel.microbatches=17", "parallel.microbatches must be <= training.batch_size (16)"),
-    ("parallel.schedule=zb", "parallel.schedule must be one of 'gpipe', 'interleaved_1f1b', '1f1b'"),
+    (
+        "parallel.schedule=zb",
+        "parallel.schedule must be one of 'gpipe', 'interleaved_1f1b', '1f1b'",
+    ),
     ("parallel.emulate=1", "parallel.emulate must be true or false"),
     # [model] goes through BDHConfig.validate
     ("model.n_layer=0", "model.n_layer must be a positive integer, got 0"),
@@ -377,21 +428,38 @@ def test_each_invalid_field_is_named(item: str, message: str) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["training.gradient_accumulation_steps=2", "training.target_tokens_per_step=4096"],
-         "set either training.target_tokens_per_step or training.gradient_accumulation_steps"),
-        (["parallel.pipeline_stages=2", "training.tbptt_chunk_size=32"],
-         "pipeline parallelism (parallel.pipeline_stages=2) does not support truncated BPTT"),
-        (["parallel.pipeline_stages=2", "training.tbptt_persist_across_steps=true"],
-         "does not support streamed state"),
-        (["parallel.pipeline_stages=2", "training.min_logical_block_size=256"],
-         "does not support streamed state"),
-        (["parallel.pipeline_stages=8", "parallel.virtual_stages_per_rank=1"],
-         "model.n_layer must be >= parallel.pipeline_stages * parallel.virtual_stages_per_rank"),
-        (["parallel.pipeline_stages=2", "parallel.virtual_stages_per_rank=2"],
-         "needs parallel.schedule='interleaved_1f1b'"),
-        (["data.source=nca", "model.vocab_size=32",
-          'model.language_head={type="nca_factorized_patch", state_count=2, patch_size=1}'],
-         "model.language_head.patch_size must equal data.nca.patch_size (2), got 1"),
+        (
+            ["training.gradient_accumulation_steps=2", "training.target_tokens_per_step=4096"],
+            "set either training.target_tokens_per_step or training.gradient_accumulation_steps",
+        ),
+        (
+            ["parallel.pipeline_stages=2", "training.tbptt_chunk_size=32"],
+            "pipeline parallelism (parallel.pipeline_stages=2) does not support truncated BPTT",
+        ),
+        (
+            ["parallel.pipeline_stages=2", "training.tbptt_persist_across_steps=true"],
+            "does not support streamed state",
+        ),
+        (
+            ["parallel.pipeline_stages=2", "training.min_logical_block_size=256"],
+            "does not support streamed state",
+        ),
+        (
+            ["parallel.pipeline_stages=8", "parallel.virtual_stages_per_rank=1"],
+            "model.n_layer must be >= parallel.pipeline_stages * parallel.virtual_stages_per_rank",
+        ),
+        (
+            ["parallel.pipeline_stages=2", "parallel.virtual_stages_per_rank=2"],
+            "needs parallel.schedule='interleaved_1f1b'",
+        ),
+        (
+            [
+                "data.source=nca",
+                "model.vocab_size=32",
+                'model.language_head={type="nca_factorized_patch", state_count=2, patch_size=1}',
+            ],
+            "model.language_head.patch_size must equal data.nca.patch_size (2), got 1",
+        ),
     ],
 )
 def test_cross_field_checks(overrides: list[str], message: str) -> None:
@@ -401,24 +469,36 @@ def test_cross_field_checks(overrides: list[str], message: str) -> None:
 
 
 def test_valid_cross_field_combinations() -> None:
-    cfg = load_config(overrides=[
-        "training.tbptt_chunk_size=32", "training.tbptt_backprop_chunks=2",
-        "training.tbptt_persist_across_steps=true", "training.min_logical_block_size=512",
-    ])
+    cfg = load_config(
+        overrides=[
+            "training.tbptt_chunk_size=32",
+            "training.tbptt_backprop_chunks=2",
+            "training.tbptt_persist_across_steps=true",
+            "training.min_logical_block_size=512",
+        ]
+    )
     assert cfg.training.logical_block_size == 512 and cfg.training.streaming
     cfg = load_config(overrides=["training.target_tokens_per_step=8192"])
     assert cfg.training.accumulation_steps == 4 and cfg.training.tokens_per_step == 8192
     assert load_config().training.accumulation_steps == 1
     assert load_config().training.logical_block_size == 128
-    cfg = load_config(overrides=[
-        "parallel.pipeline_stages=2", "parallel.virtual_stages_per_rank=2",
-        "parallel.schedule=interleaved_1f1b", "parallel.microbatches=4", "parallel.emulate=true",
-    ])
+    cfg = load_config(
+        overrides=[
+            "parallel.pipeline_stages=2",
+            "parallel.virtual_stages_per_rank=2",
+            "parallel.schedule=interleaved_1f1b",
+            "parallel.microbatches=4",
+            "parallel.emulate=true",
+        ]
+    )
     assert cfg.parallel.pipeline_stages == 2
-    cfg = load_config(overrides=[
-        "data.source=nca", "model.vocab_size=32",
-        'model.language_head={type="nca_factorized_patch", state_count=2, patch_size=2}',
-    ])
+    cfg = load_config(
+        overrides=[
+            "data.source=nca",
+            "model.vocab_size=32",
+            'model.language_head={type="nca_factorized_patch", state_count=2, patch_size=2}',
+        ]
+    )
     assert cfg.data.source == "nca"
 
 
@@ -431,15 +511,18 @@ def test_ints_accepted_where_floats_expected() -> None:
 
 
 def test_dump_load_round_trip(tmp_path: Path) -> None:
-    cfg = load_config(preset="pathway", overrides=[
-        'training.module_lr_scales=[{target="embedding", scale=0.1, '
-        "schedule={final_scale=1.0, start_fraction=0.2, end_fraction=0.5}}, "
-        '{target="output_head", scale=2.0}]',
-        "training.init_transfer.backbone_grad_scale=0.25",
-        "training.init_transfer.backbone_grad_scale_steps=100",
-        "model.language_head.eos_id=3",
-        "checkpoint.init_from=runs/old",
-    ])
+    cfg = load_config(
+        preset="pathway",
+        overrides=[
+            'training.module_lr_scales=[{target="embedding", scale=0.1, '
+            "schedule={final_scale=1.0, start_fraction=0.2, end_fraction=0.5}}, "
+            '{target="output_head", scale=2.0}]',
+            "training.init_transfer.backbone_grad_scale=0.25",
+            "training.init_transfer.backbone_grad_scale_steps=100",
+            "model.language_head.eos_id=3",
+            "checkpoint.init_from=runs/old",
+        ],
+    )
     assert cfg.training.module_lr_scales[1].schedule is None
     assert cfg.training.init_transfer == InitTransferConfig(0.25, 100, False, False)
     path = tmp_path / "out" / "config.toml"

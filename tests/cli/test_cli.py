@@ -220,3 +220,45 @@ def test_plot_redraws_loss_png(tmp_path, capsys):
     (tmp_path / "loss.png").unlink()
     assert main(["plot", str(tmp_path)]) == 0
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_export_ternary_of_a_bitnet_run(tmp_path, capsys):
+    import torch
+
+    from bdh_train.export import load_ternary
+
+    bitnet = Path(__file__).parents[2] / "configs" / "bitnet.toml"
+    run_dir = tmp_path / "run"
+    assert (
+        main(
+            [
+                "train",
+                "--run-dir",
+                str(run_dir),
+                "--config",
+                str(bitnet),
+                *MICRO,
+                "--set",
+                "model.quant.warmup_steps=0",
+            ]
+        )
+        == 0
+    )
+    out = tmp_path / "model.safetensors"
+    assert main(["export", "--ternary", str(run_dir), str(out)]) == 0
+    capsys.readouterr()
+    from bdh_train.cli import _load_checkpoint_model
+
+    fake_quant, _ = _load_checkpoint_model(str(run_dir))
+    packed = load_ternary(out)
+    idx = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(packed(idx)[0], fake_quant(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_export_of_a_float_run_is_refused(tmp_path, capsys):
+    assert main(["train", "--run-dir", str(tmp_path), *MICRO]) == 0
+    capsys.readouterr()
+    assert main(["export", "--ternary", str(tmp_path), str(tmp_path / "x.safetensors")]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert not (tmp_path / "x.safetensors").exists()

@@ -156,6 +156,34 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
     assert all(torch.equal(four[k], weights[k]) for k in four)  # skipped steps changed nothing
 
 
+def train_one_and_two_processes(tmp_path: Path, overrides: list[str], two_only: list[str]):
+    """`python -m bdh_train train` and `torchrun --nproc-per-node 2 -m bdh_train train` on the
+    same config (`two_only` added to the second); returns both run directories."""
+    sets = [a for o in overrides for a in ("--set", o)]
+    extra = [a for o in two_only for a in ("--set", o)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    commands = {
+        "one": [sys.executable, "-m", "bdh_train"],
+        "two": [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "bdh_train"],
+    }
+    for name, command in commands.items():
+        args = ["train", "--run-dir", str(tmp_path / name), *sets]
+        args += extra if name == "two" else []
+        proc = subprocess.run(
+            [*command, *args], capture_output=True, text=True, timeout=200, env=env
+        )
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+    return tmp_path / "one", tmp_path / "two"
+
+
+def assert_same_parameters(one: Path, two: Path) -> None:
+    a, b = params(one), params(two)
+    for name in a:
+        err = ((a[name] - b[name]).norm() / a[name].norm()).item()
+        assert err < 1e-5, f"{name}: relative difference {err:.2e} (tol 1e-5)"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_ddp_two_processes_equal_one_process(tmp_path):
@@ -167,41 +195,9 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
         "training.checkpoint_every=5",
         "training.eval_every=0",
     ]
-    sets = [a for o in overrides for a in ("--set", o)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run(
-        [sys.executable, "-m", "bdh_train", "train", "--run-dir", str(tmp_path / "one"), *sets],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env=env,
-    )
-    assert one.returncode == 0, one.stderr
-    torchrun = Path(sys.executable).with_name("torchrun")
-    two = subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "bdh_train",
-            "train",
-            "--run-dir",
-            str(tmp_path / "two"),
-            *sets,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env=env,
-    )
-    assert two.returncode == 0, two.stderr[-3000:]
-    a, b = params(tmp_path / "one"), params(tmp_path / "two")
-    for name in a:
-        err = ((a[name] - b[name]).norm() / a[name].norm()).item()
-        assert err < 1e-5, f"{name}: relative difference {err:.2e} (tol 1e-5)"
-    rows_one, rows_two = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "two")
+    one, two = train_one_and_two_processes(tmp_path, overrides, [])
+    assert_same_parameters(one, two)
+    rows_one, rows_two = metric_rows(one), metric_rows(two)
     assert [r["tokens"] for r in rows_one] == [r["tokens"] for r in rows_two]
     for r1, r2 in zip(rows_one, rows_two, strict=True):
         assert abs(r1["loss"] - r2["loss"]) < 1e-5 * abs(r1["loss"])
@@ -221,51 +217,15 @@ def test_torchrun_pipeline_training_equals_one_process(tmp_path, schedule):
         "training.checkpoint_every=3",
         "training.eval_every=3",
     ]
-    sets = [a for o in overrides for a in ("--set", o)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run(
-        [sys.executable, "-m", "bdh_train", "train", "--run-dir", str(tmp_path / "one"), *sets],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env=env,
-    )
-    assert one.returncode == 0, one.stderr
-    torchrun = Path(sys.executable).with_name("torchrun")
     pipe = [
-        "--set",
         "parallel.pipeline_stages=2",
-        "--set",
         "parallel.microbatches=2",
-        "--set",
         f"parallel.schedule='{schedule}'",
     ]
-    two = subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "bdh_train",
-            "train",
-            "--run-dir",
-            str(tmp_path / "two"),
-            *sets,
-            *pipe,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env=env,
-    )
-    assert two.returncode == 0, two.stderr[-3000:]
-    a, b = params(tmp_path / "one"), params(tmp_path / "two")
-    for name in a:
-        err = ((a[name] - b[name]).norm() / a[name].norm()).item()
-        assert err < 1e-5, f"{name}: relative difference {err:.2e} (tol 1e-5)"
-    val_one = [r["val_loss"] for r in metric_rows(tmp_path / "one") if "val_loss" in r]
-    val_two = [r["val_loss"] for r in metric_rows(tmp_path / "two") if "val_loss" in r]
+    one, two = train_one_and_two_processes(tmp_path, overrides, pipe)
+    assert_same_parameters(one, two)
+    val_one = [r["val_loss"] for r in metric_rows(one) if "val_loss" in r]
+    val_two = [r["val_loss"] for r in metric_rows(two) if "val_loss" in r]
     assert abs(val_one[0] - val_two[0]) < 1e-5 * val_one[0]
 
 

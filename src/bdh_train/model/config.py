@@ -147,7 +147,8 @@ class BDHConfig:
     position: str = "rope"
     norm: str = "layernorm"
     executor: str = "auto"
-    chunk_size: int = 64
+    chunk_size: int = 256
+    """Tokens per chunk of the chunked executor (measured best on CPU: docs/benchmarks.md)."""
     quant: QuantConfig = field(default_factory=QuantConfig)
     language_head: LanguageHeadConfig = field(default_factory=LanguageHeadConfig)
 

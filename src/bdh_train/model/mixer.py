@@ -86,7 +86,7 @@ def chunked_attention(
     v: torch.Tensor,
     rho: torch.Tensor | None,
     log_decay: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = 256,
     need_state: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dense inside chunks of `chunk_size` tokens; the state carries the past between them."""

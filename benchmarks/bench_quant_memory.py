@@ -5,7 +5,7 @@ the bytes of every tensor autograd saves for backward (torch.autograd.graph.save
 counting each storage once and skipping parameters (they are held by the model anyway, so
 saving a reference costs nothing). Compares:
 
-    float      unquantized x @ w
+    float      unquantized product, as the float model computes it (per_head_matmul)
     qat_ste    fake quantization + STE
     kernel     train_kernel, float operands saved (saved_activations = none)
     kernel+q8  train_kernel + quantized_cache_recompute (int8 input codes + per-token scales)
@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from bdh_train.model import BDH, BDHConfig, QuantConfig
+from bdh_train.model.matmul import per_head_matmul
 from bdh_train.model.quant import quantized_projection
 
 MODES: dict[str, QuantConfig | None] = {
@@ -64,7 +65,7 @@ def projection_table(b: int, t: int, d: int, h: int, n: int) -> list[tuple[str, 
         row = {}
         for mode, cfg in MODES.items():
             if cfg is None:
-                row[mode] = saved_bytes(lambda x=x, w=w: x @ w, [w])
+                row[mode] = saved_bytes(lambda x=x, w=w: per_head_matmul(x, w), [w])
             else:
                 row[mode] = saved_bytes(lambda x=x, w=w, c=cfg: quantized_projection(x, w, c), [w])
         rows.append((label, row))

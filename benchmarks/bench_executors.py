@@ -15,9 +15,14 @@ norms, projections, loss, optimizer) is the same code; "dense" is mixer.dense_at
 (in-place tril_), "chunked/C" is mixer.chunked_attention with chunk C, and "auto" is whatever
 mixer.choose_executor picks with BDHConfig's default chunk_size (256 since commit e6a9e98,
 64 before; read at run time, so "auto" always means the repo's default). auto's choice is
-resolved in
-the parent: when it is a run already in the table, that run's figures are repeated (the code
-path is identical), marked "= <executor>".
+resolved in the parent: when it is a run already in the table, that run's figures are
+repeated (the code path is identical), marked "= <executor>". "chunked-split/C" is a
+diagnostic variant, not in the default grid: chunked_attention with the chunks cut by
+torch.split (see split_chunked_attention). Any name may end in "@B" to run at batch B.
+
+Other processes on the machine slow a 2-thread step badly, so every run reports "others %"
+(the CPU share other processes used during its timed steps); --wait-quiet S waits for a quiet
+machine before each run and --retry-disturbed K measures a disturbed run (> 10%) again.
 
 Before each run the step's memory and time are ESTIMATED (saved activations measured with
 saved_tensors_hooks: per layer 4 [B,H,T,N] tensors + the T x T scores (dense) or the chunk
@@ -25,9 +30,11 @@ scores and one [B,H,N,D] state per chunk (chunked); time from a multiply-add cou
 machine's measured matmul throughput). Runs estimated above --max-gib or --max-step-s are
 skipped and printed as such instead of being started.
 
-Run:  .venv/bin/python benchmarks/bench_executors.py            # full grid (~25 min)
+Run:  .venv/bin/python benchmarks/bench_executors.py --wait-quiet 600 --retry-disturbed 2
+                                      # the full grid: ~23 min of measuring on 2 quiet cores
       .venv/bin/python benchmarks/bench_executors.py --quick    # smoke run, config a, T<=512
       .venv/bin/python benchmarks/bench_executors.py --configs a --lengths 1024,2048
+      .venv/bin/python benchmarks/bench_executors.py --dry-run  # the plan and its estimates
 """
 
 from __future__ import annotations
@@ -445,7 +452,8 @@ def main() -> None:
         default=0,
         metavar="K",
         help="measure a run again, up to K times, while other processes used more than "
-        f"{DISTURBED:.0%} of the CPUs during its timed steps; the least disturbed one is kept",
+        f"{100 * DISTURBED:.0f}%% of the CPUs during its timed steps; the least disturbed "
+        "one is kept",
     )
     args = ap.parse_args()
     configs = ["a"] if args.quick else args.configs.split(",")

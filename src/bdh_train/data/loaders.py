@@ -60,6 +60,13 @@ def _check_ranks(batch_size: int, rank: int, world_size: int) -> None:
         )
 
 
+def _integer_seed(seed: Any) -> int:
+    """The loaders' seed: a real integer (not a bool), as Python int."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
+    return int(seed)
+
+
 def _seed_from(*words: int) -> int:
     """A 64-bit torch seed that depends on every word (SeedSequence hashing, so (1, 23) and
     (12, 3) never collide the way `a * k + b` formulas can)."""
@@ -103,9 +110,7 @@ class RandomWindowLoader:
         self.block_size = _positive_int("block_size", block_size)
         self.batch_size = _positive_int("batch_size", batch_size)
         _check_ranks(self.batch_size, rank, world_size)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise ConfigError(f"seed must be an integer, got {seed!r}")
-        self.seed = int(seed)
+        self.seed = _integer_seed(seed)
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.micro_per_step = _positive_int("micro_per_step", micro_per_step)
@@ -224,15 +229,13 @@ class StreamingDocumentLoader:
         self.batch_size = _positive_int("batch_size", batch_size)
         self.logical_length = _positive_int("logical_length", logical_length)
         _check_ranks(self.batch_size, rank, world_size)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise ConfigError(f"seed must be an integer, got {seed!r}")
+        self.seed = _integer_seed(seed)
         if self.logical_length % self.block_size:
             raise ConfigError(
                 f"logical_length {self.logical_length} must be a multiple of block_size "
                 f"{self.block_size} (documents are cut into whole windows); try "
                 f"{max(1, round(self.logical_length / self.block_size)) * self.block_size}"
             )
-        self.seed = int(seed)
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.windows_per_doc = self.logical_length // self.block_size

@@ -225,8 +225,8 @@ def split_chunked_attention(q, v, rho, log_decay=None, chunk_size=64, need_state
 def worker(spec: dict[str, Any]) -> None:
     import torch
 
+    from bdh_train.batch import SequenceBatch
     from bdh_train.model import BDH, BDHConfig, mixer
-    from bdh_train.train.batch import SequenceBatch
     from bdh_train.train.step import LanguageTrainModel
 
     torch.set_num_threads(spec["threads"])

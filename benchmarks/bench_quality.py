@@ -24,7 +24,7 @@ from bdh_train.config import load_config
 from bdh_train.data import builtin_corpus, eval_batches
 from bdh_train.train.metrics import read_metrics
 from bdh_train.train.step import LanguageTrainModel
-from bdh_train.train.trainer import Trainer
+from bdh_train.trainer import Trainer
 
 
 def unigram_entropy_nats(data: bytes) -> float:
@@ -103,7 +103,7 @@ def bench_shakespeare(args: argparse.Namespace) -> None:
             *common,
             "training.block_size=64",
             "training.batch_size=32",
-            "training.tbptt_persist_across_steps=true",
+            "training.tbptt_streaming=true",
             "training.min_logical_block_size=1024",
         ],
     }

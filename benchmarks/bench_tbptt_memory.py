@@ -50,9 +50,9 @@ MAX_TIMED_STEPS = 5
 def worker(spec: dict[str, Any]) -> None:
     import torch
 
+    from bdh_train.batch import SequenceBatch
     from bdh_train.model import BDH, BDHConfig
     from bdh_train.model.mixer import choose_executor
-    from bdh_train.train.batch import SequenceBatch
     from bdh_train.train.step import LanguageTrainModel
 
     torch.set_num_threads(spec["threads"])

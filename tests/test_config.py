@@ -9,17 +9,15 @@ import pytest
 from bdh_train.config import (
     DEFAULT_PRESET,
     PRESETS,
-    InitTransferConfig,
-    ModuleLrScale,
-    ModuleLrScaleSchedule,
     RunConfig,
-    deep_merge,
     dump_toml,
     load_config,
     parse_override,
     save_config,
 )
+from bdh_train.config.layering import deep_merge
 from bdh_train.errors import ConfigError
+from bdh_train.train import GradientScale, GradientScaleRamp, InitTransferConfig
 
 
 def write(path: Path, text: str) -> Path:
@@ -225,15 +223,26 @@ def test_set_overrides(item: str, getter, expected) -> None:
     assert getter(load_config(overrides=[item])) == expected
 
 
-def test_set_module_lr_scales_list_of_tables() -> None:
+def test_set_gradient_scales_list_of_tables() -> None:
     cfg = load_config(
         overrides=[
-            'training.module_lr_scales=[{target="embedding", scale=0.1, '
+            'training.gradient_scales=[{target="embedding", scale=0.1, '
             "schedule={final_scale=1.0, start_fraction=0.2, end_fraction=0.5}}]"
         ]
     )
-    (item,) = cfg.training.module_lr_scales
-    assert item == ModuleLrScale("embedding", 0.1, ModuleLrScaleSchedule(1.0, 0.2, 0.5))
+    (item,) = cfg.training.gradient_scales
+    assert item == GradientScale("embedding", 0.1, GradientScaleRamp(1.0, 0.2, 0.5))
+
+
+def test_old_module_lr_scales_key_is_read_with_a_deprecation_line(tmp_path: Path, capsys) -> None:
+    table = '[{target="embedding", scale=0.1}]'
+    from_set = load_config(overrides=[f"training.module_lr_scales={table}"])
+    assert "training.module_lr_scales is deprecated" in capsys.readouterr().err
+    f = write(tmp_path / "old.toml", f"[training]\nmodule_lr_scales = {table}\n")
+    from_file = load_config([f])
+    assert "training.module_lr_scales is deprecated" in capsys.readouterr().err
+    for cfg in (from_set, from_file):
+        assert cfg.training.gradient_scales == [GradientScale("embedding", 0.1, None)]
 
 
 def test_set_applies_after_files_in_order(tmp_path: Path) -> None:
@@ -305,44 +314,44 @@ BAD_VALUES = [
     ('training.compile="yes"', "training.compile must be true or false, got 'yes'"),
     ("training.profile=0", "training.profile must be true or false"),
     ("training.max_consecutive_skips=-1", "training.max_consecutive_skips must be"),
-    ("training.module_lr_scales=3", "training.module_lr_scales must be a list of tables"),
-    ("training.module_lr_scales=[3]", r"training.module_lr_scales[0] must be a table"),
+    ("training.gradient_scales=3", "training.gradient_scales must be a list of tables"),
+    ("training.gradient_scales=[3]", r"training.gradient_scales[0] must be a table"),
     (
-        'training.module_lr_scales=[{target="encoder"}]',
-        "training.module_lr_scales[0].target must be one of 'embedding'",
+        'training.gradient_scales=[{target="encoder"}]',
+        "training.gradient_scales[0].target must be one of 'embedding'",
     ),
     (
-        'training.module_lr_scales=[{target="embedding", scale=-1}]',
-        "training.module_lr_scales[0].scale must be a non-negative number, got -1",
+        'training.gradient_scales=[{target="embedding", scale=-1}]',
+        "training.gradient_scales[0].scale must be a non-negative number, got -1",
     ),
     (
-        'training.module_lr_scales=[{target="embedding", scal=1}]',
-        "unknown key training.module_lr_scales[0].scal (did you mean 'scale'?)",
+        'training.gradient_scales=[{target="embedding", scal=1}]',
+        "unknown key training.gradient_scales[0].scal (did you mean 'scale'?)",
     ),
     (
-        'training.module_lr_scales=[{target="embedding"}, {target="embedding"}]',
-        "training.module_lr_scales[1].target 'embedding' repeats",
+        'training.gradient_scales=[{target="embedding"}, {target="embedding"}]',
+        "training.gradient_scales[1].target 'embedding' repeats",
     ),
     (
-        'training.module_lr_scales=[{target="embedding", schedule={start_fraction=1.5}}]',
-        "training.module_lr_scales[0].schedule.start_fraction must be a number in [0, 1]",
+        'training.gradient_scales=[{target="embedding", schedule={start_fraction=1.5}}]',
+        "training.gradient_scales[0].schedule.start_fraction must be a number in [0, 1]",
     ),
     (
-        'training.module_lr_scales=[{target="embedding", schedule={end_fraction=-0.1}}]',
-        "training.module_lr_scales[0].schedule.end_fraction must be a number in [0, 1]",
+        'training.gradient_scales=[{target="embedding", schedule={end_fraction=-0.1}}]',
+        "training.gradient_scales[0].schedule.end_fraction must be a number in [0, 1]",
     ),
     (
-        'training.module_lr_scales=[{target="embedding", '
+        'training.gradient_scales=[{target="embedding", '
         "schedule={start_fraction=0.6, end_fraction=0.5}}]",
-        "training.module_lr_scales[0].schedule.start_fraction (0.6) must be <=",
+        "training.gradient_scales[0].schedule.start_fraction (0.6) must be <=",
     ),
     (
-        'training.module_lr_scales=[{target="embedding", schedule={final_scale=-2.0}}]',
-        "training.module_lr_scales[0].schedule.final_scale must be a non-negative number",
+        'training.gradient_scales=[{target="embedding", schedule={final_scale=-2.0}}]',
+        "training.gradient_scales[0].schedule.final_scale must be a non-negative number",
     ),
     (
-        'training.module_lr_scales=[{target="embedding", schedule=2}]',
-        "training.module_lr_scales[0].schedule must be a table",
+        'training.gradient_scales=[{target="embedding", schedule=2}]',
+        "training.gradient_scales[0].schedule must be a table",
     ),
     (
         "training.init_transfer.backbone_grad_scale=-1",
@@ -387,13 +396,13 @@ BAD_VALUES = [
     ("data.val_fraction=-0.1", "data.val_fraction must be a number in [0, 1)"),
     ("data.nca.grid_size=0", "data.nca.grid_size must be a positive integer"),
     ("data.nca.grid_size=7", "data.nca.grid_size must be a multiple of data.nca.patch_size"),
-    ("data.nca.state_count=1", "data.nca.state_count must be a integer >= 2"),
+    ("data.nca.state_count=1", "data.nca.state_count must be an integer >= 2"),
     ("data.nca.steps=0", "data.nca.steps must be a positive integer"),
     ("data.nca.patch_size=0", "data.nca.patch_size must be a positive integer"),
     ("data.nca.seed=-1", "data.nca.seed must be a non-negative integer"),
     ("data.nca.rule_count=0", "data.nca.rule_count must be a positive integer"),
     ("parallel.pipeline_stages=0", "parallel.pipeline_stages must be a positive integer"),
-    ("parallel.virtual_stages_per_rank=0", "parallel.virtual_stages_per_rank must be a positive"),
+    ("parallel.virtual_stages_per_rank=0", "parallel.virtual_stages_per_rank must be in [1, "),
     (
         "parallel.virtual_stages_per_rank=2",
         "parallel.virtual_stages_per_rank must be in [1, parallel.pipeline_stages (1)], got 2",
@@ -450,7 +459,7 @@ def test_each_invalid_field_is_named(item: str, message: str) -> None:
         ),
         (
             ["parallel.pipeline_stages=2", "parallel.virtual_stages_per_rank=2"],
-            "needs parallel.schedule='interleaved_1f1b'",
+            "needs parallel.schedule in 'gpipe', 'interleaved_1f1b'",
         ),
         (
             [
@@ -466,6 +475,36 @@ def test_cross_field_checks(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(overrides=overrides)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_plan_and_train_agree_on_the_pipeline_shape(schedule: str, virtual: int) -> None:
+    """`bdh-train plan` and a training config accept and refuse the same pipeline shapes,
+    with the same message (one rule, one home)."""
+    from bdh_train.distributed.planner import build_pipeline_plan
+
+    def outcome(make) -> str:
+        try:
+            make()
+        except ConfigError as exc:
+            return str(exc)
+        return "accepted"
+
+    planned = outcome(lambda: build_pipeline_plan(4, 2, virtual, 4, schedule))
+    trained = outcome(
+        lambda: load_config(
+            overrides=[
+                "model.n_layer=4",
+                "parallel.pipeline_stages=2",
+                f"parallel.virtual_stages_per_rank={virtual}",
+                "parallel.microbatches=4",
+                f"parallel.schedule={schedule}",
+            ]
+        )
+    )
+    assert planned == trained
+    assert (planned == "accepted") == (virtual == 1 or schedule != "1f1b")
 
 
 def test_valid_cross_field_combinations() -> None:
@@ -514,7 +553,7 @@ def test_dump_load_round_trip(tmp_path: Path) -> None:
     cfg = load_config(
         preset="pathway",
         overrides=[
-            'training.module_lr_scales=[{target="embedding", scale=0.1, '
+            'training.gradient_scales=[{target="embedding", scale=0.1, '
             "schedule={final_scale=1.0, start_fraction=0.2, end_fraction=0.5}}, "
             '{target="output_head", scale=2.0}]',
             "training.init_transfer.backbone_grad_scale=0.25",
@@ -523,7 +562,7 @@ def test_dump_load_round_trip(tmp_path: Path) -> None:
             "checkpoint.init_from=runs/old",
         ],
     )
-    assert cfg.training.module_lr_scales[1].schedule is None
+    assert cfg.training.gradient_scales[1].schedule is None
     assert cfg.training.init_transfer == InitTransferConfig(0.25, 100, False, False)
     path = tmp_path / "out" / "config.toml"
     save_config(cfg, path)

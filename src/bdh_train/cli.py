@@ -73,7 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="print the fully resolved config")
     _add_config_args(p)
-    p.add_argument("--show", action="store_true", help="print it (the default action)")
 
     p = sub.add_parser("plot", help="draw RUN_DIR/loss.png from metrics.jsonl")
     p.add_argument("run_dir")
@@ -102,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_train(args: argparse.Namespace) -> int:
     from bdh_train.config import load_config
     from bdh_train.distributed.env import DistContext
-    from bdh_train.train.trainer import CONFIG_FILE, Trainer, resolve_device
+    from bdh_train.trainer import CONFIG_FILE, Trainer, resolve_device
 
     resume = args.resume is not None
     run_dir = Path(args.resume or args.run_dir or "") if resume else None
@@ -187,42 +186,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import math
-
     from bdh_train.config import load_config
-    from bdh_train.data import eval_batches, load_splits, load_tokens
+    from bdh_train.train.evaluate import evaluate
     from bdh_train.train.step import LanguageTrainModel
-    from bdh_train.train.trainer import CONFIG_FILE, data_generators
+    from bdh_train.trainer import CONFIG_FILE
 
     model, directory = _load_checkpoint_model(args.checkpoint)
     cfg = load_config([directory / CONFIG_FILE])
     t = cfg.training
     if args.data:
-        data = load_tokens(args.data, cfg.model.vocab_size, data_generators(cfg))
+        data = cfg.data.load_source(args.data, cfg.model.vocab_size)
         data.validate_for_block(t.block_size, "eval data")
     else:
-        _, data = load_splits(
-            cfg.data.source,
-            cfg.model.vocab_size,
-            t.block_size,
-            cfg.data.val_fraction,
-            generators=data_generators(cfg),
-        )
+        _, data = cfg.data.load_splits(cfg.model.vocab_size, t.block_size)
         if data is None:
             raise BDHTrainError(
                 "the run has no validation split (data.val_fraction = 0); pass --data SOURCE"
             )
     step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
-    total = count = 0.0
-    for batch in eval_batches(data, t.block_size, t.batch_size, args.batches):
-        n = batch.counted_tokens()
-        total += float(step.valid_step(batch)) * n
-        count += n
-    loss = total / max(count, 1.0)
-    result = {"val_loss": loss, "tokens": int(count)}
-    if cfg.model.vocab_size == 256:
-        result["bits_per_byte"] = loss / math.log(2)
-    print(json.dumps(result))
+    result = evaluate(step, data, t.block_size, t.batch_size, args.batches)
+    print(json.dumps({**result.row(), "tokens": result.tokens}))
     return 0
 
 

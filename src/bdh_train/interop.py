@@ -7,7 +7,6 @@ must give it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -112,11 +111,3 @@ def load_official_checkpoint(path: str | Path, n_layer: int) -> BDH:
     if not isinstance(state_dict, Mapping):
         raise CheckpointError(f"{path} does not hold a state_dict")
     return load_official_state_dict(state_dict, n_layer)
-
-
-def official_frequencies_buffer(n_neurons: int) -> torch.Tensor:
-    """The `attn.freqs` buffer as the official code builds it ([1, 1, 1, N], float32)."""
-    i = torch.arange(n_neurons, dtype=torch.float32)
-    return (1.0 / (2.0**16) ** ((i / 2).floor() * 2 / n_neurons) / (2 * math.pi)).view(
-        1, 1, 1, n_neurons
-    )

@@ -1,11 +1,14 @@
-"""Small shared helpers: dataclass construction from dicts with helpful errors, atomic writes."""
+"""Small shared helpers: the nearest-name hint, dataclasses built from TOML tables with helpful
+errors, and the one atomic file write (temporary file, fsync, rename)."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import os
+import sys
 import tempfile
+import types
 import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,11 +26,43 @@ def suggest(name: str, options: typing.Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def build_dataclass(cls: type[T], data: dict[str, Any], prefix: str) -> T:
-    """Instantiate dataclass `cls` from `data`, recursing into nested dataclass fields.
+def dataclass_in(hint: Any) -> tuple[str, type] | None:
+    """('one' | 'optional' | 'list', cls) when a type hint is a dataclass, an Optional of one,
+    or a list of one; None otherwise."""
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return "one", hint
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and isinstance(inner[0], type) and dataclasses.is_dataclass(inner[0]):
+            return "optional", inner[0]
+    if origin is list and len(args) == 1:
+        (inner,) = args
+        if isinstance(inner, type) and dataclasses.is_dataclass(inner):
+            return "list", inner
+    return None
 
-    Unknown keys raise ConfigError naming the key path and the nearest valid name.
-    Type checks beyond that are the dataclass's own `validate()`'s job.
+
+def renamed_key(cls: type, key: str, prefix: str) -> str:
+    """The current name of `key` in dataclass `cls`: an old name listed in the class's
+    `RENAMED` mapping is translated, with a deprecation line on stderr."""
+    new = getattr(cls, "RENAMED", {}).get(key)
+    if new is None:
+        return key
+    print(
+        f"warning: {prefix}.{key} is deprecated; it is read as {prefix}.{new} (rename it)",
+        file=sys.stderr,
+    )
+    return new
+
+
+def build_dataclass(cls: type[T], data: Any, prefix: str) -> T:
+    """Instantiate dataclass `cls` from a table, recursing into dataclass fields, Optional
+    dataclass fields and lists of dataclasses.
+
+    Unknown keys raise ConfigError naming the key path and the nearest valid name. Type and
+    range checks are the dataclass's own `validate()`'s job.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix} must be a table, got {data!r}")
@@ -35,13 +70,22 @@ def build_dataclass(cls: type[T], data: dict[str, Any], prefix: str) -> T:
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
+        key = renamed_key(cls, key, prefix)
         if key not in fields:
             raise ConfigError(f"unknown key {prefix}.{key}{suggest(key, fields)}")
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-            kwargs[key] = build_dataclass(hint, value, f"{prefix}.{key}")
-        else:
+        where = f"{prefix}.{key}"
+        kind = dataclass_in(hints[key])
+        if kind is None or value is None:
             kwargs[key] = value
+        elif kind[0] == "list":
+            kwargs[key] = value if not isinstance(value, list) else [
+                build_dataclass(kind[1], item, f"{where}[{i}]") if isinstance(item, dict) else item
+                for i, item in enumerate(value)
+            ]
+        elif kind[0] == "optional" and not isinstance(value, dict):
+            kwargs[key] = value
+        else:
+            kwargs[key] = build_dataclass(kind[1], value, where)
     return cls(**kwargs)
 
 

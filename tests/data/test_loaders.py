@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from bdh_train.batch import SequenceBatch
 from bdh_train.data import (
     RandomWindowLoader,
     StreamingDocumentLoader,
@@ -22,7 +23,6 @@ from bdh_train.data import (
     write_token_file,
 )
 from bdh_train.errors import ConfigError, DataError
-from bdh_train.train.batch import SequenceBatch
 
 TOKENS = np.arange(5000, dtype=np.int64)
 
@@ -58,8 +58,8 @@ def test_random_windows_are_shifted_slices() -> None:
 
 
 def test_random_is_pure_function_of_seed_step_micro() -> None:
-    a = RandomWindowLoader(TOKENS, 8, 4, seed=7, micro_per_step=3)
-    b = RandomWindowLoader(TOKENS, 8, 4, seed=7, micro_per_step=3)
+    a = RandomWindowLoader(TOKENS, 8, 4, seed=7, accumulation_steps=3)
+    b = RandomWindowLoader(TOKENS, 8, 4, seed=7, accumulation_steps=3)
     calls = [a.next_batch() for _ in range(7)]
     for i, batch in enumerate(calls):
         assert _same(batch, b.batch_at(i // 3, i % 3))
@@ -70,11 +70,11 @@ def test_random_is_pure_function_of_seed_step_micro() -> None:
 
 
 def test_random_resume_continues_identically() -> None:
-    ref = RandomWindowLoader(TOKENS, 8, 4, seed=3, micro_per_step=2)
+    ref = RandomWindowLoader(TOKENS, 8, 4, seed=3, accumulation_steps=2)
     for _ in range(5):
         ref.next_batch()
     state = json.loads(json.dumps(ref.state_dict()))  # must survive plain serialization
-    resumed = RandomWindowLoader(TOKENS, 8, 4, seed=3, micro_per_step=2)
+    resumed = RandomWindowLoader(TOKENS, 8, 4, seed=3, accumulation_steps=2)
     resumed.load_state_dict(state)
     for _ in range(6):
         assert _same(ref.next_batch(), resumed.next_batch())
@@ -103,13 +103,13 @@ def test_random_errors() -> None:
         loader.load_state_dict({"kind": "streaming_document"})
 
 
-def test_set_micro_per_step() -> None:
-    loader = RandomWindowLoader(TOKENS, 8, 4, seed=0, micro_per_step=2)
+def test_set_accumulation_steps() -> None:
+    loader = RandomWindowLoader(TOKENS, 8, 4, seed=0, accumulation_steps=2)
     loader.next_batch()
     with pytest.raises(ConfigError, match=r"change it at a step boundary"):
-        loader.set_micro_per_step(1)
+        loader.set_accumulation_steps(1)
     loader.next_batch()
-    loader.set_micro_per_step(4)
+    loader.set_accumulation_steps(4)
     for m in range(4):
         assert _same(loader.next_batch(), loader.batch_at(1, m))
     assert (loader.step, loader.micro) == (2, 0)
@@ -190,7 +190,9 @@ def test_streaming_rank_slices_concatenate_to_global_batch() -> None:
 
 
 def test_streaming_errors() -> None:
-    with pytest.raises(ConfigError, match=r"logical_length 10 must be a multiple of block_size 4"):
+    with pytest.raises(
+        ConfigError, match=r"min_logical_block_size must be a multiple of \S+ \(4\), got 10"
+    ):
         StreamingDocumentLoader(STREAM, 4, 2, logical_length=10, seed=0)
     with pytest.raises(DataError, match=r"has 12 tokens, fewer than logical_length \+ 1 = 13"):
         StreamingDocumentLoader(np.arange(12), 4, 2, logical_length=12, seed=0)

@@ -10,7 +10,6 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +19,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import tiny_model
 
+from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.distributed.pipeline import (
     BDHStage,
     PipelineRunner,
-    check_batch_size,
-    check_pipeline_config,
 )
-from bdh_train.distributed.planner import PipelinePlan, build_pipeline_plan
+from bdh_train.distributed.planner import ParallelConfig, PipelinePlan, build_pipeline_plan
 from bdh_train.errors import ConfigError, DataError
-from bdh_train.train.batch import IGNORE_INDEX, SequenceBatch
 
 WORLD = 2
 N_LAYER = 4
@@ -172,7 +169,7 @@ def _train_worker(rank: int, world: int, schedule: str, virtual: int) -> dict[st
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     snaps, losses = [], []
     for step in range(STEPS):
-        losses.append(runner.train_step(_batch(step)))
+        losses.append(float(runner.compute_gradients(_batch(step)).loss))
         opt.step()
         snaps.append(_snapshot(model))
     layers_run = sorted(ran_layers)
@@ -223,7 +220,7 @@ def _mismatch_worker(rank: int, world: int) -> str:
     if rank == 1:
         batch = batch.time_slice(0, BLOCK - 1)
     try:
-        runner.train_step(batch)
+        runner.compute_gradients(batch)
     except DataError as error:
         return str(error)
     return "accepted"
@@ -272,54 +269,26 @@ def _plan(schedule: str = "1f1b", virtual: int = 1, microbatches: int = 4) -> Pi
     return build_pipeline_plan(N_LAYER, 2, virtual, microbatches, schedule)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "field"),
-    [
-        (dict(tbptt_chunk_size=2), "training.tbptt_chunk_size"),
-        (dict(persist_across_steps=True), "training.tbptt_persist_across_steps"),
-    ],
-)
-def test_runner_refuses_carried_state(kwargs: dict[str, Any], field: str) -> None:
-    with pytest.raises(ConfigError, match=field):
-        PipelineRunner(tiny_model(n_layer=N_LAYER), _plan(), 0, **kwargs)
-
-
-def test_runner_refuses_more_virtual_stages_than_layers() -> None:
-    plan = _plan("interleaved_1f1b", virtual=2)
-    with pytest.raises(ConfigError, match="model.n_layer.*parallel.virtual_stages_per_rank"):
-        PipelineRunner(tiny_model(n_layer=3), plan, 0)
+def test_pipeline_shape_rules_are_refused_by_the_plan() -> None:
+    """The runner takes plans from build_pipeline_plan, which checks the shape rules once."""
     with pytest.raises(ConfigError, match="model.n_layer"):
         build_pipeline_plan(3, 2, 2, 4, "interleaved_1f1b")
-
-
-@pytest.mark.parametrize(("schedule", "virtual"), [("1f1b", 1), ("interleaved_1f1b", 2)])
-def test_runner_refuses_fewer_microbatches_than_stages(schedule: str, virtual: int) -> None:
-    # The planner refuses too; a hand-made plan must not slip past the runner.
-    with pytest.raises(ConfigError, match="parallel.microbatches"):
-        build_pipeline_plan(N_LAYER, 2, virtual, 1, schedule)
-    plan = replace(_plan(schedule, virtual), microbatches=1)
-    with pytest.raises(ConfigError, match="parallel.microbatches.*parallel.pipeline_stages"):
-        PipelineRunner(tiny_model(n_layer=N_LAYER), plan, 0)
-
-
-def test_runner_refuses_incomplete_interleaved_rounds() -> None:
-    plan = _plan("interleaved_1f1b", virtual=2, microbatches=5)
-    with pytest.raises(ConfigError, match="parallel.microbatches=5 must be a multiple"):
-        PipelineRunner(tiny_model(n_layer=N_LAYER), plan, 0)
-
-
-def test_runner_refuses_virtual_stages_without_interleaving() -> None:
-    plan = _plan("gpipe", virtual=2)
+    for schedule, virtual in (("1f1b", 1), ("interleaved_1f1b", 2)):
+        with pytest.raises(ConfigError, match="parallel.microbatches"):
+            build_pipeline_plan(N_LAYER, 2, virtual, 1, schedule)
     with pytest.raises(ConfigError, match="parallel.virtual_stages_per_rank=2 needs"):
-        PipelineRunner(tiny_model(n_layer=N_LAYER), plan, 0)
+        build_pipeline_plan(N_LAYER, 2, 2, 4, "1f1b")
 
 
 def test_batch_size_must_split_into_equal_microbatches() -> None:
+    runner_rules = ParallelConfig(2, 1, 4, "1f1b").validate()
     with pytest.raises(ConfigError, match="training.batch_size=6 .*parallel.microbatches=4"):
-        check_batch_size(6, 4)
-    with pytest.raises(ConfigError, match="training.batch_size=2"):
-        check_pipeline_config(N_LAYER, _plan(), batch_size=2)
-    check_pipeline_config(N_LAYER, _plan(), batch_size=8)
+        runner_rules.check_training(6, 0, False)
+    with pytest.raises(ConfigError, match="parallel.microbatches must be <= training.batch_size"):
+        runner_rules.check_training(2, 0, False)
+    runner_rules.check_training(8, 0, False)
+    with pytest.raises(ConfigError, match="parallel.microbatches=5 must be a multiple"):
+        ParallelConfig(2, 2, 5, "interleaved_1f1b").validate().check_training(10, 0, False)
 
 
 def test_runner_needs_a_process_group() -> None:
@@ -359,11 +328,11 @@ def test_single_stage_runner(single_process_group: None) -> None:
     reference = tiny_model(torch.float64, seed=0, n_layer=N_LAYER)
     runner = PipelineRunner(model, build_pipeline_plan(N_LAYER, 1, 1, MICROBATCHES, "gpipe"), 0)
     batch = _batch(0)
-    loss = runner.train_step(batch)
+    loss = float(runner.compute_gradients(batch).loss)
     _, ref_loss = reference(batch.inputs, batch.targets)
     ref_loss.backward()
     assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
     for (name, p), ref_p in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, ref_p.grad, rtol=1e-5, atol=1e-10, msg=name)
     with pytest.raises(ConfigError, match="training.batch_size=6"):
-        runner.train_step(batch.rows(0, 6))
+        runner.compute_gradients(batch.rows(0, 6))

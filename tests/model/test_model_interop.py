@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from official_bdh import official_frequencies_buffer
 from test_model_reference import spec_reference
 
 from bdh_train.errors import CheckpointError
 from bdh_train.interop import (
     load_official_checkpoint,
     load_official_state_dict,
-    official_frequencies_buffer,
 )
 
 

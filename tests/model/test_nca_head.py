@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from bdh_train.batch import IGNORE_INDEX
 from bdh_train.errors import ConfigError
 from bdh_train.model import BDH, BDHConfig, LanguageHeadConfig
 from bdh_train.model.heads import nca_factorized_loss, patch_digits
-from bdh_train.train.batch import IGNORE_INDEX
 
 
 def nca_head(**kw) -> LanguageHeadConfig:

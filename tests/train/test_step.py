@@ -8,10 +8,11 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.errors import ConfigError
+from bdh_train.model import groups
 from bdh_train.train import profile as profile_module
-from bdh_train.train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.train.profile import StepProfiler
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.step import LanguageTrainModel
@@ -132,7 +133,7 @@ def test_tbptt_train_step_seed_case_is_finite():
 # ------------------------------------------------------------------ streaming
 def test_streaming_second_step_equals_direct_forward_from_carried_state():
     model = tiny_model()
-    step = LanguageTrainModel(model, persist_across_steps=True)
+    step = LanguageTrainModel(model, streaming=True)
     first = SequenceBatch(torch.tensor([[0, 1]]), torch.tensor([[1, 2]]), torch.tensor([True]))
     second = SequenceBatch(torch.tensor([[2, 3]]), torch.tensor([[3, 4]]), torch.tensor([False]))
     step.train_step(first)
@@ -147,7 +148,7 @@ def test_streaming_second_step_equals_direct_forward_from_carried_state():
 
 def test_streaming_reset_row_is_fresh_while_other_row_continues():
     model = tiny_model()
-    step = LanguageTrainModel(model, persist_across_steps=True)
+    step = LanguageTrainModel(model, streaming=True)
     a = batch(b=2, t=3, seed=1)
     a.reset = torch.tensor([True, True])
     step.train_step(a)
@@ -179,7 +180,7 @@ def _row(state, row):
 
 def test_streaming_reset_of_whole_batch_matches_fresh_forward():
     model = tiny_model()
-    step = LanguageTrainModel(model, persist_across_steps=True)
+    step = LanguageTrainModel(model, streaming=True)
     step.train_step(
         SequenceBatch(torch.tensor([[0, 1]]), torch.tensor([[1, 2]]), torch.tensor([True]))
     )
@@ -191,7 +192,7 @@ def test_streaming_reset_of_whole_batch_matches_fresh_forward():
 
 
 def test_valid_step_does_not_touch_the_carried_state():
-    step = LanguageTrainModel(tiny_model(), persist_across_steps=True)
+    step = LanguageTrainModel(tiny_model(), streaming=True)
     step.train_step(batch(t=4))
     before = step.carried_state.clone()
     step.valid_step(batch(t=4, seed=3))
@@ -200,9 +201,9 @@ def test_valid_step_does_not_touch_the_carried_state():
 
 
 def test_carried_state_round_trips_through_state_dict():
-    step = LanguageTrainModel(tiny_model(), persist_across_steps=True)
+    step = LanguageTrainModel(tiny_model(), streaming=True)
     step.train_step(batch(t=4))
-    other = LanguageTrainModel(tiny_model(), persist_across_steps=True)
+    other = LanguageTrainModel(tiny_model(), streaming=True)
     other.load_state_dict(step.state_dict())
     assert torch.equal(other.carried_state.rho[1], step.carried_state.rho[1])
     assert other.gradient_scales.step == 1
@@ -237,13 +238,10 @@ def test_pipeline_with_virtual_stages_matches_full_batch():
     assert rel_err(grads_of(model)["decoder"], full_grads["decoder"]) < 1e-5
 
 
-def test_pipeline_refuses_tbptt_and_streaming():
+def test_pipeline_plan_must_cover_the_model():
+    """Pipeline + TBPTT or streaming is a config rule (tests/test_config.py); the step checks
+    only that the plan it was given fits its model."""
     model = tiny_model(n_layer=2)
-    plan = build_pipeline_plan(2, 2, 1, 2, "gpipe")
-    with pytest.raises(ConfigError, match="tbptt_persist_across_steps"):
-        LanguageTrainModel(model, pipeline_plan=plan, persist_across_steps=True)
-    with pytest.raises(ConfigError, match="TBPTT chunking"):
-        LanguageTrainModel(model, pipeline_plan=plan, tbptt_chunk_size=2)
     with pytest.raises(ConfigError, match="pipeline plan covers 4 layers but model.n_layer is 2"):
         LanguageTrainModel(model, pipeline_plan=build_pipeline_plan(4, 2, 1, 2, "gpipe"))
 
@@ -270,8 +268,8 @@ def test_backbone_scale_zero_freezes_backbone_but_not_surfaces():
     step = LanguageTrainModel(
         model, gradient_scales=GradientScaleSchedule(model, init_transfer=transfer, total_steps=1)
     )
-    backbone = step.transferred_backbone_params(True, True)
-    surface = step.interface_surface_params(True, True)
+    backbone = groups.transferred_backbone_params(step.model, True, True)
+    surface = groups.interface_surface_params(step.model, True, True)
     assert sorted(backbone) == ["encoder", "encoder_v"]
     assert sorted(surface) == ["decoder", "embed.weight", "lm_head", "norm.bias", "norm.weight"]
     b = SequenceBatch(SEED_INPUTS, SEED_TARGETS)
@@ -292,7 +290,7 @@ def test_half_scale_on_decoder_halves_its_gradient_norm():
     other = _norm(model, ["encoder"])
     rules = [{"target": "shared_lowrank_decoder", "scale": 0.5}]
     step = LanguageTrainModel(model, gradient_scales=GradientScaleSchedule(model, rules))
-    assert step.params_for_target("shared_lowrank_decoder") == ["decoder"]
+    assert groups.params_for_target(step.model, "shared_lowrank_decoder") == ["decoder"]
     step.train_step(b)
     assert abs(_norm(model, ["decoder"]) / base - 0.5) < 1e-6
     assert abs(_norm(model, ["encoder"]) / other - 1.0) < 1e-6
@@ -306,7 +304,7 @@ def test_schedule_interpolates_from_half_to_one_over_two_steps():
         for t in ("shared_lowrank_encoder", "shared_lowrank_decoder")
     ]
     step = LanguageTrainModel(model, gradient_scales=GradientScaleSchedule(model, rules, None, 2))
-    assert abs(step.shared_lowrank_target_lr_scale() - 0.5) < 1e-6
+    assert abs(step.gradient_scales.shared_lowrank_target_lr_scale() - 0.5) < 1e-6
     b = SequenceBatch(SEED_INPUTS, SEED_TARGETS)
     LanguageTrainModel(model).train_step(b)
     base = _norm(model, ["decoder"])
@@ -315,7 +313,7 @@ def test_schedule_interpolates_from_half_to_one_over_two_steps():
     step.train_step(b)
     second = _norm(model, ["decoder"])
     assert abs(first / base - 0.5) < 1e-6 and abs(second / base - 1.0) < 1e-6
-    assert abs(step.shared_lowrank_target_lr_scale() - 1.0) < 1e-6
+    assert abs(step.gradient_scales.shared_lowrank_target_lr_scale() - 1.0) < 1e-6
     assert step.state_dict()["gradient_scales"] == {"step": 2}
 
 

@@ -1,15 +1,17 @@
-"""The data layer: byte tokenizer, token sources (builtin corpora, text, .bin files, registered
-generators) and deterministic, resumable loaders that produce SequenceBatch."""
+"""The data layer: byte tokenizer, token sources (builtin corpora, text, .bin files, generated
+data) and deterministic, resumable loaders that produce SequenceBatch; `DataConfig` is the
+`[data]` section."""
 
+from bdh_train.data.config import GENERATED_SOURCES, DataConfig
 from bdh_train.data.loaders import (
     RandomWindowLoader,
     StreamingDocumentLoader,
     TokenSource,
     eval_batches,
 )
+from bdh_train.data.nca import NcaConfig
 from bdh_train.data.sources import (
     BUILTIN_CORPORA,
-    RESERVED_GENERATORS,
     TOKEN_DTYPES,
     TokenData,
     TokenGenerator,
@@ -24,9 +26,11 @@ from bdh_train.data.tokenizer import ByteTokenizer
 
 __all__ = [
     "BUILTIN_CORPORA",
-    "RESERVED_GENERATORS",
+    "GENERATED_SOURCES",
     "TOKEN_DTYPES",
     "ByteTokenizer",
+    "DataConfig",
+    "NcaConfig",
     "RandomWindowLoader",
     "StreamingDocumentLoader",
     "TokenData",

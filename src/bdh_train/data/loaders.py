@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from bdh_train import checks
+from bdh_train.batch import SequenceBatch
 from bdh_train.data.sources import TokenData
 from bdh_train.errors import ConfigError, DataError
-from bdh_train.train.batch import SequenceBatch
 
 TokenSource = TokenData | np.ndarray | torch.Tensor
 """What the loaders accept: a TokenData, a 1-D integer numpy array/memmap or tensor."""
@@ -40,14 +41,17 @@ def _as_tokens(tokens: TokenSource) -> tuple[np.ndarray, str]:
     return arr, "the token array"
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+def check_logical_length(logical_length: int, block_size: int, *, zero_ok: bool) -> None:
+    """Streamed documents are cut into whole blocks, so their length is a multiple of the
+    block (0 stands for "one block" where `zero_ok`)."""
+    checks.multiple_of(
+        "training.min_logical_block_size", logical_length, block_size, "training.block_size",
+        zero_ok=zero_ok,
+    )
 
 
 def _check_ranks(batch_size: int, rank: int, world_size: int) -> None:
-    _positive_int("world_size", world_size)
+    checks.positive_int("world_size", world_size)
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
         raise ConfigError(f"rank must be an integer, got {rank!r}")
     if not 0 <= rank < world_size:
@@ -58,13 +62,6 @@ def _check_ranks(batch_size: int, rank: int, world_size: int) -> None:
             f"batch is split into equal per-rank slices; pick a batch_size that is a multiple "
             f"of {world_size}"
         )
-
-
-def _integer_seed(seed: Any) -> int:
-    """The loaders' seed: a real integer (not a bool), as Python int."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ConfigError(f"seed must be an integer, got {seed!r}")
-    return int(seed)
 
 
 def _seed_from(*words: int) -> int:
@@ -91,7 +88,8 @@ class RandomWindowLoader:
 
     The global batch of micro-batch `micro` of optimizer step `step` is a pure function of
     (seed, step, micro): resuming, changing world_size or skipping ahead never changes it.
-    The cursor maps the n-th `next_batch()` call to (n // micro_per_step, n % micro_per_step).
+    The cursor maps the n-th `next_batch()` call to (step, micro) = divmod(n,
+    accumulation_steps).
     """
 
     kind = "random_window"
@@ -104,16 +102,16 @@ class RandomWindowLoader:
         seed: int,
         rank: int = 0,
         world_size: int = 1,
-        micro_per_step: int = 1,
+        accumulation_steps: int = 1,
     ) -> None:
         self.tokens, self.source = _as_tokens(tokens)
-        self.block_size = _positive_int("block_size", block_size)
-        self.batch_size = _positive_int("batch_size", batch_size)
+        self.block_size = checks.positive_int("block_size", block_size)
+        self.batch_size = checks.positive_int("batch_size", batch_size)
         _check_ranks(self.batch_size, rank, world_size)
-        self.seed = _integer_seed(seed)
+        self.seed = checks.integer("seed", seed)
         self.rank = int(rank)
         self.world_size = int(world_size)
-        self.micro_per_step = _positive_int("micro_per_step", micro_per_step)
+        self.accumulation_steps = checks.positive_int("accumulation_steps", accumulation_steps)
         n = int(self.tokens.shape[0])
         if n < self.block_size + 1:
             raise DataError(
@@ -128,16 +126,16 @@ class RandomWindowLoader:
     def rows_per_rank(self) -> int:
         return self.batch_size // self.world_size
 
-    def set_micro_per_step(self, k: int) -> None:
+    def set_accumulation_steps(self, k: int) -> None:
         """Micro-batches per optimizer step (gradient accumulation); the cursor keeps its
         (step, micro) position, which must still be valid."""
-        k = _positive_int("micro_per_step", k)
+        k = checks.positive_int("accumulation_steps", k)
         if self.micro >= k:
             raise ConfigError(
-                f"cannot set micro_per_step={k} while the cursor is at micro-batch {self.micro} "
-                f"of step {self.step}; change it at a step boundary"
+                f"cannot set accumulation_steps={k} while the cursor is at micro-batch "
+                f"{self.micro} of step {self.step}; change it at a step boundary"
             )
-        self.micro_per_step = k
+        self.accumulation_steps = k
 
     def global_starts(self, step: int, micro: int) -> torch.Tensor:
         """Start offsets of all batch_size windows (every rank's rows) for (step, micro)."""
@@ -157,7 +155,7 @@ class RandomWindowLoader:
         """The batch at the cursor, then advance it by one micro-batch."""
         batch = self.batch_at(self.step, self.micro)
         self.micro += 1
-        if self.micro == self.micro_per_step:
+        if self.micro == self.accumulation_steps:
             self.step, self.micro = self.step + 1, 0
         return batch
 
@@ -181,10 +179,10 @@ class RandomWindowLoader:
         """Restore the cursor; refuses a state saved with a different seed, shape or data."""
         _check_state(state, self.kind, self._fingerprint())
         step, micro = int(state["step"]), int(state["micro"])
-        if step < 0 or not 0 <= micro < self.micro_per_step:
+        if step < 0 or not 0 <= micro < self.accumulation_steps:
             raise DataError(
                 f"loader state cursor (step={step}, micro={micro}) is invalid with "
-                f"micro_per_step={self.micro_per_step}"
+                f"accumulation_steps={self.accumulation_steps}"
             )
         self.step, self.micro = step, micro
 
@@ -225,17 +223,12 @@ class StreamingDocumentLoader:
         world_size: int = 1,
     ) -> None:
         self.tokens, self.source = _as_tokens(tokens)
-        self.block_size = _positive_int("block_size", block_size)
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.logical_length = _positive_int("logical_length", logical_length)
+        self.block_size = checks.positive_int("block_size", block_size)
+        self.batch_size = checks.positive_int("batch_size", batch_size)
+        self.logical_length = checks.positive_int("logical_length", logical_length)
         _check_ranks(self.batch_size, rank, world_size)
-        self.seed = _integer_seed(seed)
-        if self.logical_length % self.block_size:
-            raise ConfigError(
-                f"logical_length {self.logical_length} must be a multiple of block_size "
-                f"{self.block_size} (documents are cut into whole windows); try "
-                f"{max(1, round(self.logical_length / self.block_size)) * self.block_size}"
-            )
+        self.seed = checks.integer("seed", seed)
+        check_logical_length(self.logical_length, self.block_size, zero_ok=False)
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.windows_per_doc = self.logical_length // self.block_size
@@ -251,7 +244,6 @@ class StreamingDocumentLoader:
         self.position = 0  # next index into the current epoch's permutation
         self.row_doc = [-1] * self.batch_size  # -1: the row has no document yet
         self.row_window = [0] * self.batch_size  # next window index to read in row_doc
-        self.calls = 0
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
@@ -285,7 +277,6 @@ class StreamingDocumentLoader:
             )
             reset.append(self.row_window[b] == 0)
             self.row_window[b] += 1
-        self.calls += 1
         lo, hi = self.rank * self.rows_per_rank, (self.rank + 1) * self.rows_per_rank
         windows = _gather(self.tokens, starts[lo:hi], self.block_size + 1)
         return _windows_to_batch(windows, torch.tensor(reset[lo:hi], dtype=torch.bool))
@@ -301,7 +292,6 @@ class StreamingDocumentLoader:
             "epoch": self.epoch,
             "position": self.position,
             "rows": [[d, w] for d, w in zip(self.row_doc, self.row_window, strict=True)],
-            "calls": self.calls,
             **self._fingerprint(),
         }
 
@@ -322,7 +312,6 @@ class StreamingDocumentLoader:
         self.epoch, self.position = epoch, position
         self.row_doc = [d for d, _ in rows]
         self.row_window = [w for _, w in rows]
-        self.calls = int(state.get("calls", 0))
 
     def _fingerprint(self) -> dict[str, int]:
         return {
@@ -358,8 +347,8 @@ def eval_batches(
     after the first is predicted exactly once. The last batch may have fewer rows; max_batches
     None means all windows. Each call starts over, so repeated evals see identical data."""
     arr, source = _as_tokens(tokens)
-    block_size = _positive_int("block_size", block_size)
-    batch_size = _positive_int("batch_size", batch_size)
+    block_size = checks.positive_int("block_size", block_size)
+    batch_size = checks.positive_int("batch_size", batch_size)
     if max_batches is not None and (isinstance(max_batches, bool) or max_batches < 0):
         raise ConfigError(f"max_batches must be None or >= 0, got {max_batches!r}")
     n_windows = (int(arr.shape[0]) - 1) // block_size

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from bdh_train import checks
 from bdh_train.errors import ConfigError
 from bdh_train.model.config import LanguageHeadConfig
 
@@ -38,9 +39,10 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-@dataclass(frozen=True)
-class NcaOptions:
-    """Everything that determines an NCA corpus (`data.nca` plus the size and token layout)."""
+@dataclass
+class NcaConfig:
+    """Everything that determines an NCA corpus: the `[data.nca]` config section, also accepted
+    by `nca_source` as a mapping or any object with these attributes."""
 
     grid_size: int = 8
     state_count: int = 2
@@ -49,15 +51,44 @@ class NcaOptions:
     seed: int = 0
     rule_count: int = 4
     n_sequences: int | None = None
+    """Sequences to generate (default 1024 when total_tokens is unset too)."""
     total_tokens: int | None = None
+    """Generate at least this many tokens (rounded up to whole sequences)."""
     frame_special_tokens: bool = True
     eos_id: int | None = None
+    """The end-of-sequence id; None picks the first id after the patches and frame tokens."""
+
+    def validate(self, prefix: str = "data.nca") -> NcaConfig:
+        checks.positive_int(f"{prefix}.grid_size", self.grid_size)
+        checks.int_at_least(f"{prefix}.state_count", self.state_count, 2)
+        if self.state_count > 255:
+            raise ConfigError(f"{prefix}.state_count must be <= 255, got {self.state_count}")
+        checks.positive_int(f"{prefix}.steps", self.steps)
+        checks.positive_int(f"{prefix}.patch_size", self.patch_size)
+        checks.nonneg_int(f"{prefix}.seed", self.seed)
+        checks.positive_int(f"{prefix}.rule_count", self.rule_count)
+        checks.boolean(f"{prefix}.frame_special_tokens", self.frame_special_tokens)
+        if self.n_sequences is not None:
+            checks.positive_int(f"{prefix}.n_sequences", self.n_sequences)
+        if self.total_tokens is not None:
+            checks.positive_int(f"{prefix}.total_tokens", self.total_tokens)
+        if self.n_sequences is not None and self.total_tokens is not None:
+            raise ConfigError(
+                f"set either {prefix}.n_sequences or {prefix}.total_tokens, not both"
+            )
+        if self.eos_id is not None:
+            checks.nonneg_int(f"{prefix}.eos_id", self.eos_id)
+        checks.multiple_of(
+            f"{prefix}.grid_size", self.grid_size, self.patch_size, f"{prefix}.patch_size",
+            zero_ok=False,
+        )
+        return self
 
     @classmethod
-    def from_any(cls, options: Any) -> NcaOptions:
-        """From a mapping or any object with these attributes (e.g. `NcaDataConfig`)."""
-        if isinstance(options, NcaOptions):
-            return options
+    def from_any(cls, options: Any) -> NcaConfig:
+        """From a mapping or any object with these attributes; validated."""
+        if isinstance(options, NcaConfig):
+            return options.validate()
         names = [f.name for f in fields(cls)]
         if isinstance(options, Mapping):
             unknown = sorted(set(options) - set(names))
@@ -66,13 +97,18 @@ class NcaOptions:
                     f"unknown NCA option(s) {', '.join(map(repr, unknown))}; known: "
                     f"{', '.join(names)}"
                 )
-            return cls(**dict(options))
-        return cls(**{n: getattr(options, n) for n in names if hasattr(options, n)})
+            return cls(**dict(options)).validate()
+        return cls(**{n: getattr(options, n) for n in names if hasattr(options, n)}).validate()
 
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ConfigError(f"data.nca.{name} must be an integer >= {low}, got {value!r}")
+    @property
+    def sequence_count(self) -> int:
+        """How many sequences `nca_source` generates for these options."""
+        if self.total_tokens is None:
+            return DEFAULT_N_SEQUENCES if self.n_sequences is None else self.n_sequences
+        per_seq = tokens_per_sequence(
+            self.grid_size, self.patch_size, self.steps, self.frame_special_tokens
+        )
+        return math.ceil(self.total_tokens / per_seq)
 
 
 def nca_head_config(
@@ -86,8 +122,8 @@ def nca_head_config(
     eos_id None picks the first id after the patches and frame tokens (K+2, or K without
     frame tokens).
     """
-    _check_int("state_count", state_count, 2)
-    _check_int("patch_size", patch_size, 1)
+    checks.int_at_least("data.nca.state_count", state_count, 2)
+    checks.positive_int("data.nca.patch_size", patch_size)
     k = state_count ** (patch_size * patch_size)
     if eos_id is None:
         eos_id = k + 2 if frame_special_tokens else k
@@ -160,23 +196,10 @@ def generate_nca_tokens(
     Each sequence holds tokens_per_sequence(...) ids and ends with EOS; the array is a pure
     function of the arguments.
     """
-    for name, value, low in (
-        ("grid_size", grid_size, 1),
-        ("state_count", state_count, 2),
-        ("steps", steps, 0),
-        ("patch_size", patch_size, 1),
-        ("seed", seed, 0),
-        ("n_sequences", n_sequences, 1),
-        ("rule_count", rule_count, 1),
-    ):
-        _check_int(name, value, low)
-    if grid_size % patch_size:
-        raise ConfigError(
-            f"data.nca.grid_size must be a multiple of data.nca.patch_size ({patch_size}), "
-            f"got {grid_size}"
-        )
-    if state_count > 255:
-        raise ConfigError(f"data.nca.state_count must be <= 255, got {state_count}")
+    NcaConfig(
+        grid_size, state_count, steps, patch_size, seed, rule_count, n_sequences, None,
+        frame_special_tokens, eos_id,
+    ).validate()
     head, vocab = nca_head_config(state_count, patch_size, frame_special_tokens, eos_id)
     k = head.patch_vocab
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
@@ -206,21 +229,14 @@ def generate_nca_tokens(
 
 
 def nca_source(options: Any, vocab_size: int | None = None) -> np.ndarray:
-    """The `data.source = "nca"` generator: options (mapping or NcaDataConfig-like object with
+    """The `data.source = "nca"` generator: options (an NcaConfig, a mapping, or an object with
     grid_size, state_count, steps, patch_size, seed, optional rule_count, n_sequences or
     total_tokens, frame_special_tokens, eos_id) -> flat token ids.
 
     total_tokens rounds up to whole sequences. With vocab_size, the ids must fit in it.
     """
-    o = NcaOptions.from_any(options)
-    if o.n_sequences is not None and o.total_tokens is not None:
-        raise ConfigError("set either data.nca.n_sequences or data.nca.total_tokens, not both")
-    n = o.n_sequences
-    if o.total_tokens is not None:
-        _check_int("total_tokens", o.total_tokens, 1)
-        per_seq = tokens_per_sequence(o.grid_size, o.patch_size, o.steps, o.frame_special_tokens)
-        n = math.ceil(o.total_tokens / per_seq)
-    n = DEFAULT_N_SEQUENCES if n is None else n
+    o = NcaConfig.from_any(options)
+    n = o.sequence_count
     if vocab_size is not None:
         head, need = nca_head_config(o.state_count, o.patch_size, o.frame_special_tokens, o.eos_id)
         if vocab_size < need:

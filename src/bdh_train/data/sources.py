@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -23,8 +23,6 @@ from bdh_train.utils import atomic_write, suggest
 BUILTIN_PREFIX = "builtin:"
 TOKEN_DTYPES = ("uint16", "uint32")
 """dtypes a `.bin` token file may hold (named in its JSON header)."""
-RESERVED_GENERATORS = ("nca",)
-"""Source names that only a registered generator can serve (implemented elsewhere)."""
 _SCAN_CHUNK = 1 << 22
 """Ids checked per chunk, so validating a huge memmap never materializes it whole."""
 
@@ -64,11 +62,14 @@ class TokenData:
     tokens: 1-D integer array; a numpy.memmap when it came from a file (slices stay memmaps).
     vocab_size: every id is < vocab_size (checked by load_tokens).
     source: human-readable origin, used in error messages.
+    byte_level: the ids are the UTF-8 bytes of text, so a loss per token is a loss per byte
+        (bits per byte is reported for such data only).
     """
 
     tokens: np.ndarray
     vocab_size: int
     source: str
+    byte_level: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens.ndim != 1 or not np.issubdtype(self.tokens.dtype, np.integer):
@@ -87,12 +88,6 @@ class TokenData:
         boundary; val_fraction 0 gives no validation set. A positive fraction always yields at
         least one token; whether that is enough is `validate_for_block`'s call.
         """
-        if (
-            isinstance(val_fraction, bool)
-            or not isinstance(val_fraction, (int, float))
-            or not (0.0 <= float(val_fraction) < 1.0)
-        ):
-            raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction!r}")
         if val_fraction == 0:
             return self, None
         n = len(self)
@@ -103,8 +98,8 @@ class TokenData:
                 f"use more data or set data.val_fraction = 0"
             )
         cut = n - n_val
-        train = TokenData(self.tokens[:cut], self.vocab_size, f"{self.source} (train split)")
-        val = TokenData(self.tokens[cut:], self.vocab_size, f"{self.source} (validation split)")
+        train = replace(self, tokens=self.tokens[:cut], source=f"{self.source} (train split)")
+        val = replace(self, tokens=self.tokens[cut:], source=f"{self.source} (validation split)")
         return train, val
 
     def validate_for_block(self, block_size: int, what: str = "data") -> None:
@@ -165,10 +160,6 @@ def load_tokens(
     any other file, read as UTF-8 bytes. Byte sources give ids 0..255, so they need
     vocab_size >= 256 unless the text happens to use fewer byte values.
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
-        raise ConfigError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-    if not isinstance(source, (str, os.PathLike)):
-        raise ConfigError(f"data.source must be a string, got {source!r}")
     name = os.fspath(source)
     if not name:
         raise ConfigError(
@@ -178,16 +169,12 @@ def load_tokens(
     generators = generators or {}
     if name in generators:
         data = _from_generator(name, generators[name], vocab_size)
-    elif name in RESERVED_GENERATORS:
-        raise DataError(
-            f"data.source={name!r} needs a token generator registered under {name!r}, and none "
-            f"was given: pass load_tokens(..., generators={{{name!r}: make_tokens}}) where "
-            f"make_tokens(vocab_size) returns the token array"
-        )
     elif name.startswith(BUILTIN_PREFIX):
         corpus = name[len(BUILTIN_PREFIX) :]
         text = builtin_corpus(corpus).encode("utf-8")
-        data = TokenData(np.frombuffer(text, dtype=np.uint8), vocab_size, f"'{name}'")
+        data = TokenData(
+            np.frombuffer(text, dtype=np.uint8), vocab_size, f"'{name}'", byte_level=True
+        )
     else:
         data = _from_path(Path(name).expanduser(), vocab_size, name)
     data.check_ids(vocab_size)
@@ -263,7 +250,9 @@ def _memmap(path: Path, dtype: str, what: str) -> np.ndarray:
 def _from_text_file(path: Path, vocab_size: int) -> TokenData:
     if _file_size(path) == 0:
         raise DataError(f"data file '{path}' is empty; point data.source at a file with text")
-    return TokenData(_memmap(path, "uint8", "text file"), vocab_size, f"'{path}'")
+    return TokenData(
+        _memmap(path, "uint8", "text file"), vocab_size, f"'{path}'", byte_level=True
+    )
 
 
 def _from_directory(path: Path, vocab_size: int) -> TokenData:
@@ -286,7 +275,9 @@ def _from_directory(path: Path, vocab_size: int) -> TokenData:
         if _file_size(p):
             parts.append(_memmap(p, "uint8", "text file"))
     tokens = np.concatenate(parts)
-    return TokenData(tokens, vocab_size, f"'{path}' ({len(files)} .txt files)")
+    return TokenData(
+        tokens, vocab_size, f"'{path}' ({len(files)} .txt files)", byte_level=True
+    )
 
 
 def header_path(path: str | os.PathLike[str]) -> Path:

@@ -27,10 +27,6 @@ class ByteTokenizer:
         """Token ids of `text` (UTF-8 encoded when it is a str)."""
         return list(_to_bytes(text))
 
-    def encode_array(self, text: str | bytes) -> np.ndarray:
-        """Token ids as a uint8 array: the bytes themselves, no Python list in between."""
-        return np.frombuffer(_to_bytes(text), dtype=np.uint8).copy()
-
     def decode_bytes(self, ids: TokenIds) -> bytes:
         """The exact bytes the ids stand for; ids outside 0..255 raise DataError."""
         if isinstance(ids, torch.Tensor):

@@ -3,7 +3,7 @@
 Every rank holds a FULL replica of the BDH parameters. BDH applies the same encoder, encoder_v,
 decoder (and the optional affine norm) at every layer, so every stage needs them anyway; holding
 embed and lm_head everywhere too keeps the replicas uniform and checkpointable from rank 0.
-A stage runs only its contiguous layer range (from the planner, spec §10) with a fresh state per
+A stage runs only its contiguous layer range (from the planner) with a fresh state per
 microbatch. After the schedule's backward, the gradients of ALL parameters are SUM-all-reduced
 over the pipeline group (zeros where a rank did not use a parameter): the Megatron treatment of
 tied weights, so every replica takes the identical optimizer step and stays bit-identical.
@@ -15,6 +15,8 @@ pipeline gradients equal the single-process mean-loss gradients.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,17 +25,29 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from bdh_train.distributed.planner import PipelinePlan, StageAssignment
+from bdh_train.batch import SequenceBatch, StepOutput
+from bdh_train.distributed.planner import (
+    PipelinePlan,
+    StageAssignment,
+    check_equal_microbatches,
+)
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.model.bdh import BDH
-from bdh_train.train.batch import SequenceBatch
 
 Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
-__all__ = ["BDHStage", "PipelineRunner", "check_batch_size", "check_pipeline_config"]
+TORCH_SCHEDULES: dict[str, tuple[type | None, type]] = {
+    "gpipe": (ScheduleGPipe, ScheduleLoopedBFS),
+    "1f1b": (Schedule1F1B, ScheduleInterleaved1F1B),
+    "interleaved_1f1b": (None, ScheduleInterleaved1F1B),
+}
+"""Planner schedule name -> torch's (one stage per rank, several stages per rank) schedule."""
+
+__all__ = ["BDHStage", "PipelineRunner"]
 
 
 class BDHStage(nn.Module):
@@ -62,83 +76,6 @@ class BDHStage(nn.Module):
         return self.model.forward_hidden(shape_only, layers=self.layers, u=x)
 
 
-def check_pipeline_config(
-    n_layer: int,
-    plan: PipelinePlan,
-    *,
-    tbptt_chunk_size: int = 0,
-    persist_across_steps: bool = False,
-    batch_size: int | None = None,
-) -> None:
-    """Raise ConfigError, naming the field, for a setup the pipeline cannot run.
-
-    Called before any process group traffic so a bad config fails on every rank at once
-    instead of hanging in a send/recv that the other ranks never post.
-    """
-    if tbptt_chunk_size:
-        raise ConfigError(
-            "pipeline parallelism does not support truncated BPTT (each stage runs a fresh "
-            "state per microbatch, so there is no state to carry between chunks); set "
-            f"training.tbptt_chunk_size=0, got {tbptt_chunk_size}"
-        )
-    if persist_across_steps:
-        raise ConfigError(
-            "pipeline parallelism does not support streamed state (a stage keeps no state "
-            "between microbatches or steps); set training.tbptt_persist_across_steps=false"
-        )
-    total_virtual = plan.stage_count * plan.virtual_stages_per_rank
-    if total_virtual > n_layer:
-        raise ConfigError(
-            f"model.n_layer={n_layer} is too small for parallel.pipeline_stages="
-            f"{plan.stage_count} x parallel.virtual_stages_per_rank="
-            f"{plan.virtual_stages_per_rank} = {total_virtual} virtual stages; every virtual "
-            "stage needs at least one layer"
-        )
-    if plan.n_layer != n_layer:
-        raise ConfigError(
-            f"the pipeline plan was built for model.n_layer={plan.n_layer}, but the model has "
-            f"{n_layer} layers"
-        )
-    if plan.schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
-        raise ConfigError(
-            "parallel.schedule must be 'gpipe', '1f1b' or 'interleaved_1f1b', "
-            f"got {plan.schedule!r}"
-        )
-    if plan.schedule != "interleaved_1f1b" and plan.virtual_stages_per_rank != 1:
-        raise ConfigError(
-            f"parallel.virtual_stages_per_rank={plan.virtual_stages_per_rank} needs "
-            f"parallel.schedule='interleaved_1f1b'; {plan.schedule!r} runs one stage per rank"
-        )
-    m, stages = plan.microbatches, plan.stage_count
-    if plan.schedule != "gpipe" and m < stages:
-        raise ConfigError(
-            f"parallel.microbatches must be >= parallel.pipeline_stages={stages} with "
-            f"parallel.schedule={plan.schedule!r} (1F1B fills the pipeline before its steady "
-            f"state), got {m}"
-        )
-    rounds = max(1, m // stages)
-    if plan.schedule == "interleaved_1f1b" and m % rounds:
-        raise ConfigError(
-            f"parallel.microbatches={m} must be a multiple of its number of rounds "
-            f"max(1, microbatches // parallel.pipeline_stages) = {rounds} with "
-            "parallel.schedule='interleaved_1f1b' (torch's ScheduleInterleaved1F1B runs whole "
-            "rounds); a multiple of parallel.pipeline_stages always works"
-        )
-    if batch_size is not None:
-        check_batch_size(batch_size, plan.microbatches)
-
-
-def check_batch_size(batch_size: int, microbatches: int) -> None:
-    """torch's pipeline splitter sizes receive buffers from the first microbatch, so every
-    microbatch must have the same number of rows."""
-    if batch_size < microbatches or batch_size % microbatches:
-        raise ConfigError(
-            f"training.batch_size={batch_size} must be a positive multiple of "
-            f"parallel.microbatches={microbatches}: torch.distributed.pipelining splits the "
-            "batch into equal microbatches (its receive buffers are shaped by the first one)"
-        )
-
-
 class PipelineRunner:
     """Runs one rank's share of a pipeline-parallel train step.
 
@@ -152,16 +89,12 @@ class PipelineRunner:
         plan: PipelinePlan,
         rank: int,
         group: dist.ProcessGroup | None = None,
-        *,
-        tbptt_chunk_size: int = 0,
-        persist_across_steps: bool = False,
     ) -> None:
-        check_pipeline_config(
-            model.config.n_layer,
-            plan,
-            tbptt_chunk_size=tbptt_chunk_size,
-            persist_across_steps=persist_across_steps,
-        )
+        if plan.n_layer != model.config.n_layer:
+            raise ConfigError(
+                f"the pipeline plan was built for model.n_layer={plan.n_layer}, but the model "
+                f"has {model.config.n_layer} layers"
+            )
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 "parallel.pipeline_stages > 1 needs an initialized torch.distributed process "
@@ -204,15 +137,11 @@ class PipelineRunner:
             PipelineStage(m, a.virtual_stage_id, total, self.device, group=self.group)
             for m, a in zip(self.stage_modules, self._assignments, strict=True)
         )
+        single, multi = TORCH_SCHEDULES[self.plan.schedule]
         m = self.plan.microbatches
-        if self.plan.schedule == "gpipe":
-            return stages, ScheduleGPipe(stages[0], m, loss_fn=self._loss_fn, scale_grads=False)
-        if self.plan.schedule == "1f1b":
-            return stages, Schedule1F1B(stages[0], m, loss_fn=self._loss_fn, scale_grads=False)
-        schedule = ScheduleInterleaved1F1B(
-            list(stages), m, loss_fn=self._loss_fn, scale_grads=False
-        )
-        return stages, schedule
+        if len(stages) == 1 and single is not None:
+            return stages, single(stages[0], m, loss_fn=self._loss_fn, scale_grads=False)
+        return stages, multi(list(stages), m, loss_fn=self._loss_fn, scale_grads=False)
 
     def _loss_fn(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Microbatch SUM loss over the whole batch's counted targets: scaled exactly once."""
@@ -220,13 +149,14 @@ class PipelineRunner:
             self._loss_denominator
         )
 
-    def train_step(self, batch: SequenceBatch) -> float:
+    def compute_gradients(self, batch: SequenceBatch) -> StepOutput:
         """Forward+backward of the whole batch through the pipeline; returns its mean loss.
 
         Gradients are REPLACED (zeroed first), then summed over the group so every replica
-        holds the full gradient; call the optimizer afterwards on every rank.
+        holds the full gradient of the batch's mean loss; call the optimizer afterwards on
+        every rank.
         """
-        check_batch_size(batch.batch_size, self.plan.microbatches)
+        check_equal_microbatches(batch.batch_size, self.plan.microbatches)
         shape = (batch.batch_size, batch.block_size)
         if self._batch_shape is not None and shape != self._batch_shape:
             # The stages' send/recv buffers were shaped by the first batch; every rank sees
@@ -248,7 +178,15 @@ class PipelineRunner:
         loss = torch.zeros((), dtype=torch.float64)
         if losses:
             loss = torch.stack([x.detach().to(torch.float64) for x in losses]).sum().cpu()
-        return self._broadcast_from(loss, self._last_rank)
+        self._broadcast_tensor(loss, self._last_rank)
+        return StepOutput(loss, counted)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing to carry: every microbatch starts from a fresh state."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
     def _check_same_batch(self, shape: tuple[int, int], counted: float) -> None:
         """Refuse, on every rank at once, batches that differ between ranks.
@@ -321,7 +259,3 @@ class PipelineRunner:
         dist.broadcast(buf, group_src=group_rank, group=self.group)
         tensor.copy_(buf.cpu())
 
-    def _broadcast_from(self, value: torch.Tensor, group_rank: int) -> float:
-        buf = value.clone()
-        self._broadcast_tensor(buf, group_rank)
-        return float(buf)

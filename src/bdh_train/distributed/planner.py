@@ -1,4 +1,5 @@
-"""Pipeline planner (spec §10): layer partition, tick-by-tick schedule, metrics, timeline views.
+"""Pipeline planner: the `[parallel]` config and its rules, the layer partition, the
+tick-by-tick schedule, its metrics and timeline views.
 
 The plan is pure data computed ahead of time, so the train step can replay `plan.events` in
 order on one process (same numbers as a real pipeline) and the bubble of a schedule can be
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from bdh_train import checks
 from bdh_train.errors import ConfigError
-from bdh_train.utils import atomic_write, suggest
+from bdh_train.utils import atomic_write
 
 EventKind = Literal["forward", "backward"]
 FORWARD: EventKind = "forward"
@@ -92,48 +94,110 @@ class PipelinePlan:
         return tuple(e for e in self.events if e.kind == FORWARD)
 
 
-def _check_int(path: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{path} must be an integer >= {minimum}, got {value!r}")
-    return value
+MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("gpipe", "interleaved_1f1b")
+"""Schedules that run several virtual stages per rank (gpipe as torch's looped BFS)."""
 
 
-def _validate(
-    n_layer: int, stage_count: int, virtual_stages_per_rank: int, microbatches: int, schedule: str
-) -> None:
-    _check_int("model.n_layer", n_layer, 1)
-    _check_int("parallel.pipeline_stages", stage_count, 1)
-    if (
-        isinstance(virtual_stages_per_rank, bool)
-        or not isinstance(virtual_stages_per_rank, int)
-        or not 1 <= virtual_stages_per_rank <= stage_count
-    ):
-        raise ConfigError(
-            f"parallel.virtual_stages_per_rank must be an integer in [1, "
-            f"parallel.pipeline_stages = {stage_count}], got {virtual_stages_per_rank!r}"
+@dataclass
+class ParallelConfig:
+    """`[parallel]`: pipeline parallelism over layer stages. With ``emulate`` the plan's
+    microbatches run in one process (same numbers as the real pipeline); otherwise
+    ``pipeline_stages > 1`` needs that many torchrun processes."""
+
+    pipeline_stages: int = 1
+    virtual_stages_per_rank: int = 1
+    """Layer ranges per rank; more than 1 needs a multi-stage schedule."""
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    """'gpipe', '1f1b' or 'interleaved_1f1b'."""
+    emulate: bool = False
+
+    def validate(self, prefix: str = "parallel") -> ParallelConfig:
+        checks.positive_int(f"{prefix}.pipeline_stages", self.pipeline_stages)
+        checks.int_in(
+            f"{prefix}.virtual_stages_per_rank", self.virtual_stages_per_rank, 1,
+            self.pipeline_stages, f"{prefix}.pipeline_stages",
         )
-    _check_int("parallel.microbatches", microbatches, 1)
-    if schedule not in SCHEDULES:
+        checks.positive_int(f"{prefix}.microbatches", self.microbatches)
+        checks.choice(f"{prefix}.schedule", self.schedule, SCHEDULES)
+        checks.boolean(f"{prefix}.emulate", self.emulate)
+        if self.virtual_stages_per_rank > 1 and self.schedule not in MULTI_STAGE_SCHEDULES:
+            raise ConfigError(
+                f"{prefix}.virtual_stages_per_rank={self.virtual_stages_per_rank} needs "
+                f"{prefix}.schedule in {', '.join(map(repr, MULTI_STAGE_SCHEDULES))}; "
+                f"{self.schedule!r} runs one stage per rank"
+            )
+        return self
+
+    def check_fill(self, prefix: str = "parallel") -> None:
+        """1F1B schedules fill the pipeline before their steady state."""
+        if self.schedule != "gpipe" and self.microbatches < self.pipeline_stages:
+            raise ConfigError(
+                f"{prefix}.microbatches must be >= {prefix}.pipeline_stages "
+                f"({self.pipeline_stages}) with {prefix}.schedule={self.schedule!r} (1F1B "
+                f"fills the pipeline before its steady state), got {self.microbatches}"
+            )
+
+    @property
+    def total_virtual_stages(self) -> int:
+        return self.pipeline_stages * self.virtual_stages_per_rank
+
+    def check_model(self, n_layer: int, prefix: str = "parallel") -> None:
+        """Every virtual stage needs at least one of the model's layers."""
+        if self.total_virtual_stages > n_layer:
+            raise ConfigError(
+                f"model.n_layer must be >= {prefix}.pipeline_stages * "
+                f"{prefix}.virtual_stages_per_rank ({self.total_virtual_stages}) so every "
+                f"stage holds a layer, got {n_layer}"
+            )
+
+    def check_training(
+        self, batch_size: int, tbptt_chunk_size: int, streaming: bool, prefix: str = "parallel"
+    ) -> None:
+        """What a pipeline needs of the train step: whole batches, no carried state, and (for
+        the multi-process runner) equal microbatches in whole schedule rounds."""
+        if self.microbatches > batch_size:
+            raise ConfigError(
+                f"{prefix}.microbatches must be <= training.batch_size ({batch_size}), "
+                f"got {self.microbatches}"
+            )
+        if self.pipeline_stages == 1:
+            return
+        if tbptt_chunk_size:
+            raise ConfigError(
+                f"pipeline parallelism ({prefix}.pipeline_stages={self.pipeline_stages}) does "
+                "not support truncated BPTT (each stage runs a fresh state per microbatch); "
+                f"set training.tbptt_chunk_size=0, got {tbptt_chunk_size}"
+            )
+        if streaming:
+            raise ConfigError(
+                f"pipeline parallelism ({prefix}.pipeline_stages={self.pipeline_stages}) does "
+                "not support streamed state (a stage keeps no state between microbatches or "
+                "steps); set training.tbptt_persist_across_steps=false and "
+                "training.min_logical_block_size=0"
+            )
+        self.check_fill(prefix)
+        if self.emulate:
+            return
+        check_equal_microbatches(batch_size, self.microbatches)
+        rounds = max(1, self.microbatches // self.pipeline_stages)
+        if self.schedule == "interleaved_1f1b" and self.microbatches % rounds:
+            raise ConfigError(
+                f"{prefix}.microbatches={self.microbatches} must be a multiple of its number "
+                f"of rounds max(1, microbatches // {prefix}.pipeline_stages) = {rounds} with "
+                f"{prefix}.schedule='interleaved_1f1b' (torch's ScheduleInterleaved1F1B runs "
+                f"whole rounds); a multiple of {prefix}.pipeline_stages always works"
+            )
+
+
+def check_equal_microbatches(batch_size: int, microbatches: int) -> None:
+    """torch.distributed.pipelining sizes its receive buffers from the first microbatch, so
+    the multi-process runner needs a batch that splits into equal microbatches."""
+    if batch_size % microbatches:
         raise ConfigError(
-            f"parallel.schedule must be one of {', '.join(map(repr, SCHEDULES))}, "
-            f"got {schedule!r}{suggest(str(schedule), SCHEDULES)}"
-        )
-    if schedule == "1f1b" and virtual_stages_per_rank != 1:
-        raise ConfigError(
-            f"parallel.virtual_stages_per_rank must be 1 with parallel.schedule = '1f1b', got "
-            f"{virtual_stages_per_rank}; use 'interleaved_1f1b' for virtual stages"
-        )
-    if schedule != "gpipe" and microbatches < stage_count:
-        raise ConfigError(
-            f"parallel.microbatches must be >= parallel.pipeline_stages = {stage_count} with "
-            f"parallel.schedule = {schedule!r}, got {microbatches}"
-        )
-    total_virtual = stage_count * virtual_stages_per_rank
-    if total_virtual > n_layer:
-        raise ConfigError(
-            f"model.n_layer = {n_layer} is too small for parallel.pipeline_stages = {stage_count}"
-            f" x parallel.virtual_stages_per_rank = {virtual_stages_per_rank} = {total_virtual}"
-            " virtual stages; every virtual stage needs at least one layer"
+            f"training.batch_size={batch_size} must be a multiple of "
+            f"parallel.microbatches={microbatches}: torch.distributed.pipelining splits the "
+            "batch into equal microbatches (its receive buffers are shaped by the first one)"
         )
 
 
@@ -217,8 +281,13 @@ def build_pipeline_plan(
     microbatches: int = 1,
     schedule: str = "gpipe",
 ) -> PipelinePlan:
-    """Validate the pipeline config, partition the layers and simulate the schedule (§10)."""
-    _validate(n_layer, stage_count, virtual_stages_per_rank, microbatches, schedule)
+    """Validate the pipeline shape, partition the layers and simulate the schedule."""
+    checks.positive_int("model.n_layer", n_layer)
+    shape = ParallelConfig(
+        stage_count, virtual_stages_per_rank, microbatches, schedule, emulate=True
+    ).validate()
+    shape.check_model(n_layer)
+    shape.check_fill()
     total_virtual = stage_count * virtual_stages_per_rank
     assignments = _partition(n_layer, stage_count, total_virtual)
     events = _simulate(stage_count, total_virtual, microbatches, schedule)
@@ -245,7 +314,7 @@ def split_microbatch_ranges(total: int, microbatches: int) -> list[range]:
     Every microbatch must be non-empty, otherwise its loss weight |mb| / B would be zero and
     a pipeline slot would run on nothing.
     """
-    _check_int("parallel.microbatches", microbatches, 1)
+    checks.positive_int("parallel.microbatches", microbatches)
     if isinstance(total, bool) or not isinstance(total, int) or total < microbatches:
         raise ConfigError(
             f"batch size {total!r} is smaller than parallel.microbatches = {microbatches}; "

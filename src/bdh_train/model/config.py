@@ -1,4 +1,5 @@
-"""BDHConfig: the model's hyper-parameters and their validation (spec §1, §8, §9)."""
+"""BDHConfig: the model's hyper-parameters and their validation, with the quantization and
+output-head options it holds."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from bdh_train import checks
 from bdh_train.errors import ConfigError
+from bdh_train.utils import build_dataclass
 
 POSITIONS = ("rope", "alibi")
 NORMS = ("layernorm", "layernorm_affine")
@@ -17,21 +20,6 @@ QUANT_TARGETS = ("decoder_x", "decoder_y", "encoder")
 TRAINING_MODES = ("qat_ste", "train_kernel")
 SAVED_ACTIVATIONS = ("none", "quantized_cache_recompute")
 HEAD_TYPES = ("token", "nca_factorized_patch")
-
-
-def _check_choice(path: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{path} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-
-
-def _check_positive_int(path: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{path} must be a positive integer, got {value!r}")
-
-
-def _check_nonneg_int(path: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{path} must be a non-negative integer, got {value!r}")
 
 
 @dataclass
@@ -47,29 +35,28 @@ class QuantConfig:
     warmup_steps: int = 0
 
     def validate(self, prefix: str = "model.quant") -> None:
-        if not isinstance(self.enable, bool):
-            raise ConfigError(f"{prefix}.enable must be true or false, got {self.enable!r}")
-        _check_choice(f"{prefix}.weight_format", self.weight_format, WEIGHT_FORMATS)
-        _check_choice(f"{prefix}.act_format", self.act_format, ACT_FORMATS)
+        checks.boolean(f"{prefix}.enable", self.enable)
+        checks.choice(f"{prefix}.weight_format", self.weight_format, WEIGHT_FORMATS)
+        checks.choice(f"{prefix}.act_format", self.act_format, ACT_FORMATS)
         if not isinstance(self.target_modules, (list, tuple)) or not self.target_modules:
             raise ConfigError(
                 f"{prefix}.target_modules must be a non-empty list drawn from "
                 f"{', '.join(map(repr, QUANT_TARGETS))}, got {self.target_modules!r}"
             )
         for t in self.target_modules:
-            _check_choice(f"{prefix}.target_modules[]", t, QUANT_TARGETS)
+            checks.choice(f"{prefix}.target_modules[]", t, QUANT_TARGETS)
         if len(set(self.target_modules)) != len(self.target_modules):
             raise ConfigError(
                 f"{prefix}.target_modules lists a module twice, got {self.target_modules!r}"
             )
-        _check_choice(f"{prefix}.training_mode", self.training_mode, TRAINING_MODES)
-        _check_choice(f"{prefix}.saved_activations", self.saved_activations, SAVED_ACTIVATIONS)
+        checks.choice(f"{prefix}.training_mode", self.training_mode, TRAINING_MODES)
+        checks.choice(f"{prefix}.saved_activations", self.saved_activations, SAVED_ACTIVATIONS)
         if self.saved_activations != "none" and self.training_mode != "train_kernel":
             raise ConfigError(
                 f"{prefix}.saved_activations={self.saved_activations!r} needs "
                 f"{prefix}.training_mode='train_kernel', got {self.training_mode!r}"
             )
-        _check_nonneg_int(f"{prefix}.warmup_steps", self.warmup_steps)
+        checks.nonneg_int(f"{prefix}.warmup_steps", self.warmup_steps)
 
 
 @dataclass
@@ -83,25 +70,14 @@ class LanguageHeadConfig:
     eos_id: int | None = None
 
     def validate(self, vocab_size: int, prefix: str = "model.language_head") -> None:
-        _check_choice(f"{prefix}.type", self.type, HEAD_TYPES)
+        checks.choice(f"{prefix}.type", self.type, HEAD_TYPES)
         if self.type == "token":
             return
-        if (
-            isinstance(self.state_count, bool)
-            or not isinstance(self.state_count, int)
-            or (self.state_count < 2)
-        ):
-            raise ConfigError(
-                f"{prefix}.state_count must be an integer >= 2, got {self.state_count!r}"
-            )
-        _check_positive_int(f"{prefix}.patch_size", self.patch_size)
-        if not isinstance(self.frame_special_tokens, bool):
-            raise ConfigError(
-                f"{prefix}.frame_special_tokens must be true or false, "
-                f"got {self.frame_special_tokens!r}"
-            )
+        checks.int_at_least(f"{prefix}.state_count", self.state_count, 2)
+        checks.positive_int(f"{prefix}.patch_size", self.patch_size)
+        checks.boolean(f"{prefix}.frame_special_tokens", self.frame_special_tokens)
         if self.eos_id is not None:
-            _check_nonneg_int(f"{prefix}.eos_id", self.eos_id)
+            checks.nonneg_int(f"{prefix}.eos_id", self.eos_id)
             if self.eos_id < self.patch_vocab:
                 raise ConfigError(
                     f"{prefix}.eos_id must be >= the patch vocabulary {self.patch_vocab} "
@@ -166,7 +142,7 @@ class BDHConfig:
             "vocab_size",
             "chunk_size",
         ):
-            _check_positive_int(f"{prefix}.{name}", getattr(self, name))
+            checks.positive_int(f"{prefix}.{name}", getattr(self, name))
         if (self.mlp_internal_dim_multiplier * self.n_embd) % self.n_head:
             raise ConfigError(
                 f"{prefix}.mlp_internal_dim_multiplier * {prefix}.n_embd must be divisible by "
@@ -178,15 +154,10 @@ class BDHConfig:
                 f"{prefix}.n_embd must be divisible by {prefix}.n_head ({self.n_head}), "
                 f"got {self.n_embd}"
             )
-        if (
-            isinstance(self.dropout, bool)
-            or not isinstance(self.dropout, (int, float))
-            or not (0.0 <= self.dropout < 1.0)
-        ):
-            raise ConfigError(f"{prefix}.dropout must be a number in [0, 1), got {self.dropout!r}")
-        _check_choice(f"{prefix}.position", self.position, POSITIONS)
-        _check_choice(f"{prefix}.norm", self.norm, NORMS)
-        _check_choice(f"{prefix}.executor", self.executor, EXECUTORS)
+        checks.number(f"{prefix}.dropout", self.dropout, low=0.0, high=1.0)
+        checks.choice(f"{prefix}.position", self.position, POSITIONS)
+        checks.choice(f"{prefix}.norm", self.norm, NORMS)
+        checks.choice(f"{prefix}.executor", self.executor, EXECUTORS)
         self.quant.validate(f"{prefix}.quant")
         self.language_head.validate(self.vocab_size, f"{prefix}.language_head")
         q = self.quant
@@ -214,6 +185,4 @@ class BDHConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], prefix: str = "model") -> BDHConfig:
         """Build and validate from a plain dict (e.g. a TOML table); unknown keys are errors."""
-        from bdh_train.utils import build_dataclass
-
         return build_dataclass(cls, data, prefix).validate(prefix)

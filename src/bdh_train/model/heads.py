@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bdh_train.batch import IGNORE_INDEX
 from bdh_train.model.config import BDHConfig, LanguageHeadConfig
-from bdh_train.train.batch import IGNORE_INDEX
 
 REDUCTIONS = ("mean", "sum")
 

@@ -15,23 +15,17 @@ Port of the `weighted_accum.rs` reference: every validation rule, its order and 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import numbers
-import os
 import struct
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from bdh_train.errors import BDHTrainError
-from bdh_train.utils import atomic_write
 
 __all__ = [
     "U64_MAX",
@@ -45,10 +39,8 @@ __all__ = [
     "WeightedAccumulationError",
     "WeightedAccumulationState",
     "WeightedGradientAccumulator",
-    "load_accumulator",
     "named_parameter_dict",
     "normalize_gradients",
-    "save_accumulator",
     "write_to_params",
 ]
 
@@ -516,61 +508,3 @@ class WeightedGradientAccumulator:
 # --------------------------------------------------------------------------------------------
 # Files: grads.safetensors + state.json
 # --------------------------------------------------------------------------------------------
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def save_accumulator(acc: WeightedGradientAccumulator, directory: str | os.PathLike[str]) -> None:
-    """Write `grads.safetensors` then `state.json`, each atomically.
-
-    state.json records the gradient file's SHA-256, so a crash between the two renames is
-    detected on load instead of pairing new gradients with old counters.
-    """
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    snapshot = acc.state_dict()
-    tensors = {n: g.to("cpu").contiguous() for n, g in snapshot["gradients"].items()}
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{GRADS_FILE}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": "bdh-train weighted accumulator"})
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, directory / GRADS_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    record = {**snapshot["state"], "grads_sha256": _sha256(directory / GRADS_FILE)}
-    with atomic_write(directory / STATE_FILE) as handle:
-        json.dump(record, handle, indent=2, sort_keys=True, allow_nan=False)
-        handle.write("\n")
-
-
-def load_accumulator(acc: WeightedGradientAccumulator, directory: str | os.PathLike[str]) -> None:
-    """Load a `save_accumulator` directory into `acc`; on any error `acc` is unchanged."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    try:
-        record = json.loads((directory / STATE_FILE).read_text())
-    except json.JSONDecodeError as exc:
-        raise InvalidStateError(f"{directory / STATE_FILE} is not valid JSON: {exc}") from exc
-    if not isinstance(record, dict):
-        raise InvalidStateError(f"{directory / STATE_FILE} must hold a JSON object")
-    expected = record.pop("grads_sha256", None)
-    if expected is not None and expected != _sha256(directory / GRADS_FILE):
-        raise InvalidStateError(f"{directory / GRADS_FILE} does not match {STATE_FILE}")
-    try:
-        gradients = load_file(directory / GRADS_FILE, device="cpu")
-    except SafetensorError as exc:
-        raise InvalidStateError(f"{directory / GRADS_FILE} is unreadable: {exc}") from exc
-    acc.load_state_dict({"gradients": gradients, "state": record})

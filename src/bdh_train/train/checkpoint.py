@@ -3,6 +3,9 @@
 A checkpoint is a directory `checkpoints/step-XXXXXXX/`. It is written into a hidden
 temporary directory beside it and renamed into place only when every file is on disk, so a
 crash (or SIGKILL) during a save leaves the previous checkpoint and pointer untouched.
+
+`Checkpointer` saves and loads a mapping of stateful parts, one file each; the file's suffix
+decides its format (`.json`, `.pt`, `.toml` text, `.safetensors` model weights).
 """
 
 from __future__ import annotations
@@ -12,16 +15,34 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from bdh_train.errors import CheckpointError
+from bdh_train import checks
+from bdh_train.errors import BDHTrainError, CheckpointError
 from bdh_train.utils import atomic_write
+
+
+@dataclass
+class CheckpointConfig:
+    """Where the weights start from. ``resume`` (set by ``--resume``) wins over ``init_from``."""
+
+    init_from: str = ""
+    """"" = fresh init; else a run dir, a checkpoint dir, or an official ``.pt`` state_dict."""
+    resume: str = ""
+    """"" = start a new run; else the run or checkpoint directory to continue exactly."""
+
+    def validate(self, prefix: str = "checkpoint") -> CheckpointConfig:
+        checks.string(f"{prefix}.init_from", self.init_from)
+        checks.string(f"{prefix}.resume", self.resume)
+        return self
+
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -110,11 +131,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 # ---------------------------------------------------------------- pieces of a checkpoint
-def save_model(model: torch.nn.Module, directory: Path, metadata: dict[str, str]) -> None:
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(tensors, str(directory / MODEL_FILE), metadata=metadata)
-
-
 def load_model_weights(directory: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(Path(directory) / MODEL_FILE))
@@ -186,3 +202,92 @@ def torch_load(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
+
+
+# ---------------------------------------------------------------- a mapping of stateful parts
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass
+class ModelWeights:
+    """The model as a checkpoint part: its tensors plus string metadata in safetensors."""
+
+    model: torch.nn.Module
+    metadata: Callable[[], dict[str, str]]
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
+        return tensors, self.metadata()
+
+    def load_state_dict(self, state: tuple[dict[str, torch.Tensor], Path]) -> None:
+        weights, where = state
+        load_into_model(self.model, weights, where)
+
+
+def _write_part(path: Path, state: Any) -> None:
+    if path.suffix == ".json":
+        write_json(path, state)
+    elif path.suffix == ".pt":
+        torch.save(state, path)
+    elif path.suffix == ".toml":
+        path.write_text(state)
+    elif path.suffix == ".safetensors":
+        tensors, metadata = state
+        save_file(tensors, str(path), metadata=metadata)
+    else:
+        raise ValueError(f"no checkpoint format for {path.name}")
+
+
+def _read_part(path: Path) -> Any:
+    if path.suffix == ".json":
+        return read_json(path)
+    if path.suffix == ".pt":
+        return torch_load(path)
+    if path.suffix == ".safetensors":
+        return load_model_weights(path.parent), path.parent
+    raise ValueError(f"no checkpoint format for {path.name}")
+
+
+class Checkpointer:
+    """Saves and loads a run's stateful parts as one atomic checkpoint directory.
+
+    `save` asks every part for its state on every process (a part may gather across ranks),
+    and only the main process writes. `load` reads the parts in mapping order, so a part that
+    refuses the checkpoint (e.g. the trainer state's world size) is checked before the others.
+    """
+
+    def __init__(self, run_dir: str | Path, keep: int = 0, is_main: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.keep = keep
+        self.is_main = is_main
+
+    def save(
+        self,
+        name: str,
+        parts: Mapping[str, Stateful],
+        before_rename: Callable[[Path], None] | None = None,
+    ) -> Path | None:
+        states = {file: part.state_dict() for file, part in parts.items()}
+        if not self.is_main:
+            return None
+
+        def write(directory: Path) -> None:
+            for file, state in states.items():
+                _write_part(directory / file, state)
+
+        return save_checkpoint(self.run_dir, name, write, self.keep, before_rename)
+
+    def load(self, directory: Path, parts: Mapping[str, Stateful]) -> None:
+        for file, part in parts.items():
+            state = _read_part(directory / file)
+            try:
+                part.load_state_dict(state)
+            except BDHTrainError:
+                raise
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                raise CheckpointError(
+                    f"checkpoint {directory} does not fit this run ({file}): {exc}"
+                ) from exc

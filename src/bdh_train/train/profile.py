@@ -37,8 +37,6 @@ class StepProfile:
 class NullProfiler:
     """Profiling off: every hook is a no-op."""
 
-    enabled = False
-
     def begin_step(self) -> None: ...
     def begin_forward(self) -> None: ...
     def end_forward(self) -> None: ...
@@ -54,7 +52,6 @@ class StepProfiler:
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     steps: list[StepProfile] = field(default_factory=list)
-    enabled: bool = True
 
     def __post_init__(self) -> None:
         self._current = StepProfile()

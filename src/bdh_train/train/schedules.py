@@ -1,13 +1,12 @@
-"""Gradient-scale schedules (spec §7) and learning-rate schedules.
+"""Gradient-scale schedules: `training.gradient_scales` and the init-transfer backbone scale.
 
 A gradient scale multiplies a parameter group's gradient after backward; it is not a
-learning-rate change (with Adam the two differ). The step counter lives in the schedule's
-state_dict so a resumed run continues the same curve.
+learning-rate change (with Adam the two differ). The counter advances once per optimizer step
+and lives in the schedule's state_dict, so a resumed run continues the same curve.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,9 +14,72 @@ from typing import Any
 import torch
 from torch import nn
 
+from bdh_train import checks
+from bdh_train.errors import ConfigError
 from bdh_train.model import groups
 
-_EPS = 1.1920929e-07  # f32::EPSILON, as in the seed
+_EPS = 1.1920929e-07
+"""float32 machine epsilon: scales this close to 1 are treated as 1 (no multiply)."""
+
+
+@dataclass
+class GradientScaleRamp:
+    """Move a group's gradient scale from `GradientScale.scale` to `final_scale` linearly
+    between two fractions of training (e.g. unfreeze a transferred backbone gradually)."""
+
+    final_scale: float = 1.0
+    start_fraction: float = 0.0
+    end_fraction: float = 1.0
+
+    def validate(self, prefix: str) -> GradientScaleRamp:
+        checks.number(f"{prefix}.final_scale", self.final_scale, low=0.0)
+        for name in ("start_fraction", "end_fraction"):
+            checks.number(f"{prefix}.{name}", getattr(self, name), low=0.0, high=1.0,
+                          high_open=False)
+        if self.start_fraction > self.end_fraction:
+            raise ConfigError(
+                f"{prefix}.start_fraction ({self.start_fraction}) must be <= "
+                f"{prefix}.end_fraction ({self.end_fraction})"
+            )
+        return self
+
+
+@dataclass
+class GradientScale:
+    """Multiply the gradients of one parameter group (`target`) by `scale` after backward."""
+
+    target: str = "other_backbone"
+    """A parameter group: one of model.groups.TARGETS."""
+    scale: float = 1.0
+    schedule: GradientScaleRamp | None = None
+    """Optional ramp of the scale over training."""
+
+    def validate(self, prefix: str) -> GradientScale:
+        checks.choice(f"{prefix}.target", self.target, groups.TARGETS)
+        checks.number(f"{prefix}.scale", self.scale, low=0.0)
+        if self.schedule is not None:
+            if not isinstance(self.schedule, GradientScaleRamp):
+                raise ConfigError(f"{prefix}.schedule must be a table, got {self.schedule!r}")
+            self.schedule.validate(f"{prefix}.schedule")
+        return self
+
+
+def validate_gradient_scales(scales: Any, prefix: str) -> None:
+    """A list of GradientScale tables, each target at most once."""
+    if not isinstance(scales, list):
+        raise ConfigError(f"{prefix} must be a list of tables, got {scales!r}")
+    seen: dict[str, int] = {}
+    for i, item in enumerate(scales):
+        where = f"{prefix}[{i}]"
+        if not isinstance(item, GradientScale):
+            raise ConfigError(f"{where} must be a table, got {item!r}")
+        item.validate(where)
+        if item.target in seen:
+            raise ConfigError(
+                f"{where}.target {item.target!r} repeats {prefix}[{seen[item.target]}]; give "
+                "each target once"
+            )
+        seen[item.target] = i
 
 
 @dataclass(frozen=True)
@@ -67,17 +129,17 @@ def _get(entry: Any, key: str, default: Any = None) -> Any:
 
 
 class GradientScaleSchedule:
-    """Per-parameter gradient multipliers from `module_lr_scales` and `init_transfer`."""
+    """Per-parameter gradient multipliers from `gradient_scales` and `init_transfer`."""
 
     def __init__(
         self,
         model: nn.Module,
-        module_lr_scales: Sequence[Any] = (),
+        gradient_scales: Sequence[Any] = (),
         init_transfer: Any | None = None,
         total_steps: int = 1,
     ):
         self.rules: dict[str, ScaleRule] = {}
-        for entry in module_lr_scales:
+        for entry in gradient_scales:
             rule = ScaleRule.for_total_steps(
                 float(_get(entry, "scale")), _get(entry, "schedule"), total_steps
             )
@@ -122,7 +184,7 @@ class GradientScaleSchedule:
                 param.grad.mul_(scale)
 
     def shared_lowrank_target_lr_scale(self) -> float:
-        """Mean scale over the shared low-rank parameters at the last step taken (the seed's
+        """Mean scale over the shared low-rank parameters at the last step taken (the
         continual-backprop target scale); before any step, at step index 0."""
         if not self.shared_lowrank:
             return 1.0
@@ -135,16 +197,3 @@ class GradientScaleSchedule:
 
     def load_state_dict(self, sd: Mapping[str, int]) -> None:
         self.step = int(sd["step"])
-
-
-def learning_rate(
-    step: int, base_lr: float, warmup_steps: int, total_steps: int, schedule: str, min_lr: float
-) -> float:
-    """Linear warm-up, then constant or cosine (no restarts) down to min_lr at total_steps."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return base_lr * (step + 1) / warmup_steps
-    if schedule == "constant":
-        return base_lr
-    span = max(total_steps - warmup_steps, 1)
-    progress = min(max(step - warmup_steps, 0) / span, 1.0)
-    return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * progress))

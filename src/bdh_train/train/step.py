@@ -1,45 +1,54 @@
-"""The language train step (port of burn_dragon's LanguageTrainModel, spec §6, §7, §10, §11).
+"""The language train step: one object that owns the model and the step policies.
 
-One object owns the model and the step policies:
   * TBPTT: the block is cut into chunks along time; every `backprop_chunks` chunks run
     forward then backward together, then the state is detached, so activation memory is that
     of those chunks, not of the block;
-  * streaming: the detached state is carried to the next step; rows flagged `reset` start
+  * streaming: the detached state is carried to the next call; rows flagged `reset` start
     fresh at position 0 while the others continue;
   * pipeline microbatches: the batch is split and each microbatch runs the plan's layer
     ranges in its forward-event order with a fresh state (single-process emulation);
-  * gradient-scale schedules, applied after backward;
+  * gradient-scale schedules, applied after backward by `train_step`;
   * profiling hooks that cost nothing when off.
 
 Losses are token-weighted: every piece (TBPTT chunk, microbatch) contributes its loss SUM
 divided by the counted targets of the whole block, so the pieces add up to the block's mean
 loss exactly, whatever the chunk lengths or ignored targets.
+
+`StepExecutor` is what the trainer drives; this class and the multi-process pipeline runner
+implement it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from bdh_train.batch import SequenceBatch, StepOutput
 from bdh_train.distributed.planner import PipelinePlan, split_microbatch_ranges
 from bdh_train.errors import CheckpointError, ConfigError
-from bdh_train.model import BDH, ModelState, groups
-from bdh_train.train.batch import IGNORE_INDEX, SequenceBatch
+from bdh_train.model import BDH, ModelState
 from bdh_train.train.profile import NullProfiler, StepProfiler
 from bdh_train.train.schedules import GradientScaleSchedule
 
 
-@dataclass
-class StepOutput:
-    """loss: the block's mean loss over counted targets (detached); counted: that count."""
+class StepExecutor(Protocol):
+    """Runs one micro-batch for the trainer."""
 
-    loss: torch.Tensor
-    counted: float
-    stats: dict[str, Any] = field(default_factory=dict)
+    def compute_gradients(self, batch: SequenceBatch) -> StepOutput:
+        """Forward and backward of `batch`; the gradients of its mean loss land in `.grad`
+        (added to what is there)."""
+        ...
+
+    def eval_loss(self, batch: SequenceBatch) -> tuple[float, float]:
+        """(loss sum over counted targets, counted targets), without a graph or state change."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class LanguageTrainModel:
@@ -48,27 +57,14 @@ class LanguageTrainModel:
         model: BDH,
         tbptt_chunk_size: int = 0,
         tbptt_backprop_chunks: int = 1,
-        persist_across_steps: bool = False,
+        streaming: bool = False,
         pipeline_plan: PipelinePlan | None = None,
         gradient_scales: GradientScaleSchedule | None = None,
         profiler: StepProfiler | NullProfiler | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
-        if tbptt_backprop_chunks < 1:
-            raise ConfigError(
-                f"training.tbptt_backprop_chunks must be a positive integer, got "
-                f"{tbptt_backprop_chunks}"
-            )
-        if pipeline_plan is not None and persist_across_steps:
-            raise ConfigError(
-                "pipeline execution does not support training.tbptt_persist_across_steps: "
-                "each microbatch runs with its own fresh state"
-            )
-        if pipeline_plan is not None and tbptt_chunk_size > 0:
-            raise ConfigError(
-                "pipeline execution does not support TBPTT chunking "
-                "(training.tbptt_chunk_size must be 0 with a pipeline plan)"
-            )
+        """`streaming` carries the state from one call to the next (rows flagged `reset`
+        start over); `pipeline_plan` emulates a pipeline's microbatches in this process."""
         if pipeline_plan is not None and pipeline_plan.n_layer != model.config.n_layer:
             raise ConfigError(
                 f"the pipeline plan covers {pipeline_plan.n_layer} layers but model.n_layer is "
@@ -77,29 +73,12 @@ class LanguageTrainModel:
         self.model = model
         self.tbptt_chunk_size = tbptt_chunk_size
         self.tbptt_backprop_chunks = tbptt_backprop_chunks
-        self.persist_across_steps = persist_across_steps
+        self.streaming = streaming
         self.pipeline_plan = pipeline_plan
         self.gradient_scales = gradient_scales or GradientScaleSchedule(model)
         self.profiler = profiler or NullProfiler()
         self.autocast = autocast or contextlib.nullcontext
         self.carried_state: ModelState | None = None
-
-    # ------------------------------------------------------------ parameter groups
-    def params_for_target(self, target: str) -> list[str]:
-        return groups.params_for_target(self.model, target)
-
-    def transferred_backbone_params(self, preserve_fresh_decoder=False, preserve_fresh_norm=False):
-        return groups.transferred_backbone_params(
-            self.model, preserve_fresh_decoder, preserve_fresh_norm
-        )
-
-    def interface_surface_params(self, preserve_fresh_decoder=False, preserve_fresh_norm=False):
-        return groups.interface_surface_params(
-            self.model, preserve_fresh_decoder, preserve_fresh_norm
-        )
-
-    def shared_lowrank_target_lr_scale(self) -> float:
-        return self.gradient_scales.shared_lowrank_target_lr_scale()
 
     # ------------------------------------------------------------ helpers
     def effective_chunk_size(self, block_size: int) -> int | None:
@@ -108,7 +87,7 @@ class LanguageTrainModel:
 
     def _load_state(self, batch: SequenceBatch) -> ModelState:
         """The state this step starts from: carried (with per-row resets) or fresh."""
-        state = self.carried_state if self.persist_across_steps else None
+        state = self.carried_state if self.streaming else None
         if state is None or state.batch_size != batch.batch_size:
             return self.model.init_state(batch.batch_size)
         if batch.reset is not None:
@@ -116,7 +95,7 @@ class LanguageTrainModel:
         return state
 
     def _store_state(self, state: ModelState) -> None:
-        if self.persist_across_steps:
+        if self.streaming:
             self.carried_state = state.detach_()
 
     def _piece_loss(self, hidden, targets, normalizer: float) -> torch.Tensor:
@@ -126,7 +105,7 @@ class LanguageTrainModel:
     def compute_gradients(self, batch: SequenceBatch, loss_scale: float = 1.0) -> StepOutput:
         """Forward and backward of one block; gradients of `loss_scale * mean loss` are ADDED
         to the parameters' .grad. No gradient-scale schedule is applied (see train_step)."""
-        counted = float((batch.targets != IGNORE_INDEX).sum().item())
+        counted = batch.counted_tokens()
         normalizer = max(counted, 1.0)
         self.profiler.begin_step()
         self.model.train()
@@ -145,7 +124,7 @@ class LanguageTrainModel:
         self.gradient_scales.apply_(list(self.model.named_parameters()))
 
     def train_step(self, batch: SequenceBatch) -> StepOutput:
-        """The seed's train step: fresh gradients of the mean loss, scaled by the schedule."""
+        """Fresh gradients of the mean loss, scaled by the schedule (which then advances)."""
         self.model.zero_grad(set_to_none=True)
         out = self.compute_gradients(batch)
         self.apply_gradient_scale_schedule()
@@ -159,7 +138,7 @@ class LanguageTrainModel:
     def _tbptt_forward_backward(self, batch, normalizer, loss_scale) -> torch.Tensor:
         chunk = self.effective_chunk_size(batch.block_size) or batch.block_size
         # A final state is only worth computing if a later chunk or step reads it.
-        needs_state = self.persist_across_steps or chunk < batch.block_size
+        needs_state = self.streaming or chunk < batch.block_size
         state = self._load_state(batch) if needs_state else None
         starts = list(range(0, batch.block_size, chunk))
         total = torch.zeros((), dtype=torch.float64)
@@ -219,8 +198,7 @@ class LanguageTrainModel:
         was_training = self.model.training
         self.model.eval()
         try:
-            counted = float((batch.targets != IGNORE_INDEX).sum().item())
-            normalizer = max(counted, 1.0)
+            normalizer = max(batch.counted_tokens(), 1.0)
             if self.pipeline_plan is not None:
                 return torch.stack(self._pipeline_losses(batch, normalizer)).sum().float()
             state = self.model.init_state(batch.batch_size)
@@ -235,9 +213,13 @@ class LanguageTrainModel:
         finally:
             self.model.train(was_training)
 
+    def eval_loss(self, batch: SequenceBatch) -> tuple[float, float]:
+        counted = batch.counted_tokens()
+        return float(self.valid_step(batch)) * counted, counted
+
     # ------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """Counters and the carried streaming state (tensors under 'carried_state')."""
+        """The gradient-scale counter and the carried streaming state (tensors, or None)."""
         return {
             "gradient_scales": self.gradient_scales.state_dict(),
             "carried_state": None
@@ -257,4 +239,5 @@ class LanguageTrainModel:
             self.carried_state = None
         else:
             batch = int(carried["position"].shape[0])
-            self.carried_state = self.model.init_state(batch).load_state_dict(carried)
+            device = next(self.model.parameters()).device
+            self.carried_state = self.model.init_state(batch).load_state_dict(carried).to(device)

@@ -18,7 +18,7 @@ from bdh_train.config import load_config
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.metrics import read_metrics
 from bdh_train.train.step import LanguageTrainModel
-from bdh_train.train.trainer import Trainer, TrainingDiverged
+from bdh_train.trainer import Trainer, TrainingDiverged
 
 MICRO = [
     "model.n_layer=2",
@@ -76,7 +76,8 @@ def test_resume_is_bit_exact(tmp_path, overrides, stop_micro):
     stop_after = 10 * accum + (stop_micro or 0)
     first = Trainer(load_config(overrides=overrides), split, stream=io.StringIO())
     result = first.run(stop_after_micro_steps=stop_after)
-    assert result.stopped_early and first.step == 10 and first.micro == (stop_micro or 0)
+    assert result.stopped_early
+    assert (first.state.step, first.state.micro) == (10, stop_micro or 0)
     if stop_micro:
         assert result.checkpoint.name == "step-0000010-m01"
         assert first.accumulator.state.microbatches == 1  # the window really was open
@@ -96,7 +97,7 @@ def test_crash_during_checkpoint_leaves_previous_one_loadable(tmp_path):
     script = textwrap.dedent(f"""
         import io, os, signal
         from bdh_train.config import load_config
-        from bdh_train.train.trainer import Trainer
+        from bdh_train.trainer import Trainer
         t = Trainer(load_config(overrides={MICRO!r}), {str(run_dir)!r}, stream=io.StringIO())
         t.run(stop_after_micro_steps=3)               # checkpoint step-0000003
         t.run(stop_after_micro_steps=2)               # train on to step 5 ...
@@ -111,7 +112,7 @@ def test_crash_during_checkpoint_leaves_previous_one_loadable(tmp_path):
     leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]
     assert leftovers, "the killed save should have left only its hidden temporary directory"
     resumed = Trainer(load_config(overrides=MICRO), run_dir, resume=True, stream=io.StringIO())
-    assert resumed.step == 5
+    assert resumed.state.step == 5
 
 
 def test_failed_save_keeps_pointer_and_cleans_up(tmp_path):
@@ -121,7 +122,7 @@ def test_failed_save_keeps_pointer_and_cleans_up(tmp_path):
     def boom(_tmp):
         raise OSError("disk full")
 
-    t.step += 1
+    t.state.step += 1
     with pytest.raises(OSError, match="disk full"):
         t.save_checkpoint(before_rename=boom)
     assert ckpt.resolve_checkpoint(tmp_path).name == "step-0000002"
@@ -140,14 +141,14 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
 
     def poisoned(self, batch, loss_scale=1.0):
         out = original(self, batch, loss_scale)
-        if t.step >= 4:
+        if t.state.step >= 4:
             self.model.encoder.grad.fill_(float("nan"))
         return out
 
     monkeypatch.setattr(LanguageTrainModel, "compute_gradients", poisoned)
     with pytest.raises(TrainingDiverged, match="3 consecutive steps had a non-finite"):
         t.run()
-    assert t.step == 6  # steps 5 and 6 skipped and counted, the 7th aborts
+    assert t.state.step == 6  # steps 5 and 6 skipped and counted, the 7th aborts
     good = ckpt.resolve_checkpoint(tmp_path)
     assert good.name == "step-0000006"
     weights = load_file(str(good / ckpt.MODEL_FILE))
@@ -258,7 +259,7 @@ def test_emulated_pipeline_trains_in_one_process(tmp_path):
 
 
 def test_nca_data_with_factorized_head_trains(tmp_path):
-    config = Path(__file__).parents[2] / "configs" / "nca.toml"
+    config = Path(__file__).parents[1] / "configs" / "nca.toml"
     cfg = load_config(
         [config], [*MICRO, "model.vocab_size=19", "training.max_steps=4", "data.nca.grid_size=4"]
     )
@@ -270,7 +271,7 @@ def test_nca_data_with_factorized_head_trains(tmp_path):
 
 
 def test_bitnet_warmup_follows_the_trainer_step(tmp_path):
-    config = Path(__file__).parents[2] / "configs" / "bitnet.toml"
+    config = Path(__file__).parents[1] / "configs" / "bitnet.toml"
     cfg = load_config([config], [*MICRO, "model.quant.warmup_steps=4", "training.max_steps=3"])
     trainer = Trainer(cfg, tmp_path, stream=io.StringIO())
     trainer.run()
@@ -333,14 +334,14 @@ def test_init_from_loads_weights_only_and_honours_preserve_fresh(tmp_path):
         "training.init_transfer.preserve_fresh_decoder=true",
     ]
     t = Trainer(load_config(overrides=overrides), tmp_path / "new", stream=io.StringIO())
-    assert t.step == 0 and t.fresh_params == ["decoder"]
+    assert t.state.step == 0 and t.fresh_params == ["decoder"]
     weights = dict(t.model.named_parameters())
     assert torch.equal(weights["encoder"], trained["encoder"])
     assert not torch.equal(weights["decoder"], trained["decoder"])
 
 
 def test_init_from_an_official_checkpoint(tmp_path):
-    from bdh_train.interop import official_frequencies_buffer
+    from official_bdh import official_frequencies_buffer
 
     path = tmp_path / "official.pt"
     g = torch.Generator().manual_seed(0)
@@ -372,3 +373,26 @@ def test_init_from_with_a_mismatched_backbone_is_refused(tmp_path):
         match=r"backbone parameter encoder has shape \[2, 32, 64\], the model needs \[2, 32, 128\]",
     ):
         Trainer(load_config(overrides=overrides), tmp_path / "new")
+
+
+FIXTURE_V0_1 = Path(__file__).parent / "fixtures" / "checkpoint_v0_1"
+
+
+def test_checkpoint_written_by_v0_1_resumes_bit_exact(tmp_path, capsys):
+    """A mid-window streaming-TBPTT checkpoint written by v0.1 (before the components owned
+    their configs, see fixtures/checkpoint_v0_1/make_fixture.py.txt) resumes and ends with the
+    same metrics, to the last bit, as v0.1's uninterrupted run."""
+    import json
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE_V0_1, run)
+    cfg = load_config([run / "config.toml"])
+    assert "module_lr_scales is deprecated" in capsys.readouterr().err
+    trainer = Trainer(cfg, run, resume=True, stream=io.StringIO())
+    assert (trainer.state.step, trainer.state.micro) == (4, 1)
+    trainer.run()
+    expected = json.loads((FIXTURE_V0_1 / "expected_metrics.json").read_text())
+    keys = ("step", "tokens", "loss", "lr", "grad_norm")
+    got = [{k: r[k] for k in keys} for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert got == expected

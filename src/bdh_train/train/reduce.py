@@ -24,12 +24,12 @@ from bdh_train.train.accumulate import (
     normalize_gradients,
 )
 
-__all__ = ["all_reduce_accumulated", "assert_same_window_settings", "distributed_active"]
+__all__ = ["all_reduce_accumulated"]
 
 _DTYPE_CODES = {torch.float32: 32.0, torch.float64: 64.0}
 
 
-def distributed_active() -> bool:
+def _distributed_active() -> bool:
     """True when collectives can run: torch.distributed is built and a group is initialized."""
     return dist.is_available() and dist.is_initialized()
 
@@ -41,7 +41,7 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def assert_same_window_settings(
+def _check_same_window_settings(
     result: AccumulatedGradients, group: dist.ProcessGroup | None = None
 ) -> None:
     """Raise GradientError on every rank unless all ranks used the same loss scale and dtype.
@@ -50,7 +50,7 @@ def assert_same_window_settings(
     `all_reduce_accumulated` differ in dtype (dtype). Costs one small MAX all-reduce; a no-op
     without an initialized process group.
     """
-    if not distributed_active():
+    if not _distributed_active():
         return
     scale = result.state.loss_scale
     code = _DTYPE_CODES.get(result.state.dtype, 0.0)
@@ -97,8 +97,9 @@ def all_reduce_accumulated(
             raise GradientError(
                 f"gradient for parameter {name!r} is {grad.dtype}, work dtype is {state.dtype}"
             )
-    if not distributed_active():
+    if not _distributed_active():
         return normalize_gradients(result.gradients, state.loss_scale, state.total_weight)
+    _check_same_window_settings(result, group)
 
     names = sorted(params)
     sizes = [params[name].numel() for name in names]

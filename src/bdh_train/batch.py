@@ -1,8 +1,10 @@
-"""SequenceBatch: what a loader hands the train step."""
+"""The vocabulary every layer shares: the batch a loader hands a train step, what a step
+hands back, and the target id that is never counted in a loss."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,13 +19,11 @@ class SequenceBatch:
     inputs, targets: LongTensor [B, T]; targets equal to IGNORE_INDEX are not counted.
     reset: optional BoolTensor [B]; a True row starts a fresh sequence (state zeroed,
         position 0) when state is streamed across steps; other rows continue.
-    loss_weight: number of counted targets; derived from targets when None.
     """
 
     inputs: torch.Tensor
     targets: torch.Tensor
     reset: torch.Tensor | None = None
-    loss_weight: float | None = None
 
     def __post_init__(self) -> None:
         if self.inputs.dim() != 2 or self.inputs.shape != self.targets.shape:
@@ -46,9 +46,8 @@ class SequenceBatch:
         return int(self.inputs.shape[1])
 
     def counted_tokens(self) -> float:
-        """The weight this batch carries in token-weighted accumulation."""
-        if self.loss_weight is not None:
-            return float(self.loss_weight)
+        """The targets that count in the loss: this batch's weight in token-weighted
+        accumulation."""
         return float((self.targets != IGNORE_INDEX).sum().item())
 
     def to(self, device: torch.device | str) -> SequenceBatch:
@@ -56,7 +55,6 @@ class SequenceBatch:
             self.inputs.to(device),
             self.targets.to(device),
             None if self.reset is None else self.reset.to(device),
-            self.loss_weight,
         )
 
     def rows(self, start: int, end: int) -> SequenceBatch:
@@ -65,7 +63,6 @@ class SequenceBatch:
             self.inputs[start:end],
             self.targets[start:end],
             None if self.reset is None else self.reset[start:end],
-            None,
         )
 
     def time_slice(self, start: int, end: int) -> SequenceBatch:
@@ -74,5 +71,14 @@ class SequenceBatch:
             self.inputs[:, start:end],
             self.targets[:, start:end],
             self.reset if start == 0 else None,
-            None,
         )
+
+
+@dataclass
+class StepOutput:
+    """What one train step reports: `loss`, the block's mean loss over counted targets
+    (detached), `counted`, that count, and optional `stats` (e.g. a step profile)."""
+
+    loss: torch.Tensor
+    counted: float
+    stats: dict[str, Any] = field(default_factory=dict)

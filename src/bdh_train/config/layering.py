@@ -1,0 +1,226 @@
+"""Layering a run configuration from presets, files and `--set` overrides, and writing it
+back as TOML. The result is validated up front, so a bad value fails before any training
+starts.
+
+Layering (`load_config`), lowest priority first:
+
+1. the dataclass defaults, or a preset (``tiny`` | ``small`` | ``pathway``, shipped in
+   ``bdh_train/presets``). When neither a preset nor any file is given, the preset is ``tiny``
+   (a CPU demo), so ``bdh-train train`` with no arguments does something useful;
+2. each file in order; a file may say ``extends = ["base.toml", "preset:tiny"]`` (paths relative
+   to that file), and its own values override what it extends;
+3. each ``--set section.key=value`` override, the value parsed as a TOML value (a bare word
+   that is not valid TOML is taken as a string).
+
+Tables are deep-merged; lists (``optimizer.betas``, ``training.gradient_scales``) are replaced
+whole. Unknown keys anywhere are errors that suggest the nearest valid name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import sys
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from bdh_train.config.schema import SECTIONS, RunConfig
+from bdh_train.errors import ConfigError
+from bdh_train.utils import atomic_write, dataclass_in, renamed_key, suggest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+PRESETS = ("tiny", "small", "pathway")
+DEFAULT_PRESET = "tiny"
+"""The preset used when `load_config` gets neither a preset nor a file."""
+EXTENDS_KEY = "extends"
+PRESET_PREFIX = "preset:"
+
+
+# --------------------------------------------------------------------------- layering
+
+
+def deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """`top` over `base`: tables merge recursively, anything else (lists too) is replaced."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _preset_resource(name: str) -> Any:
+    if name not in PRESETS:
+        raise ConfigError(
+            f"unknown preset {name!r}; known: {', '.join(PRESETS)}{suggest(name, PRESETS)}"
+        )
+    return importlib.resources.files("bdh_train") / "presets" / f"{name}.toml"
+
+
+def _parse_toml(text: str, label: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{label}: invalid TOML: {exc}") from exc
+
+
+class _Layerer:
+    """Resolves `extends` chains into one merged dict, refusing cycles."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+
+    def preset(self, name: str, referrer: str | None = None) -> dict[str, Any]:
+        try:
+            resource = _preset_resource(name)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (extended by {referrer})" if referrer else str(exc)) from None
+        key = f"{PRESET_PREFIX}{name}"
+        return self._layer(key, resource.read_text(encoding="utf-8"), None)
+
+    def file(self, path: str | Path, referrer: str | None = None) -> dict[str, Any]:
+        path = Path(path).expanduser()
+        try:
+            resolved = path.resolve()
+            text = resolved.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            by = f" (extended by {referrer})" if referrer else ""
+            raise ConfigError(f"config file not found: {path}{by}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config path is a directory, not a TOML file: {path}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        return self._layer(str(resolved), text, resolved.parent)
+
+    def _layer(self, key: str, text: str, base_dir: Path | None) -> dict[str, Any]:
+        if key in self.stack:
+            chain = " -> ".join([*self.stack[self.stack.index(key):], key])
+            raise ConfigError(f"config extends cycle: {chain}")
+        self.stack.append(key)
+        try:
+            data = _parse_toml(text, key)
+            parents = data.pop(EXTENDS_KEY, [])
+            if isinstance(parents, str):
+                parents = [parents]
+            if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+                raise ConfigError(
+                    f"{key}: {EXTENDS_KEY} must be a string or a list of strings, got {parents!r}"
+                )
+            merged: dict[str, Any] = {}
+            for parent in parents:
+                if parent.startswith(PRESET_PREFIX):
+                    layer = self.preset(parent[len(PRESET_PREFIX):], referrer=key)
+                elif base_dir is None:
+                    raise ConfigError(
+                        f"{key}: a preset may only extend other presets ('preset:<name>'), "
+                        f"got {parent!r}"
+                    )
+                else:
+                    layer = self.file(base_dir / Path(parent).expanduser(), referrer=key)
+                merged = deep_merge(merged, layer)
+            return deep_merge(merged, data)
+        finally:
+            self.stack.pop()
+
+
+def _parse_value(raw: str) -> Any:
+    """A TOML value, or the raw text as a string when it is not valid TOML."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw.strip()
+
+
+def _check_override_path(keys: list[str], item: str) -> None:
+    """Refuse a --set path that names no field, with the nearest valid name; an old key name
+    is translated in place (with a deprecation line)."""
+    cls: type | None = None
+    for depth, key in enumerate(keys):
+        if cls is not None:
+            key = keys[depth] = renamed_key(cls, key, ".".join(keys[:depth]))
+        options = list(SECTIONS) if cls is None else [f.name for f in dataclasses.fields(cls)]
+        path = ".".join(keys[: depth + 1])
+        if key not in options:
+            what = "section" if cls is None else "key"
+            raise ConfigError(f"--set {item!r}: unknown {what} {path}{suggest(key, options)}")
+        if cls is None:
+            cls = SECTIONS[key]
+            continue
+        kind = dataclass_in(typing.get_type_hints(cls)[key])
+        if depth + 1 < len(keys):
+            if kind is None or kind[0] == "list":
+                raise ConfigError(f"--set {item!r}: {path} is not a table")
+            cls = kind[1]
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """``section.key=value`` → a nested dict to merge; the value is parsed as TOML."""
+    if "=" not in item:
+        raise ConfigError(
+            f"--set {item!r}: expected section.key=value (e.g. training.max_steps=30)"
+        )
+    path, raw = item.split("=", 1)
+    keys = [k.strip() for k in path.strip().split(".")]
+    if len(keys) < 2 or not all(keys):
+        raise ConfigError(
+            f"--set {item!r}: the key must be a dotted path like section.key, got {path.strip()!r}"
+        )
+    _check_override_path(keys, item)
+    value: Any = _parse_value(raw)
+    for key in reversed(keys):
+        value = {key: value}
+    return value
+
+
+def load_config(
+    files: Sequence[str | Path] = (),
+    overrides: Sequence[str] = (),
+    preset: str | None = None,
+) -> RunConfig:
+    """Layer preset (default 'tiny' only when no files are given), files, then --set overrides,
+    and return the validated `RunConfig`. Every problem is a ConfigError naming its source."""
+    if isinstance(files, (str, Path)):
+        files = [files]
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    layerer = _Layerer()
+    if preset is None and not files:
+        preset = DEFAULT_PRESET
+    merged: dict[str, Any] = layerer.preset(preset) if preset is not None else {}
+    for path in files:
+        merged = deep_merge(merged, layerer.file(path))
+    for item in overrides:
+        merged = deep_merge(merged, parse_override(item))
+    return RunConfig.from_dict(merged)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def dump_toml(cfg: RunConfig) -> str:
+    """The config as TOML text; None values are left out (TOML has no null; they default)."""
+    return tomli_w.dumps(_drop_none(cfg.to_dict()))
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write `dump_toml(cfg)` atomically, so a crash never leaves a half-written config."""
+    text = dump_toml(cfg)
+    with atomic_write(path, "w") as handle:
+        handle.write(text)

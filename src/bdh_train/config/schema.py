@@ -1,0 +1,74 @@
+"""RunConfig: the sections of a run, each owned and validated by its component, and the rules
+that span sections."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bdh_train.data.config import DataConfig
+from bdh_train.distributed.planner import ParallelConfig
+from bdh_train.errors import ConfigError
+from bdh_train.model.config import BDHConfig
+from bdh_train.train.checkpoint import CheckpointConfig
+from bdh_train.train.config import TrainingConfig
+from bdh_train.train.optim import OptimizerConfig
+from bdh_train.utils import build_dataclass, suggest
+
+SECTIONS: dict[str, type] = {
+    "model": BDHConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "optimizer": OptimizerConfig,
+    "checkpoint": CheckpointConfig,
+    "parallel": ParallelConfig,
+}
+"""TOML section -> the component config that owns it."""
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs; each field is one TOML section."""
+
+    model: BDHConfig = field(default_factory=BDHConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def validate(self) -> RunConfig:
+        """Check every section, then the rules that span sections. Returns self."""
+        for name in SECTIONS:
+            getattr(self, name).validate(name)
+        tr = self.training
+        self.parallel.check_model(self.model.n_layer)
+        self.parallel.check_training(tr.batch_size, tr.tbptt_chunk_size, tr.streaming)
+        head = self.model.language_head
+        if self.data.is_generated and head.type == "nca_factorized_patch":
+            for name in ("state_count", "patch_size"):
+                if getattr(head, name) != getattr(self.data.nca, name):
+                    raise ConfigError(
+                        f"model.language_head.{name} must equal data.nca.{name} "
+                        f"({getattr(self.data.nca, name)}), got {getattr(head, name)}"
+                    )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain nested dict (None values kept; the TOML dump drops them)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], validate: bool = True) -> RunConfig:
+        """Build from a nested dict of sections; unknown sections/keys are errors."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a run configuration must be a table, got {data!r}")
+        kwargs: dict[str, Any] = {}
+        for name, value in data.items():
+            if name not in SECTIONS:
+                raise ConfigError(f"unknown section {name!r}{suggest(name, SECTIONS)}")
+            kwargs[name] = build_dataclass(SECTIONS[name], value, name)
+        cfg = cls(**kwargs)
+        return cfg.validate() if validate else cfg

@@ -1,0 +1,128 @@
+"""`[training]`: the loop's settings — block and batch shape, TBPTT and streaming, gradient
+accumulation, intervals, device and precision, gradient scales."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from bdh_train import checks
+from bdh_train.data.loaders import check_logical_length
+from bdh_train.errors import ConfigError
+from bdh_train.train.init_from import InitTransferConfig
+from bdh_train.train.schedules import GradientScale, validate_gradient_scales
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class TrainingConfig:
+    """The train loop. An interval (``*_every``) of 0 disables that action."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"module_lr_scales": "gradient_scales"}
+    """Old key -> new key: the old key is still read, with a deprecation line."""
+
+    block_size: int = 512
+    """Tokens per row of one micro-batch."""
+    batch_size: int = 32
+    """Rows per micro-batch, over all data-parallel processes together."""
+    tbptt_chunk_size: int = 0
+    """Truncated BPTT chunk length inside a block; 0 = off (backprop the whole block)."""
+    tbptt_backprop_chunks: int = 1
+    """How many consecutive chunks one backward pass spans."""
+    tbptt_persist_across_steps: bool = False
+    """Carry the recurrent state from one optimizer step's block to the next (streaming)."""
+    min_logical_block_size: int = 0
+    """Logical sequence length streamed over consecutive blocks; 0 = block_size."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step (unless target_tokens_per_step derives it)."""
+    target_tokens_per_step: int = 0
+    """Tokens per optimizer step; 0 = unset. When set, the accumulation count is derived."""
+    max_steps: int = 3000
+    """Optimizer steps of the run."""
+    seed: int = 1337
+    log_every: int = 100
+    eval_every: int = 500
+    eval_steps: int = 20
+    """Validation batches per evaluation."""
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 3
+    """How many periodic checkpoints to keep; 0 keeps all."""
+    device: str = "auto"
+    dtype: str = "float32"
+    """'float32', or 'bfloat16' autocast."""
+    compile: bool = False
+    """torch.compile the shared layer."""
+    max_consecutive_skips: int = 5
+    """Abort after this many consecutive steps skipped for non-finite loss/gradients."""
+    profile: bool = False
+    """Per-step forward/backward time and memory in metrics.jsonl."""
+    gradient_scales: list[GradientScale] = field(default_factory=list)
+    """Gradient multipliers per parameter group (not learning-rate changes)."""
+    init_transfer: InitTransferConfig = field(default_factory=InitTransferConfig)
+
+    @property
+    def logical_block_size(self) -> int:
+        """The logical sequence length (min_logical_block_size, or block_size when 0)."""
+        return self.min_logical_block_size or self.block_size
+
+    @property
+    def streaming(self) -> bool:
+        """Whether recurrent state flows across blocks (persisted or logical > block)."""
+        return self.tbptt_persist_across_steps or self.logical_block_size > self.block_size
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step, derived from target_tokens_per_step when set."""
+        if self.target_tokens_per_step:
+            return self.target_tokens_per_step // (self.block_size * self.batch_size)
+        return self.gradient_accumulation_steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.accumulation_steps * self.block_size * self.batch_size
+
+    def validate(self, prefix: str = "training") -> TrainingConfig:
+        p = prefix
+        checks.positive_int(f"{p}.block_size", self.block_size)
+        checks.positive_int(f"{p}.batch_size", self.batch_size)
+        checks.nonneg_int(f"{p}.tbptt_chunk_size", self.tbptt_chunk_size)
+        checks.positive_int(f"{p}.tbptt_backprop_chunks", self.tbptt_backprop_chunks)
+        checks.boolean(f"{p}.tbptt_persist_across_steps", self.tbptt_persist_across_steps)
+        checks.nonneg_int(f"{p}.min_logical_block_size", self.min_logical_block_size)
+        checks.positive_int(f"{p}.gradient_accumulation_steps", self.gradient_accumulation_steps)
+        checks.nonneg_int(f"{p}.target_tokens_per_step", self.target_tokens_per_step)
+        checks.positive_int(f"{p}.max_steps", self.max_steps)
+        checks.nonneg_int(f"{p}.seed", self.seed)
+        for name in ("log_every", "eval_every", "checkpoint_every"):
+            checks.interval(f"{p}.{name}", getattr(self, name))
+        checks.positive_int(f"{p}.eval_steps", self.eval_steps)
+        checks.nonneg_int(f"{p}.keep_checkpoints", self.keep_checkpoints)
+        checks.choice(f"{p}.device", self.device, DEVICES)
+        checks.choice(f"{p}.dtype", self.dtype, DTYPES)
+        checks.boolean(f"{p}.compile", self.compile)
+        checks.nonneg_int(f"{p}.max_consecutive_skips", self.max_consecutive_skips)
+        checks.boolean(f"{p}.profile", self.profile)
+
+        if self.tbptt_chunk_size and self.tbptt_chunk_size >= self.block_size:
+            raise ConfigError(
+                f"{p}.tbptt_chunk_size must be 0 (off) or less than {p}.block_size "
+                f"({self.block_size}), got {self.tbptt_chunk_size}"
+            )
+        check_logical_length(self.min_logical_block_size, self.block_size, zero_ok=True)
+        if self.target_tokens_per_step:
+            if self.gradient_accumulation_steps != 1:
+                raise ConfigError(
+                    f"set either {p}.target_tokens_per_step or "
+                    f"{p}.gradient_accumulation_steps, not both (got "
+                    f"{self.target_tokens_per_step} and {self.gradient_accumulation_steps})"
+                )
+            micro = self.block_size * self.batch_size
+            checks.multiple_of(
+                f"{p}.target_tokens_per_step", self.target_tokens_per_step, micro,
+                f"{p}.block_size * {p}.batch_size", zero_ok=False,
+            )
+        validate_gradient_scales(self.gradient_scales, f"{p}.gradient_scales")
+        self.init_transfer.validate(f"{p}.init_transfer")
+        return self

@@ -1,0 +1,55 @@
+"""Validation: the mean loss over counted targets of a fixed set of batches, and bits per byte
+where the tokens are the bytes of text. One function serves the trainer and `bdh-train eval`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from bdh_train.batch import SequenceBatch
+from bdh_train.data.loaders import eval_batches
+from bdh_train.data.sources import TokenData
+
+
+class EvalLoss(Protocol):
+    def eval_loss(self, batch: SequenceBatch) -> tuple[float, float]:
+        """(loss sum over counted targets, counted targets) of `batch`, without a graph."""
+        ...
+
+
+@dataclass
+class EvalResult:
+    val_loss: float
+    """Mean loss (nats) per counted target."""
+    tokens: int
+    """Counted targets the mean is over."""
+    bits_per_byte: float | None
+    """The loss in bits per byte of text; None when the tokens are not bytes."""
+
+    def row(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"val_loss": self.val_loss}
+        if self.bits_per_byte is not None:
+            out["bits_per_byte"] = self.bits_per_byte
+        return out
+
+
+def evaluate(
+    step: EvalLoss,
+    data: TokenData,
+    block_size: int,
+    batch_size: int,
+    max_batches: int | None,
+    device: torch.device | str = "cpu",
+) -> EvalResult:
+    """Every token after the first of the first `max_batches` eval batches, predicted once."""
+    total, count = 0.0, 0.0
+    for batch in eval_batches(data, block_size, batch_size, max_batches):
+        loss_sum, counted = step.eval_loss(batch.to(device))
+        total += loss_sum
+        count += counted
+    val_loss = total / max(count, 1.0)
+    bits = val_loss / math.log(2) if data.byte_level else None
+    return EvalResult(val_loss, int(count), bits)

@@ -1,0 +1,90 @@
+"""`[optimizer]`: AdamW with warm-up, a constant or cosine learning rate, and clipping."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from bdh_train import checks
+from bdh_train.errors import ConfigError
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with optional warmup + cosine decay and gradient-norm clipping."""
+
+    lr: float = 1e-3
+    """The base learning rate, reached at the end of warm-up."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Decoupled weight decay of matrices; vectors (norms, biases, decays) get none."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up: step s (0-based) uses lr * (s + 1) / warmup_steps."""
+    schedule: str = "constant"
+    """'constant' or 'cosine' (from lr after warm-up down to min_lr at the last step)."""
+    min_lr: float = 0.0
+    """The floor of the cosine schedule (ignored by 'constant')."""
+    grad_clip_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 = off."""
+
+    def validate(self, prefix: str = "optimizer") -> OptimizerConfig:
+        checks.number(f"{prefix}.lr", self.lr, low=0.0, low_open=True)
+        betas = self.betas
+        if (
+            not isinstance(betas, (list, tuple))
+            or len(betas) != 2
+            or not all(checks.is_number(b) and 0.0 <= b < 1.0 for b in betas)
+        ):
+            raise ConfigError(
+                f"{prefix}.betas must be a list of two numbers in [0, 1), got {betas!r}"
+            )
+        checks.number(f"{prefix}.eps", self.eps, low=0.0, low_open=True)
+        checks.number(f"{prefix}.weight_decay", self.weight_decay, low=0.0)
+        checks.nonneg_int(f"{prefix}.warmup_steps", self.warmup_steps)
+        checks.choice(f"{prefix}.schedule", self.schedule, LR_SCHEDULES)
+        checks.number(f"{prefix}.min_lr", self.min_lr, low=0.0)
+        if self.schedule == "cosine" and self.min_lr > self.lr:
+            raise ConfigError(
+                f"{prefix}.min_lr must be <= {prefix}.lr ({self.lr}) for the cosine schedule, "
+                f"got {self.min_lr}"
+            )
+        checks.number(f"{prefix}.grad_clip_norm", self.grad_clip_norm, low=0.0)
+        return self
+
+    def build(self, model: nn.Module) -> torch.optim.AdamW:
+        """AdamW over `model`: matrices decay, vectors do not."""
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        param_groups = [{"params": decay, "weight_decay": self.weight_decay}]
+        if no_decay:
+            param_groups.append({"params": no_decay, "weight_decay": 0.0})
+        return torch.optim.AdamW(param_groups, lr=self.lr, betas=tuple(self.betas), eps=self.eps)
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """The learning rate of optimizer step `step` (0-based) of `total_steps`."""
+        return learning_rate(
+            step, self.lr, self.warmup_steps, total_steps, self.schedule, self.min_lr
+        )
+
+    def clip_norm(self) -> float:
+        """The norm `clip_grad_norm_` clips to: infinite (measure only) when clipping is off."""
+        return self.grad_clip_norm if self.grad_clip_norm > 0 else math.inf
+
+
+def learning_rate(
+    step: int, base_lr: float, warmup_steps: int, total_steps: int, schedule: str, min_lr: float
+) -> float:
+    """Linear warm-up, then constant or cosine (no restarts) down to min_lr at total_steps."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return base_lr
+    span = max(total_steps - warmup_steps, 1)
+    progress = min(max(step - warmup_steps, 0) / span, 1.0)
+    return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * progress))

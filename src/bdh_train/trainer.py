@@ -1,0 +1,459 @@
+"""The trainer: builds each component from its config section, then runs the loop.
+
+The unit of work is the micro-step (one block through the step executor);
+`accumulation_steps` of them make one optimizer step. Everything that decides the next
+micro-step (weights, optimizer, loader cursor, carried state, the open accumulation window,
+RNGs, counters) is in the checkpoint, so a run stopped anywhere — even mid-window — resumes
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+from bdh_train.config import RunConfig, dump_toml, save_config
+from bdh_train.data import RandomWindowLoader, StreamingDocumentLoader
+from bdh_train.data.tokenizer import ByteTokenizer
+from bdh_train.distributed.env import DistContext
+from bdh_train.distributed.pipeline import PipelineRunner
+from bdh_train.distributed.planner import build_pipeline_plan
+from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
+from bdh_train.model import BDH
+from bdh_train.train import checkpoint as ckpt
+from bdh_train.train.accumulate import WeightedGradientAccumulator, write_to_params
+from bdh_train.train.evaluate import evaluate
+from bdh_train.train.init_from import init_weights_from
+from bdh_train.train.metrics import MetricsLog, Progress, plot_losses
+from bdh_train.train.profile import StepProfile, StepProfiler
+from bdh_train.train.reduce import all_reduce_accumulated
+from bdh_train.train.schedules import GradientScaleSchedule
+from bdh_train.train.step import LanguageTrainModel, StepExecutor
+
+CONFIG_FILE = "config.toml"
+TRAINER_FILE = "trainer.json"
+OPTIMIZER_FILE = "optimizer.pt"
+LOADER_FILE = "loader.json"
+RANKS_FILE = "ranks.pt"
+
+
+class TrainingDiverged(BDHTrainError):
+    """Too many consecutive optimizer steps with a non-finite loss or gradient."""
+
+
+@dataclass
+class RunResult:
+    step: int
+    stopped_early: bool
+    checkpoint: Path | None
+    last_val_loss: float | None
+    sample: str | None
+
+
+@dataclass
+class TrainerState:
+    """The loop's counters and the open window's loss sums, saved as trainer.json."""
+
+    step: int = 0
+    """Optimizer steps taken."""
+    micro: int = 0
+    """Micro-steps taken in the open accumulation window."""
+    tokens: int = 0
+    """Counted targets trained on, over all processes."""
+    skips: int = 0
+    """Consecutive optimizer steps skipped for a non-finite loss or gradient."""
+    window_loss: float = 0.0
+    window_count: float = 0.0
+    elapsed: float = 0.0
+    """Training seconds, summed over resumes."""
+    world_size: int = 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("world_size", 1) != self.world_size:
+            raise CheckpointError(
+                f"the checkpoint was written by {state.get('world_size')} processes; resume it "
+                f"with the same number (now {self.world_size})"
+            )
+        for name in ("step", "micro", "tokens", "skips"):
+            setattr(self, name, int(state[name]))
+        for name in ("window_loss", "window_count", "elapsed"):
+            setattr(self, name, float(state[name]))
+
+
+class RankStates:
+    """The per-process parts of a checkpoint (RNGs, carried state, the open accumulation
+    window, the gradient-scale counter), gathered from every rank into ranks.pt."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def _own(self) -> dict[str, Any]:
+        t = self.trainer
+        return {
+            "rng": ckpt.capture_rng_state(),
+            "train_step": t.executor.state_dict(),
+            "accumulator": t.accumulator.state_dict(),
+            "gradient_scales": t.gradient_scales.state_dict(),
+        }
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        dist_ctx = self.trainer.dist
+        if not dist_ctx.active:
+            return [self._own()]
+        payloads: list[Any] = [None] * dist_ctx.world_size
+        dist.all_gather_object(payloads, self._own())
+        return payloads
+
+    def load_state_dict(self, payloads: list[dict[str, Any]]) -> None:
+        t = self.trainer
+        payload = payloads[t.dist.rank]
+        t.executor.load_state_dict(payload["train_step"])
+        t.accumulator.load_state_dict(payload["accumulator"])
+        # Checkpoints of v0.1 kept the counter only inside the train-step state.
+        scales = payload.get("gradient_scales") or payload["train_step"]["gradient_scales"]
+        t.gradient_scales.load_state_dict(scales)
+        ckpt.restore_rng_state(payload["rng"])
+
+
+class ConfigText:
+    """The resolved config, written beside the weights (save only)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+
+    def state_dict(self) -> str:
+        return dump_toml(self.cfg)
+
+    def load_state_dict(self, state: str) -> None:  # the CLI reads the config itself
+        raise NotImplementedError
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise BDHTrainError(
+            "training.device='cuda' but no CUDA device is available; use 'auto' or 'cpu'"
+        )
+    return torch.device(name)
+
+
+def build_model(cfg: RunConfig, device: torch.device) -> BDH:
+    """A freshly initialised model from the run's seed."""
+    torch.manual_seed(cfg.training.seed)
+    model = BDH(cfg.model).to(device)
+    if cfg.training.compile:
+        model.compile_layers()
+    return model
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: str | Path,
+        resume: bool = False,
+        dist_ctx: DistContext | None = None,
+        stream: IO[str] | None = None,
+    ):
+        """Validate everything (config, data, checkpoint) before anything is written."""
+        self.cfg = cfg.validate()
+        t = cfg.training
+        self.run_dir = Path(run_dir)
+        self.dist = dist_ctx or DistContext()
+        self.device = self.dist.device(resolve_device(t.device).type)
+        self.accumulation_steps = t.accumulation_steps
+        self.train_data, self.val_data = cfg.data.load_splits(cfg.model.vocab_size, t.block_size)
+        self.model = build_model(cfg, self.device)
+        self.fresh_params: list[str] = []
+        if cfg.checkpoint.init_from and not resume:
+            self.fresh_params = init_weights_from(
+                self.model, t.init_transfer, cfg.checkpoint.init_from
+            )
+        self.gradient_scales = GradientScaleSchedule(
+            self.model, t.gradient_scales, t.init_transfer, t.max_steps
+        )
+        self.profiler = StepProfiler(self.device) if t.profile else None
+        self.executor, self.data_parallel = self._build_executor()
+        self.loader = self._build_loader()
+        self.optimizer = cfg.optimizer.build(self.model)
+        self.accumulator = WeightedGradientAccumulator(self.model, torch.float32)
+        self.state = TrainerState(world_size=self.dist.world_size)
+        self.checkpointer = ckpt.Checkpointer(self.run_dir, t.keep_checkpoints, self.dist.is_main)
+        self.window_profiles: list[StepProfile] = []
+        self.stop_requested = False
+        self.resumed_from = ckpt.resolve_checkpoint(self.run_dir) if resume else None
+        if self.resumed_from is not None:
+            self.checkpointer.load(self.resumed_from, self._checkpoint_parts(loading=True))
+        self.progress = Progress(t.max_steps, self.state.step, stream, enabled=self.dist.is_main)
+
+    # ------------------------------------------------------------------ construction
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.training.dtype == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _build_executor(self) -> tuple[StepExecutor, DistContext]:
+        """The step executor, and the data-parallel group its gradients are reduced over:
+        the multi-process pipeline runner already sums its gradients over the stages, and
+        every stage sees the whole batch."""
+        t, p = self.cfg.training, self.cfg.parallel
+        plan = None
+        if p.pipeline_stages > 1:
+            plan = build_pipeline_plan(
+                self.cfg.model.n_layer, p.pipeline_stages, p.virtual_stages_per_rank,
+                p.microbatches, p.schedule,
+            )
+        if plan is not None and not p.emulate:
+            if self.dist.world_size != p.pipeline_stages:
+                raise ConfigError(
+                    f"parallel.pipeline_stages={p.pipeline_stages} needs exactly that many "
+                    f"processes (torchrun --nproc-per-node {p.pipeline_stages}), got "
+                    f"{self.dist.world_size}; or set parallel.emulate=true to run the plan's "
+                    "microbatches in one process"
+                )
+            return PipelineRunner(self.model, plan, self.dist.rank), DistContext()
+        step = LanguageTrainModel(
+            self.model,
+            tbptt_chunk_size=t.tbptt_chunk_size,
+            tbptt_backprop_chunks=t.tbptt_backprop_chunks,
+            streaming=t.streaming,
+            pipeline_plan=plan,
+            gradient_scales=self.gradient_scales,
+            profiler=self.profiler,
+            autocast=self._autocast,
+        )
+        return step, self.dist
+
+    def _build_loader(self) -> RandomWindowLoader | StreamingDocumentLoader:
+        """Each data-parallel rank takes its rows of the global batch."""
+        t, dp = self.cfg.training, self.data_parallel
+        if t.streaming:
+            return StreamingDocumentLoader(
+                self.train_data, t.block_size, t.batch_size, t.logical_block_size, t.seed,
+                dp.rank, dp.world_size,
+            )
+        return RandomWindowLoader(
+            self.train_data, t.block_size, t.batch_size, t.seed, dp.rank, dp.world_size,
+            accumulation_steps=self.accumulation_steps,
+        )
+
+    def _checkpoint_parts(self, loading: bool = False) -> dict[str, ckpt.Stateful]:
+        """File -> stateful part; loaded in this order (trainer.json first: it checks the
+        process count before anything else is touched)."""
+        parts: dict[str, ckpt.Stateful] = {
+            TRAINER_FILE: self.state,
+            ckpt.MODEL_FILE: ckpt.ModelWeights(self.model, self._model_metadata),
+            OPTIMIZER_FILE: self.optimizer,
+            LOADER_FILE: self.loader,
+            RANKS_FILE: RankStates(self),
+        }
+        if not loading:
+            parts[CONFIG_FILE] = ConfigText(self.cfg)
+        return parts
+
+    def _model_metadata(self) -> dict[str, str]:
+        return {"bdh_config": json.dumps(self.cfg.model.to_dict()), "step": str(self.state.step)}
+
+    def request_stop(self) -> None:
+        """Checkpoint at the next micro-step boundary and return (SIGTERM, preemption)."""
+        self.stop_requested = True
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, stop_after_micro_steps: int | None = None) -> RunResult:
+        t, s = self.cfg.training, self.state
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.cfg, self.run_dir / CONFIG_FILE)
+        resume_step = s.step if self.resumed_from is not None else None
+        self.metrics = MetricsLog(self.run_dir, resume_step, enabled=self.dist.is_main)
+        if self.resumed_from is not None:
+            self.progress.log(
+                f"resumed from {self.resumed_from} at step {s.step}"
+                f" (micro-step {s.micro} of {self.accumulation_steps})"
+            )
+        micro_done = 0
+        last_val: float | None = None
+        started = time.perf_counter() - s.elapsed
+        last_log_time, last_log_tokens = time.perf_counter(), s.tokens
+        checkpoint: Path | None = None
+        while s.step < t.max_steps:
+            if self.stop_requested or (
+                stop_after_micro_steps is not None and micro_done >= stop_after_micro_steps
+            ):
+                s.elapsed = time.perf_counter() - started
+                checkpoint = self.save_checkpoint()
+                self.progress.log(
+                    f"stopped at step {s.step} (+{s.micro} micro-steps); checkpoint "
+                    f"{checkpoint}; continue with: bdh-train train --resume {self.run_dir}"
+                )
+                self.progress.close()
+                return RunResult(s.step, True, checkpoint, last_val, None)
+            self._micro_step()
+            micro_done += 1
+            if s.micro < self.accumulation_steps:
+                continue
+            row = self._optimizer_step()
+            s.elapsed = time.perf_counter() - started
+            log_row = None
+            if t.log_every and (s.step % t.log_every == 0 or s.step == t.max_steps):
+                now = time.perf_counter()
+                row["tokens_per_s"] = (s.tokens - last_log_tokens) / max(now - last_log_time, 1e-9)
+                row["elapsed_s"] = s.elapsed
+                last_log_time, last_log_tokens = now, s.tokens
+                self.metrics.write(row)
+                log_row = row
+            self.progress.update(s.step, log_row)
+            if t.eval_every and (s.step % t.eval_every == 0 or s.step == t.max_steps):
+                last_val = self.evaluate()
+            if t.checkpoint_every and (s.step % t.checkpoint_every == 0 or s.step == t.max_steps):
+                checkpoint = self.save_checkpoint()
+        self.progress.close()
+        if self.profiler is not None:
+            self.progress.log(self.profiler.summary())
+        if self.dist.is_main and t.log_every:
+            plot_losses(self.run_dir)
+        sample = self.sample() if self.dist.is_main else None
+        return RunResult(s.step, False, checkpoint, last_val, sample)
+
+    def _micro_step(self) -> None:
+        s = self.state
+        batch = self.loader.next_batch().to(self.device)
+        self.model.zero_grad(set_to_none=True)
+        self.model.set_quant_step(s.step)  # the BitNet warm-up lambda follows the step
+        out = self.executor.compute_gradients(batch)
+        if "profile" in out.stats:
+            self.window_profiles.append(out.stats["profile"])
+        self.accumulator.accumulate_mean(None, weight=out.counted)
+        s.window_loss += float(out.loss) * out.counted
+        s.window_count += out.counted
+        s.micro += 1
+
+    def _reduce_window(self) -> tuple[dict[str, torch.Tensor], float, float]:
+        """The window's exact token-weighted gradients and (loss sum, count), over every
+        data-parallel rank."""
+        s = self.state
+        if not self.data_parallel.active:
+            return self.accumulator.finish_mean().gradients, s.window_loss, s.window_count
+        grads = all_reduce_accumulated(
+            self.accumulator.finish_sums(), self.model.named_parameters()
+        )
+        totals = torch.tensor([s.window_loss, s.window_count], dtype=torch.float64)
+        dist.all_reduce(totals)
+        loss_sum, count = totals.tolist()
+        return grads, loss_sum, count
+
+    def _optimizer_step(self) -> dict[str, Any]:
+        """Close the window: reduce, schedule, clip, step (or skip a non-finite step)."""
+        s, o = self.state, self.cfg.optimizer
+        grads, loss_sum, count = self._reduce_window()
+        write_to_params(grads, self.model)
+        self.gradient_scales.apply_(list(self.model.named_parameters()))
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.clip_norm()))
+        loss = loss_sum / max(count, 1.0)
+        lr = o.lr_at(s.step, self.cfg.training.max_steps)
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            s.skips = 0
+        else:
+            self._skip_step(loss, grad_norm)
+        self.model.zero_grad(set_to_none=True)
+        s.step += 1
+        s.micro = 0
+        s.tokens += int(count)
+        s.window_loss = s.window_count = 0.0
+        row = {"step": s.step, "tokens": s.tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm}
+        if self.window_profiles:  # training.profile: this window's time and memory
+            row |= self._profile_row()
+        return row
+
+    def _skip_step(self, loss: float, grad_norm: float) -> None:
+        s, limit = self.state, self.cfg.training.max_consecutive_skips
+        s.skips += 1
+        self.progress.log(
+            f"step {s.step + 1}: non-finite loss {loss} or gradient norm {grad_norm}; step "
+            f"skipped ({s.skips} in a row)"
+        )
+        if s.skips > limit:
+            raise TrainingDiverged(
+                f"{s.skips} consecutive steps had a non-finite loss or gradient "
+                f"(training.max_consecutive_skips = {limit}); stopping. The last good "
+                f"checkpoint in {self.run_dir / ckpt.CHECKPOINTS} is intact: lower "
+                "optimizer.lr or set optimizer.grad_clip_norm and resume"
+            )
+
+    def _profile_row(self) -> dict[str, float]:
+        mib = 1024 * 1024
+        p, self.window_profiles = self.window_profiles, []
+        return {
+            "forward_s": sum(x.forward_s for x in p),
+            "backward_s": sum(x.backward_s for x in p),
+            "mem_before_mib": p[0].memory_before / mib,
+            "mem_after_forward_mib": max(x.memory_after_forward for x in p) / mib,
+            "mem_after_backward_mib": p[-1].memory_after_backward / mib,
+        }
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> float | None:
+        """Mean validation loss over counted tokens (and bits per byte for byte data)."""
+        if self.val_data is None:
+            return None
+        t = self.cfg.training
+        result = evaluate(
+            self.executor, self.val_data, t.block_size, t.batch_size, t.eval_steps, self.device
+        )
+        self.metrics.write({"step": self.state.step, **result.row()})
+        bits = result.bits_per_byte
+        self.progress.log(
+            f"step {self.state.step:>6} | val_loss {result.val_loss:.4f}"
+            + (f" | {bits:.3f} bits/byte" if bits is not None else "")
+        )
+        return result.val_loss
+
+    def sample(self, max_new_tokens: int = 200) -> str | None:
+        """Continue the first 32 validation bytes; only for byte-level token models."""
+        source = self.val_data if self.val_data is not None else self.train_data
+        model = self.cfg.model
+        byte_model = model.language_head.type == "token" and model.vocab_size == 256
+        if not (byte_model and source.byte_level):
+            return None
+        prompt = torch.as_tensor(source.tokens[:32].astype("int64"), device=self.device)
+        self.model.eval()
+        out = self.model.generate(
+            prompt,
+            max_new_tokens,
+            temperature=0.8,
+            top_k=50,
+            generator=torch.Generator(self.device).manual_seed(0),
+        )
+        self.model.train()
+        tok = ByteTokenizer()
+        text = tok.decode(out[32:].tolist())
+        self.progress.log(
+            f"--- sample (prompt: {tok.decode(out[:32].tolist())!r}) ---\n{text}\n---"
+        )
+        return text
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, before_rename: Callable[[Path], None] | None = None) -> Path:
+        s = self.state
+        path = self.checkpointer.save(
+            ckpt.checkpoint_name(s.step, s.micro), self._checkpoint_parts(), before_rename
+        )
+        self.dist.barrier()
+        return path if path is not None else self.run_dir / ckpt.CHECKPOINTS

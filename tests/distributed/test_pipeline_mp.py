@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import tiny_model
+from helpers import tiny_model
 
 from bdh_train.distributed.pipeline import (
     BDHStage,

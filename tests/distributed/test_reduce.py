@@ -4,7 +4,6 @@ counts must give exactly the single-process gradient of the global mean loss."""
 from __future__ import annotations
 
 import datetime
-import math
 import time
 import traceback
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import assert_close
 from torch import nn
 
 from bdh_train.distributed.reduce import (
@@ -105,15 +105,6 @@ def reference(case: str) -> dict[str, torch.Tensor]:
     return dict(zip(names, grads, strict=True))
 
 
-def assert_rel_close(actual: dict, expected: dict, rtol: float, what: str) -> None:
-    """Relative error in the 2-norm of the whole gradient (all parameters concatenated)."""
-    assert actual.keys() == expected.keys(), what
-    err_sq = sum(((actual[n] - e) ** 2).sum() for n, e in expected.items())
-    ref_sq = sum((e**2).sum() for e in expected.values())
-    err = math.sqrt(err_sq / ref_sq)
-    assert err <= rtol, f"{what}: norm-relative error {err:.3e} exceeds tolerance {rtol:g}"
-
-
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     """One rank: run every case in one process group, write outcomes for the parent."""
     outcome: dict[str, Any] = {}
@@ -179,7 +170,7 @@ def test_ddp_equals_single_process_gradient(ddp_outcomes: list[dict], case: str)
         got = outcome[case]
         assert isinstance(got, dict), f"rank {rank}: {got}"
         assert "unused" not in got, "a parameter no rank produced must stay absent"
-        assert_rel_close(got, expected, 1e-12, f"{case} rank {rank} (float64, rtol 1e-12)")
+        assert_close(got, expected, rtol=1e-12, msg=f"{case} rank {rank}")
     for name in expected:
         assert torch.equal(ddp_outcomes[0][case][name], ddp_outcomes[1][case][name])
 
@@ -205,7 +196,7 @@ def test_without_process_group_it_is_the_single_process_finish() -> None:
         acc.accumulate_sum(rank_sums.gradients, weight=rank_sums.state.total_weight)
     merged = acc.finish_sums()
     out = all_reduce_accumulated(merged, model)
-    assert_rel_close(out, reference("unequal"), 1e-12, "no process group (float64, rtol 1e-12)")
+    assert_close(out, reference("unequal"), rtol=1e-12, msg="no process group")
     empty = AccumulatedGradients({}, WeightedAccumulationState(torch.float64, 1.0, 0.0, 3))
     with pytest.raises(EmptyWeightError) as info:
         all_reduce_accumulated(empty, model)

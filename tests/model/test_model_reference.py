@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 
 def spec_reference(

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from bdh_train.errors import ConfigError
 from bdh_train.export import export_ternary, load_ternary, pack_ternary, unpack_ternary

@@ -1,15 +1,23 @@
-"""The tests' toolbox: tiny models and one closeness check.
+"""The tests' toolbox: tiny models, one closeness check, one multi-process launcher.
 
 Importable as `helpers` from every test (pyproject's pytest `pythonpath` puts tests/ on
-sys.path).
+sys.path, and spawned worker processes inherit that path).
 """
 
 from __future__ import annotations
 
+import datetime
 import math
-from collections.abc import Mapping
+import os
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from bdh_train.model import BDH, BDHConfig
 
@@ -70,3 +78,77 @@ def assert_close(
         f"{msg}: norm-relative error {rel:.3e} (absolute {diff:.3e}) exceeds "
         f"rtol={rtol:g}, atol={atol:g}"
     )
+
+
+# ------------------------------------------------------------------ multi-process launcher
+def _worker(
+    rank: int,
+    fn: Callable[..., Any],
+    world: int,
+    out_dir: str,
+    timeout: float,
+    args: tuple[Any, ...],
+) -> None:
+    """One process: join the gloo group, run fn, save its result (or traceback) to a file."""
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{out / 'store'}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        result = fn(rank, world, *args)
+        torch.save(result, out / f"rank{rank}.pt")
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_multiprocess(
+    fn: Callable[..., Any],
+    out_dir: Path,
+    *args: Any,
+    world: int = 2,
+    timeout: float = 45.0,
+) -> list[Any]:
+    """Run fn(rank, world, *args) in `world` spawned processes joined in one gloo group (one
+    CPU thread each); return fn's results by rank.
+
+    fn and args must be picklable (a module-level function of a test file is). out_dir must
+    be empty or new: it holds the group's file store, each rank's pid, result and traceback.
+    A worker that raises fails the call with its traceback; a hang fails it with TimeoutError
+    within `timeout` seconds. Either way the survivors are terminated, then killed, so no
+    process outlives the call.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.start_processes(
+        _worker,
+        args=(fn, world, str(out_dir), timeout, args),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                errors = [p.read_text() for p in sorted(out_dir.glob("rank*.err"))]
+                raise TimeoutError(
+                    f"workers did not finish within {timeout:.0f} s\n" + "\n".join(errors)
+                )
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -3,18 +3,12 @@ counts must give exactly the single-process gradient of the global mean loss."""
 
 from __future__ import annotations
 
-import datetime
-import time
-import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import assert_close, run_multiprocess
 from torch import nn
 
 from bdh_train.distributed.reduce import (
@@ -105,61 +99,31 @@ def reference(case: str) -> dict[str, torch.Tensor]:
     return dict(zip(names, grads, strict=True))
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    """One rank: run every case in one process group, write outcomes for the parent."""
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    """One rank: run every case in one process group, return the outcomes to the parent."""
     outcome: dict[str, Any] = {}
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    try:
-        for case, (loss_scale, _, _) in CASES.items():
-            result = local_sums(case, rank, TinyMLP(), loss_scale)
-            assert_same_window_settings(result)
-            try:
-                outcome[case] = all_reduce_accumulated(result, TinyMLP())
-            except EmptyWeightError as exc:
-                outcome[case] = f"{type(exc).__name__}: {exc}"
-        # Ranks that disagree on the loss scale are told so, on every rank.
-        skewed = AccumulatedGradients({}, WeightedAccumulationState(torch.float64, 1.0 + rank))
+    for case, (loss_scale, _, _) in CASES.items():
+        result = local_sums(case, rank, TinyMLP(), loss_scale)
+        assert_same_window_settings(result)
         try:
-            assert_same_window_settings(skewed)
-            outcome["skewed"] = "not detected"
-        except GradientError as exc:
-            outcome["skewed"] = f"{type(exc).__name__}: {exc}"
-    except BaseException:
-        outcome["error"] = traceback.format_exc()
-        raise
-    finally:
-        torch.save(outcome, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
+            outcome[case] = all_reduce_accumulated(result, TinyMLP())
+        except EmptyWeightError as exc:
+            outcome[case] = f"{type(exc).__name__}: {exc}"
+    # Ranks that disagree on the loss scale are told so, on every rank.
+    skewed = AccumulatedGradients({}, WeightedAccumulationState(torch.float64, 1.0 + rank))
+    try:
+        assert_same_window_settings(skewed)
+        outcome["skewed"] = "not detected"
+    except GradientError as exc:
+        outcome["skewed"] = f"{type(exc).__name__}: {exc}"
+    return outcome
 
 
 @pytest.fixture(scope="module")
 def ddp_outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Spawn WORLD gloo ranks once for all cases; kill them if they outlive the timeout."""
+    """WORLD gloo ranks, spawned once for all cases."""
     tmp = tmp_path_factory.mktemp("ddp")
-    ctx = mp.start_processes(
-        _worker,
-        args=(str(tmp / "init"), str(tmp)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"distributed workers did not finish within {SPAWN_TIMEOUT_S} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_multiprocess(_worker, tmp, world=WORLD, timeout=SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.multiprocess

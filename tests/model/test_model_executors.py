@@ -6,10 +6,7 @@ import pytest
 import torch
 from helpers import assert_close, tiny_model
 
-from bdh_train.model.mixer import choose_executor
-
-EXECUTORS = ("dense", "chunked", "recurrent")
-
+from bdh_train.model.mixer import EXECUTORS, choose_executor, linear_attention
 
 
 def run(model, idx, targets, executor, chunk_size, warm_state):
@@ -37,7 +34,7 @@ def test_executors_agree_fp32(position, warm_state, chunk_size):
     idx = torch.randint(0, 32, (2, seq_len))
     targets = torch.randint(0, 32, (2, seq_len))
     ref = run(model, idx, targets, "dense", chunk_size, warm_state)
-    for executor in ("chunked", "recurrent"):
+    for executor in (e for e in EXECUTORS if e != "dense"):
         got = run(model, idx, targets, executor, chunk_size, warm_state)
         assert_close(got[0], ref[0], rtol=1e-5, msg=f"{executor} hidden")
         assert abs(got[1] - ref[1]) / ref[1] < 1e-5, f"{executor} loss differs"
@@ -67,9 +64,7 @@ def test_auto_cost_model_picks_dense_short_chunked_long():
 
 
 def test_unknown_executor_is_rejected():
-    from bdh_train.model.mixer import linear_attention
-
     q = torch.zeros(1, 1, 2, 4)
     v = torch.zeros(1, 1, 2, 3)
     with pytest.raises(ValueError, match="unknown executor 'fast'"):
-        linear_attention(q, v, None, None, "fast", 4)
+        linear_attention(q, v, executor="fast", chunk_size=4)

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bdh_train.errors import ConfigError
+from bdh_train.model import mixer
 
 POSITIONS = ("rope", "alibi")
 NORMS = ("layernorm", "layernorm_affine")
-EXECUTORS = ("auto", "dense", "chunked", "recurrent")
+EXECUTORS = ("auto", *mixer.EXECUTORS)
 WEIGHT_FORMATS = ("ternary158", "ternary_threshold", "int8")
 ACT_FORMATS = ("int8", "int8_tensor_mean")
 QUANT_TARGETS = ("decoder_x", "decoder_y", "encoder")

@@ -10,7 +10,7 @@ of the fresh process, and that peak minus the RSS right after setup).
 
 Executors: "naive" is the official implementation's plain masked dense form,
     scores = q @ q.transpose(-1, -2); scores = scores.tril(diagonal=-1); out = scores @ v
-patched in for mixer.dense_attention inside its own subprocess, so everything else (rope,
+patched in as mixer's "dense" executor inside its own subprocess, so everything else (rope,
 norms, projections, loss, optimizer) is the same code; "dense" is mixer.dense_attention
 (in-place tril_), "chunked/C" is mixer.chunked_attention with chunk C, and "auto" is whatever
 mixer.choose_executor picks with BDHConfig's default chunk_size (256 since commit e6a9e98,
@@ -191,16 +191,20 @@ def estimate_macs(config: str, seq_len: int, name: str) -> float:
 
 
 # --------------------------------------------------------------------- worker
-def naive_dense_attention(q, v, rho, log_decay=None, need_state=True):
+def naive_dense_attention(
+    q, v, *, initial_state=None, log_decay=None, chunk_size=None, output_final_state=True
+):
     """The official implementation's masked dense form (no state, no decay: full backprop)."""
-    if rho is not None or log_decay is not None or need_state:
+    if initial_state is not None or log_decay is not None or output_final_state:
         raise RuntimeError("the naive baseline covers stateless full-sequence training only")
     scores = q @ q.transpose(-1, -2)
     scores = scores.tril(diagonal=-1)
     return scores @ v, None
 
 
-def split_chunked_attention(q, v, rho, log_decay=None, chunk_size=64, need_state=True):
+def split_chunked_attention(
+    q, v, *, initial_state=None, log_decay=None, chunk_size=64, output_final_state=True
+):
     """mixer.chunked_attention with its chunks cut by torch.split instead of slicing.
 
     A diagnostic variant ("chunked-split/C"), not the repo's executor: the same chunk loop
@@ -212,12 +216,19 @@ def split_chunked_attention(q, v, rho, log_decay=None, chunk_size=64, need_state
 
     from bdh_train.model import mixer
 
+    rho = initial_state
     q_chunks = torch.split(q, chunk_size, dim=2)
     v_chunks = torch.split(v, chunk_size, dim=2)
     outs = []
     for i, (q_c, v_c) in enumerate(zip(q_chunks, v_chunks, strict=True)):
         last = i == len(q_chunks) - 1
-        out, rho = mixer.dense_attention(q_c, v_c, rho, log_decay, need_state or not last)
+        out, rho = mixer.dense_attention(
+            q_c,
+            v_c,
+            initial_state=rho,
+            log_decay=log_decay,
+            output_final_state=output_final_state or not last,
+        )
         outs.append(out)
     return torch.cat(outs, dim=2), rho
 
@@ -233,10 +244,10 @@ def worker(spec: dict[str, Any]) -> None:
     torch.manual_seed(0)
     ex, chunk, batch_size = parse_executor(spec["executor"])
     if ex == "naive":
-        mixer.dense_attention = naive_dense_attention
+        mixer.EXECUTOR_FUNCTIONS["dense"] = naive_dense_attention
         ex = "dense"
     elif ex == "chunked-split":
-        mixer.chunked_attention = split_chunked_attention
+        mixer.EXECUTOR_FUNCTIONS["chunked"] = split_chunked_attention
         ex = "chunked"
     config = BDHConfig(
         **CONFIGS[spec["config"]], vocab_size=256, dropout=0.0, executor=ex, chunk_size=chunk

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_close
 from safetensors.torch import load_file
 
 from bdh_train.config import load_config
@@ -181,8 +182,7 @@ def train_one_and_two_processes(tmp_path: Path, overrides: list[str], two_only: 
 def assert_same_parameters(one: Path, two: Path) -> None:
     a, b = params(one), params(two)
     for name in a:
-        err = ((a[name] - b[name]).norm() / a[name].norm()).item()
-        assert err < 1e-5, f"{name}: relative difference {err:.2e} (tol 1e-5)"
+        assert_close(b[name], a[name], rtol=1e-5, msg=name)
 
 
 @pytest.mark.multiprocess
@@ -255,7 +255,7 @@ def test_emulated_pipeline_trains_in_one_process(tmp_path):
     Trainer(reference, tmp_path / "ref", stream=io.StringIO()).run()
     a, b = params(tmp_path / "emu"), params(tmp_path / "ref")
     for name in a:
-        assert ((a[name] - b[name]).norm() / b[name].norm()).item() < 1e-5, name
+        assert_close(a[name], b[name], rtol=1e-5, msg=name)
 
 
 def test_nca_data_with_factorized_head_trains(tmp_path):
@@ -304,7 +304,7 @@ def test_compiled_layers_train_like_eager(tmp_path):
     rows, compiled = _first_loss_and_params(tmp_path / "compiled", ["training.compile=true"])
     assert abs(rows[0]["loss"] - eager_rows[0]["loss"]) < 1e-5 * eager_rows[0]["loss"]
     for name, p in compiled.items():
-        assert ((p - eager[name]).norm() / eager[name].norm()).item() < 1e-5, name
+        assert_close(p, eager[name], rtol=1e-5, msg=name)
 
 
 def test_bfloat16_autocast_trains_with_float32_master_weights(tmp_path):
@@ -341,7 +341,7 @@ def test_init_from_loads_weights_only_and_honours_preserve_fresh(tmp_path):
 
 
 def test_init_from_an_official_checkpoint(tmp_path):
-    from official_bdh import official_frequencies_buffer
+    from helpers import official_frequencies_buffer
 
     path = tmp_path / "official.pt"
     g = torch.Generator().manual_seed(0)

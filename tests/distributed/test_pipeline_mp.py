@@ -5,19 +5,13 @@ the optimizer steps of the single-process run, and every rank's replica must sta
 from __future__ import annotations
 
 import datetime
-import os
-import socket
-import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import tiny_model
+from helpers import run_multiprocess, tiny_model
 
 from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.distributed.pipeline import (
@@ -34,83 +28,6 @@ BATCH, BLOCK = 8, 6
 STEPS = 3
 JOIN_TIMEOUT_S = 45.0
 LR = 1e-2
-
-
-# ------------------------------------------------------------------ multi-process helper
-def _free_port() -> int:
-    """A port the OS just handed out; the race until gloo binds it is acceptable in tests."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _worker(
-    rank: int,
-    fn: Callable[..., Any],
-    world: int,
-    port: int,
-    out_dir: str,
-    args: tuple[Any, ...],
-) -> None:
-    """One process: join the gloo group, run fn, save its result (or traceback) to a file."""
-    torch.set_num_threads(1)
-    out = Path(out_dir)
-    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
-        )
-        result = fn(rank, world, *args)
-        torch.save(result, out / f"rank{rank}.pt")
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_multiprocess(
-    fn: Callable[..., Any],
-    out_dir: Path,
-    *args: Any,
-    world: int = WORLD,
-    timeout: float = JOIN_TIMEOUT_S,
-) -> list[Any]:
-    """Run fn(rank, world, *args) in `world` spawned gloo processes; return results by rank.
-
-    A hung or failed worker fails the test within `timeout`: the survivors are terminated,
-    then killed, so no process outlives the test.
-    """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(
-        _worker,
-        args=(fn, world, _free_port(), str(out_dir), args),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                errors = [p.read_text() for p in sorted(out_dir.glob("rank*.err"))]
-                raise TimeoutError(
-                    f"pipeline workers did not finish within {timeout:.0f} s\n" + "\n".join(errors)
-                )
-    finally:
-        for process in ctx.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-            if process.is_alive():
-                process.kill()
-                process.join(5)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 # ------------------------------------------------------------------ shared data
@@ -190,7 +107,9 @@ def _train_worker(rank: int, world: int, schedule: str, virtual: int) -> dict[st
 )
 def test_pipeline_matches_single_process(schedule: str, virtual: int, tmp_path: Path) -> None:
     """Pipelined AdamW steps equal the single-process ones; replicas stay bit-identical."""
-    results = run_multiprocess(_train_worker, tmp_path, schedule, virtual)
+    results = run_multiprocess(
+        _train_worker, tmp_path, schedule, virtual, world=WORLD, timeout=JOIN_TIMEOUT_S
+    )
     ref = _reference_run()
     plan = build_pipeline_plan(N_LAYER, WORLD, virtual, MICROBATCHES, schedule)
     for rank, result in enumerate(results):
@@ -229,28 +148,9 @@ def _mismatch_worker(rank: int, world: int) -> str:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_ranks_with_different_batches_refuse_together(tmp_path: Path) -> None:
-    messages = run_multiprocess(_mismatch_worker, tmp_path)
+    messages = run_multiprocess(_mismatch_worker, tmp_path, world=WORLD, timeout=JOIN_TIMEOUT_S)
     for message in messages:
         assert "every rank of a pipeline must pass the same batch" in message
-
-
-def _hang_worker(rank: int, world: int) -> None:
-    """Rank 0 never reaches the barrier: the shape of a pipeline deadlock."""
-    if rank == 0:
-        time.sleep(600)
-    dist.barrier()
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(90)
-def test_helper_fails_fast_on_a_hang_and_leaves_no_process(tmp_path: Path) -> None:
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match="did not finish"):
-        run_multiprocess(_hang_worker, tmp_path, timeout=5.0)
-    assert time.monotonic() - start < 30
-    for pid_file in tmp_path.glob("rank*.pid"):
-        with pytest.raises(ProcessLookupError):
-            os.kill(int(pid_file.read_text()), 0)
 
 
 # ------------------------------------------------------------------ in-process tests

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import assert_close, tiny_model
 
-from bdh_train.model.mixer import choose_executor
-
-EXECUTORS = ("dense", "chunked", "recurrent")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+from bdh_train.model.mixer import EXECUTORS, choose_executor, linear_attention
 
 
 def run(model, idx, targets, executor, chunk_size, warm_state):
@@ -40,14 +34,14 @@ def test_executors_agree_fp32(position, warm_state, chunk_size):
     idx = torch.randint(0, 32, (2, seq_len))
     targets = torch.randint(0, 32, (2, seq_len))
     ref = run(model, idx, targets, "dense", chunk_size, warm_state)
-    for executor in ("chunked", "recurrent"):
+    for executor in (e for e in EXECUTORS if e != "dense"):
         got = run(model, idx, targets, executor, chunk_size, warm_state)
-        assert rel_err(got[0], ref[0]) < 1e-5, f"{executor} hidden differs (fp32 tol 1e-5)"
+        assert_close(got[0], ref[0], rtol=1e-5, msg=f"{executor} hidden")
         assert abs(got[1] - ref[1]) / ref[1] < 1e-5, f"{executor} loss differs"
         for r_got, r_ref in zip(got[2], ref[2], strict=True):
-            assert rel_err(r_got, r_ref) < 1e-5, f"{executor} final rho differs"
+            assert_close(r_got, r_ref, rtol=1e-5, msg=f"{executor} final rho")
         for name, g in got[3].items():
-            assert rel_err(g, ref[3][name]) < 1e-4, f"{executor} grad of {name} (tol 1e-4)"
+            assert_close(g, ref[3][name], rtol=1e-4, msg=f"{executor} grad of {name}")
 
 
 def test_chunk_size_dividing_t_exactly():
@@ -56,9 +50,9 @@ def test_chunk_size_dividing_t_exactly():
     targets = torch.randint(0, 32, (3, 16))
     ref = run(model, idx, targets, "dense", 4, True)
     got = run(model, idx, targets, "chunked", 4, True)
-    assert rel_err(got[0], ref[0]) < 1e-5
+    assert_close(got[0], ref[0], rtol=1e-5)
     for name, g in got[3].items():
-        assert rel_err(g, ref[3][name]) < 1e-4, name
+        assert_close(g, ref[3][name], rtol=1e-4, msg=name)
 
 
 def test_auto_cost_model_picks_dense_short_chunked_long():
@@ -70,9 +64,7 @@ def test_auto_cost_model_picks_dense_short_chunked_long():
 
 
 def test_unknown_executor_is_rejected():
-    from bdh_train.model.mixer import linear_attention
-
     q = torch.zeros(1, 1, 2, 4)
     v = torch.zeros(1, 1, 2, 3)
     with pytest.raises(ValueError, match="unknown executor 'fast'"):
-        linear_attention(q, v, None, None, "fast", 4)
+        linear_attention(q, v, executor="fast", chunk_size=4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from official_bdh import official_frequencies_buffer
+from helpers import official_frequencies_buffer
 from test_model_reference import spec_reference
 
 from bdh_train.errors import CheckpointError

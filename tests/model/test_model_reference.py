@@ -7,7 +7,9 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
+
+from bdh_train.model.mixer import EXECUTORS
 
 
 def spec_reference(
@@ -57,7 +59,7 @@ def spec_reference(
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi"])
-@pytest.mark.parametrize("executor", ["dense", "chunked", "recurrent"])
+@pytest.mark.parametrize("executor", EXECUTORS)
 def test_model_matches_spec_reference_fp64(position, executor):
     model = tiny_model(torch.float64, position=position, executor=executor, chunk_size=3)
     weights = {k: v.detach() for k, v in model.state_dict().items()}

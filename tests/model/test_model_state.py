@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import assert_close, tiny_model
 
 from bdh_train.errors import CheckpointError
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi"])
@@ -30,10 +26,10 @@ def test_split_calls_equal_one_call(position, splits, executor):
         pieces.append(model.forward_hidden(idx[:, start : start + size], state))
         start += size
     hidden = torch.cat(pieces, dim=1)
-    assert rel_err(hidden, full_hidden) < 1e-5
+    assert_close(hidden, full_hidden, rtol=1e-5)
     assert abs(model.loss_from_hidden(hidden, targets) - full_loss) / full_loss < 1e-5
     for r, r_full in zip(state.rho, full_state.rho, strict=True):
-        assert rel_err(r, r_full) < 1e-5
+        assert_close(r, r_full, rtol=1e-5)
     assert state.position.tolist() == [16, 16]
 
 
@@ -54,8 +50,8 @@ def test_rows_at_different_positions():
     solo = model.init_state(1)
     expected_row0 = model.forward_hidden(torch.cat([prefix, chunk[:1]], dim=1), solo)[:, 5:]
     expected_row1 = model.forward_hidden(chunk[1:])
-    assert rel_err(both[:1], expected_row0) < 1e-5
-    assert rel_err(both[1:], expected_row1) < 1e-5
+    assert_close(both[:1], expected_row0, rtol=1e-5)
+    assert_close(both[1:], expected_row1, rtol=1e-5)
 
 
 def test_detach_cuts_graph_and_keeps_values():

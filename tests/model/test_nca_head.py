@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from bdh_train.batch import IGNORE_INDEX
 from bdh_train.errors import ConfigError

@@ -7,12 +7,13 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from bdh_train.errors import ConfigError
 from bdh_train.export import export_ternary, load_ternary, pack_ternary, unpack_ternary
 from bdh_train.model import BDH, BDHConfig, QuantConfig
 from bdh_train.model.matmul import per_head_matmul
+from bdh_train.model.mixer import EXECUTORS
 from bdh_train.model.quant import (
     fake_quant_activation,
     fake_quant_weight,
@@ -324,7 +325,7 @@ def test_warmup_zero_is_exactly_float_in_every_mode(mode):
         assert torch.equal(a.grad, b.grad)
 
 
-@pytest.mark.parametrize("executor", ["chunked", "recurrent"])
+@pytest.mark.parametrize("executor", [e for e in EXECUTORS if e != "dense"])
 def test_per_token_quantization_keeps_executors_equal(executor):
     model = qmodel(torch.float64)
     idx = torch.randint(0, 32, (2, 11))

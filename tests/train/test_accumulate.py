@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -107,19 +108,6 @@ def run_window(
     return acc.finish_mean()
 
 
-def assert_rel_close(actual: dict, expected: dict, rtol: float, what: str) -> None:
-    """Relative error in the 2-norm of the whole gradient (all parameters concatenated).
-
-    Per-element (or per-small-tensor) relative error is dominated by cancellation in tiny
-    entries, which says nothing about the accumulator; the whole-gradient norm does.
-    """
-    assert actual.keys() == expected.keys(), what
-    err_sq = sum(((actual[n].double() - e.double()) ** 2).sum() for n, e in expected.items())
-    ref_sq = sum((e.double() ** 2).sum() for e in expected.values())
-    err = math.sqrt(err_sq / ref_sq)
-    assert err <= rtol, f"{what}: norm-relative error {err:.3e} exceeds tolerance {rtol:g}"
-
-
 def assert_unchanged(acc: WeightedGradientAccumulator, before: dict[str, Any]) -> None:
     after = acc.state_dict()
     assert after["state"] == before["state"]
@@ -178,11 +166,11 @@ def test_window_equals_mean_over_concatenated_batch(
     assert result.state.total_weight == sum(sizes)
     assert result.state.microbatches == len(sizes)
     assert all(g.dtype == dtype for g in result.gradients.values())
-    assert_rel_close(result.gradients, expected, rtol, f"{mode} {sizes} (rtol {rtol:g})")
+    assert_close(result.gradients, expected, rtol=rtol, msg=f"{mode} {sizes}")
 
     scaled = run_window(model, batches, mode, dtype, loss_scale=1024.0)
     assert scaled.state.loss_scale == 1024.0
-    assert_rel_close(scaled.gradients, expected, rtol, f"{mode} x1024 {sizes} (rtol {rtol:g})")
+    assert_close(scaled.gradients, expected, rtol=rtol, msg=f"{mode} x1024 {sizes}")
 
 
 def test_float32_work_dtype_for_float64_gradients_and_low_precision_params() -> None:
@@ -195,7 +183,7 @@ def test_float32_work_dtype_for_float64_gradients_and_low_precision_params() -> 
         acc.accumulate_mean(grads_of(model, F.cross_entropy(model(bx), by)), weight=len(by))
     result = acc.finish_mean()
     assert all(g.dtype == torch.float32 for g in result.gradients.values())
-    assert_rel_close(result.gradients, expected, 1e-6, "f64 grads in f32 work dtype (rtol 1e-6)")
+    assert_close(result.gradients, expected, rtol=1e-6, msg="f64 grads in f32 work dtype")
 
 
 def test_averaging_microbatch_means_is_wrong_for_unequal_sizes() -> None:
@@ -211,7 +199,7 @@ def test_averaging_microbatch_means_is_wrong_for_unequal_sizes() -> None:
     worst = max(((naive[n] - e).norm() / e.norm()).item() for n, e in expected.items())
     assert worst > 1e-3, "naive averaging should differ visibly from the exact mean"
     ours = run_window(model, batches, "mean", torch.float64)
-    assert_rel_close(ours.gradients, expected, 1e-12, "weighted accumulation (rtol 1e-12)")
+    assert_close(ours.gradients, expected, rtol=1e-12, msg="weighted accumulation")
 
 
 # ------------------------------------------------------------------------ window behaviour

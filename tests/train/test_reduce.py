@@ -3,18 +3,13 @@ counts must give exactly the single-process gradient of the global mean loss."""
 
 from __future__ import annotations
 
-import datetime
-import math
-import time
-import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import assert_close, run_multiprocess
 from torch import nn
 
 from bdh_train.train.accumulate import (
@@ -103,69 +98,30 @@ def reference(case: str) -> dict[str, torch.Tensor]:
     return dict(zip(names, grads, strict=True))
 
 
-def assert_rel_close(actual: dict, expected: dict, rtol: float, what: str) -> None:
-    """Relative error in the 2-norm of the whole gradient (all parameters concatenated)."""
-    assert actual.keys() == expected.keys(), what
-    err_sq = sum(((actual[n] - e) ** 2).sum() for n, e in expected.items())
-    ref_sq = sum((e**2).sum() for e in expected.values())
-    err = math.sqrt(err_sq / ref_sq)
-    assert err <= rtol, f"{what}: norm-relative error {err:.3e} exceeds tolerance {rtol:g}"
-
-
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    """One rank: run every case in one process group, write outcomes for the parent."""
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    """One rank: run every case in one process group, return the outcomes to the parent."""
     outcome: dict[str, Any] = {}
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    try:
-        for case, (loss_scale, _, _) in CASES.items():
-            result = local_sums(case, rank, TinyMLP(), loss_scale)
-            try:
-                outcome[case] = all_reduce_accumulated(result, TinyMLP())
-            except EmptyWeightError as exc:
-                outcome[case] = f"{type(exc).__name__}: {exc}"
-        # Ranks that disagree on the loss scale are told so, on every rank.
-        skewed = AccumulatedGradients({}, WeightedAccumulationState(torch.float64, 1.0 + rank))
+    for case, (loss_scale, _, _) in CASES.items():
+        result = local_sums(case, rank, TinyMLP(), loss_scale)
         try:
-            all_reduce_accumulated(skewed, TinyMLP())
-            outcome["skewed"] = "not detected"
-        except GradientError as exc:
-            outcome["skewed"] = f"{type(exc).__name__}: {exc}"
-    except BaseException:
-        outcome["error"] = traceback.format_exc()
-        raise
-    finally:
-        torch.save(outcome, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
+            outcome[case] = all_reduce_accumulated(result, TinyMLP())
+        except EmptyWeightError as exc:
+            outcome[case] = f"{type(exc).__name__}: {exc}"
+    # Ranks that disagree on the loss scale are told so, on every rank.
+    skewed = AccumulatedGradients({}, WeightedAccumulationState(torch.float64, 1.0 + rank))
+    try:
+        all_reduce_accumulated(skewed, TinyMLP())
+        outcome["skewed"] = "not detected"
+    except GradientError as exc:
+        outcome["skewed"] = f"{type(exc).__name__}: {exc}"
+    return outcome
 
 
 @pytest.fixture(scope="module")
 def ddp_outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Spawn WORLD gloo ranks once for all cases; kill them if they outlive the timeout."""
+    """WORLD gloo ranks, spawned once for all cases."""
     tmp = tmp_path_factory.mktemp("ddp")
-    ctx = mp.start_processes(
-        _worker,
-        args=(str(tmp / "init"), str(tmp)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"distributed workers did not finish within {SPAWN_TIMEOUT_S} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_multiprocess(_worker, tmp, world=WORLD, timeout=SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.multiprocess
@@ -176,7 +132,7 @@ def test_ddp_equals_single_process_gradient(ddp_outcomes: list[dict], case: str)
         got = outcome[case]
         assert isinstance(got, dict), f"rank {rank}: {got}"
         assert "unused" not in got, "a parameter no rank produced must stay absent"
-        assert_rel_close(got, expected, 1e-12, f"{case} rank {rank} (float64, rtol 1e-12)")
+        assert_close(got, expected, rtol=1e-12, msg=f"{case} rank {rank}")
     for name in expected:
         assert torch.equal(ddp_outcomes[0][case][name], ddp_outcomes[1][case][name])
 
@@ -202,7 +158,7 @@ def test_without_process_group_it_is_the_single_process_finish() -> None:
         acc.accumulate_sum(rank_sums.gradients, weight=rank_sums.state.total_weight)
     merged = acc.finish_sums()
     out = all_reduce_accumulated(merged, model)
-    assert_rel_close(out, reference("unequal"), 1e-12, "no process group (float64, rtol 1e-12)")
+    assert_close(out, reference("unequal"), rtol=1e-12, msg="no process group")
     empty = AccumulatedGradients({}, WeightedAccumulationState(torch.float64, 1.0, 0.0, 3))
     with pytest.raises(EmptyWeightError) as info:
         all_reduce_accumulated(empty, model)

@@ -133,7 +133,15 @@ class BDH(nn.Module):
         rope, log_decay = position_terms
         x = F.relu(self._project("encoder", u, self.encoder))  # [B, H, T, N]
         q = x if rope is None else apply_rope(x, *rope)
-        attn, new_rho = linear_attention(q, u, rho, log_decay, executor, c.chunk_size, need_state)
+        attn, new_rho = linear_attention(
+            q,
+            u,
+            executor=executor,
+            initial_state=rho,
+            log_decay=log_decay,
+            chunk_size=c.chunk_size,
+            output_final_state=need_state,
+        )
         a = self._norm(attn)
         y = x * F.relu(self._project("encoder_v", a, self.encoder_v))
         y = F.dropout(y, c.dropout, self.training)

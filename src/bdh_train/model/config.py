@@ -9,11 +9,12 @@ from typing import Any
 
 from bdh_train import checks
 from bdh_train.errors import ConfigError
+from bdh_train.model import mixer
 from bdh_train.utils import build_dataclass
 
 POSITIONS = ("rope", "alibi")
 NORMS = ("layernorm", "layernorm_affine")
-EXECUTORS = ("auto", "dense", "chunked", "recurrent")
+EXECUTORS = ("auto", *mixer.EXECUTORS)
 WEIGHT_FORMATS = ("ternary158", "ternary_threshold", "int8")
 ACT_FORMATS = ("int8", "int8_tensor_mean")
 QUANT_TARGETS = ("decoder_x", "decoder_y", "encoder")

@@ -1,23 +1,39 @@
-"""Causal linear attention with a carried state (spec §3), in three equivalent executors.
+"""Causal linear attention with a carried state, in three equivalent executors.
 
 All executors compute, for queries q [B,H,T,N] (keys are the queries), values v [B,1,T,D]
 (shared by all heads), an incoming state rho0 [B,H,N,D] (None = zeros) and an optional
-per-head log-decay:
+per-head log-decay log d [H] (None = no decay, d = 1):
 
     out_t = d^t q_t.rho0 + sum_{s<t} d^(t-s) (q_t.q_s) v_s
     rho_T = d^T rho0 + sum_s d^(T-s) q_s^T v_s
 
+t and s count from 0 within the call, T is the call's length. Token t reads the state before
+writing itself into it (the strict s < t), and the state decays once per token, the last one
+included: a token's contribution has decayed by d by the time the next token reads it.
+
+Every executor has the same keyword signature,
+
+    fn(q, v, *, initial_state=None, log_decay=None, chunk_size=256, output_final_state=True)
+        -> (out [B,H,T,D], final state [B,H,N,D] or None)
+
 * dense     - the T x T masked score matrix; O(T^2 (N+D)) work, O(T^2) memory.
-* chunked   - dense inside chunks of C tokens, the state carried between chunks;
+              Ignores chunk_size.
+* chunked   - dense inside chunks of chunk_size tokens, the state carried between chunks;
               O(T (C (N+D) + 2 N D)) work, O(T C) score memory.
-* recurrent - token by token, read before write (the definition; generation).
+* recurrent - token by token, read before write (the definition; generation). Ignores
+              chunk_size and always returns the final state.
+
+With output_final_state=False, dense and chunked skip the final state's computation and
+return None for it. `linear_attention` dispatches by name through EXECUTOR_FUNCTIONS.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-EXECUTORS = ("dense", "chunked", "recurrent")
+DEFAULT_CHUNK_SIZE = 256
 
 
 def choose_executor(seq_len: int, n_neurons: int, n_embd: int, chunk_size: int) -> str:
@@ -44,11 +60,14 @@ def _decay_powers(log_decay: torch.Tensor, exponents: torch.Tensor, like: torch.
 def dense_attention(
     q: torch.Tensor,
     v: torch.Tensor,
-    rho: torch.Tensor | None,
+    *,
+    initial_state: torch.Tensor | None = None,
     log_decay: torch.Tensor | None = None,
-    need_state: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    output_final_state: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The whole call at once through the masked T x T score matrix."""
+    """The whole call at once through the masked T x T score matrix (chunk_size unused)."""
+    rho = initial_state
     seq_len = q.shape[2]
     scores = q @ q.transpose(-1, -2)
     if log_decay is None:
@@ -65,7 +84,7 @@ def dense_attention(
             t = torch.arange(seq_len, device=q.device)
             q_read = q * _decay_powers(log_decay, t, q).unsqueeze(-1)  # d^t, [H, T, 1]
         out = out + q_read @ rho
-    if not need_state:
+    if not output_final_state:
         return out, None
     q_write = q
     if log_decay is not None:
@@ -84,19 +103,25 @@ def dense_attention(
 def chunked_attention(
     q: torch.Tensor,
     v: torch.Tensor,
-    rho: torch.Tensor | None,
+    *,
+    initial_state: torch.Tensor | None = None,
     log_decay: torch.Tensor | None = None,
-    chunk_size: int = 256,
-    need_state: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    output_final_state: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dense inside chunks of `chunk_size` tokens; the state carries the past between them."""
+    rho = initial_state
     seq_len = q.shape[2]
     outs = []
     for start in range(0, seq_len, chunk_size):
         end = min(start + chunk_size, seq_len)
         last = end == seq_len
         out, rho = dense_attention(
-            q[:, :, start:end], v[:, :, start:end], rho, log_decay, need_state or not last
+            q[:, :, start:end],
+            v[:, :, start:end],
+            initial_state=rho,
+            log_decay=log_decay,
+            output_final_state=output_final_state or not last,
         )
         outs.append(out)
     return torch.cat(outs, dim=2), rho
@@ -105,10 +130,17 @@ def chunked_attention(
 def recurrent_attention(
     q: torch.Tensor,
     v: torch.Tensor,
-    rho: torch.Tensor | None,
+    *,
+    initial_state: torch.Tensor | None = None,
     log_decay: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    output_final_state: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token by token, read before write: the definition itself."""
+    """Token by token, read before write: the definition itself.
+
+    chunk_size is unused and the final state is always returned (it is the loop's carry).
+    """
+    rho = initial_state
     batch, heads, seq_len, n = q.shape
     d = v.shape[-1]
     if rho is None:
@@ -126,22 +158,38 @@ def recurrent_attention(
     return torch.cat(outs, dim=2), rho
 
 
+Executor = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+# The one list of executors: model config, benchmarks and tests take their names from here.
+EXECUTOR_FUNCTIONS: dict[str, Executor] = {
+    "dense": dense_attention,
+    "chunked": chunked_attention,
+    "recurrent": recurrent_attention,
+}
+EXECUTORS = tuple(EXECUTOR_FUNCTIONS)
+
+
 def linear_attention(
     q: torch.Tensor,
     v: torch.Tensor,
-    rho: torch.Tensor | None,
-    log_decay: torch.Tensor | None,
+    *,
     executor: str,
-    chunk_size: int,
-    need_state: bool = True,
+    initial_state: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    output_final_state: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Dispatch to one executor; 'auto' resolves through `choose_executor`."""
+    """Run one executor by name; 'auto' resolves through `choose_executor`."""
     if executor == "auto":
         executor = choose_executor(q.shape[2], q.shape[3], v.shape[3], chunk_size)
-    if executor == "dense":
-        return dense_attention(q, v, rho, log_decay, need_state)
-    if executor == "chunked":
-        return chunked_attention(q, v, rho, log_decay, chunk_size, need_state)
-    if executor == "recurrent":
-        return recurrent_attention(q, v, rho, log_decay)
-    raise ValueError(f"unknown executor {executor!r}; expected one of {EXECUTORS} or 'auto'")
+    fn = EXECUTOR_FUNCTIONS.get(executor)
+    if fn is None:
+        raise ValueError(f"unknown executor {executor!r}; expected one of {EXECUTORS} or 'auto'")
+    return fn(
+        q,
+        v,
+        initial_state=initial_state,
+        log_decay=log_decay,
+        chunk_size=chunk_size,
+        output_final_state=output_final_state,
+    )

@@ -1,0 +1,163 @@
+"""The tests' toolbox: tiny models, one closeness check, one multi-process launcher, and
+what the official pathwaycom/bdh code builds (for tests that load official checkpoints).
+
+Importable as `helpers` from every test (pyproject's pytest `pythonpath` puts tests/ on
+sys.path, and spawned worker processes inherit that path).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bdh_train.model import BDH, BDHConfig
+
+
+# ------------------------------------------------------------------ tiny models
+def tiny_config(**overrides) -> BDHConfig:
+    """A model config small enough that every test is fast on two CPU cores."""
+    base = dict(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        mlp_internal_dim_multiplier=4,
+        vocab_size=32,
+        dropout=0.0,
+        chunk_size=4,
+    )
+    base.update(overrides)
+    return BDHConfig(**base)
+
+
+def tiny_model(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> BDH:
+    torch.manual_seed(seed)
+    return BDH(tiny_config(**overrides)).to(dtype)
+
+
+# ------------------------------------------------------------------ closeness
+Tensors = torch.Tensor | Mapping[str, torch.Tensor]
+
+
+def _flat(x: Tensors) -> torch.Tensor:
+    if isinstance(x, Mapping):
+        return torch.cat([t.detach().double().reshape(-1) for t in x.values()])
+    return torch.as_tensor(x).detach().double().reshape(-1)
+
+
+def assert_close(
+    actual: Tensors, expected: Tensors, *, rtol: float, atol: float = 0.0, msg: str = ""
+) -> None:
+    """Norm-relative closeness: ||actual - expected|| <= atol + rtol * ||expected||.
+
+    The 2-norm is taken in float64 over all elements. Per-element relative error is dominated
+    by cancellation in tiny entries; the norm of the whole difference is not. `actual` and
+    `expected` may be tensors (any shape, 0-d included) or dicts of tensors with the same keys,
+    which are checked as one vector (all entries concatenated in `expected`'s key order).
+    """
+    if isinstance(expected, Mapping):
+        assert isinstance(actual, Mapping), f"{msg}: expected a dict of tensors"
+        assert actual.keys() == expected.keys(), f"{msg}: keys {actual.keys()} != {expected.keys()}"
+        actual = {name: actual[name] for name in expected}
+    a, e = _flat(actual), _flat(expected)
+    assert a.shape == e.shape, f"{msg}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    diff = (a - e).norm().item()
+    ref = e.norm().item()
+    if diff <= atol + rtol * ref:
+        return
+    rel = diff / ref if ref > 0 else math.inf
+    raise AssertionError(
+        f"{msg}: norm-relative error {rel:.3e} (absolute {diff:.3e}) exceeds "
+        f"rtol={rtol:g}, atol={atol:g}"
+    )
+
+
+# ------------------------------------------------------------------ multi-process launcher
+def _worker(
+    rank: int,
+    fn: Callable[..., Any],
+    world: int,
+    out_dir: str,
+    timeout: float,
+    args: tuple[Any, ...],
+) -> None:
+    """One process: join the gloo group, run fn, save its result (or traceback) to a file."""
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{out / 'store'}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        result = fn(rank, world, *args)
+        torch.save(result, out / f"rank{rank}.pt")
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_multiprocess(
+    fn: Callable[..., Any],
+    out_dir: Path,
+    *args: Any,
+    world: int = 2,
+    timeout: float = 45.0,
+) -> list[Any]:
+    """Run fn(rank, world, *args) in `world` spawned processes joined in one gloo group (one
+    CPU thread each); return fn's results by rank.
+
+    fn and args must be picklable (a module-level function of a test file is). out_dir must
+    be empty or new: it holds the group's file store, each rank's pid, result and traceback.
+    A worker that raises fails the call with its traceback; a hang fails it with TimeoutError
+    within `timeout` seconds. Either way the survivors are terminated, then killed, so no
+    process outlives the call.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.start_processes(
+        _worker,
+        args=(fn, world, str(out_dir), timeout, args),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                errors = [p.read_text() for p in sorted(out_dir.glob("rank*.err"))]
+                raise TimeoutError(
+                    f"workers did not finish within {timeout:.0f} s\n" + "\n".join(errors)
+                )
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def official_frequencies_buffer(n_neurons: int) -> torch.Tensor:
+    """The `attn.freqs` buffer as the official code builds it ([1, 1, 1, N], float32)."""
+    i = torch.arange(n_neurons, dtype=torch.float32)
+    return (1.0 / (2.0**16) ** ((i / 2).floor() * 2 / n_neurons) / (2 * math.pi)).view(
+        1, 1, 1, n_neurons
+    )

@@ -1,0 +1,153 @@
+"""Every executor of the mixer against its definition, written out as plain sums.
+
+For queries q [B,H,T,N], values v [B,1,T,D], an incoming state rho0 [B,H,N,D] and per-head
+decay d = exp(log_decay) (d = 1 without decay):
+
+    out_t = d^t q_t.rho0 + sum_{s<t} d^(t-s) (q_t.q_s) v_s      (read before write: s < t)
+    rho_T = d^T rho0 + sum_s d^(T-s) q_s^T v_s
+
+Outputs, final states and the gradients of q, v and rho0 under random upstream gradients on
+both outputs must agree with the definition, in float64 to 1e-10 and in float32 to 1e-5.
+Rope is applied to q before the mixer, so a "rope" model is the no-decay case with arbitrary
+q; an "alibi" model is the negative per-head log-decay case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close
+
+from bdh_train.model.mixer import EXECUTOR_FUNCTIONS, EXECUTORS, linear_attention
+
+B, H, N, D = 2, 3, 5, 4
+LOG_DECAY = torch.tensor([-1.0, -0.3, -0.05], dtype=torch.float64)  # alibi-like, per head
+LENGTHS = [1, 5, 8, 13]
+CHUNK_SIZES = [1, 3, 4, 16]
+# (executor, chunk_size): chunked at every chunk size; dense and recurrent ignore it.
+VARIANTS = [
+    (name, c)
+    for name in EXECUTORS
+    for c in (CHUNK_SIZES if name == "chunked" else CHUNK_SIZES[-1:])
+]
+
+
+def definition(q, v, rho0, log_decay):
+    """out and rho_T by the formulas above, token by token, in q's dtype."""
+    batch, heads, seq_len, n = q.shape
+    if rho0 is None:
+        rho0 = q.new_zeros(batch, heads, n, v.shape[-1])
+    d = q.new_ones(heads) if log_decay is None else log_decay.exp().to(q.dtype)
+    d_out = d.view(1, heads, 1)  # against [B, H, D]
+    d_state = d.view(1, heads, 1, 1)  # against [B, H, N, D]
+    outs = []
+    for t in range(seq_len):
+        q_t = q[:, :, t]  # [B, H, N]
+        out_t = d_out**t * torch.einsum("bhn,bhnd->bhd", q_t, rho0)
+        for s in range(t):
+            score = (q_t * q[:, :, s]).sum(-1, keepdim=True)  # [B, H, 1]
+            out_t = out_t + d_out ** (t - s) * score * v[:, :, s]
+        outs.append(out_t)
+    rho = d_state**seq_len * rho0
+    for s in range(seq_len):
+        outer = q[:, :, s].unsqueeze(-1) * v[:, :, s].unsqueeze(-2)  # q_s^T v_s, [B, H, N, D]
+        rho = rho + d_state ** (seq_len - s) * outer
+    return torch.stack(outs, dim=2), rho
+
+
+def make_inputs(seq_len, dtype, with_state, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, seq_len, N, generator=g, dtype=torch.float64)
+    v = torch.randn(B, 1, seq_len, D, generator=g, dtype=torch.float64)
+    rho0 = torch.randn(B, H, N, D, generator=g, dtype=torch.float64) if with_state else None
+    upstream_out = torch.randn(B, H, seq_len, D, generator=g, dtype=torch.float64)
+    upstream_rho = torch.randn(B, H, N, D, generator=g, dtype=torch.float64)
+    inputs = [x.to(dtype).requires_grad_() for x in (q, v, rho0) if x is not None]
+    return inputs, (upstream_out.to(dtype), upstream_rho.to(dtype))
+
+
+def outputs_and_grads(fn, inputs, upstream):
+    """fn(q, v, rho0) -> (out, rho); returns out, rho and d(<out,g_out> + <rho,g_rho>)/d inputs."""
+    q, v, *rest = inputs
+    out, rho = fn(q, v, rest[0] if rest else None)
+    loss = (out * upstream[0]).sum() + (rho * upstream[1]).sum()
+    grads = torch.autograd.grad(loss, inputs)
+    return out.detach(), rho.detach(), grads
+
+
+def check_against_definition(executor, chunk_size, seq_len, decay, with_state, dtype, rtol):
+    log_decay = LOG_DECAY if decay else None
+    inputs, upstream = make_inputs(seq_len, dtype, with_state, seed=100 * seq_len + chunk_size)
+    ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
+    ref = outputs_and_grads(
+        lambda q, v, r: definition(q, v, r, log_decay),
+        ref_inputs,
+        tuple(u.double() for u in upstream),
+    )
+    fn = EXECUTOR_FUNCTIONS[executor]
+    got = outputs_and_grads(
+        lambda q, v, r: fn(q, v, initial_state=r, log_decay=log_decay, chunk_size=chunk_size),
+        inputs,
+        upstream,
+    )
+    what = f"{executor} C={chunk_size} T={seq_len} decay={decay} state={with_state} {dtype}"
+    assert got[0].dtype == dtype and got[1].dtype == dtype, what
+    assert_close(got[0], ref[0], rtol=rtol, msg=f"{what}: out")
+    assert_close(got[1], ref[1], rtol=rtol, msg=f"{what}: final state")
+    for name, g, g_ref in zip(("q", "v", "rho0"), got[2], ref[2], strict=False):
+        assert_close(g, g_ref, rtol=rtol, msg=f"{what}: grad of {name}")
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "carried-state"])
+@pytest.mark.parametrize("decay", [False, True], ids=["rope", "alibi"])
+@pytest.mark.parametrize("seq_len", LENGTHS)
+@pytest.mark.parametrize(("executor", "chunk_size"), VARIANTS)
+def test_executor_matches_definition_fp64(executor, chunk_size, seq_len, decay, with_state):
+    check_against_definition(
+        executor, chunk_size, seq_len, decay, with_state, torch.float64, rtol=1e-10
+    )
+
+
+@pytest.mark.parametrize(("executor", "chunk_size"), VARIANTS)
+def test_executor_matches_definition_fp32(executor, chunk_size):
+    check_against_definition(
+        executor, chunk_size, 13, decay=True, with_state=True, dtype=torch.float32, rtol=1e-5
+    )
+
+
+def test_the_definition_is_the_state_recurrence():
+    """The formulas equal the read-then-write loop rho <- d (rho + q_t^T v_t) they come from."""
+    (q, v, rho0), _ = make_inputs(5, torch.float64, True, seed=7)
+    out, rho = definition(q, v, rho0, LOG_DECAY)
+    d = LOG_DECAY.exp().view(1, H, 1, 1)
+    state = rho0
+    for t in range(5):
+        assert_close(out[:, :, t], torch.einsum("bhn,bhnd->bhd", q[:, :, t], state), rtol=1e-12)
+        state = d * (state + q[:, :, t].unsqueeze(-1) * v[:, :, t].unsqueeze(-2))
+    assert_close(rho, state, rtol=1e-12)
+
+
+@pytest.mark.parametrize("decay", [False, True], ids=["rope", "alibi"])
+@pytest.mark.parametrize(("executor", "chunk_size"), VARIANTS)
+def test_without_final_state_the_output_is_unchanged(executor, chunk_size, decay):
+    """output_final_state=False: same out; dense and chunked skip the state (None)."""
+    (q, v, rho0), _ = make_inputs(8, torch.float64, True, seed=3)
+    kwargs = dict(initial_state=rho0, log_decay=LOG_DECAY if decay else None, chunk_size=chunk_size)
+    fn = EXECUTOR_FUNCTIONS[executor]
+    out, rho = fn(q, v, **kwargs)
+    out_only, no_rho = fn(q, v, output_final_state=False, **kwargs)
+    assert torch.equal(out_only, out)
+    if executor == "recurrent":
+        assert torch.equal(no_rho, rho)  # its state is the loop's carry: always returned
+    else:
+        assert no_rho is None
+
+
+@pytest.mark.parametrize("executor", ["auto", *EXECUTORS])
+def test_linear_attention_dispatches_by_name(executor):
+    (q, v, rho0), _ = make_inputs(8, torch.float64, True, seed=5)
+    kwargs = dict(initial_state=rho0, log_decay=LOG_DECAY, chunk_size=3)
+    got = linear_attention(q, v, executor=executor, **kwargs)
+    name = "dense" if executor == "auto" else executor  # T=8, N=5, D=4: dense is cheaper
+    expected = EXECUTOR_FUNCTIONS[name](q, v, **kwargs)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

@@ -372,3 +372,50 @@ def test_init_from_with_a_mismatched_backbone_is_refused(tmp_path):
         match=r"backbone parameter encoder has shape \[2, 32, 64\], the model needs \[2, 32, 128\]",
     ):
         Trainer(load_config(overrides=overrides), tmp_path / "new")
+
+
+def test_optimizer_steps_with_the_scheduled_lr_of_that_step_and_logs_it(tmp_path):
+    """param_groups' lr at the moment of optimizer.step() and the logged lr are the schedule's
+    value for the step being taken (index = steps already taken), not the next one's."""
+    base, floor = 2.0**-8, 2.0**-10
+    overrides = [
+        *MICRO,
+        "training.max_steps=5",
+        "training.gradient_accumulation_steps=2",
+        "training.eval_every=0",
+        "training.checkpoint_every=0",
+        f"optimizer.lr={base}",
+        "optimizer.warmup_steps=2",
+        "optimizer.schedule='cosine'",
+        f"optimizer.min_lr={floor}",
+    ]
+    trainer = Trainer(load_config(overrides=overrides), tmp_path, stream=io.StringIO())
+    used: list[list[float]] = []
+    real_step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        used.append([group["lr"] for group in trainer.optimizer.param_groups])
+        return real_step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    trainer.run()
+    # By hand: warm-up 2 -> base/2, base; then cosine over 5 - 2 = 3 intervals starting at
+    # index 2: progress 0, 1/3, 2/3 -> base, floor + (base-floor)(1 + cos(pi/3))/2 = 3/4 of
+    # the way, floor + (base-floor)(1 + cos(2pi/3))/2 = 1/4 of the way.
+    expected = [
+        base / 2,
+        base,
+        base,
+        floor + 0.75 * (base - floor),
+        floor + 0.25 * (base - floor),
+    ]
+    assert len(used) == 5, f"optimizer.step ran {len(used)} times for 5 steps"
+    for index, (groups, want) in enumerate(zip(used, expected, strict=True)):
+        for lr in groups:
+            assert lr == pytest.approx(want, rel=1e-12, abs=0), (
+                f"optimizer step {index + 1} ran with lr {lr}, schedule says {want}"
+            )
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["lr"] for r in rows] == [groups[0] for groups in used]
+

@@ -419,3 +419,36 @@ def test_optimizer_steps_with_the_scheduled_lr_of_that_step_and_logs_it(tmp_path
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["lr"] for r in rows] == [groups[0] for groups in used]
 
+
+def test_keep_checkpoints_keeps_exactly_the_newest_k(tmp_path, monkeypatch):
+    """keep_checkpoints=2 with a checkpoint every step, a mid-window stop and a resume: after
+    every save exactly the two newest checkpoints are on disk, in step order."""
+    overrides = [
+        *MICRO,
+        "training.max_steps=5",
+        "training.gradient_accumulation_steps=2",
+        "training.eval_every=0",
+        "training.checkpoint_every=1",
+        "training.keep_checkpoints=2",
+    ]
+    listings: list[list[str]] = []
+    real_save = ckpt.save_checkpoint
+
+    def recording_save(*args, **kwargs):
+        path = real_save(*args, **kwargs)
+        listings.append(sorted(p.name for p in path.parent.iterdir() if p.name != ckpt.LATEST))
+        return path
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", recording_save)
+    first = Trainer(load_config(overrides=overrides), tmp_path, stream=io.StringIO())
+    first.run(stop_after_micro_steps=7)  # steps 1-3, then stop one micro-step into step 4
+    Trainer(load_config(overrides=overrides), tmp_path, resume=True, stream=io.StringIO()).run()
+    assert listings == [
+        ["step-0000001"],
+        ["step-0000001", "step-0000002"],
+        ["step-0000002", "step-0000003"],
+        ["step-0000003", "step-0000003-m01"],
+        ["step-0000003-m01", "step-0000004"],
+        ["step-0000004", "step-0000005"],
+    ]
+    assert ckpt.resolve_checkpoint(tmp_path).name == "step-0000005"

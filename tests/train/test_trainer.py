@@ -452,3 +452,18 @@ def test_keep_checkpoints_keeps_exactly_the_newest_k(tmp_path, monkeypatch):
         ["step-0000004", "step-0000005"],
     ]
     assert ckpt.resolve_checkpoint(tmp_path).name == "step-0000005"
+
+
+def test_trainer_sample_generates_without_dropout(tmp_path):
+    noisy = Trainer(
+        load_config(overrides=[*MICRO, "model.dropout=0.5"]), tmp_path / "a", stream=io.StringIO()
+    )
+    clean = Trainer(
+        load_config(overrides=[*MICRO, "model.dropout=0.0"]), tmp_path / "b", stream=io.StringIO()
+    )
+    clean.model.load_state_dict(noisy.model.state_dict())
+    assert noisy.model.training
+    first = noisy.sample(24)
+    assert noisy.model.training, "sample() must give the model back in train mode"
+    assert first == noisy.sample(24), "two samples from the same weights and seed differ"
+    assert first == clean.sample(24), "the sample differs from the dropout-free model's"

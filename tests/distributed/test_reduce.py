@@ -224,3 +224,79 @@ def test_foreign_gradients_are_rejected(grads: dict, message: str) -> None:
     state = WeightedAccumulationState(torch.float64, 1.0, 1.0, 1)
     with pytest.raises(GradientError, match=message):
         all_reduce_accumulated(AccumulatedGradients(grads, state), TinyMLP())
+
+
+# ------------------------------------------------------------------ work-dtype mismatch
+DTYPE_SKEW_SCALE = 4.0
+
+
+def _dtype_skew_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """Rank 0 accumulates in float32, rank 1 in float64, both with the same loss scale."""
+    outcome: dict[str, Any] = {}
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        model = TinyMLP()
+        work_dtype = torch.float32 if rank == 0 else torch.float64
+        acc = WeightedGradientAccumulator(
+            model, dtype=work_dtype, loss_scale=DTYPE_SKEW_SCALE
+        )
+        x, y = rank_microbatches("unequal", rank)[0]
+        (F.cross_entropy(model(x), y) * DTYPE_SKEW_SCALE).backward()
+        acc.accumulate_mean(weight=len(y))
+        result = acc.finish_sums()
+        outcome["dtype"] = result.state.dtype
+        try:
+            assert_same_window_settings(result)
+            outcome["dtype_skewed"] = "not detected"
+        except GradientError as exc:
+            outcome["dtype_skewed"] = f"{type(exc).__name__}: {exc}"
+        # The refusal leaves the group usable: agreeing settings pass on the same group.
+        assert_same_window_settings(
+            AccumulatedGradients({}, WeightedAccumulationState(torch.float64, DTYPE_SKEW_SCALE))
+        )
+        outcome["agreeing_after"] = "passed"
+    except BaseException:
+        outcome["error"] = traceback.format_exc()
+        raise
+    finally:
+        torch.save(outcome, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_ddp_work_dtype_mismatch_is_refused_on_every_rank(tmp_path: Path) -> None:
+    ctx = mp.start_processes(
+        _dtype_skew_worker,
+        args=(str(tmp_path / "init"), str(tmp_path)),
+        nprocs=WORLD,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"distributed workers did not finish within {SPAWN_TIMEOUT_S} s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    outcomes = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert [o.get("dtype") for o in outcomes] == [torch.float32, torch.float64]
+    for rank, outcome in enumerate(outcomes):
+        assert "error" not in outcome, f"rank {rank}: {outcome['error']}"
+        message = outcome["dtype_skewed"]
+        # float32 and float64 are coded 32 and 64; the loss scales agree at 4.0.
+        assert message == (
+            "GradientError: ranks disagree on the accumulation window: loss scale in "
+            "[4.0, 4.0], dtype code in [32.0, 64.0]"
+        ), f"rank {rank}: {message}"
+        assert outcome["agreeing_after"] == "passed", f"rank {rank}"

@@ -467,3 +467,46 @@ def test_trainer_sample_generates_without_dropout(tmp_path):
     assert noisy.model.training, "sample() must give the model back in train mode"
     assert first == noisy.sample(24), "two samples from the same weights and seed differ"
     assert first == clean.sample(24), "the sample differs from the dropout-free model's"
+
+
+def test_optimizer_defaults_of_a_file_without_preset_reach_adamw_and_clipping(
+    tmp_path, monkeypatch
+):
+    """No `extends`, no [optimizer]: AdamW(lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay
+    0.1 on matrices), a constant lr without warm-up, and the gradient norm clipped at 1.0."""
+    config = tmp_path / "run.toml"
+    config.write_text(
+        textwrap.dedent("""
+            [model]
+            n_layer = 2
+            n_embd = 32
+            n_head = 2
+            mlp_internal_dim_multiplier = 4
+            [training]
+            block_size = 16
+            batch_size = 4
+            max_steps = 3
+            log_every = 1
+            eval_every = 0
+            checkpoint_every = 0
+        """)
+    )
+    clip_norms: list[float] = []
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def recording_clip(parameters, max_norm, *args, **kwargs):
+        clip_norms.append(max_norm)
+        return real_clip(parameters, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
+    trainer = Trainer(load_config([config]), tmp_path / "run", stream=io.StringIO())
+    monkeypatch.setattr(trainer, "sample", lambda *args, **kwargs: None)  # not under test
+    assert isinstance(trainer.optimizer, torch.optim.AdamW)
+    for group in trainer.optimizer.param_groups:
+        assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-8
+        dims = {p.dim() for p in group["params"]}
+        assert group["weight_decay"] == (0.1 if min(dims) >= 2 else 0.0), dims
+    trainer.run()
+    assert clip_norms == [1.0, 1.0, 1.0]
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert [r["lr"] for r in rows] == [1e-3, 1e-3, 1e-3]

@@ -588,3 +588,27 @@ def test_to_dict_and_from_dict() -> None:
 
 def test_default_run_config_validates() -> None:
     assert RunConfig().validate() == RunConfig()
+
+
+OPTIMIZER_DEFAULTS = {  # OptimizerConfig as documented in config.py, field by field
+    "lr": 1e-3,
+    "betas": [0.9, 0.95],
+    "eps": 1e-8,
+    "weight_decay": 0.1,
+    "warmup_steps": 0,  # "optional warmup": off unless asked for
+    "schedule": "constant",  # "optional ... cosine decay": off unless asked for
+    "min_lr": 0.0,  # the cosine floor, ignored by 'constant'
+    "grad_clip_norm": 1.0,  # clipping is ON by default (0 = off)
+}
+
+
+def test_file_without_extends_gets_the_documented_optimizer_defaults(tmp_path: Path) -> None:
+    f = write(tmp_path / "run.toml", "[training]\nmax_steps = 9\n[model]\nn_layer = 2\n")
+    for cfg in (load_config([f]), RunConfig(), RunConfig().validate()):
+        got = {name: getattr(cfg.optimizer, name) for name in OPTIMIZER_DEFAULTS}
+        assert got == OPTIMIZER_DEFAULTS
+        assert type(got["warmup_steps"]) is int and type(got["betas"]) is list
+    # An [optimizer] table that sets one key keeps the other defaults.
+    g = write(tmp_path / "lr.toml", "[optimizer]\nlr = 0.002\n")
+    got = {name: getattr(load_config([g]).optimizer, name) for name in OPTIMIZER_DEFAULTS}
+    assert got == {**OPTIMIZER_DEFAULTS, "lr": 0.002}

@@ -1,4 +1,4 @@
-"""The training loop end to end on micro configs (issue 7): bit-exact resume (also from the
+"""The training loop end to end on micro configs: bit-exact resume (also from the
 middle of an accumulation window), crash-safe checkpoints, non-finite steps, DDP == 1 process."""
 
 from __future__ import annotations
@@ -396,3 +396,143 @@ def test_checkpoint_written_by_v0_1_resumes_bit_exact(tmp_path, capsys):
     keys = ("step", "tokens", "loss", "lr", "grad_norm")
     got = [{k: r[k] for k in keys} for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
     assert got == expected
+
+
+def test_optimizer_steps_with_the_scheduled_lr_of_that_step_and_logs_it(tmp_path, monkeypatch):
+    """param_groups' lr at the moment of optimizer.step() and the logged lr are the schedule's
+    value for the step being taken (index = steps already taken), not the next one's."""
+    monkeypatch.setattr(Trainer, "sample", lambda self, *args, **kwargs: None)  # not under test
+    base, floor = 2.0**-8, 2.0**-10
+    overrides = [
+        *MICRO,
+        "training.max_steps=5",
+        "training.gradient_accumulation_steps=2",
+        "training.eval_every=0",
+        "training.checkpoint_every=0",
+        f"optimizer.lr={base}",
+        "optimizer.warmup_steps=2",
+        "optimizer.schedule='cosine'",
+        f"optimizer.min_lr={floor}",
+    ]
+    trainer = Trainer(load_config(overrides=overrides), tmp_path, stream=io.StringIO())
+    used: list[list[float]] = []
+    real_step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        used.append([group["lr"] for group in trainer.optimizer.param_groups])
+        return real_step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    trainer.run()
+    # By hand: warm-up 2 -> base/2, base; then cosine over 5 - 2 = 3 intervals starting at
+    # index 2: progress 0, 1/3, 2/3 -> base, floor + (base-floor)(1 + cos(pi/3))/2 = 3/4 of
+    # the way, floor + (base-floor)(1 + cos(2pi/3))/2 = 1/4 of the way.
+    expected = [
+        base / 2,
+        base,
+        base,
+        floor + 0.75 * (base - floor),
+        floor + 0.25 * (base - floor),
+    ]
+    assert len(used) == 5, f"optimizer.step ran {len(used)} times for 5 steps"
+    for index, (groups, want) in enumerate(zip(used, expected, strict=True)):
+        for lr in groups:
+            assert lr == pytest.approx(want, rel=1e-12, abs=0), (
+                f"optimizer step {index + 1} ran with lr {lr}, schedule says {want}"
+            )
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["lr"] for r in rows] == [groups[0] for groups in used]
+
+
+def test_keep_checkpoints_keeps_exactly_the_newest_k(tmp_path, monkeypatch):
+    """keep_checkpoints=2 with a checkpoint every step, a mid-window stop and a resume: after
+    every save exactly the two newest checkpoints are on disk, in step order."""
+    overrides = [
+        *MICRO,
+        "training.max_steps=5",
+        "training.gradient_accumulation_steps=2",
+        "training.eval_every=0",
+        "training.checkpoint_every=1",
+        "training.keep_checkpoints=2",
+    ]
+    monkeypatch.setattr(Trainer, "sample", lambda self, *args, **kwargs: None)  # not under test
+    listings: list[list[str]] = []
+    real_save = ckpt.save_checkpoint
+
+    def recording_save(*args, **kwargs):
+        path = real_save(*args, **kwargs)
+        listings.append(sorted(p.name for p in path.parent.iterdir() if p.name != ckpt.LATEST))
+        return path
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", recording_save)
+    first = Trainer(load_config(overrides=overrides), tmp_path, stream=io.StringIO())
+    first.run(stop_after_micro_steps=7)  # steps 1-3, then stop one micro-step into step 4
+    Trainer(load_config(overrides=overrides), tmp_path, resume=True, stream=io.StringIO()).run()
+    assert listings == [
+        ["step-0000001"],
+        ["step-0000001", "step-0000002"],
+        ["step-0000002", "step-0000003"],
+        ["step-0000003", "step-0000003-m01"],
+        ["step-0000003-m01", "step-0000004"],
+        ["step-0000004", "step-0000005"],
+    ]
+    assert ckpt.resolve_checkpoint(tmp_path).name == "step-0000005"
+
+
+def test_trainer_sample_generates_without_dropout(tmp_path):
+    noisy = Trainer(
+        load_config(overrides=[*MICRO, "model.dropout=0.5"]), tmp_path / "a", stream=io.StringIO()
+    )
+    clean = Trainer(
+        load_config(overrides=[*MICRO, "model.dropout=0.0"]), tmp_path / "b", stream=io.StringIO()
+    )
+    clean.model.load_state_dict(noisy.model.state_dict())
+    assert noisy.model.training
+    first = noisy.sample(24)
+    assert noisy.model.training, "sample() must give the model back in train mode"
+    assert first == noisy.sample(24), "two samples from the same weights and seed differ"
+    assert first == clean.sample(24), "the sample differs from the dropout-free model's"
+
+
+def test_optimizer_defaults_of_a_file_without_preset_reach_adamw_and_clipping(
+    tmp_path, monkeypatch
+):
+    """No `extends`, no [optimizer]: AdamW(lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay
+    0.1 on matrices), a constant lr without warm-up, and the gradient norm clipped at 1.0."""
+    config = tmp_path / "run.toml"
+    config.write_text(
+        textwrap.dedent("""
+            [model]
+            n_layer = 2
+            n_embd = 32
+            n_head = 2
+            mlp_internal_dim_multiplier = 4
+            [training]
+            block_size = 16
+            batch_size = 4
+            max_steps = 3
+            log_every = 1
+            eval_every = 0
+            checkpoint_every = 0
+        """)
+    )
+    clip_norms: list[float] = []
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def recording_clip(parameters, max_norm, *args, **kwargs):
+        clip_norms.append(max_norm)
+        return real_clip(parameters, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
+    trainer = Trainer(load_config([config]), tmp_path / "run", stream=io.StringIO())
+    monkeypatch.setattr(trainer, "sample", lambda *args, **kwargs: None)  # not under test
+    assert isinstance(trainer.optimizer, torch.optim.AdamW)
+    for group in trainer.optimizer.param_groups:
+        assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-8
+        dims = {p.dim() for p in group["params"]}
+        assert group["weight_decay"] == (0.1 if min(dims) >= 2 else 0.0), dims
+    trainer.run()
+    assert clip_norms == [1.0, 1.0, 1.0]
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert [r["lr"] for r in rows] == [1e-3, 1e-3, 1e-3]

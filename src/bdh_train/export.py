@@ -1,6 +1,6 @@
 """Ternary export: a BitNet-trained BDH as 2-bit packed weights in one safetensors file.
 
-Targeted projections (spec §9) are stored as their ternary codes, 4 per byte, plus one float32
+Targeted projections are stored as their ternary codes, 4 per byte, plus one float32
 scale gamma each: 1/16 of their float32 size. Every other tensor (embedding, head, untargeted
 projections, norm) stays float. The BDHConfig rides along as JSON metadata, so the file alone
 rebuilds the model. Loading gives an inference model that runs the targeted projections as
@@ -65,7 +65,7 @@ def export_ternary(model: BDH, out_path: str | os.PathLike[str]) -> Path:
     """Write `model` as a packed ternary safetensors file; returns the path.
 
     Needs a model configured for ternary QAT (quant.enable with a ternary weight_format);
-    exporting a float model would silently destroy it (spec §9).
+    exporting a float model would silently destroy it.
     """
     config = model.config
     q = config.quant

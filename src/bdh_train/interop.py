@@ -83,7 +83,7 @@ def load_official_state_dict(
     ours = rope_frequencies(config.n_neurons)
     if not torch.allclose(freqs, ours, rtol=1e-5, atol=0.0):
         raise CheckpointError(
-            "official 'attn.freqs' differ from the rope frequencies of spec §4 "
+            "official 'attn.freqs' differ from the rope frequencies this model computes "
             f"(theta=2^16, N={config.n_neurons}); max difference "
             f"{(freqs - ours).abs().max().item():.3g}"
         )

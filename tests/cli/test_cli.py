@@ -1,4 +1,4 @@
-"""The command line as a user meets it (issue 7): the default run, generate/eval on its
+"""The command line as a user meets it: the default run, generate/eval on its
 checkpoint, and every bad input answered with one message, exit status 2, and nothing in the
 run directory but the error log."""
 

@@ -1,4 +1,4 @@
-"""Loaders: determinism, resume, rank slicing, streaming semantics (spec §11), eval windows.
+"""Loaders: determinism, resume, rank slicing, streaming semantics, eval windows.
 
 Token streams are np.arange(N) so every token is its own position and windows can be checked
 arithmetically.
@@ -226,3 +226,28 @@ def test_eval_batches_too_short() -> None:
         r"block_size \+ 1 = 5",
     ):
         eval_batches(np.arange(4), 4, 2)  # raises at the call, not at first next()
+
+
+def test_random_windows_reach_every_start_offset_including_the_last() -> None:
+    """12 tokens, block 4: a window needs 5 tokens, so the valid starts are exactly 0..7 and
+    the last window [7, 12) ends on the last token. 50 steps of 4 rows = 200 draws over 8
+    starts: with a uniform draw every start shows up (a given start is missed with
+    probability (7/8)^200 < 1e-11), and the seed makes the run fixed anyway."""
+    tokens = np.arange(12, dtype=np.int64)
+    loader = RandomWindowLoader(tokens, block_size=4, batch_size=4, seed=5)
+    starts: set[int] = set()
+    for _ in range(50):
+        batch = loader.next_batch()
+        assert torch.equal(batch.inputs, batch.inputs[:, :1] + torch.arange(4))
+        assert torch.equal(batch.targets, batch.inputs + 1)
+        starts.update(batch.inputs[:, 0].tolist())
+    assert starts == set(range(8)), f"never drawn: {sorted(set(range(8)) - starts)}"
+
+
+def test_random_windows_with_a_single_valid_start() -> None:
+    """block_size + 1 tokens exactly: the only window is the whole stream."""
+    loader = RandomWindowLoader(np.arange(5, dtype=np.int64), block_size=4, batch_size=3, seed=0)
+    for _ in range(3):
+        batch = loader.next_batch()
+        assert batch.inputs.tolist() == [[0, 1, 2, 3]] * 3
+        assert batch.targets.tolist() == [[1, 2, 3, 4]] * 3

@@ -1,4 +1,4 @@
-"""Pipeline planner (spec §10): hand-computed schedules, partition, validation, timeline views."""
+"""Pipeline planner: hand-computed schedules, partition, validation, timeline views."""
 
 from __future__ import annotations
 

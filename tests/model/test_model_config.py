@@ -1,4 +1,4 @@
-"""BDHConfig validation: every invalid field is named (issue 2)."""
+"""BDHConfig validation: every invalid field is named."""
 
 from __future__ import annotations
 

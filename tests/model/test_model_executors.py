@@ -1,4 +1,4 @@
-"""Chunked == dense == recurrent (issue 2): hidden, loss, final state and gradients."""
+"""Chunked == dense == recurrent: hidden, loss, final state and gradients."""
 
 from __future__ import annotations
 
@@ -6,7 +6,14 @@ import pytest
 import torch
 from helpers import assert_close, tiny_model
 
-from bdh_train.model.mixer import EXECUTORS, choose_executor, linear_attention
+from bdh_train.model.mixer import (
+    EXECUTORS,
+    choose_executor,
+    chunked_attention,
+    dense_attention,
+    linear_attention,
+)
+from bdh_train.model.positions import alibi_log_decay
 
 
 def run(model, idx, targets, executor, chunk_size, warm_state):
@@ -68,3 +75,71 @@ def test_unknown_executor_is_rejected():
     v = torch.zeros(1, 1, 2, 3)
     with pytest.raises(ValueError, match="unknown executor 'fast'"):
         linear_attention(q, v, executor="fast", chunk_size=4)
+
+
+
+def definition_attention(q, v, log_decay):
+    """out_t = sum_{s<t} d^(t-s) (q_t . q_s) v_s and rho_T = sum_s d^(T-s) q_s^T v_s, as
+    plain loops over t and s in float64 (rho0 = 0), all heads at once."""
+    batch, heads, seq_len, n = q.shape
+    decay = torch.ones(heads, dtype=torch.float64)
+    if log_decay is not None:
+        decay = torch.exp(log_decay.double())
+    decay = decay.view(1, heads, 1)
+    qd, vd = q.detach().double(), v.detach().double()[:, 0]  # [B, H, T, N], [B, T, D]
+    out = torch.zeros(batch, heads, seq_len, v.shape[-1], dtype=torch.float64)
+    for t in range(seq_len):
+        for s in range(t):
+            score = (qd[:, :, t] * qd[:, :, s]).sum(-1, keepdim=True)  # [B, H, 1]
+            out[:, :, t] += decay ** (t - s) * score * vd[:, None, s]
+    rho = torch.zeros(batch, heads, n, v.shape[-1], dtype=torch.float64)
+    for s in range(seq_len):
+        write = qd[:, :, s, :, None] * vd[:, None, s, None, :]  # [B, H, N, D]
+        rho += decay.view(1, heads, 1, 1) ** (seq_len - s) * write
+    return out, rho
+
+
+@pytest.mark.parametrize("decay", [False, True], ids=["no-decay", "alibi"])
+@pytest.mark.parametrize("need_state", [False, True], ids=["output-only", "with-state"])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_chunked_without_incoming_state_equals_dense_at_op_level(decay, need_state, dtype, tol):
+    """chunked_attention(q, v, rho=None) -- the ordinary training path when T exceeds the
+    chunk -- against dense_attention: output, final state and the gradients of q and v under
+    random upstream gradients; dense against the definition in float64."""
+    g = torch.Generator().manual_seed(7)
+    batch, heads, seq_len, n, d = 2, 3, 13, 8, 5
+    q0 = torch.randn(batch, heads, seq_len, n, generator=g, dtype=torch.float64) / n**0.5
+    v0 = torch.randn(batch, 1, seq_len, d, generator=g, dtype=torch.float64)
+    grad_out = torch.randn(batch, heads, seq_len, d, generator=g, dtype=torch.float64)
+    grad_rho = torch.randn(batch, heads, n, d, generator=g, dtype=torch.float64)
+    log_decay = alibi_log_decay(heads) if decay else None
+
+    def run(executor, **chunking):
+        q = q0.to(dtype).requires_grad_()
+        v = v0.to(dtype).requires_grad_()
+        out, rho = executor(
+            q, v, initial_state=None, log_decay=log_decay, output_final_state=need_state,
+            **chunking,
+        )
+        objective = (out * grad_out.to(dtype)).sum()
+        if need_state:
+            objective = objective + (rho * grad_rho.to(dtype)).sum()
+        else:
+            assert rho is None
+        objective.backward()
+        return out.detach(), None if rho is None else rho.detach(), q.grad, v.grad
+
+    ref = run(dense_attention)
+    if dtype == torch.float64:
+        want_out, want_rho = definition_attention(q0, v0, log_decay)
+        assert_close(ref[0], want_out, rtol=1e-12, msg="dense output differs from the definition")
+        if need_state:
+            assert_close(ref[1], want_rho, rtol=1e-12, msg="dense state differs from definition")
+    for chunk_size in (1, 4, 5, 12, 13, 20):  # 4, 5, 12 leave a ragged last chunk
+        got = run(chunked_attention, chunk_size=chunk_size)
+        where = f"chunk_size={chunk_size}, {dtype}, tolerance {tol:g}"
+        assert_close(got[0], ref[0], rtol=tol, msg=f"chunked output differs from dense ({where})")
+        if need_state:
+            assert_close(got[1], ref[1], rtol=tol, msg=f"chunked final state differs ({where})")
+        assert_close(got[2], ref[2], rtol=tol, msg=f"gradient of q differs ({where})")
+        assert_close(got[3], ref[3], rtol=tol, msg=f"gradient of v differs ({where})")

@@ -1,4 +1,4 @@
-"""Loading official pathwaycom/bdh state_dicts (issue 2)."""
+"""Loading official pathwaycom/bdh state_dicts."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The model against an independent float64 implementation written from the spec's formulas
-(spec §2-§4), token by token. Tolerance 1e-10."""
+"""The model against an independent float64 implementation written from the model's formulas,
+token by token. Tolerance 1e-10."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Carried state (issue 2): split calls equal one call; per-row positions and resets."""
+"""Carried state: split calls equal one call; per-row positions and resets."""
 
 from __future__ import annotations
 

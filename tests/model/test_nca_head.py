@@ -1,4 +1,4 @@
-"""The NCA factorized patch head (spec §8): parameters, the loss against a hand computation,
+"""The NCA factorized patch head: parameters, the loss against a hand computation,
 the model entry points, and config validation."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def nca_model(dtype=torch.float64, vocab_size=20, **head) -> BDH:
 
 
 def hand_loss(hidden, targets, w_fact, w_special, s, p_cells, specials):
-    """Spec §8 written with python loops and math.log/exp, one target at a time."""
+    """The NCA loss written with python loops and math.log/exp, one target at a time."""
     k = s**p_cells
     total, counted = 0.0, 0
 
@@ -114,7 +114,7 @@ def test_forward_returns_no_logits_and_the_head_loss():
 
 
 def test_split_calls_with_state_equal_the_full_loss():
-    """The seed's tbptt check: two chunks carried through the state give the full loss."""
+    """The reference train step's TBPTT check: two chunks carried through the state give the full loss."""
     model = nca_model()
     idx = torch.tensor([[16, 0, 1, 17], [16, 2, 3, 18]])
     targets = torch.tensor([[0, 1, 17, 18], [2, 3, 16, 18]])

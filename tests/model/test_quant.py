@@ -1,4 +1,4 @@
-"""BitNet b1.58 QAT (spec §9): quantizers, STE, integer kernel, int8 saved activations, lambda
+"""BitNet b1.58 QAT: quantizers, STE, integer kernel, int8 saved activations, lambda
 warm-up, a short training run, config validation and the ternary export."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def qmodel(dtype=torch.float32, seed=0, **quant) -> BDH:
 
 
 # ------------------------------------------------------------------------------ quantizers
-def test_paper_and_burn_dragon_ternary_rules_on_a_hand_example():
+def test_paper_and_threshold_ternary_rules_on_a_hand_example():
     w = torch.tensor([0.1, 0.4, -0.6, 1.0])
     codes, gamma = quantize_weight(w, "ternary158")
     assert gamma.item() == pytest.approx(0.525)
@@ -65,7 +65,7 @@ def test_int8_activation_rules_on_hand_examples():
     codes, s = quantize_activation(torch.tensor([[0.5, -1.0, 0.25], [2.0, 1.0, 0.0]]), "int8")
     assert codes.tolist() == [[64, -127, 32], [127, 64, 0]]  # per token: absmax -> 127
     assert s.flatten().tolist() == pytest.approx([127.0, 63.5])
-    # burn_dragon: one step 2 mean|x| / 127 = 4/127 for the whole tensor
+    # int8_tensor_mean: one step 2 mean|x| / 127 = 4/127 for the whole tensor
     codes, s = quantize_activation(torch.tensor([1.0, -2.0, 3.0, -2.0]), "int8_tensor_mean")
     assert s.item() == pytest.approx(127 / 4)
     assert codes.tolist() == [32, -64, 95, -64]
@@ -262,7 +262,7 @@ def test_quantized_cache_saves_int8_codes_not_floats():
 
 # ------------------------------------------------------------------------------ lambda warm-up
 def _quantized_reference(model: BDH, idx: torch.Tensor) -> torch.Tensor:
-    """fp64 BDH forward (spec §2, rope) with the spec §9 quantizers written out by hand."""
+    """fp64 BDH forward (rope) with the BitNet b1.58 quantizers written out by hand."""
     sd = {k: v.double() for k, v in model.state_dict().items()}
     enc, enc_v, dec, emb, head = (
         sd[k] for k in ("encoder", "encoder_v", "decoder", "embed.weight", "lm_head")

@@ -3,6 +3,7 @@ counts must give exactly the single-process gradient of the global mean loss."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -177,3 +178,46 @@ def test_foreign_gradients_are_rejected(grads: dict, message: str) -> None:
     state = WeightedAccumulationState(torch.float64, 1.0, 1.0, 1)
     with pytest.raises(GradientError, match=message):
         all_reduce_accumulated(AccumulatedGradients(grads, state), TinyMLP())
+
+
+# ------------------------------------------------------------------ work-dtype mismatch
+DTYPE_SKEW_SCALE = 4.0
+
+
+def _dtype_skew_worker(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 accumulates in float32, rank 1 in float64, both with the same loss scale."""
+    outcome: dict[str, Any] = {}
+    model = TinyMLP()
+    work_dtype = torch.float32 if rank == 0 else torch.float64
+    acc = WeightedGradientAccumulator(model, dtype=work_dtype, loss_scale=DTYPE_SKEW_SCALE)
+    x, y = rank_microbatches("unequal", rank)[0]
+    (F.cross_entropy(model(x), y) * DTYPE_SKEW_SCALE).backward()
+    acc.accumulate_mean(weight=len(y))
+    result = acc.finish_sums()
+    outcome["dtype"] = result.state.dtype
+    try:
+        all_reduce_accumulated(result, model)
+        outcome["dtype_skewed"] = "not detected"
+    except GradientError as exc:
+        outcome["dtype_skewed"] = f"{type(exc).__name__}: {exc}"
+    # The refusal leaves the group usable: the same reduction in one dtype goes through.
+    agreeing = WeightedGradientAccumulator(model, dtype=torch.float64, loss_scale=1.0)
+    agreeing.accumulate_sum(weight=1.0)
+    all_reduce_accumulated(agreeing.finish_sums(), model)
+    outcome["agreeing_after"] = "passed"
+    return outcome
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_ddp_work_dtype_mismatch_is_refused_on_every_rank(tmp_path: Path) -> None:
+    outcomes = run_multiprocess(_dtype_skew_worker, tmp_path, world=WORLD, timeout=50.0)
+    assert [o.get("dtype") for o in outcomes] == [torch.float32, torch.float64]
+    for rank, outcome in enumerate(outcomes):
+        message = outcome["dtype_skewed"]
+        # float32 and float64 are coded 32 and 64; the loss scales agree at 4.0.
+        assert message == (
+            "GradientError: ranks disagree on the accumulation window: loss scale in "
+            "[4.0, 4.0], dtype code in [32.0, 64.0]"
+        ), f"rank {rank}: {message}"
+        assert outcome["agreeing_after"] == "passed", f"rank {rank}"

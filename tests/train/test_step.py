@@ -1,4 +1,4 @@
-"""The language train step against its slow twins (issue 3; every seed test has a counterpart)."""
+"""The language train step against its slow twins."""
 
 from __future__ import annotations
 
@@ -346,3 +346,21 @@ def test_profiling_disabled_reads_no_clock_and_syncs_nothing():
     clock.assert_not_called()
     sync.assert_not_called()
     assert "profile" not in out.stats
+
+
+def test_valid_step_runs_without_dropout_and_restores_train_mode():
+    noisy = tiny_model(dropout=0.5)
+    clean = tiny_model(dropout=0.0, seed=1)
+    clean.load_state_dict(noisy.state_dict())
+    b = batch(b=2, t=12, seed=4)
+    reference = LanguageTrainModel(clean, tbptt_chunk_size=5).valid_step(b)
+    step = LanguageTrainModel(noisy, tbptt_chunk_size=5)
+    noisy.train()
+    first = step.valid_step(b)
+    second = step.valid_step(b)
+    assert noisy.training, "valid_step must give the model back in train mode"
+    assert torch.equal(first, second), f"two valid steps differ: {first} vs {second}"
+    assert torch.equal(first, reference), f"valid loss {first} != dropout-free {reference}"
+    with torch.no_grad():  # the same loss through the model in train mode does see dropout
+        noisy_loss = noisy.loss_from_hidden(noisy.forward_hidden(b.inputs), b.targets)
+    assert abs(float(noisy_loss) - float(reference)) > 1e-4

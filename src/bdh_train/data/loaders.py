@@ -196,8 +196,7 @@ class RandomWindowLoader:
 
 
 class StreamingDocumentLoader:
-    """Consecutive windows of documents, for training with state carried across steps
-    (spec §11).
+    """Consecutive windows of documents, for training with state carried across steps.
 
     The stream is cut into documents of `logical_length` L tokens (a multiple of block_size T):
     doc i covers tokens [i*L, i*L + L + 1) and yields L/T windows of T + 1 tokens, window k

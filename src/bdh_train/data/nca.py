@@ -11,7 +11,7 @@ table (it has S * C(8 + S - 1, S - 1) entries) it is evaluated as a seeded 64-bi
 (state, counts), so it costs nothing for any S. `rule_count` rules are drawn per seed and each
 sequence uses one of them.
 
-Tokens (spec §8, matching the NCA factorized head): a p x p patch of cells is the base-S number
+Tokens (matching the NCA factorized head): a p x p patch of cells is the base-S number
 of its cells, row-major, cell 0 the most significant digit, so patch ids are 0..K-1 with
 K = S**(p*p). Patches are read row-major over the grid. With frame_special_tokens each frame is
 [K, patches..., K+1]; every sequence ends with EOS (default id: the first free id after the

@@ -238,7 +238,7 @@ def _priority(schedule: str, stage_count: int) -> Callable[[_Task], tuple[int, .
 def _simulate(
     stage_count: int, total_virtual: int, microbatches: int, schedule: str
 ) -> tuple[PipelineEvent, ...]:
-    """Run the §10 rules: one ready task per stage per tick, results visible next tick."""
+    """Simulate the schedule: one ready task per stage per tick, results visible next tick."""
     key = _priority(schedule, stage_count)
     last = total_virtual - 1
     ready: list[set[_Task]] = [set() for _ in range(stage_count)]

@@ -1,4 +1,4 @@
-"""The BDH module (spec §1-§3): read it top to bottom.
+"""The BDH module: read it top to bottom.
 
 u = norm(embed[idx])
 repeat n_layer times with THE SAME weights:
@@ -6,9 +6,9 @@ repeat n_layer times with THE SAME weights:
     a  = norm(mixer(q = x, v = u, rho_l))  linear attention over the carried state
     y  = dropout(x * relu(a @ encoder_v))
     u  = norm(u + norm(y @ decoder))
-logits = u @ lm_head                   (or the NCA factorized head's loss, spec §8)
+logits = u @ lm_head                   (or the NCA factorized head's loss)
 
-Quantization-aware training (spec §9) hooks in at `_project`; the head loss lives in heads.py.
+Quantization-aware training hooks in at `_project`; the head loss lives in heads.py.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class BDH(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), eps=LN_EPS)
 
     def _project(self, name: str, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """inputs @ weight for the three shared projections; the quantization hook (spec §9).
+        """inputs @ weight for the three shared projections; the quantization hook.
 
         `name` is the parameter's name ('encoder', 'encoder_v', 'decoder'); the quantizer maps
         it to the paper's target names and quantizes only the targeted projections.

@@ -25,7 +25,7 @@ HEAD_TYPES = ("token", "nca_factorized_patch")
 
 @dataclass
 class QuantConfig:
-    """BitNet b1.58 quantization-aware training options (spec §9)."""
+    """BitNet b1.58 quantization-aware training options."""
 
     enable: bool = False
     weight_format: str = "ternary158"
@@ -62,7 +62,7 @@ class QuantConfig:
 
 @dataclass
 class LanguageHeadConfig:
-    """The output head: plain token logits, or the NCA factorized patch head (spec §8)."""
+    """The output head: plain token logits, or the NCA factorized patch head."""
 
     type: str = "token"
     state_count: int = 2
@@ -113,7 +113,7 @@ class LanguageHeadConfig:
 
 @dataclass
 class BDHConfig:
-    """Hyper-parameters of a BDH model. Defaults are the official ones (spec §1)."""
+    """Hyper-parameters of a BDH model. Defaults are those of the official pathwaycom/bdh model."""
 
     n_layer: int = 6
     n_embd: int = 256

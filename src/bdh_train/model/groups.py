@@ -1,4 +1,4 @@
-"""Parameter groups (spec §6): gradient-scale targets and the transfer surface/backbone split."""
+"""Parameter groups: gradient-scale targets and the transfer surface/backbone split."""
 
 from __future__ import annotations
 

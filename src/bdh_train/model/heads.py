@@ -1,6 +1,6 @@
 """Output heads: the token head (logits = hidden @ lm_head) and the NCA factorized patch head.
 
-The NCA head (spec §8, burn_dragon `NcaFactorizedPatch`) predicts a patch of P = p*p cells,
+The NCA head predicts a patch of P = p*p cells,
 each with S states, as P independent S-way softmaxes instead of one softmax over all S**P
 patch ids: `nca_lm_head` [D, P*S] (column c*S + s = cell c, state s). Frame/EOS tokens get their
 own small softmax over `nca_special_head` [D, #specials]. There are no flat token logits, so
@@ -66,7 +66,7 @@ def nca_factorized_loss(
     head: LanguageHeadConfig,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    """Spec §8 loss: sum of per-target nll / max(1, number of counted targets).
+    """The NCA loss: sum of per-target nll / max(1, number of counted targets).
 
     A target t < K costs the sum over cells of -log_softmax(h @ W_fact as [P, S])[c, digit_c];
     a special target costs -log_softmax(h @ W_special)[its index]. Those are the counted

@@ -1,4 +1,4 @@
-"""Position schemes (spec §4).
+"""Position schemes.
 
 rope rotates the queries (= keys) by absolute position, so the carried state must remember
 where each row is; alibi decays the state per head and per token, which needs no position.

@@ -1,4 +1,4 @@
-"""BitNet b1.58 quantization-aware training of BDH's three shared projections (spec §9).
+"""BitNet b1.58 quantization-aware training of BDH's three shared projections.
 
 BDH spends almost all of its weights and multiply-adds in three projections, so those are what
 low-bit training targets (paper names on the left, BDH parameter on the right):
@@ -18,14 +18,14 @@ Reductions (why these):
   projection for the whole model.
 * int8 activations: per token over the last dim (the contraction dim), so every row of a
   matmul has its own scale; that is token-local, which keeps chunked, recurrent and TBPTT
-  execution equal to the dense one. `int8_tensor_mean` (burn_dragon) uses one scale for the
+  execution equal to the dense one. `int8_tensor_mean` uses one scale for the
   whole tensor and so depends on how a sequence is split into calls.
 
 Training modes:
 * qat_ste: fake quantization; value lerp(x, q, lambda), gradient as if the quantizer were
   the identity (straight-through estimator).
 * train_kernel: the forward value comes from an integer matmul of the codes (int8 x ternary
-  accumulated in int32, then rescaled), the gradient is the fake-quant one (spec's
+  accumulated in int32, then rescaled), the gradient is the fake-quant one (the value of
   `reference + native - native.detach()`, done in one autograd Function so the float reference
   is never computed in forward). While lambda < 1 the operands are not integers, so the
   forward falls back to the float reference value.
@@ -65,7 +65,7 @@ def quantize_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tens
     """(codes int8, scale 0-d) with W_q = codes * scale; per-tensor scale.
 
     ternary158 (paper): gamma = mean|W|, codes = clamp(round(W / (gamma + eps)), -1, 1).
-    ternary_threshold (burn_dragon): codes = sign(W) where |W| >= gamma, else 0.
+    ternary_threshold: codes = sign(W) where |W| >= gamma, else 0.
     int8: absmax per tensor, codes = clamp(round(W * 127 / absmax), -127, 127).
     """
     wf = w.detach().to(_compute_dtype(w))
@@ -96,7 +96,7 @@ def quantize_activation(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.
     """(codes int8, s) with x_q = codes / s.
 
     int8 (paper): per token over the last dim, s = 127 / max(|x|, eps); codes in [-127, 127].
-    int8_tensor_mean (burn_dragon): one step 2 mean|x| / 127 for the whole tensor, i.e.
+    int8_tensor_mean: one step 2 mean|x| / 127 for the whole tensor, i.e.
     s = 127 / max(2 mean|x|, eps); codes clamped to [-128, 127].
     """
     xf = x.detach().to(_compute_dtype(x))
@@ -231,7 +231,7 @@ def quantized_projection(
     cfg: QuantConfig,
     lam: float = 1.0,
 ) -> torch.Tensor:
-    """x @ w with x activation-quantized and w weight-quantized, per `cfg` (spec §9)."""
+    """x @ w with x activation-quantized and w weight-quantized, per `cfg`."""
     if lam == 0.0:
         return per_head_matmul(x, w)  # the float model, exactly
     if cfg.training_mode == "qat_ste":

@@ -1,4 +1,4 @@
-"""ModelState (spec §5): what a BDH carries from one call to the next.
+"""ModelState: what a BDH carries from one call to the next.
 
 One `rho` per layer ([B, H, N, D], None until first written) and a per-row absolute position
 ([B] long), so rows of one batch may be at different points of their documents. Operations

@@ -10,7 +10,8 @@ The caller states the loss scale it multiplied every loss by; it is never inferr
 Nothing else (optimizer, scheduler, clipping, data iterator, reduction) is advanced here. The
 pending window and its counters can be checkpointed mid-window and resumed bit for bit.
 
-Port of the `weighted_accum.rs` reference: every validation rule, its order and its message.
+Every validation rule, its order and its message follow the Rust weighted accumulator this
+product ports, so errors read the same in both.
 """
 
 from __future__ import annotations

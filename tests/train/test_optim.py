@@ -1,0 +1,60 @@
+"""The learning-rate schedule (`schedules.learning_rate`) against hand-computed values.
+
+`step` is the 0-based index of the optimizer step about to be taken (the trainer passes the
+number of steps already taken). Base and floor are powers of two so every warm-up value and
+both cosine end points are exact in binary floating point.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bdh_train.train.optim import learning_rate
+
+BASE = 2.0**-8  # 0.00390625
+FLOOR = 2.0**-10  # 0.0009765625
+
+
+def lr_at(step: int, warmup: int, total: int, schedule: str) -> float:
+    return learning_rate(
+        step=step,
+        base_lr=BASE,
+        warmup_steps=warmup,
+        total_steps=total,
+        schedule=schedule,
+        min_lr=FLOOR,
+    )
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_first_warmup_step_is_base_over_warmup_and_base_is_reached_at_step_index_warmup_minus_1(
+    schedule,
+):
+    warmup, total = 4, 12
+    lrs = [lr_at(s, warmup, total, schedule) for s in range(warmup + 1)]
+    # Hand computation: the k-th step (index k-1) of a 4-step warm-up runs at k/4 of the base.
+    assert lrs[0] == BASE / 4 == 0.0009765625
+    assert lrs[:warmup] == [BASE / 4, BASE / 2, 3 * BASE / 4, BASE]
+    # The base rate is first reached by the 4th step (index 3), never before it ...
+    assert [i for i, lr in enumerate(lrs) if lr == BASE][0] == warmup - 1
+    # ... and the first step after the warm-up (index 4) also runs at the base rate.
+    assert lrs[warmup] == BASE
+    # Without warm-up the very first step already uses the base rate.
+    assert lr_at(0, 0, total, schedule) == BASE
+
+
+def test_cosine_is_base_right_after_warmup_and_min_lr_at_total_steps():
+    warmup, total = 2, 6  # the cosine spans step indices 2..6 (4 intervals)
+    lr = [lr_at(s, warmup, total, "cosine") for s in range(total + 3)]
+    assert lr[warmup] == BASE  # progress 0: cos(0) = 1
+    # progress 1/4, 2/4, 3/4: floor + (base - floor) * (1 + cos(pi p)) / 2, by hand
+    span = BASE - FLOOR
+    assert lr[3] == pytest.approx(FLOOR + span * (2 + math.sqrt(2)) / 4, rel=1e-13, abs=0)
+    assert lr[4] == pytest.approx(FLOOR + span / 2, rel=1e-13, abs=0)
+    assert lr[5] == pytest.approx(FLOOR + span * (2 - math.sqrt(2)) / 4, rel=1e-13, abs=0)
+    assert lr[total] == FLOOR  # progress 1: exactly the floor at total_steps ...
+    assert lr[total - 1] > FLOOR  # ... not one step earlier ...
+    assert lr[total + 1] == lr[total + 2] == FLOOR  # ... and it stays there (no restart)
+    assert all(a > b for a, b in zip(lr[warmup:total], lr[warmup + 1 : total + 1], strict=True))

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
 from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.model.bdh import BDH
 from bdh_train.model.config import BDHConfig
 from bdh_train.model.quant import PROJECTION_TARGETS, TERNARY_FORMATS, quantize_weight
+from bdh_train.utils import atomic_write
 
 FORMAT = "bdh-ternary/1"
 PACKED_SUFFIX = ".ternary"
@@ -92,10 +93,8 @@ def export_ternary(model: BDH, out_path: str | os.PathLike[str]) -> Path:
         "ternary": json.dumps(shapes),
     }
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, out)
+    with atomic_write(out, "wb") as handle:
+        handle.write(safetensors_bytes(tensors, metadata=metadata))
     return out
 
 

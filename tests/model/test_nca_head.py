@@ -114,7 +114,7 @@ def test_forward_returns_no_logits_and_the_head_loss():
 
 
 def test_split_calls_with_state_equal_the_full_loss():
-    """The reference train step's TBPTT check: two chunks carried through the state give the full loss."""
+    """The reference train step's TBPTT check: two chunks through the state give the full loss."""
     model = nca_model()
     idx = torch.tensor([[16, 0, 1, 17], [16, 2, 3, 18]])
     targets = torch.tensor([[0, 1, 17, 18], [2, 3, 16, 18]])

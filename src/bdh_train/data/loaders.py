@@ -83,7 +83,35 @@ def _windows_to_batch(windows: torch.Tensor, reset: torch.Tensor | None) -> Sequ
     return SequenceBatch(windows[:, :-1].contiguous(), windows[:, 1:].contiguous(), reset)
 
 
-class RandomWindowLoader:
+class _RankedLoader:
+    """What both loaders share: the token array, the global batch shape, the seed, and which
+    rows of each global batch this rank takes."""
+
+    def __init__(
+        self, tokens: TokenSource, block_size: int, batch_size: int, seed: int, rank: int,
+        world_size: int,
+    ) -> None:
+        self.tokens, self.source = _as_tokens(tokens)
+        self.block_size = checks.positive_int("block_size", block_size)
+        self.batch_size = checks.positive_int("batch_size", batch_size)
+        _check_ranks(self.batch_size, rank, world_size)
+        self.seed = checks.integer("seed", seed)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.batch_size // self.world_size
+
+    def next_batch(self) -> SequenceBatch:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[SequenceBatch]:
+        while True:
+            yield self.next_batch()
+
+
+class RandomWindowLoader(_RankedLoader):
     """Windows of block_size + 1 tokens at uniformly random positions.
 
     The global batch of micro-batch `micro` of optimizer step `step` is a pure function of
@@ -95,22 +123,10 @@ class RandomWindowLoader:
     kind = "random_window"
 
     def __init__(
-        self,
-        tokens: TokenSource,
-        block_size: int,
-        batch_size: int,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        accumulation_steps: int = 1,
+        self, tokens: TokenSource, block_size: int, batch_size: int, seed: int, rank: int = 0,
+        world_size: int = 1, accumulation_steps: int = 1,
     ) -> None:
-        self.tokens, self.source = _as_tokens(tokens)
-        self.block_size = checks.positive_int("block_size", block_size)
-        self.batch_size = checks.positive_int("batch_size", batch_size)
-        _check_ranks(self.batch_size, rank, world_size)
-        self.seed = checks.integer("seed", seed)
-        self.rank = int(rank)
-        self.world_size = int(world_size)
+        super().__init__(tokens, block_size, batch_size, seed, rank, world_size)
         self.accumulation_steps = checks.positive_int("accumulation_steps", accumulation_steps)
         n = int(self.tokens.shape[0])
         if n < self.block_size + 1:
@@ -121,10 +137,6 @@ class RandomWindowLoader:
         self.num_starts = n - self.block_size
         self.step = 0
         self.micro = 0
-
-    @property
-    def rows_per_rank(self) -> int:
-        return self.batch_size // self.world_size
 
     def set_accumulation_steps(self, k: int) -> None:
         """Micro-batches per optimizer step (gradient accumulation); the cursor keeps its
@@ -159,20 +171,13 @@ class RandomWindowLoader:
             self.step, self.micro = self.step + 1, 0
         return batch
 
-    def __iter__(self) -> Iterator[SequenceBatch]:
-        while True:
-            yield self.next_batch()
-
     def state_dict(self) -> dict[str, Any]:
         """The cursor, plus the settings that must match for it to mean the same batches."""
         return {
             "kind": self.kind,
             "step": self.step,
             "micro": self.micro,
-            "seed": self.seed,
-            "block_size": self.block_size,
-            "batch_size": self.batch_size,
-            "num_starts": self.num_starts,
+            **self._fingerprint(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -195,7 +200,7 @@ class RandomWindowLoader:
         }
 
 
-class StreamingDocumentLoader:
+class StreamingDocumentLoader(_RankedLoader):
     """Consecutive windows of documents, for training with state carried across steps.
 
     The stream is cut into documents of `logical_length` L tokens (a multiple of block_size T):
@@ -221,15 +226,9 @@ class StreamingDocumentLoader:
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        self.tokens, self.source = _as_tokens(tokens)
-        self.block_size = checks.positive_int("block_size", block_size)
-        self.batch_size = checks.positive_int("batch_size", batch_size)
+        super().__init__(tokens, block_size, batch_size, seed, rank, world_size)
         self.logical_length = checks.positive_int("logical_length", logical_length)
-        _check_ranks(self.batch_size, rank, world_size)
-        self.seed = checks.integer("seed", seed)
         check_logical_length(self.logical_length, self.block_size, zero_ok=False)
-        self.rank = int(rank)
-        self.world_size = int(world_size)
         self.windows_per_doc = self.logical_length // self.block_size
         n = int(self.tokens.shape[0])
         self.num_docs = (n - 1) // self.logical_length
@@ -245,10 +244,6 @@ class StreamingDocumentLoader:
         self.row_window = [0] * self.batch_size  # next window index to read in row_doc
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
-
-    @property
-    def rows_per_rank(self) -> int:
-        return self.batch_size // self.world_size
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Document order of `epoch`: a permutation of range(num_docs) seeded by (seed, epoch)."""
@@ -279,10 +274,6 @@ class StreamingDocumentLoader:
         lo, hi = self.rank * self.rows_per_rank, (self.rank + 1) * self.rows_per_rank
         windows = _gather(self.tokens, starts[lo:hi], self.block_size + 1)
         return _windows_to_batch(windows, torch.tensor(reset[lo:hi], dtype=torch.bool))
-
-    def __iter__(self) -> Iterator[SequenceBatch]:
-        while True:
-            yield self.next_batch()
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch, queue position and every global row's (doc, next window), as plain ints."""

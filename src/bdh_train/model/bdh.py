@@ -220,12 +220,8 @@ class BDH(nn.Module):
     # ---------------------------------------------------------------- generation
     @torch.no_grad()
     def stream_generate(
-        self,
-        prompt_ids: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
+        self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+        top_k: int | None = None, generator: torch.Generator | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield new tokens [B] one at a time.
 
@@ -245,12 +241,8 @@ class BDH(nn.Module):
             hidden = self.forward_hidden(token.unsqueeze(1), state, executor="recurrent")
 
     def generate(
-        self,
-        prompt_ids: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
+        self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+        top_k: int | None = None, generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Prompt followed by `max_new_tokens` sampled tokens ([B, T + new])."""
         squeeze = prompt_ids.dim() == 1

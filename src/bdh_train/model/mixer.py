@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -58,12 +59,8 @@ def _decay_powers(log_decay: torch.Tensor, exponents: torch.Tensor, like: torch.
 
 
 def dense_attention(
-    q: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    initial_state: torch.Tensor | None = None,
-    log_decay: torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    q: Tensor, v: Tensor, *, initial_state: Tensor | None = None,
+    log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
     output_final_state: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole call at once through the masked T x T score matrix (chunk_size unused)."""
@@ -101,39 +98,28 @@ def dense_attention(
 
 
 def chunked_attention(
-    q: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    initial_state: torch.Tensor | None = None,
-    log_decay: torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    q: Tensor, v: Tensor, *, initial_state: Tensor | None = None,
+    log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
     output_final_state: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dense inside chunks of `chunk_size` tokens; the state carries the past between them."""
-    rho = initial_state
-    seq_len = q.shape[2]
-    outs = []
-    for start in range(0, seq_len, chunk_size):
-        end = min(start + chunk_size, seq_len)
-        last = end == seq_len
-        out, rho = dense_attention(
+    state, outs = initial_state, []
+    for start in range(0, q.shape[2], chunk_size):
+        end = min(start + chunk_size, q.shape[2])
+        out, state = dense_attention(
             q[:, :, start:end],
             v[:, :, start:end],
-            initial_state=rho,
+            initial_state=state,
             log_decay=log_decay,
-            output_final_state=output_final_state or not last,
+            output_final_state=output_final_state or end < q.shape[2],
         )
         outs.append(out)
-    return torch.cat(outs, dim=2), rho
+    return torch.cat(outs, dim=2), state
 
 
 def recurrent_attention(
-    q: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    initial_state: torch.Tensor | None = None,
-    log_decay: torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    q: Tensor, v: Tensor, *, initial_state: Tensor | None = None,
+    log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
     output_final_state: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token by token, read before write: the definition itself.

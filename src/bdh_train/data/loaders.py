@@ -52,8 +52,7 @@ def check_logical_length(logical_length: int, block_size: int, *, zero_ok: bool)
 
 def _check_ranks(batch_size: int, rank: int, world_size: int) -> None:
     checks.positive_int("world_size", world_size)
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
-        raise ConfigError(f"rank must be an integer, got {rank!r}")
+    checks.integer("rank", rank)
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank must be in [0, world_size={world_size}), got {rank}")
     if batch_size % world_size:

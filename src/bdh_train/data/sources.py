@@ -17,6 +17,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from bdh_train import checks
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.utils import atomic_write, suggest
 
@@ -315,7 +316,7 @@ def read_header(path: Path) -> dict[str, object]:
             f"{', '.join(TOKEN_DTYPES)}"
         )
     vocab = header.get("vocab_size")
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0:
+    if not checks.is_int(vocab) or vocab <= 0:
         raise DataError(
             f"token header '{hpath}' needs a positive integer 'vocab_size', got {vocab!r}"
         )

@@ -315,7 +315,7 @@ def split_microbatch_ranges(total: int, microbatches: int) -> list[range]:
     a pipeline slot would run on nothing.
     """
     checks.positive_int("parallel.microbatches", microbatches)
-    if isinstance(total, bool) or not isinstance(total, int) or total < microbatches:
+    if not checks.is_int(total) or total < microbatches:
         raise ConfigError(
             f"batch size {total!r} is smaller than parallel.microbatches = {microbatches}; "
             "every microbatch needs at least one sequence"

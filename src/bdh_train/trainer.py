@@ -318,7 +318,10 @@ class Trainer:
             self.progress.update(s.step, log_row)
             if t.eval_every and (s.step % t.eval_every == 0 or s.step == t.max_steps):
                 last_val = self.evaluate()
-            if t.checkpoint_every and (s.step % t.checkpoint_every == 0 or s.step == t.max_steps):
+            due = t.checkpoint_every and (
+                s.step % t.checkpoint_every == 0 or s.step == t.max_steps
+            )
+            if due and s.skips == 0:  # never keep a step of a non-finite streak as "good"
                 checkpoint = self.save_checkpoint()
         self.progress.close()
         if self.profiler is not None:
@@ -390,11 +393,20 @@ class Trainer:
             f"skipped ({s.skips} in a row)"
         )
         if s.skips > limit:
+            try:
+                advice = (
+                    f"the last good checkpoint, {ckpt.resolve_checkpoint(self.run_dir)}, is from "
+                    "before the streak: lower optimizer.lr or set optimizer.grad_clip_norm and "
+                    "resume"
+                )
+            except CheckpointError:
+                advice = (
+                    "no checkpoint was written before the streak: lower optimizer.lr or set "
+                    "optimizer.grad_clip_norm and start again"
+                )
             raise TrainingDiverged(
                 f"{s.skips} consecutive steps had a non-finite loss or gradient "
-                f"(training.max_consecutive_skips = {limit}); stopping. The last good "
-                f"checkpoint in {self.run_dir / ckpt.CHECKPOINTS} is intact: lower "
-                "optimizer.lr or set optimizer.grad_clip_norm and resume"
+                f"(training.max_consecutive_skips = {limit}); stopping; {advice}"
             )
 
     def _profile_row(self) -> dict[str, float]:

@@ -10,9 +10,11 @@ decides its format (`.json`, `.pt`, `.toml` text, `.safetensors` model weights).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
@@ -49,9 +51,23 @@ LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 
 
+MANIFEST = "manifest.json"
+"""SHA-256 and size of every other file of a checkpoint, written last, checked on load."""
+_NAME = re.compile(r"step-(\d{7,})(?:-m(\d{2,}))?")
+_TMP_PREFIX = ".tmp-"
+_OLD_PREFIX = ".old-"
+_SET_ASIDE = "checkpoint"
+
+
 def checkpoint_name(step: int, micro: int = 0) -> str:
     """step-0000010, or step-0000010-m01 for one taken 1 micro-step into step 11's window."""
     return f"step-{step:07d}" + (f"-m{micro:02d}" if micro else "")
+
+
+def checkpoint_position(name: str) -> tuple[int, int] | None:
+    """(step, micro) of a checkpoint directory name; None for anything else."""
+    match = _NAME.fullmatch(name)
+    return (int(match.group(1)), int(match.group(2) or 0)) if match else None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -62,6 +78,64 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_manifest(directory: Path) -> None:
+    files = {
+        p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+    write_json(directory / MANIFEST, {"files": files})
+
+
+def verify_checkpoint(directory: Path) -> None:
+    """Raise CheckpointError unless every file the manifest lists is there, whole and unchanged.
+    Checkpoints written before manifests existed have none and are accepted as they are."""
+    directory = Path(directory)
+    if not (directory / MODEL_FILE).is_file():
+        raise CheckpointError(f"checkpoint {directory} has no {MODEL_FILE}")
+    if not (directory / MANIFEST).is_file():
+        return
+    manifest = read_json(directory / MANIFEST)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{directory / MANIFEST} lists no files")
+    for name, entry in files.items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {directory} is missing {name}")
+        if path.stat().st_size != entry.get("bytes") or _sha256(path) != entry.get("sha256"):
+            raise CheckpointError(
+                f"checkpoint {directory}: {name} does not match its SHA-256 in {MANIFEST} "
+                "(the file was changed or damaged)"
+            )
+
+
+def recover_checkpoints(root: Path) -> None:
+    """Finish or undo what a crash interrupted: a half-written temporary directory is removed;
+    a checkpoint set aside for a re-save comes back when its replacement never arrived."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        if path.name.startswith(_TMP_PREFIX):
+            shutil.rmtree(path, ignore_errors=True)
+    for path in root.iterdir():
+        if path.name.startswith(_OLD_PREFIX):
+            name = path.name[len(_OLD_PREFIX) :].rsplit("-", 1)[0]
+            kept = path / _SET_ASIDE
+            if kept.is_dir() and checkpoint_position(name) and not (root / name).exists():
+                os.replace(kept, root / name)
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def save_checkpoint(
     run_dir: Path,
     name: str,
@@ -69,24 +143,30 @@ def save_checkpoint(
     keep: int = 0,
     before_rename: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Call `write(tmp_dir)` to fill a fresh directory, then publish it atomically.
+    """Call `write(tmp_dir)` to fill a fresh directory, add its manifest, then publish it.
 
+    The new directory is renamed into place only when every file is on disk; a checkpoint of
+    the same name is first set aside and deleted only after the new one is in place, so a
+    crash at any point leaves one whole checkpoint of that name (`recover_checkpoints`).
     `before_rename` is a test seam: it runs between the complete temporary write and the
     rename, which is where a crash must not damage anything.
     """
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f"{_TMP_PREFIX}{final.name}-"))
+    old: Path | None = None
     try:
         write(tmp)
+        _write_manifest(tmp)
         for child in tmp.iterdir():
             with open(child, "rb") as handle:
                 os.fsync(handle.fileno())
         if before_rename is not None:
             before_rename(tmp)
-        if final.exists():  # a re-save of the same point (e.g. after resume): replace it
-            shutil.rmtree(final)
+        if final.exists():  # a re-save of the same point (e.g. after resume): swap it
+            old = Path(tempfile.mkdtemp(dir=root, prefix=f"{_OLD_PREFIX}{final.name}-"))
+            os.replace(final, old / _SET_ASIDE)
         os.replace(tmp, final)
         _fsync_dir(root)
     except BaseException:
@@ -94,40 +174,82 @@ def save_checkpoint(
         raise
     with atomic_write(root / LATEST) as handle:
         handle.write(final.name + "\n")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     if keep > 0:
         prune_checkpoints(root, keep)
     return final
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    return sorted(p for p in Path(root).glob("step-*") if p.is_dir())
+    """Checkpoint directories, oldest first by (step, micro-step) — not by name."""
+    found = [p for p in Path(root).iterdir() if p.is_dir() and checkpoint_position(p.name)]
+    return sorted(found, key=lambda p: checkpoint_position(p.name))
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints by step; never delete the one `latest` names (the
+    one just written, or an older one a user pointed it back to)."""
+    pointer = Path(root) / LATEST
+    protected = pointer.read_text().strip() if pointer.is_file() else None
     for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name != protected:
+            shutil.rmtree(old, ignore_errors=True)
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run dir (-> its latest checkpoint), a checkpoints/ dir, or a checkpoint dir."""
+def _read_pointer(root: Path) -> Path:
+    pointer = root / LATEST
+    name = pointer.read_text(errors="replace").strip()
+    if checkpoint_position(name) is None:
+        raise CheckpointError(
+            f"{pointer} holds {name!r}, not the name of a checkpoint directory inside "
+            f"{root} (step-XXXXXXX)"
+        )
+    return root / name
+
+
+def resolve_checkpoint(path: str | Path, fallback: bool = False) -> Path:
+    """A run dir (-> its latest checkpoint), a checkpoints/ dir, or a checkpoint dir; verified
+    against its manifest. When `latest` is missing or damaged, the error names the newest
+    intact checkpoint; with `fallback` that one is returned instead."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
     if (path / MODEL_FILE).is_file():
+        verify_checkpoint(path)
         return path
     for root in (path / CHECKPOINTS, path):
-        pointer = root / LATEST
-        if pointer.is_file():
-            target = root / pointer.read_text().strip()
-            if (target / MODEL_FILE).is_file():
-                return target
-            raise CheckpointError(
-                f"{pointer} points to {target.name}, which is missing or incomplete"
+        if not (root / LATEST).is_file():
+            continue
+        try:
+            target = _read_pointer(root)
+            if not target.is_dir():
+                raise CheckpointError(f"{root / LATEST} points to {target.name}, which is missing")
+            verify_checkpoint(target)
+            return target
+        except CheckpointError as exc:
+            intact = newest_intact_checkpoint(root)
+            if fallback and intact is not None:
+                return intact
+            offer = (
+                f"; the newest intact checkpoint is {intact} (resume from it with "
+                "--resume-fallback)" if intact is not None else "; no intact checkpoint is left"
             )
+            raise CheckpointError(f"{exc}{offer}") from None
     raise CheckpointError(
         f"no checkpoint found at {path}: expected a run directory with "
         f"{CHECKPOINTS}/{LATEST}, or a directory holding {MODEL_FILE}"
     )
+
+
+def newest_intact_checkpoint(root: Path) -> Path | None:
+    for candidate in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError:
+            continue
+        return candidate
+    return None
 
 
 # ---------------------------------------------------------------- pieces of a checkpoint
@@ -263,6 +385,8 @@ class Checkpointer:
         self.run_dir = Path(run_dir)
         self.keep = keep
         self.is_main = is_main
+        if is_main:
+            recover_checkpoints(self.run_dir / CHECKPOINTS)
 
     def save(
         self,
@@ -281,6 +405,7 @@ class Checkpointer:
         return save_checkpoint(self.run_dir, name, write, self.keep, before_rename)
 
     def load(self, directory: Path, parts: Mapping[str, Stateful]) -> None:
+        verify_checkpoint(directory)
         for file, part in parts.items():
             state = _read_part(directory / file)
             try:

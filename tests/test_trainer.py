@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from helpers import assert_close
 from safetensors.torch import load_file
 
 from bdh_train.config import load_config
+from bdh_train.errors import ConfigError
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.metrics import read_metrics
 from bdh_train.train.step import LanguageTrainModel
@@ -538,3 +541,77 @@ def test_optimizer_defaults_of_a_file_without_preset_reach_adamw_and_clipping(
     assert clip_norms == [1.0, 1.0, 1.0]
     rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert [r["lr"] for r in rows] == [1e-3, 1e-3, 1e-3]
+
+
+# ------------------------------------------------------------------ one trainer per run dir
+def test_a_fresh_run_refuses_a_directory_holding_another_run(tmp_path):
+    run = tmp_path / "run"
+    cfg = load_config(overrides=[*MICRO, "training.max_steps=2"])
+    Trainer(cfg, run, stream=io.StringIO()).run()
+    before = sorted(p.name for p in run.iterdir())
+    with pytest.raises(ConfigError, match="already holds a run .*--resume .*--overwrite"):
+        Trainer(load_config(overrides=MICRO), run, stream=io.StringIO())
+    assert sorted(p.name for p in run.iterdir()) == before
+    fresh = Trainer(
+        load_config(overrides=[*MICRO, "training.max_steps=1"]), run, stream=io.StringIO(),
+        overwrite=True,
+    )
+    fresh.run()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [1]
+    assert ckpt.resolve_checkpoint(run).name == "step-0000001"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-0000001"]
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
+def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(tmp_path, stop_signal):
+    """The first trainer holds the run directory's lock; a second (a resume of the same run
+    with another lr) gets one error line naming the holder's pid and changes nothing. Ctrl-C
+    or SIGTERM then stops the first at the next micro-step with a checkpoint of exactly the
+    step it reached, and exit status 75 (stopped, resumable) instead of 0 (finished)."""
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    overrides = [*MICRO, "training.eval_every=0", "training.max_steps=100000"]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "bdh_train", "train", "--run-dir", str(run),
+         *[f"--set={o}" for o in overrides]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "latest").exists():
+            assert first.poll() is None and time.monotonic() < deadline, "first run did not start"
+            time.sleep(0.2)
+        second = subprocess.run(
+            [sys.executable, "-m", "bdh_train", "train", "--resume", str(run),
+             "--set=optimizer.lr=0.5"],
+            capture_output=True, text=True, env=env, timeout=120,
+        )
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines() == [
+            f"error: run directory {run} is in use by another trainer (pid {first.pid}); "
+            "wait for it to finish or stop it, or use another --run-dir"
+        ]
+        first.send_signal(stop_signal)
+        assert first.wait(timeout=120) == 75
+    finally:
+        first.kill()
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, len(steps) + 1)), "the first run's log was disturbed"
+    assert load_config([run / "config.toml"]).optimizer.lr != 0.5
+    stopped = ckpt.resolve_checkpoint(run)
+    assert ckpt.read_json(stopped / "trainer.json")["step"] == steps[-1]
+
+
+def test_resume_drops_a_torn_metrics_line_with_a_notice(tmp_path):
+    overrides = [*MICRO, "training.max_steps=4"]
+    run = tmp_path / "run"
+    Trainer(load_config(overrides=overrides), run, stream=io.StringIO()).run(
+        stop_after_micro_steps=2
+    )
+    with open(run / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 3, "tokens": 19')  # a write cut short by a full disk
+    log = io.StringIO()
+    Trainer(load_config(overrides=overrides), run, resume=True, stream=log).run()
+    assert "the last line of" in log.getvalue() and "was torn" in log.getvalue()
+    rows = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]

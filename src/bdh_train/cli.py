@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import datetime as _dt
 import json
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from bdh_train.errors import BDHTrainError, CheckpointError
 
 EXIT_USER_ERROR = 2
-ERROR_LOG = "error.log"
+EXIT_STOPPED = 75
+"""A run stopped by SIGTERM or Ctrl-C after writing its checkpoint (resume it); 0 = finished."""
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="continue a run exactly from its latest checkpoint (default: --run-dir)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a fresh run in a run directory that holds an earlier one, deleting it",
     )
 
     p = sub.add_parser("generate", help="stream text from a checkpoint (O(1) per token)")
@@ -123,15 +130,39 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides, args.preset)
     dist_ctx = DistContext.from_env(resolve_device(cfg.training.device).type)
     try:
-        trainer = Trainer(cfg, run_dir, resume=resume, dist_ctx=dist_ctx)
-        previous = signal.signal(signal.SIGTERM, lambda *_: trainer.request_stop())
-        try:
-            trainer.run()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        trainer = Trainer(
+            cfg, run_dir, resume=resume, dist_ctx=dist_ctx, overwrite=args.overwrite
+        )
+        with _stop_on_signals(trainer.request_stop):
+            result = trainer.run()
     finally:
         dist_ctx.close()
-    return 0
+    return EXIT_STOPPED if result.stopped_early else 0
+
+
+@contextlib.contextmanager
+def _stop_on_signals(request_stop: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM and the first Ctrl-C ask the trainer to checkpoint at the next micro-step and
+    return; a second Ctrl-C aborts at once."""
+    interrupts = 0
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts > 1:
+            raise KeyboardInterrupt
+        print("stopping at the next micro-step (Ctrl-C again to abort)", file=sys.stderr)
+        request_stop()
+
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: request_stop()),
+        signal.SIGINT: signal.signal(signal.SIGINT, on_interrupt),
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _load_checkpoint_model(path: str):
@@ -265,6 +296,8 @@ def _log_error(directory: Path | None, message: str) -> None:
         return
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        from bdh_train.train.run_dir import ERROR_LOG
+
         with open(directory / ERROR_LOG, "a") as handle:
             handle.write(f"{_dt.datetime.now().isoformat(timespec='seconds')} {message}\n")
     except OSError:

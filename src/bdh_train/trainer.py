@@ -36,6 +36,7 @@ from bdh_train.train.init_from import init_weights_from
 from bdh_train.train.metrics import MetricsLog, Progress, plot_losses
 from bdh_train.train.profile import StepProfile, StepProfiler
 from bdh_train.train.reduce import all_reduce_accumulated
+from bdh_train.train.run_dir import RunDirLock, check_fresh_run_dir, clear_run_dir
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.step import LanguageTrainModel, StepExecutor
 
@@ -167,11 +168,16 @@ class Trainer:
         resume: bool = False,
         dist_ctx: DistContext | None = None,
         stream: IO[str] | None = None,
+        overwrite: bool = False,
     ):
-        """Validate everything (config, data, checkpoint) before anything is written."""
+        """Validate everything (config, data, checkpoint, the run directory) before anything
+        is written. A fresh run needs an empty run directory unless `overwrite`."""
         self.cfg = cfg.validate()
         t = cfg.training
         self.run_dir = Path(run_dir)
+        self.overwrite = overwrite and not resume
+        if not resume:
+            check_fresh_run_dir(self.run_dir, overwrite)
         self.dist = dist_ctx or DistContext()
         self.device = self.dist.device(resolve_device(t.device).type)
         self.accumulation_steps = t.accumulation_steps
@@ -273,9 +279,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self, stop_after_micro_steps: int | None = None) -> RunResult:
+        """Train to `max_steps` (or until a stop is requested); the main process holds the
+        run directory's lock throughout."""
+        lock = RunDirLock(self.run_dir).acquire() if self.dist.is_main else None
+        try:
+            return self._run(stop_after_micro_steps)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _run(self, stop_after_micro_steps: int | None) -> RunResult:
         t, s = self.cfg.training, self.state
         if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.overwrite:
+                clear_run_dir(self.run_dir)
             save_config(self.cfg, self.run_dir / CONFIG_FILE)
         resume_step = s.step if self.resumed_from is not None else None
         self.metrics = MetricsLog(self.run_dir, resume_step, enabled=self.dist.is_main)
@@ -284,6 +301,11 @@ class Trainer:
                 f"resumed from {self.resumed_from} at step {s.step}"
                 f" (micro-step {s.micro} of {self.accumulation_steps})"
             )
+            if self.metrics.dropped_torn_line:
+                self.progress.log(
+                    f"notice: the last line of {self.metrics.path} was torn (an interrupted "
+                    "write) and was dropped"
+                )
         micro_done = 0
         last_val: float | None = None
         started = time.perf_counter() - s.elapsed

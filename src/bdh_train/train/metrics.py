@@ -9,6 +9,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from bdh_train.errors import DataError
 from bdh_train.utils import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
@@ -19,10 +20,15 @@ class MetricsLog:
     """Appends one JSON object per row; on resume, rows past the checkpoint are dropped."""
 
     def __init__(self, run_dir: Path, resume_step: int | None = None, enabled: bool = True):
+        """On resume, rows past the checkpoint's step (and a torn last line) are dropped."""
         self.path = Path(run_dir) / METRICS_FILE
         self.enabled = enabled
+        self.dropped_torn_line = False
         if enabled and resume_step is not None and self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            rows = read_metrics(self.path)
+            lines = [x for x in self.path.read_text(errors="replace").splitlines() if x.strip()]
+            self.dropped_torn_line = len(rows) < len(lines)
+            kept = [r for r in rows if r.get("step", 0) <= resume_step]
             with atomic_write(self.path) as handle:
                 for row in kept:
                     handle.write(json.dumps(row) + "\n")
@@ -35,10 +41,19 @@ class MetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of metrics.jsonl; a torn last line (what a full disk or a kill mid-write
+    leaves) is left out. A damaged line before the last is an error naming it."""
+    lines = [line for line in Path(path).read_text(errors="replace").splitlines() if line.strip()]
     rows = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
+    for number, line in enumerate(lines, 1):
+        try:
             rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                break
+            raise DataError(
+                f"{path} line {number} is not a JSON row ({exc}); delete that line to go on"
+            ) from exc
     return rows
 
 

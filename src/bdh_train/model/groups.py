@@ -12,7 +12,10 @@ TARGETS = (
     "shared_lowrank_decoder",
     "other_backbone",
 )
-SHARED_LOWRANK = ("encoder", "encoder_v", "decoder")
+SHARED_LOWRANK = ("decay_log_gain", "encoder", "encoder_v", "decoder")
+"""The shared low-rank slots a continual-backprop target scale averages over, the learned
+decay first; a model without the learned decay (position other than alibi_learned) still has
+the slot, at scale 1."""
 _TARGET_OF = {
     "embed.weight": "embedding",
     "norm.weight": "normalization",
@@ -35,10 +38,6 @@ def params_for_target(model: nn.Module, target: str) -> list[str]:
     if target not in TARGETS:
         raise ValueError(f"unknown parameter-group target {target!r}; expected one of {TARGETS}")
     return [name for name, _ in model.named_parameters() if target_of(name) == target]
-
-
-def shared_lowrank_params(model: nn.Module) -> list[str]:
-    return [name for name, _ in model.named_parameters() if name in SHARED_LOWRANK]
 
 
 def interface_surface_params(

@@ -10,6 +10,7 @@ TARGETS = (
     "output_head",
     "shared_lowrank_encoder",
     "shared_lowrank_decoder",
+    "shared_lowrank_decay",
     "other_backbone",
 )
 SHARED_LOWRANK = ("decay_log_gain", "encoder", "encoder_v", "decoder")
@@ -26,6 +27,7 @@ _TARGET_OF = {
     "encoder": "shared_lowrank_encoder",
     "encoder_v": "shared_lowrank_encoder",
     "decoder": "shared_lowrank_decoder",
+    "decay_log_gain": "shared_lowrank_decay",  # only with model.position = "alibi_learned"
 }
 
 

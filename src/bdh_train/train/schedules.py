@@ -35,8 +35,12 @@ class GradientScaleRamp:
     between two fractions of training (e.g. unfreeze a transferred backbone gradually)."""
 
     final_scale: float = 1.0
+    """The scale from end_fraction on."""
     start_fraction: float = 0.0
+    """Where the ramp leaves the initial scale, as a fraction of training.max_steps (optimizer
+    steps): step index round((max_steps - 1) * start_fraction)."""
     end_fraction: float = 1.0
+    """Where the ramp reaches final_scale, as a fraction of training.max_steps."""
 
     def validate(self, prefix: str) -> GradientScaleRamp:
         checks.number(f"{prefix}.final_scale", self.final_scale, low=0.0)
@@ -58,6 +62,7 @@ class GradientScale:
     target: str = "other_backbone"
     """A parameter group: one of model.groups.TARGETS."""
     scale: float = 1.0
+    """The multiplier (with a schedule: the ramp's initial scale)."""
     schedule: GradientScaleRamp | None = None
     """Optional ramp of the scale over training."""
 

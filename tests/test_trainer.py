@@ -99,7 +99,6 @@ def test_crash_during_checkpoint_leaves_previous_one_loadable(tmp_path):
     script = textwrap.dedent(f"""
         import io, os, signal
         from bdh_train.config import load_config
-from bdh_train.model.groups import interface_surface_params, transferred_backbone_params
         from bdh_train.trainer import Trainer
         t = Trainer(load_config(overrides={MICRO!r}), {str(run_dir)!r}, stream=io.StringIO())
         t.run(stop_after_micro_steps=3)               # checkpoint step-0000003

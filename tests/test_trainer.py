@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from bdh_train.config import load_config
 from bdh_train.errors import ConfigError
+from bdh_train.model.groups import interface_surface_params, transferred_backbone_params
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.metrics import read_metrics
 from bdh_train.train.step import LanguageTrainModel
@@ -363,6 +364,47 @@ def test_init_from_an_official_checkpoint(tmp_path):
     t = Trainer(load_config(overrides=overrides), tmp_path / "run", stream=io.StringIO())
     assert torch.equal(t.model.encoder.detach(), sd["encoder"])
     assert t.fresh_params == []
+
+
+def test_backbone_freeze_counts_optimizer_steps_under_accumulation(tmp_path, monkeypatch):
+    """backbone_grad_scale = 0 for 2 steps with 3 micro-batches per step: the backbone is
+    unchanged after optimizer steps 1 and 2 and moves at step 3, while the interface surface
+    trains from step 1. (Counting micro-batches, as the reference's per-call counter does,
+    would unfreeze it during step 1.) Weight decay is off: AdamW's decoupled decay would
+    shrink frozen matrices too."""
+    monkeypatch.setattr(Trainer, "sample", lambda self, *args, **kwargs: None)  # not under test
+    overrides = [
+        *MICRO,
+        "training.max_steps=3",
+        "training.gradient_accumulation_steps=3",
+        "training.eval_every=0",
+        "training.checkpoint_every=0",
+        "training.init_transfer.backbone_grad_scale=0.0",
+        "training.init_transfer.backbone_grad_scale_steps=2",
+        "optimizer.weight_decay=0.0",
+    ]
+    trainer = Trainer(load_config(overrides=overrides), tmp_path, stream=io.StringIO())
+    backbone = transferred_backbone_params(trainer.model)
+    surface = interface_surface_params(trainer.model)
+    assert sorted(backbone) == ["decoder", "encoder", "encoder_v"]
+    snapshots = [{n: p.detach().clone() for n, p in trainer.model.named_parameters()}]
+    real_step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        result = real_step(*args, **kwargs)
+        snapshots.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        return result
+
+    trainer.optimizer.step = recording_step
+    trainer.run()
+    assert len(snapshots) == 4 and trainer.state.step == 3
+    for step in (1, 2):
+        for name in backbone:
+            assert torch.equal(snapshots[step][name], snapshots[0][name]), (step, name)
+        for name in surface:
+            assert not torch.equal(snapshots[step][name], snapshots[step - 1][name]), (step, name)
+    for name in backbone:
+        assert not torch.equal(snapshots[3][name], snapshots[2][name]), name
 
 
 def test_init_from_with_a_mismatched_backbone_is_refused(tmp_path):

@@ -31,12 +31,15 @@ def run(model, idx, targets, executor, chunk_size, warm_state):
     return hidden.detach(), loss.detach(), [r.detach() for r in state.rho], grads
 
 
-@pytest.mark.parametrize("position", ["rope", "alibi"])
+@pytest.mark.parametrize("position", ["rope", "alibi", "alibi_learned"])
 @pytest.mark.parametrize("warm_state", [False, True])
 @pytest.mark.parametrize("chunk_size", [1, 3, 4, 11])
 def test_executors_agree_fp32(position, warm_state, chunk_size):
     torch.manual_seed(1)
     model = tiny_model(position=position, norm="layernorm_affine")
+    if position == "alibi_learned":  # rates away from alibi's; its gradient is compared too
+        with torch.no_grad():
+            model.decay_log_gain.copy_(torch.tensor([0.7, -0.9]))
     seq_len = 11  # chunk sizes 1, 3 (does not divide), 4 (does not divide), 11 (= T)
     idx = torch.randint(0, 32, (2, seq_len))
     targets = torch.randint(0, 32, (2, seq_len))

@@ -11,9 +11,12 @@ from helpers import tiny_model
 from bdh_train.model.bdh import sample_next_token
 
 
-@pytest.mark.parametrize("position", ["rope", "alibi"])
+@pytest.mark.parametrize("position", ["rope", "alibi", "alibi_learned"])
 def test_greedy_recurrent_equals_full_prefix_rerun(position):
     model = tiny_model(torch.float64, position=position).eval()
+    if position == "alibi_learned":
+        with torch.no_grad():
+            model.decay_log_gain.copy_(torch.tensor([0.7, -0.9]))
     prompt = torch.randint(0, 32, (2, 5))
     fast = model.generate(prompt, 64, temperature=0)
     seq = prompt

@@ -34,7 +34,10 @@ def spec_reference(
         rot[..., 1::2] = vec[..., 0::2]
         return vec * torch.cos(phase) + rot * torch.sin(phase)
 
-    decay = torch.exp(-(2.0 ** (-torch.arange(H, dtype=torch.float64) / H)))
+    rate = 2.0 ** (-torch.arange(H, dtype=torch.float64) / H)
+    if position == "alibi_learned":  # each head's rate times exp(its learned gain)
+        rate = rate * torch.exp(weights["decay_log_gain"].double())
+    decay = torch.exp(-rate)
     B, T = idx.shape
     logits = torch.empty(B, T, head.shape[1], dtype=torch.float64)
     rho = [
@@ -48,7 +51,7 @@ def spec_reference(
             q = rope(x, start + t) if position == "rope" else x
             out = torch.einsum("bhn,bhnd->bhd", q, rho[l])  # read before write
             rho[l] = rho[l] + torch.einsum("bhn,bd->bhnd", q, u)
-            if position == "alibi":
+            if position in ("alibi", "alibi_learned"):
                 rho[l] = rho[l] * decay.view(1, H, 1, 1)
             a = ln(out)
             y = x * torch.relu(torch.einsum("bhd,hdn->bhn", a, enc_v))
@@ -58,10 +61,13 @@ def spec_reference(
     return logits, rho
 
 
-@pytest.mark.parametrize("position", ["rope", "alibi"])
+@pytest.mark.parametrize("position", ["rope", "alibi", "alibi_learned"])
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_model_matches_spec_reference_fp64(position, executor):
     model = tiny_model(torch.float64, position=position, executor=executor, chunk_size=3)
+    if position == "alibi_learned":
+        with torch.no_grad():
+            model.decay_log_gain.copy_(torch.tensor([0.7, -0.9]))
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     idx = torch.randint(0, 32, (2, 9))
     state = model.init_state(2)

@@ -474,9 +474,35 @@ def test_checkpoint_of_empty_window_round_trips(tmp_path: Path) -> None:
     assert other.state == WeightedAccumulationState(torch.float32, 4.0, 0.0, 1)
 
 
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("F32", torch.float32), ("F64", torch.float64)], ids=["F32", "F64"]
+)
+def test_state_with_the_rust_dtype_name_loads(
+    tmp_path: Path, name: str, dtype: torch.dtype
+) -> None:
+    """The Rust accumulator serializes its work dtype as the DType variant ("F32"/"F64"): such
+    a record loads like ours and the window continues bit for bit; ours still writes
+    "float32"/"float64"."""
+    model, source = primed(dtype)
+    saved = round_trip(source.state_dict(), tmp_path)
+    assert saved["state"]["dtype"] == str(dtype).removeprefix("torch.")
+    state = WeightedAccumulationState.from_dict({**saved["state"], "dtype": name})
+    assert state == source.state
+    resumed = WeightedGradientAccumulator(model, dtype=torch.float64, loss_scale=2.0)
+    resumed.load_state_dict({**saved, "state": {**saved["state"], "dtype": name}})
+    assert resumed.state == source.state
+    for got, want in zip(
+        resumed.finish_mean().gradients.values(), source.finish_mean().gradients.values(),
+        strict=True,
+    ):
+        assert torch.equal(got, want)
+
+
 def _state_edits() -> list[tuple[str, dict[str, Any], type[Exception], str]]:
     return [
         ("dtype f16", {"dtype": "float16"}, InvalidStateError, STATE_MSG),
+        ("dtype rust F16", {"dtype": "F16"}, InvalidStateError, STATE_MSG),
+        ("dtype lower f32", {"dtype": "f32"}, InvalidStateError, STATE_MSG),
         ("dtype torch", {"dtype": "torch.float64"}, InvalidStateError, STATE_MSG),
         ("dtype int", {"dtype": 64}, InvalidStateError, STATE_MSG),
         ("negative total", {"total_weight": -1.0}, InvalidStateError, STATE_MSG),
@@ -492,7 +518,7 @@ def _state_edits() -> list[tuple[str, dict[str, Any], type[Exception], str]]:
     ]
 
 
-@pytest.mark.parametrize("case", range(13))
+@pytest.mark.parametrize("case", range(15))
 def test_inconsistent_checkpoint_state_is_rejected(tmp_path: Path, case: int) -> None:
     name, edit, error, message = _state_edits()[case]
     model, source = primed(torch.float64)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-import sys
+import tomllib
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,11 +31,6 @@ import tomli_w
 from bdh_train.config.schema import SECTIONS, RunConfig
 from bdh_train.errors import ConfigError
 from bdh_train.utils import atomic_write, dataclass_in, renamed_key, suggest
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on 3.10
-    import tomli as tomllib
 
 PRESETS = ("tiny", "small", "pathway")
 DEFAULT_PRESET = "tiny"

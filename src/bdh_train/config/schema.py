@@ -46,6 +46,13 @@ class RunConfig:
         tr = self.training
         self.parallel.check_model(self.model.n_layer)
         self.parallel.check_training(tr.batch_size, tr.tbptt_chunk_size, tr.streaming)
+        for i, scale in enumerate(tr.gradient_scales):
+            if scale.target == "shared_lowrank_decay" and self.model.position != "alibi_learned":
+                raise ConfigError(
+                    f"training.gradient_scales[{i}].target = 'shared_lowrank_decay' scales the "
+                    "learned per-head decay, which only model.position = 'alibi_learned' "
+                    f"gives the model; got model.position = {self.model.position!r}"
+                )
         head = self.model.language_head
         if self.data.is_generated and head.type == "nca_factorized_patch":
             for name in ("state_count", "patch_size"):

@@ -27,7 +27,12 @@ from bdh_train.model.heads import (
 )
 from bdh_train.model.matmul import per_head_matmul
 from bdh_train.model.mixer import linear_attention
-from bdh_train.model.positions import alibi_log_decay, apply_rope, rope_cos_sin
+from bdh_train.model.positions import (
+    alibi_log_decay,
+    apply_rope,
+    learned_alibi_log_decay,
+    rope_cos_sin,
+)
 from bdh_train.model.quant import LowBitQuantizer
 from bdh_train.model.state import ModelState
 
@@ -44,6 +49,8 @@ class BDH(nn.Module):
         self.encoder = nn.Parameter(torch.empty(h, d, n))
         self.encoder_v = nn.Parameter(torch.empty(h, d, n))
         self.decoder = nn.Parameter(torch.empty(h * n, d))
+        if c.position == "alibi_learned":  # log d_h = -slope_h * exp(decay_log_gain_h)
+            self.decay_log_gain = nn.Parameter(torch.empty(h))
         # lm_head [D, V] for the token head; nca_lm_head (+ nca_special_head) for the NCA head
         for name, shape in head_parameter_shapes(c).items():
             self.register_parameter(name, nn.Parameter(torch.empty(shape)))
@@ -59,6 +66,8 @@ class BDH(nn.Module):
             nn.init.normal_(p, std=0.02)
         if self.norm is not None:
             self.norm.reset_parameters()
+        if self.config.position == "alibi_learned":
+            nn.init.zeros_(self.decay_log_gain)  # alibi's decay, exactly
 
     # ---------------------------------------------------------------- building blocks
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,6 +106,8 @@ class BDH(nn.Module):
             offsets = torch.arange(seq_len, device=state.position.device)
             positions = state.position.unsqueeze(1) + offsets
             return rope_cos_sin(positions, self.config.n_neurons, dtype), None
+        if self.config.position == "alibi_learned":
+            return None, learned_alibi_log_decay(self.decay_log_gain)
         return None, alibi_log_decay(self.config.n_head)
 
     def layer(

@@ -12,7 +12,7 @@ from bdh_train.errors import ConfigError
 from bdh_train.model import mixer
 from bdh_train.utils import build_dataclass
 
-POSITIONS = ("rope", "alibi")
+POSITIONS = ("rope", "alibi", "alibi_learned")
 NORMS = ("layernorm", "layernorm_affine")
 EXECUTORS = ("auto", *mixer.EXECUTORS)
 WEIGHT_FORMATS = ("ternary158", "ternary_threshold", "int8")
@@ -122,6 +122,8 @@ class BDHConfig:
     vocab_size: int = 256
     dropout: float = 0.1
     position: str = "rope"
+    """'rope' (rotated queries), 'alibi' (fixed per-head state decay) or 'alibi_learned' (the
+    same decay, each head's rate a parameter starting at alibi's)."""
     norm: str = "layernorm"
     executor: str = "auto"
     chunk_size: int = 256

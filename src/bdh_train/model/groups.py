@@ -10,9 +10,13 @@ TARGETS = (
     "output_head",
     "shared_lowrank_encoder",
     "shared_lowrank_decoder",
+    "shared_lowrank_decay",
     "other_backbone",
 )
-SHARED_LOWRANK = ("encoder", "encoder_v", "decoder")
+SHARED_LOWRANK = ("decay_log_gain", "encoder", "encoder_v", "decoder")
+"""The shared low-rank slots a continual-backprop target scale averages over, the learned
+decay first; a model without the learned decay (position other than alibi_learned) still has
+the slot, at scale 1."""
 _TARGET_OF = {
     "embed.weight": "embedding",
     "norm.weight": "normalization",
@@ -23,6 +27,7 @@ _TARGET_OF = {
     "encoder": "shared_lowrank_encoder",
     "encoder_v": "shared_lowrank_encoder",
     "decoder": "shared_lowrank_decoder",
+    "decay_log_gain": "shared_lowrank_decay",  # only with model.position = "alibi_learned"
 }
 
 
@@ -35,10 +40,6 @@ def params_for_target(model: nn.Module, target: str) -> list[str]:
     if target not in TARGETS:
         raise ValueError(f"unknown parameter-group target {target!r}; expected one of {TARGETS}")
     return [name for name, _ in model.named_parameters() if target_of(name) == target]
-
-
-def shared_lowrank_params(model: nn.Module) -> list[str]:
-    return [name for name, _ in model.named_parameters() if name in SHARED_LOWRANK]
 
 
 def interface_surface_params(

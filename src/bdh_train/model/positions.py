@@ -1,7 +1,8 @@
 """Position schemes.
 
 rope rotates the queries (= keys) by absolute position, so the carried state must remember
-where each row is; alibi decays the state per head and per token, which needs no position.
+where each row is; alibi decays the state per head and per token, which needs no position;
+alibi_learned is alibi with each head's decay rate learned.
 """
 
 from __future__ import annotations
@@ -54,3 +55,14 @@ def alibi_log_decay(n_head: int) -> torch.Tensor:
     """log d_h = -slope_h with slope_h = 2^(-h/H): the per-head, per-token state decay."""
     h = torch.arange(n_head, dtype=torch.float64)
     return -(2.0 ** (-h / n_head))
+
+
+def learned_alibi_log_decay(log_gain: torch.Tensor) -> torch.Tensor:
+    """log d_h = -slope_h * exp(log_gain_h) in float64, for the per-head gains [H].
+
+    The gain multiplies alibi's decay rate, so the log-decay stays negative for every gain
+    (d_h in (0, 1)), a step moves each head's rate by a relative amount, and gains of zero
+    give alibi_log_decay exactly (exp(0) = 1), whatever dtype the gains are stored in.
+    """
+    slopes = alibi_log_decay(log_gain.shape[0]).to(log_gain.device)
+    return slopes * torch.exp(log_gain.to(torch.float64))

@@ -52,7 +52,13 @@ GRADS_FILE = "grads.safetensors"
 STATE_FILE = "state.json"
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "float32", torch.float64: "float64"}
-_NAME_DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+_NAME_DTYPES: dict[str, torch.dtype] = {
+    **{name: dtype for dtype, name in _DTYPE_NAMES.items()},
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
+"""The dtype names a stored state may carry: ours, and the Rust accumulator's (its serialized
+DType variants, case as written)."""
 _F32_MAX = torch.finfo(torch.float32).max
 
 NamedParams = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -169,7 +175,8 @@ class WeightedAccumulationState:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WeightedAccumulationState:
-        """Parse `to_dict` output and validate it; raises a WeightedAccumulationError."""
+        """Parse `to_dict` output (or a state whose dtype is the Rust accumulator's "F32" or
+        "F64") and validate it; raises a WeightedAccumulationError."""
         if not isinstance(data, Mapping):
             raise InvalidStateError(f"state must be a mapping, got {type(data).__name__}")
         missing = {"dtype", "loss_scale", "total_weight", "microbatches"} - set(data)
@@ -178,7 +185,8 @@ class WeightedAccumulationState:
         dtype = _NAME_DTYPES.get(data["dtype"]) if isinstance(data["dtype"], str) else None
         if dtype is None:
             raise InvalidStateError(
-                f"weighted accumulation dtype must be 'float32' or 'float64', got {data['dtype']!r}"
+                "weighted accumulation dtype must be 'float32' or 'float64' ('F32' or 'F64' as "
+                f"the Rust accumulator writes them), got {data['dtype']!r}"
             )
         for key in ("loss_scale", "total_weight"):
             if not _is_number(data[key]):

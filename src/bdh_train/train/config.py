@@ -59,7 +59,8 @@ class TrainingConfig:
     profile: bool = False
     """Per-step forward/backward time and memory in metrics.jsonl."""
     gradient_scales: list[GradientScale] = field(default_factory=list)
-    """Gradient multipliers per parameter group (not learning-rate changes)."""
+    """Gradient multipliers per parameter group (not learning-rate changes); their ramps count
+    optimizer steps of max_steps, an accumulation window of micro-batches being one step."""
     init_transfer: InitTransferConfig = field(default_factory=InitTransferConfig)
 
     @property

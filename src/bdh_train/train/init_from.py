@@ -24,7 +24,8 @@ class InitTransferConfig:
     backbone_grad_scale: float | None = None
     """Multiply the backbone's gradients by this (None: no scaling)."""
     backbone_grad_scale_steps: int = 0
-    """For how many optimizer steps the scaling applies (0: not at all)."""
+    """For how many optimizer steps the scaling applies (0: not at all); an accumulation window
+    of several micro-batches is one step."""
     preserve_fresh_decoder: bool = False
     """Keep the fresh decoder instead of the loaded one."""
     preserve_fresh_norm: bool = False

@@ -1,16 +1,23 @@
 """Gradient-scale schedules: `training.gradient_scales` and the init-transfer backbone scale.
 
 A gradient scale multiplies a parameter group's gradient after backward; it is not a
-learning-rate change (with Adam the two differ). The counter advances once per optimizer step
-and lives in the schedule's state_dict, so a resumed run continues the same curve.
+learning-rate change (with Adam the two differ). The counter advances once per `apply_`: once
+per optimizer step in the Trainer (whatever the accumulation count), once per `train_step` call
+of a bare LanguageTrainModel. It lives in the schedule's state_dict, so a resumed run continues
+the same curve.
+
+Step indices and scales are computed in float32 with halves rounded away from zero, as the
+Rust reference does, so both pick the same steps and multiply by the same float32 scale.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,8 +35,12 @@ class GradientScaleRamp:
     between two fractions of training (e.g. unfreeze a transferred backbone gradually)."""
 
     final_scale: float = 1.0
+    """The scale from end_fraction on."""
     start_fraction: float = 0.0
+    """Where the ramp leaves the initial scale, as a fraction of training.max_steps (optimizer
+    steps): step index round((max_steps - 1) * start_fraction)."""
     end_fraction: float = 1.0
+    """Where the ramp reaches final_scale, as a fraction of training.max_steps."""
 
     def validate(self, prefix: str) -> GradientScaleRamp:
         checks.number(f"{prefix}.final_scale", self.final_scale, low=0.0)
@@ -51,6 +62,7 @@ class GradientScale:
     target: str = "other_backbone"
     """A parameter group: one of model.groups.TARGETS."""
     scale: float = 1.0
+    """The multiplier (with a schedule: the ramp's initial scale)."""
     schedule: GradientScaleRamp | None = None
     """Optional ramp of the scale over training."""
 
@@ -107,19 +119,35 @@ class ScaleRule:
             return schedule[key] if isinstance(schedule, Mapping) else getattr(schedule, key)
 
         last = max(total_steps, 1) - 1
-        start = round(last * min(max(get("start_fraction"), 0.0), 1.0))
-        end = round(last * min(max(get("end_fraction"), 0.0), 1.0))
+        start = _step_index_f32(last, get("start_fraction"))
+        end = _step_index_f32(last, get("end_fraction"))
         return cls(initial_scale, get("final_scale"), start, end)
 
     def scale_at(self, step_index: int) -> float:
+        """The scale at a step index, computed in float32 (returned as the float32 value)."""
         if step_index <= self.start_step_index:
-            return self.initial_scale
+            return _f32(self.initial_scale)
         if step_index >= self.end_step_index or self.end_step_index <= self.start_step_index:
-            return self.final_scale
-        progress = (step_index - self.start_step_index) / (
+            return _f32(self.final_scale)
+        progress = np.float32(step_index - self.start_step_index) / np.float32(
             self.end_step_index - self.start_step_index
         )
-        return self.initial_scale + (self.final_scale - self.initial_scale) * progress
+        initial = np.float32(self.initial_scale)
+        return float(initial + (np.float32(self.final_scale) - initial) * progress)
+
+
+def _f32(value: float) -> float:
+    """The nearest float32 to `value`, as a Python float."""
+    return float(np.float32(value))
+
+
+def _step_index_f32(last_step_index: int, fraction: float) -> int:
+    """round(last_step_index * clamp(fraction, 0, 1)) with a float32 product and halves rounded
+    away from zero (Rust's f32::round): total 6, fraction 0.5 gives 3, where Python's round()
+    (halves to even) gives 2."""
+    product = np.float32(last_step_index) * np.float32(min(max(fraction, 0.0), 1.0))
+    # product >= 0 and float32, so product + 0.5 is exact in float64 and floor rounds halves up
+    return math.floor(float(product) + 0.5)
 
 
 def _get(entry: Any, key: str, default: Any = None) -> Any:
@@ -145,7 +173,6 @@ class GradientScaleSchedule:
             )
             for name in groups.params_for_target(model, _get(entry, "target")):
                 self.rules[name] = rule
-        self.shared_lowrank = groups.shared_lowrank_params(model)
         self.backbone_scale: float | None = None
         self.backbone_steps = 0
         self.backbone: frozenset[str] = frozenset()
@@ -170,7 +197,7 @@ class GradientScaleSchedule:
             and step <= self.backbone_steps
             and (name in self.backbone)
         ):
-            scale *= self.backbone_scale
+            scale = float(np.float32(scale) * np.float32(self.backbone_scale))
         return scale
 
     @torch.no_grad()
@@ -184,13 +211,15 @@ class GradientScaleSchedule:
                 param.grad.mul_(scale)
 
     def shared_lowrank_target_lr_scale(self) -> float:
-        """Mean scale over the shared low-rank parameters at the last step taken (the
-        continual-backprop target scale); before any step, at step index 0."""
-        if not self.shared_lowrank:
-            return 1.0
+        """Mean scale over the four shared low-rank slots (groups.SHARED_LOWRANK: the learned
+        decay, encoder, encoder_v, decoder) at the last step taken, before any step at step
+        index 0 (the continual-backprop target scale). A slot without a rule, or that this
+        model lacks, counts 1.0; summed and divided in float32."""
         index = max(self.step - 1, 0)
-        rules = [self.rules.get(n, ScaleRule.constant(1.0)) for n in self.shared_lowrank]
-        return sum(r.scale_at(index) for r in rules) / len(rules)
+        total = np.float32(0.0)
+        for name in groups.SHARED_LOWRANK:
+            total += np.float32(self.rules.get(name, ScaleRule.constant(1.0)).scale_at(index))
+        return float(total / np.float32(len(groups.SHARED_LOWRANK)))
 
     def state_dict(self) -> dict[str, int]:
         return {"step": self.step}

@@ -11,7 +11,7 @@ from helpers import assert_close, tiny_model
 from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.errors import ConfigError
-from bdh_train.model import groups
+from bdh_train.model import LanguageHeadConfig, groups
 from bdh_train.train import profile as profile_module
 from bdh_train.train.profile import StepProfiler
 from bdh_train.train.schedules import GradientScaleSchedule
@@ -126,6 +126,47 @@ def test_tbptt_train_step_seed_case_is_finite():
         SequenceBatch(SEED_INPUTS, SEED_TARGETS)
     )
     assert torch.isfinite(out.loss)
+
+
+# ------------------------------------------------------------------ what the head counts
+NCA_HEAD = LanguageHeadConfig(
+    type="nca_factorized_patch", state_count=2, patch_size=2, frame_special_tokens=True, eos_id=18
+)
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [{}, {"tbptt_chunk_size": 3, "tbptt_backprop_chunks": 3}, {"pipeline": True}],
+    ids=["full", "tbptt", "pipeline"],
+)
+def test_nca_step_loss_and_weight_are_the_heads_own(setup):
+    """Target 19 is neither a patch id (< 16) nor a special (16, 17, 18): the head neither
+    scores nor counts it, so the step must divide by the head's count (6 here), not by the
+    8 non-ignored targets."""
+    model = tiny_model(torch.float64, vocab_size=20, language_head=NCA_HEAD)
+    inputs = torch.tensor([[16, 0, 1, 17, 16, 2, 3, 18], [16, 4, 5, 17, 16, 6, 7, 18]])
+    targets = torch.tensor(
+        [[0, 1, 17, 19, 2, 3, 16, IGNORE_INDEX], [4, 19, 17, 18, 6, 7, 16, 19]]
+    )
+    b = SequenceBatch(inputs, targets)
+    with torch.no_grad():
+        _, model_loss = model(inputs, targets)
+    kwargs = dict(setup)
+    if kwargs.pop("pipeline", False):
+        kwargs["pipeline_plan"] = build_pipeline_plan(2, 2, 1, 2, "gpipe")
+    step = LanguageTrainModel(model, **kwargs)
+    out = step.train_step(b)
+    assert out.counted == 12  # 16 targets - 1 ignored - 3 of id 19
+    expected_loss = float(model_loss)  # the step reports float32 losses: 1e-6 relative
+    assert abs(float(out.loss) - expected_loss) < 1e-6 * expected_loss
+    assert abs(float(step.valid_step(b)) - expected_loss) < 1e-6 * expected_loss
+    loss_sum, counted = step.eval_loss(b)
+    assert counted == 12 and abs(loss_sum / counted - expected_loss) < 1e-6 * expected_loss
+    model.zero_grad(set_to_none=True)
+    model(inputs, targets)[1].backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    step.train_step(b)
+    assert_close(grads_of(model), expected, rtol=1e-10, msg="grads of the head's mean loss")
 
 
 # ------------------------------------------------------------------ streaming

@@ -11,8 +11,9 @@
   * profiling hooks that cost nothing when off.
 
 Losses are token-weighted: every piece (TBPTT chunk, microbatch) contributes its loss SUM
-divided by the counted targets of the whole block, so the pieces add up to the block's mean
-loss exactly, whatever the chunk lengths or ignored targets.
+divided by the counted targets of the whole block — counted by the model's head
+(`heads.count_targets`) — so the pieces add up to the head's mean loss of the block exactly,
+whatever the chunk lengths, ignored targets or ids the head does not count.
 
 `StepExecutor` is what the trainer drives; this class and the multi-process pipeline runner
 implement it.
@@ -30,6 +31,7 @@ from bdh_train.batch import SequenceBatch, StepOutput
 from bdh_train.distributed.planner import PipelinePlan, split_microbatch_ranges
 from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.model import BDH, ModelState
+from bdh_train.model.heads import count_targets
 from bdh_train.train.profile import NullProfiler, StepProfiler
 from bdh_train.train.schedules import GradientScaleSchedule
 
@@ -98,6 +100,11 @@ class LanguageTrainModel:
         if self.streaming:
             self.carried_state = state.detach_()
 
+    def counted_targets(self, batch: SequenceBatch) -> float:
+        """The targets of `batch` the model's head counts: the denominator of its mean loss
+        and its weight in token-weighted accumulation."""
+        return count_targets(batch.targets, self.model.config.language_head)
+
     def _piece_loss(self, hidden, targets, normalizer: float) -> torch.Tensor:
         return self.model.loss_from_hidden(hidden, targets, reduction="sum") / normalizer
 
@@ -105,7 +112,7 @@ class LanguageTrainModel:
     def compute_gradients(self, batch: SequenceBatch, loss_scale: float = 1.0) -> StepOutput:
         """Forward and backward of one block; gradients of `loss_scale * mean loss` are ADDED
         to the parameters' .grad. No gradient-scale schedule is applied (see train_step)."""
-        counted = batch.counted_tokens()
+        counted = self.counted_targets(batch)
         normalizer = max(counted, 1.0)
         self.profiler.begin_step()
         self.model.train()
@@ -198,7 +205,7 @@ class LanguageTrainModel:
         was_training = self.model.training
         self.model.eval()
         try:
-            normalizer = max(batch.counted_tokens(), 1.0)
+            normalizer = max(self.counted_targets(batch), 1.0)
             if self.pipeline_plan is not None:
                 return torch.stack(self._pipeline_losses(batch, normalizer)).sum().float()
             state = self.model.init_state(batch.batch_size)
@@ -214,7 +221,7 @@ class LanguageTrainModel:
             self.model.train(was_training)
 
     def eval_loss(self, batch: SequenceBatch) -> tuple[float, float]:
-        counted = batch.counted_tokens()
+        counted = self.counted_targets(batch)
         return float(self.valid_step(batch)) * counted, counted
 
     # ------------------------------------------------------------ checkpointing

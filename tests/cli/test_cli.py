@@ -164,7 +164,7 @@ def test_bad_data_is_one_message_and_nothing_written(tmp_path, capsys, case):
         ("training.block_size=-3", "training.block_size must be a positive integer, got -3"),
         ("model.position=sinusoidal", "model.position must be one of 'rope', 'alibi'"),
         ("optimizer.lr=0", "optimizer.lr"),
-        ("training.tbptt_chunk_size=64", "training.tbptt_chunk_size must be 0 (off) or less than"),
+        ("training.tbptt_backprop_chunks=0", "training.tbptt_backprop_chunks must be a positive"),
     ],
 )
 def test_bad_config_is_one_message_and_nothing_written(tmp_path, capsys, override, expected):

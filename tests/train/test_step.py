@@ -11,7 +11,7 @@ from helpers import assert_close, tiny_model
 from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.errors import ConfigError
-from bdh_train.model import LanguageHeadConfig, groups
+from bdh_train.model import LanguageHeadConfig, QuantConfig, groups
 from bdh_train.train import profile as profile_module
 from bdh_train.train.profile import StepProfiler
 from bdh_train.train.schedules import GradientScaleSchedule
@@ -121,11 +121,53 @@ def test_ignored_targets_are_not_counted_in_chunk_weights():
 
 
 def test_tbptt_train_step_seed_case_is_finite():
+    """The reference's seed case (chunks of 2, one backward per chunk): a finite loss that is
+    the full forward's mean loss, and the gradients of the hand-written detaching loop."""
     model = tiny_model(n_layer=2, n_embd=8, n_head=1, mlp_internal_dim_multiplier=1, vocab_size=16)
-    out = LanguageTrainModel(model, tbptt_chunk_size=2).train_step(
-        SequenceBatch(SEED_INPUTS, SEED_TARGETS)
-    )
-    assert torch.isfinite(out.loss)
+    b = SequenceBatch(SEED_INPUTS, SEED_TARGETS)
+    full_loss, _ = full_gradients(model, b)
+    model.zero_grad(set_to_none=True)
+    state = model.init_state(2)
+    for start in (0, 2):  # the slow twin: forward, backward, detach per chunk
+        hidden = model.forward_hidden(b.inputs[:, start : start + 2], state)
+        (model.loss_from_hidden(hidden, b.targets[:, start : start + 2], "sum") / 8).backward()
+        state.detach_()
+    expected = grads_of(model)
+    out = LanguageTrainModel(model, tbptt_chunk_size=2).train_step(b)
+    assert torch.isfinite(out.loss) and out.counted == 8
+    assert abs(float(out.loss) - float(full_loss)) < 1e-6 * float(full_loss)
+    assert_close(grads_of(model), expected, rtol=1e-5, msg="seed-case TBPTT gradients")
+
+
+LOW_BIT_CASES = {  # the reference's three low-bit cases, each run through chunked TBPTT
+    "partial_safe_qat": dict(target_modules=["encoder", "decoder_y"]),
+    "train_kernel": dict(target_modules=["encoder", "decoder_y"], training_mode="train_kernel"),
+    "train_kernel_saved_int8": dict(
+        target_modules=["encoder", "decoder_y"],
+        training_mode="train_kernel",
+        saved_activations="quantized_cache_recompute",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOW_BIT_CASES))
+def test_quantized_tbptt_with_all_chunks_in_one_backward_is_full_backprop(case):
+    """QAT and TBPTT together: int8 activations are quantized per token and ternary weights
+    per tensor, so cutting the block into chunks changes nothing; with one backward over all
+    chunks the loss and gradients are full backprop's. float64, so no rounding decision of
+    the quantizers can flip between the two runs: 1e-10."""
+    quant = QuantConfig(enable=True, weight_format="ternary158", act_format="int8",
+                        **LOW_BIT_CASES[case])
+    model = tiny_model(torch.float64, quant=quant)
+    b = batch(t=10, seed=6)
+    full_loss, full_grads = full_gradients(model, b)
+    out = LanguageTrainModel(model, tbptt_chunk_size=3, tbptt_backprop_chunks=4).train_step(b)
+    assert abs(float(out.loss) - float(full_loss)) < 1e-6 * float(full_loss)  # float32 report
+    assert_close(grads_of(model), full_grads, rtol=1e-10, msg=case)
+    float_model = tiny_model(torch.float64)
+    _, float_grads = full_gradients(float_model, b)
+    with pytest.raises(AssertionError, match="exceeds"):  # quantization really is in the path
+        assert_close(full_grads, float_grads, rtol=1e-3)
 
 
 # ------------------------------------------------------------------ what the head counts
@@ -186,28 +228,35 @@ def test_streaming_second_step_equals_direct_forward_from_carried_state():
 
 
 def test_streaming_reset_row_is_fresh_while_other_row_continues():
+    """Row 0 continues from its carried state; row 1, flagged, starts from zero at position 0.
+    Checked per row on what the step itself produces: its loss (with the other row's targets
+    ignored, so the loss is this row's alone) and the state it carries on, against each row
+    run on its own (row 0 from its carried state, row 1 from a fresh one)."""
     model = tiny_model()
     step = LanguageTrainModel(model, streaming=True)
     a = batch(b=2, t=3, seed=1)
     a.reset = torch.tensor([True, True])
     step.train_step(a)
     carried = step.carried_state.clone()
+    assert carried.position.tolist() == [3, 3] and all(r.abs().sum() > 0 for r in carried.rho)
     b = batch(b=2, t=3, seed=2)
     b.reset = torch.tensor([False, True])
-    step.train_step(b)
-    assert step.carried_state.position.tolist() == [6, 3]  # positions advance per row
+    alone = [_row(carried, 0), model.init_state(1)]  # the slow twin: each row on its own
+    expected = []
     with torch.no_grad():
-        continued = model.forward_hidden(b.inputs[:1], _row(carried, 0))
-        fresh = model.forward_hidden(b.inputs[1:])
-        expected = torch.cat([continued, fresh])
-        per_row = model.loss_from_hidden(expected, b.targets)
-    # check through the loss of a valid pass from the same states
-    state = carried.clone()
-    state.reset_(torch.tensor([False, True]))
-    with torch.no_grad():
-        got = model.forward_hidden(b.inputs, state)
-    assert_close(got, expected, rtol=1e-5)
-    assert abs(model.loss_from_hidden(got, b.targets) - per_row) < 1e-6
+        for row, state in enumerate(alone):
+            hidden = model.forward_hidden(b.inputs[row : row + 1], state)
+            expected.append(float(model.loss_from_hidden(hidden, b.targets[row : row + 1])))
+    for row in (0, 1):
+        step.carried_state = carried.clone()
+        targets = b.targets.clone()
+        targets[1 - row] = IGNORE_INDEX
+        out = step.train_step(SequenceBatch(b.inputs, targets, b.reset))
+        assert abs(float(out.loss) - expected[row]) < 1e-6 * expected[row], f"row {row} loss"
+        state = step.carried_state
+        assert state.position.tolist() == [6, 3]  # positions advance per row
+        for layer, rho in enumerate(state.rho):
+            assert_close(rho[row], alone[row].rho[layer][0], rtol=1e-6, msg=f"row {row} rho")
 
 
 def _row(state, row):

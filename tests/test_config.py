@@ -311,7 +311,10 @@ BAD_VALUES = [
     ("training.device=gpu", "training.device must be one of 'auto', 'cpu', 'cuda', got 'gpu'"),
     ("training.dtype=float16", "training.dtype must be one of 'float32', 'bfloat16'"),
     ('training.compile="yes"', "training.compile must be true or false, got 'yes'"),
-    ("training.profile=0", "training.profile must be true or false"),
+    ("training.profile=0", "training.profile must be one of 'off', 'step', 'detail', got 0"),
+    ("training.profile='details'", "training.profile must be one of 'off', 'step', 'detail', got "
+     "'details' (did you mean 'detail'?)"),
+    ("training.profile_memory=1", "training.profile_memory must be true or false, got 1"),
     ("training.max_consecutive_skips=-1", "training.max_consecutive_skips must be"),
     ("training.gradient_scales=3", "training.gradient_scales must be a list of tables"),
     ("training.gradient_scales=[3]", r"training.gradient_scales[0] must be a table"),
@@ -585,6 +588,17 @@ def test_settings_the_reference_accepts_are_normalised_once(
     save_config(cfg, tmp_path / "config.toml")
     assert load_config([tmp_path / "config.toml"]) == cfg
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"), [("true", "step"), ("false", "off"), ("'detail'", "detail")]
+)
+def test_profile_takes_a_mode_and_the_old_booleans(value: str, mode: str, tmp_path: Path) -> None:
+    cfg = load_config(overrides=[f"training.profile={value}"])
+    assert cfg.training.profile == mode
+    save_config(cfg, tmp_path / "config.toml")
+    assert f'profile = "{mode}"' in (tmp_path / "config.toml").read_text()
+    assert load_config([tmp_path / "config.toml"]) == cfg
 
 
 def test_config_and_loader_agree_on_the_logical_length() -> None:

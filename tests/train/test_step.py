@@ -7,13 +7,21 @@ from unittest import mock
 import pytest
 import torch
 from helpers import assert_close, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.errors import ConfigError
 from bdh_train.model import LanguageHeadConfig, QuantConfig, groups
 from bdh_train.train import profile as profile_module
-from bdh_train.train.profile import StepProfiler
+from bdh_train.train.profile import (
+    PROBES,
+    MemoryReading,
+    ProfileSettings,
+    StepProfile,
+    StepProfiler,
+    profile_row,
+)
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.step import LanguageTrainModel
 
@@ -416,18 +424,160 @@ def test_schedule_rule_midpoint_interpolation():
 
 
 # ------------------------------------------------------------------ profiling
-def test_profiling_enabled_records_times_and_memory():
-    profiler = StepProfiler()
-    step = LanguageTrainModel(tiny_model(), tbptt_chunk_size=3, profiler=profiler)
-    out = step.train_step(batch())
-    p = out.stats["profile"]
-    assert p.forward_s > 0 and p.backward_s > 0
-    assert p.memory_before > 0 and p.memory_after_forward > 0 and p.memory_after_backward > 0
-    assert "forward ms" in profiler.summary()
+def _profiled(settings, **step_kwargs):
+    profiler = StepProfiler(settings=settings)
+    return LanguageTrainModel(profiler=profiler, **step_kwargs), profiler
+
+
+class OpClock(TorchDispatchMode):
+    """A clock that advances by one per tensor operation dispatched (forward and backward):
+    a stand-in for time that a loaded machine cannot disturb."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def now(self) -> float:
+        return float(self.ops)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_detail_probe_times_are_ordered():
+    """What each probe times, through a clock that counts operations (wall time on a shared
+    2-core machine varies 50x between identical passes): a backward costs at least half its
+    forward, so a forward alone is below 2/3 of the same forward with its backward; one layer
+    costs less than half of three, the embedding less than a layer,
+    the loss from logits less than the loss from hidden states (which adds the logits); the
+    step's forward is the model's forward plus the loss."""
+    model = tiny_model(n_layer=3)
+    step, profiler = _profiled(ProfileSettings("detail"), model=model)
+    clock = OpClock()
+    with clock, mock.patch.object(profile_module.time, "perf_counter", clock.now):
+        out = step.train_step(batch(b=2, t=12))
+    row = profile_row([out.stats["profile"]])
+    assert set(row) == {"forward_s", "backward_s", *(f"probe_{n}_s" for n in PROBES)}
+    probe = {name: row[f"probe_{name}_s"] for name in PROBES}
+    assert 1.5 * probe["first_layer_forward"] < probe["first_layer_forward_backward"]
+    assert 1.5 * probe["model_forward"] < probe["model_forward_backward"]
+    assert 2 * probe["first_layer_forward"] < probe["model_forward"]
+    assert probe["embed"] < probe["first_layer_forward"]
+    assert probe["logits_loss"] < probe["hidden_logits_loss"]
+    assert probe["model_forward"] < row["forward_s"] < probe["model_forward_backward"]
+    assert row["backward_s"] > 0
+    assert "whole model forward+backward" in profiler.summary()
+
+
+def test_a_known_allocation_moves_the_memory_reading():
+    """64 MiB allocated (and touched) during the forward and held past the backward: the
+    readings after forward and after backward are at least that far above the one before."""
+    step, _ = _profiled(ProfileSettings("step", memory=True), model=tiny_model())
+    held: list[torch.Tensor] = []
+    piece_loss = step._piece_loss
+
+    def allocating(*args):
+        if step.profiler.recorded == 0 and not held:  # the first step only
+            held.append(torch.ones(16 * 2**20))  # 64 MiB of float32, every page written
+        return piece_loss(*args)
+
+    step._piece_loss = allocating
+    p = step.train_step(batch()).stats["profile"]
+    mib = 2**20
+    assert p.memory_after_forward.in_use - p.memory_before.in_use >= 60 * mib
+    assert p.memory_after_backward.in_use - p.memory_before.in_use >= 60 * mib
+    assert p.memory_before.reserved is None  # reserved bytes are a CUDA reading
+    held.clear()
+    again = step.train_step(batch()).stats["profile"]  # released: the reading falls back
+    assert again.memory_after_forward.in_use < p.memory_after_forward.in_use - 50 * mib
+
+
+def test_detail_probes_leave_training_bit_identical():
+    """Streaming TBPTT with dropout, 3 steps, with and without detail probes (and memory
+    readings): gradients, carried state and the random generator state are bit-identical.
+    The probes run dropout and backward passes of their own, so this fails if they consume
+    the training's random numbers, write into .grad or touch the carried state."""
+    results = []
+    for settings in (None, ProfileSettings("detail", memory=True)):
+        model = tiny_model(dropout=0.2)
+        kwargs = dict(model=model, tbptt_chunk_size=3, tbptt_backprop_chunks=2, streaming=True)
+        if settings is None:
+            step = LanguageTrainModel(**kwargs)
+        else:
+            step = _profiled(settings, **kwargs)[0]
+        torch.manual_seed(7)
+        trace = []
+        for i in range(3):
+            b = batch(t=10, seed=i)
+            b.reset = torch.tensor([i == 0, i != 1])
+            out = step.train_step(b)
+            state = step.carried_state
+            trace.append((out.loss, grads_of(model), state.position.clone(), list(state.rho)))
+        results.append((trace, torch.get_rng_state()))
+    (plain, plain_rng), (probed, probed_rng) = results
+    assert torch.equal(plain_rng, probed_rng)
+    for (loss, grads, pos, rho), (loss2, grads2, pos2, rho2) in zip(plain, probed, strict=True):
+        assert torch.equal(loss, loss2) and torch.equal(pos, pos2)
+        assert grads.keys() == grads2.keys()
+        assert all(torch.equal(grads[n], grads2[n]) for n in grads)
+        assert all(torch.equal(a, b) for a, b in zip(rho, rho2, strict=True))
+
+
+def test_nca_head_has_no_logits_probe():
+    model = tiny_model(vocab_size=20, language_head=NCA_HEAD)
+    step, _ = _profiled(ProfileSettings("detail"), model=model)
+    b = SequenceBatch(torch.randint(0, 19, (2, 6)), torch.randint(0, 19, (2, 6)))
+    probes = step.train_step(b).stats["profile"].probes_s
+    assert set(probes) == set(PROBES) - {"logits_loss"}
+
+
+def test_window_row_sums_times_and_keeps_first_highest_last_memory():
+    """One optimizer step's row from its micro-steps: times add up; memory is the reading
+    before the first micro-step, the highest after a forward, and after the last backward."""
+    mib = 2**20
+    a = StepProfile(1.0, 2.0, MemoryReading(1 * mib, 8 * mib), MemoryReading(5 * mib, 9 * mib),
+                    MemoryReading(2 * mib, 9 * mib), {"embed": 0.5})
+    b = StepProfile(0.5, 1.0, MemoryReading(3 * mib, 9 * mib), MemoryReading(4 * mib, 12 * mib),
+                    MemoryReading(3 * mib, 12 * mib), {"embed": 0.25})
+    assert profile_row([a, b]) == {
+        "forward_s": 1.5, "backward_s": 3.0, "probe_embed_s": 0.75,
+        "mem_before_mib": 1.0, "mem_before_reserved_mib": 8.0,
+        "mem_after_forward_mib": 5.0, "mem_after_forward_reserved_mib": 12.0,
+        "mem_after_backward_mib": 3.0, "mem_after_backward_reserved_mib": 12.0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("config", "env", "expected"),
+    [
+        (("off", False), {}, ProfileSettings("off", False)),
+        (("off", False), {"BDH_PROFILE": "1"}, ProfileSettings("step", False)),
+        (("off", False), {"BDH_PROFILE": "detail"}, ProfileSettings("detail", False)),
+        (("step", False), {"BDH_PROFILE_DETAIL": "true"}, ProfileSettings("detail", False)),
+        (("detail", True), {"BDH_PROFILE_DETAIL": "0"}, ProfileSettings("step", True)),
+        (("detail", True), {"BDH_PROFILE": "off", "BDH_PROFILE_MEMORY": "no"},
+         ProfileSettings("off", False)),
+        (("off", False), {"BDH_PROFILE_MEMORY": "on"}, ProfileSettings("step", True)),
+        (("off", True), {}, ProfileSettings("step", True)),
+    ],
+)
+def test_environment_overrides_the_profile_settings(config, env, expected):
+    settings = ProfileSettings.resolve(*config, environ=env)
+    assert settings == expected
+    assert settings.enabled == (expected.mode != "off")
+
+
+def test_unreadable_profile_environment_is_named():
+    with pytest.raises(ConfigError, match="BDH_PROFILE_MEMORY must be 1/true/yes/on or 0/false"):
+        ProfileSettings.resolve("off", False, environ={"BDH_PROFILE_MEMORY": "maybe"})
+    with pytest.raises(ConfigError, match="BDH_PROFILE must be .* or one of"):
+        ProfileSettings.resolve("off", False, environ={"BDH_PROFILE": "details"})
 
 
 def test_profiling_disabled_reads_no_clock_and_syncs_nothing():
     step = LanguageTrainModel(tiny_model(), tbptt_chunk_size=3)
+    assert not step.profiler.detail
     with (
         mock.patch.object(profile_module.time, "perf_counter") as clock,
         mock.patch.object(torch.cuda, "synchronize") as sync,

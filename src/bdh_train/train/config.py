@@ -11,6 +11,7 @@ from bdh_train import checks
 from bdh_train.data.loaders import logical_length_for
 from bdh_train.errors import ConfigError
 from bdh_train.train.init_from import InitTransferConfig
+from bdh_train.train.profile import PROFILE_MODES
 from bdh_train.train.schedules import GradientScale, validate_gradient_scales
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -59,8 +60,15 @@ class TrainingConfig:
     """torch.compile the shared layer."""
     max_consecutive_skips: int = 5
     """Abort after this many consecutive steps skipped for non-finite loss/gradients."""
-    profile: bool = False
-    """Per-step forward/backward time and memory in metrics.jsonl."""
+    profile: str = "off"
+    """'off'; 'step': forward/backward time per optimizer step in metrics.jsonl; 'detail': also
+    timed probes (embedding, first layer, head, whole model), extra passes that leave training
+    unchanged. true/false (older configs) read as 'step'/'off'. BDH_PROFILE or
+    BDH_PROFILE_DETAIL in the environment override it for one run. See `bdh-train profile`."""
+    profile_memory: bool = False
+    """Memory readings before each step, after its forward and after its backward (in-use
+    bytes, and reserved bytes on CUDA); turns on 'step' profiling if it is off.
+    BDH_PROFILE_MEMORY overrides it for one run."""
     gradient_scales: list[GradientScale] = field(default_factory=list)
     """Gradient multipliers per parameter group (not learning-rate changes)."""
     init_transfer: InitTransferConfig = field(default_factory=InitTransferConfig)
@@ -107,7 +115,10 @@ class TrainingConfig:
         checks.choice(f"{p}.dtype", self.dtype, DTYPES)
         checks.boolean(f"{p}.compile", self.compile)
         checks.nonneg_int(f"{p}.max_consecutive_skips", self.max_consecutive_skips)
-        checks.boolean(f"{p}.profile", self.profile)
+        if isinstance(self.profile, bool):
+            self.profile = "step" if self.profile else "off"
+        checks.choice(f"{p}.profile", self.profile, PROFILE_MODES)
+        checks.boolean(f"{p}.profile_memory", self.profile_memory)
 
         self._normalise_lengths(p)
         if self.target_tokens_per_step:

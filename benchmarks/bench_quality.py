@@ -46,8 +46,8 @@ def val_loss_at(trainer: Trainer, block_size: int, max_batches: int = 8) -> floa
     step = LanguageTrainModel(trainer.model)
     total = count = 0.0
     for batch in eval_batches(trainer.val_data, block_size, 8, max_batches):
-        n = batch.counted_tokens()
-        total += float(step.valid_step(batch)) * n
+        loss_sum, n = step.eval_loss(batch)
+        total += loss_sum
         count += n
     return total / count
 

@@ -286,15 +286,14 @@ BAD_VALUES = [
     ("training.block_size=true", "training.block_size must be a positive integer, got True"),
     ("training.batch_size=0", "training.batch_size must be a positive integer"),
     ("training.tbptt_chunk_size=-1", "training.tbptt_chunk_size must be a non-negative integer"),
-    ("training.tbptt_chunk_size=128", "training.tbptt_chunk_size must be 0 (off) or less than"),
     ("training.tbptt_backprop_chunks=0", "training.tbptt_backprop_chunks must be a positive"),
     (
         "training.tbptt_persist_across_steps=1",
         "training.tbptt_persist_across_steps must be true or false, got 1",
     ),
     (
-        "training.min_logical_block_size=200",
-        "training.min_logical_block_size must be 0 or a multiple of training.block_size (128)",
+        "training.min_logical_block_size=-1",
+        "training.min_logical_block_size must be a non-negative integer, got -1",
     ),
     ("training.gradient_accumulation_steps=0", "training.gradient_accumulation_steps must be"),
     (
@@ -312,7 +311,10 @@ BAD_VALUES = [
     ("training.device=gpu", "training.device must be one of 'auto', 'cpu', 'cuda', got 'gpu'"),
     ("training.dtype=float16", "training.dtype must be one of 'float32', 'bfloat16'"),
     ('training.compile="yes"', "training.compile must be true or false, got 'yes'"),
-    ("training.profile=0", "training.profile must be true or false"),
+    ("training.profile=0", "training.profile must be one of 'off', 'step', 'detail', got 0"),
+    ("training.profile='details'", "training.profile must be one of 'off', 'step', 'detail', got "
+     "'details' (did you mean 'detail'?)"),
+    ("training.profile_memory=1", "training.profile_memory must be true or false, got 1"),
     ("training.max_consecutive_skips=-1", "training.max_consecutive_skips must be"),
     ("training.gradient_scales=3", "training.gradient_scales must be a list of tables"),
     ("training.gradient_scales=[3]", r"training.gradient_scales[0] must be a table"),
@@ -539,6 +541,77 @@ def test_valid_cross_field_combinations() -> None:
         ]
     )
     assert cfg.data.source == "nca"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "effective", "line"),
+    [
+        (
+            ["training.tbptt_chunk_size=128"],
+            "tbptt_chunk_size",
+            0,
+            "info: training.tbptt_chunk_size=128 >= training.block_size=128: no TBPTT chunking "
+            "(tbptt_chunk_size set to 0)",
+        ),
+        (
+            [
+                "training.tbptt_chunk_size=512",
+                "parallel.pipeline_stages=2",
+                "parallel.microbatches=2",
+            ],
+            "tbptt_chunk_size",
+            0,
+            "info: training.tbptt_chunk_size=512 >= training.block_size=128: no TBPTT chunking",
+        ),
+        (
+            ["training.min_logical_block_size=200"],
+            "min_logical_block_size",
+            256,
+            "info: training.min_logical_block_size=200 rounded up to 256, a multiple of "
+            "training.block_size=128",
+        ),
+    ],
+    ids=["chunk-equals-block", "chunk-beyond-block-with-pipeline", "logical-rounded-up"],
+)
+def test_settings_the_reference_accepts_are_normalised_once(
+    overrides, field, effective, line, tmp_path: Path, capsys
+) -> None:
+    """As the reference does: a TBPTT chunk that covers the block means no chunking (so a
+    pipeline, which refuses TBPTT, accepts it), and a logical length is rounded up to whole
+    blocks. One info line says so; the dumped config holds the effective value, so loading it
+    again (resume) is silent and unchanged."""
+    cfg = load_config(overrides=overrides)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(line)
+    assert getattr(cfg.training, field) == effective
+    cfg.validate()  # the trainer validates again: nothing more is said
+    save_config(cfg, tmp_path / "config.toml")
+    assert load_config([tmp_path / "config.toml"]) == cfg
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"), [("true", "step"), ("false", "off"), ("'detail'", "detail")]
+)
+def test_profile_takes_a_mode_and_the_old_booleans(value: str, mode: str, tmp_path: Path) -> None:
+    cfg = load_config(overrides=[f"training.profile={value}"])
+    assert cfg.training.profile == mode
+    save_config(cfg, tmp_path / "config.toml")
+    assert f'profile = "{mode}"' in (tmp_path / "config.toml").read_text()
+    assert load_config([tmp_path / "config.toml"]) == cfg
+
+
+def test_config_and_loader_agree_on_the_logical_length() -> None:
+    """One rounding rule (`logical_length_for`): the streaming loader given the raw value
+    builds the same documents as the config's effective value."""
+    from bdh_train.data import StreamingDocumentLoader
+
+    cfg = load_config(overrides=["training.block_size=8", "training.min_logical_block_size=20"])
+    assert cfg.training.logical_block_size == cfg.training.min_logical_block_size == 24
+    assert cfg.training.streaming
+    tokens = list(range(500))
+    raw = StreamingDocumentLoader(tokens, 8, 2, logical_length=20, seed=0)
+    assert raw.logical_length == 24 and raw.windows_per_doc == 3
 
 
 def test_ints_accepted_where_floats_expected() -> None:

@@ -22,6 +22,7 @@ from bdh_train.errors import ConfigError
 from bdh_train.model.groups import interface_surface_params, transferred_backbone_params
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.metrics import read_metrics
+from bdh_train.train.profile import PROBES
 from bdh_train.train.step import LanguageTrainModel
 from bdh_train.trainer import Trainer, TrainingDiverged
 
@@ -321,10 +322,51 @@ def test_bfloat16_autocast_trains_with_float32_master_weights(tmp_path):
     assert rows[0]["loss"] != fp32_rows[0]["loss"]  # autocast really ran in bfloat16
 
 
-def test_profile_numbers_go_to_the_metrics_stream(tmp_path):
+def test_profile_numbers_go_to_the_metrics_stream(tmp_path, monkeypatch):
+    monkeypatch.setattr(Trainer, "sample", lambda self, *args, **kwargs: None)  # not under test
+    rows, _ = _first_loss_and_params(
+        tmp_path, ["training.profile='detail'", "training.profile_memory=true"]
+    )
+    probes = [f"probe_{name}_s" for name in PROBES]
+    for row in rows:
+        parts = row["forward_s"] + row["backward_s"] + sum(row[p] for p in probes)
+        assert 0 < parts < row["step_s"]  # the whole step also loads data and steps AdamW
+        assert row["mem_before_mib"] > 0 and row["mem_after_backward_mib"] > 0
+        assert "mem_before_reserved_mib" not in row  # a CUDA reading
+
+
+def test_old_boolean_profile_setting_reads_as_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(Trainer, "sample", lambda self, *args, **kwargs: None)  # not under test
     rows, _ = _first_loss_and_params(tmp_path, ["training.profile=true"])
-    assert rows[0]["forward_s"] > 0 and rows[0]["backward_s"] > 0
-    assert rows[0]["mem_after_forward_mib"] > 0
+    assert rows[0]["forward_s"] > 0 and "probe_embed_s" not in rows[0]
+    assert "mem_before_mib" not in rows[0]  # memory readings are training.profile_memory
+
+
+def test_profiling_from_the_environment_leaves_training_bit_identical(tmp_path, monkeypatch):
+    """Dropout on, two micro-steps per optimizer step: a run profiled in detail with memory
+    readings (switched on by environment variables alone) ends with the same parameters, bit
+    for bit, as the unprofiled run, and only it writes profile rows."""
+    monkeypatch.setattr(Trainer, "sample", lambda self, *args, **kwargs: None)  # not under test
+    overrides = [
+        *MICRO, "training.max_steps=2", "training.eval_every=0", "training.checkpoint_every=0",
+        "training.gradient_accumulation_steps=2",
+    ]
+    runs = {}
+    for name, env in (("plain", {}), ("profiled", {"BDH_PROFILE": "detail",
+                                                   "BDH_PROFILE_MEMORY": "1"})):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        trainer = Trainer(load_config(overrides=overrides), tmp_path / name, stream=io.StringIO())
+        trainer.run()
+        rows = read_metrics(tmp_path / name / "metrics.jsonl")
+        runs[name] = (rows, {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    (plain_rows, plain), (profiled_rows, profiled) = runs["plain"], runs["profiled"]
+    assert not any("forward_s" in r for r in plain_rows)
+    assert all("probe_model_forward_backward_s" in r and "mem_after_forward_mib" in r
+               for r in profiled_rows)
+    assert [r["loss"] for r in plain_rows] == [r["loss"] for r in profiled_rows]
+    for name, p in plain.items():
+        assert torch.equal(p, profiled[name]), name
 
 
 def test_init_from_loads_weights_only_and_honours_preserve_fresh(tmp_path):

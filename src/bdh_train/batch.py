@@ -45,11 +45,6 @@ class SequenceBatch:
     def block_size(self) -> int:
         return int(self.inputs.shape[1])
 
-    def counted_tokens(self) -> float:
-        """The targets that count in the loss: this batch's weight in token-weighted
-        accumulation."""
-        return float((self.targets != IGNORE_INDEX).sum().item())
-
     def to(self, device: torch.device | str) -> SequenceBatch:
         return SequenceBatch(
             self.inputs.to(device),
@@ -77,7 +72,8 @@ class SequenceBatch:
 @dataclass
 class StepOutput:
     """What one train step reports: `loss`, the block's mean loss over counted targets
-    (detached), `counted`, that count, and optional `stats` (e.g. a step profile)."""
+    (detached), `counted`, that count (the targets the model's head counts: the block's weight
+    in token-weighted accumulation), and optional `stats` (e.g. a step profile)."""
 
     loss: torch.Tensor
     counted: float

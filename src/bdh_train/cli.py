@@ -1,4 +1,4 @@
-"""`bdh-train`: train, generate, eval, config, plot, plan, export.
+"""`bdh-train`: train, generate, eval, config, plot, profile, plan, export.
 
 Every user error (bad config, data, checkpoint) is a BDHTrainError: printed as one line on
 stderr with exit status 2, never a traceback.
@@ -83,6 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="draw RUN_DIR/loss.png from metrics.jsonl")
     p.add_argument("run_dir")
+
+    p = sub.add_parser(
+        "profile",
+        help="where a step's time goes (a table, and RUN_DIR/profile.png) from the profile rows "
+        "of metrics.jsonl (train with training.profile = 'step' or 'detail')",
+    )
+    p.add_argument("run_dir")
+    p.add_argument(
+        "--png", default=None, metavar="PATH", help="draw the bars to PATH instead"
+    )
 
     p = sub.add_parser("plan", help="print a pipeline schedule's timeline and bubble")
     p.add_argument("--layers", type=int, required=True)
@@ -259,6 +269,24 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from bdh_train.train.metrics import METRICS_FILE, read_metrics
+    from bdh_train.train.profile import PROFILE_FILE, plot_profile, profile_rows, profile_table
+
+    metrics = Path(args.run_dir) / METRICS_FILE
+    if not metrics.is_file():
+        raise BDHTrainError(f"{metrics} does not exist: is {args.run_dir} a run directory?")
+    rows = profile_rows(read_metrics(metrics))
+    if not rows:
+        raise BDHTrainError(
+            f"{metrics} has no profile rows: train with training.profile = 'step' or 'detail' "
+            "(or BDH_PROFILE=step in the environment)"
+        )
+    print(profile_table(rows))
+    print(plot_profile(rows, args.png or Path(args.run_dir) / PROFILE_FILE))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from bdh_train.distributed.planner import build_pipeline_plan, plot_timeline, render_timeline
 
@@ -285,6 +313,7 @@ COMMANDS = {
     "eval": cmd_eval,
     "config": cmd_config,
     "plot": cmd_plot,
+    "profile": cmd_profile,
     "plan": cmd_plan,
     "export": cmd_export,
 }

@@ -34,7 +34,7 @@ from bdh_train.train.accumulate import WeightedGradientAccumulator, write_to_par
 from bdh_train.train.evaluate import evaluate
 from bdh_train.train.init_from import init_weights_from
 from bdh_train.train.metrics import MetricsLog, Progress, plot_losses
-from bdh_train.train.profile import StepProfile, StepProfiler
+from bdh_train.train.profile import ProfileSettings, StepProfile, StepProfiler, profile_row
 from bdh_train.train.reduce import all_reduce_accumulated
 from bdh_train.train.run_dir import RunDirLock, check_fresh_run_dir, clear_run_dir
 from bdh_train.train.schedules import GradientScaleSchedule
@@ -191,7 +191,13 @@ class Trainer:
         self.gradient_scales = GradientScaleSchedule(
             self.model, t.gradient_scales, t.init_transfer, t.max_steps
         )
-        self.profiler = StepProfiler(self.device) if t.profile else None
+        self.profile_settings = ProfileSettings.resolve(t.profile, t.profile_memory)
+        self.profiler = (
+            StepProfiler(self.device, self.profile_settings)
+            if self.profile_settings.enabled
+            else None
+        )
+        self._window_started: float | None = None
         self.executor, self.data_parallel = self._build_executor()
         self.loader = self._build_loader()
         self.optimizer = cfg.optimizer.build(self.model)
@@ -306,6 +312,8 @@ class Trainer:
                     f"notice: the last line of {self.metrics.path} was torn (an interrupted "
                     "write) and was dropped"
                 )
+        if self.profiler is not None:
+            self.progress.log(self.profile_settings.describe())
         micro_done = 0
         last_val: float | None = None
         started = time.perf_counter() - s.elapsed
@@ -355,6 +363,8 @@ class Trainer:
 
     def _micro_step(self) -> None:
         s = self.state
+        if self.profiler is not None and self._window_started is None:
+            self._window_started = time.perf_counter()
         batch = self.loader.next_batch().to(self.device)
         self.model.zero_grad(set_to_none=True)
         self.model.set_quant_step(s.step)  # the BitNet warm-up lambda follows the step
@@ -404,7 +414,11 @@ class Trainer:
         s.window_loss = s.window_count = 0.0
         row = {"step": s.step, "tokens": s.tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm}
         if self.window_profiles:  # training.profile: this window's time and memory
-            row |= self._profile_row()
+            row |= profile_row(self.window_profiles)
+            self.window_profiles = []
+            if self._window_started is not None:  # the whole step: data, micro-steps, optimizer
+                row["step_s"] = time.perf_counter() - self._window_started
+        self._window_started = None
         return row
 
     def _skip_step(self, loss: float, grad_norm: float) -> None:
@@ -430,17 +444,6 @@ class Trainer:
                 f"{s.skips} consecutive steps had a non-finite loss or gradient "
                 f"(training.max_consecutive_skips = {limit}); stopping; {advice}"
             )
-
-    def _profile_row(self) -> dict[str, float]:
-        mib = 1024 * 1024
-        p, self.window_profiles = self.window_profiles, []
-        return {
-            "forward_s": sum(x.forward_s for x in p),
-            "backward_s": sum(x.backward_s for x in p),
-            "mem_before_mib": p[0].memory_before / mib,
-            "mem_after_forward_mib": max(x.memory_after_forward for x in p) / mib,
-            "mem_after_backward_mib": p[-1].memory_after_backward / mib,
-        }
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> float | None:

@@ -121,6 +121,42 @@ def test_plan_prints_timeline_and_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_profile_shows_where_the_time_goes(tmp_path, capsys):
+    """From metrics.jsonl profile rows (written here by hand, as a CUDA run with detail
+    probes would): the mean of each part in ms and its share of the whole step, the rest of the
+    step as 'other', the probes, in-use and reserved memory; and the stacked bar PNG."""
+    rows = [{"step": 1, "loss": 5.0}]  # a row without a profile is skipped
+    for step, forward in ((1, 0.010), (2, 0.030)):
+        rows.append({
+            "step": step, "loss": 4.0, "forward_s": forward, "backward_s": 0.040,
+            "probe_embed_s": 0.001, "probe_model_forward_s": 0.004, "step_s": 0.100,
+            "mem_before_mib": 100.0, "mem_before_reserved_mib": 128.0,
+            "mem_after_forward_mib": 300.0, "mem_after_forward_reserved_mib": 512.0,
+        })
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["profile", str(tmp_path)]) == 0
+    lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    assert "profile: mean optimizer step over 2 optimizer steps" in lines[0]
+    assert "forward 20.00 20.0%" in lines
+    assert "backward 40.00 40.0%" in lines
+    assert "detail probes 5.00 5.0%" in lines
+    assert "other (data, accumulation, optimizer) 35.00 35.0%" in lines
+    assert "whole step 100.00 100.0%" in lines
+    assert "embedding (+backward) 1.00" in lines and "whole model forward 4.00" in lines
+    assert "before the step 100.0 128.0" in lines and "after forward 300.0 512.0" in lines
+    assert any("CUDA allocated" in line for line in lines)
+    assert lines[-1] == str(tmp_path / "profile.png")
+    assert (tmp_path / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_of_a_run_without_profile_rows_says_how_to_get_them(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    assert main(["profile", str(tmp_path)]) == 2
+    assert "train with training.profile = 'step' or 'detail'" in capsys.readouterr().err
+    assert main(["profile", str(tmp_path / "nowhere")]) == 2
+    assert "is " in capsys.readouterr().err and not (tmp_path / "profile.png").exists()
+
+
 def test_plan_bad_argument_names_the_field(capsys):
     assert main(["plan", "--layers", "2", "--stages", "4", "--microbatches", "4"]) == 2
     assert "model.n_layer" in capsys.readouterr().err
@@ -164,7 +200,7 @@ def test_bad_data_is_one_message_and_nothing_written(tmp_path, capsys, case):
         ("training.block_size=-3", "training.block_size must be a positive integer, got -3"),
         ("model.position=sinusoidal", "model.position must be one of 'rope', 'alibi'"),
         ("optimizer.lr=0", "optimizer.lr"),
-        ("training.tbptt_chunk_size=64", "training.tbptt_chunk_size must be 0 (off) or less than"),
+        ("training.tbptt_backprop_chunks=0", "training.tbptt_backprop_chunks must be a positive"),
     ],
 )
 def test_bad_config_is_one_message_and_nothing_written(tmp_path, capsys, override, expected):

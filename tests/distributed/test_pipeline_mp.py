@@ -20,6 +20,8 @@ from bdh_train.distributed.pipeline import (
 )
 from bdh_train.distributed.planner import ParallelConfig, PipelinePlan, build_pipeline_plan
 from bdh_train.errors import ConfigError, DataError
+from bdh_train.model import LanguageHeadConfig
+from bdh_train.model.heads import count_targets
 
 WORLD = 2
 N_LAYER = 4
@@ -67,7 +69,8 @@ def _reference_run() -> dict[str, Any]:
     with torch.no_grad():
         hidden = model.forward_hidden(eval_batch.inputs)
         eval_sum = model.loss_from_hidden(hidden, eval_batch.targets, reduction="sum").item()
-    return {"snaps": snaps, "losses": losses, "eval": (eval_sum, eval_batch.counted_tokens())}
+    counted = count_targets(eval_batch.targets, model.config.language_head)
+    return {"snaps": snaps, "losses": losses, "eval": (eval_sum, counted)}
 
 
 def _train_worker(rank: int, world: int, schedule: str, virtual: int) -> dict[str, Any]:
@@ -236,3 +239,27 @@ def test_single_stage_runner(single_process_group: None) -> None:
         torch.testing.assert_close(p.grad, ref_p.grad, rtol=1e-5, atol=1e-10, msg=name)
     with pytest.raises(ConfigError, match="training.batch_size=6"):
         runner.compute_gradients(batch.rows(0, 6))
+
+
+@pytest.mark.timeout(90)
+def test_runner_weights_by_what_the_head_counts(single_process_group: None) -> None:
+    """NCA head, targets with id 19 (neither patch nor special): the runner's loss, gradient
+    and weight are the head's own mean and count, not the count of non-ignored targets."""
+    head = LanguageHeadConfig(
+        type="nca_factorized_patch", state_count=2, patch_size=2, frame_special_tokens=True,
+        eos_id=18,
+    )
+    model = tiny_model(torch.float64, seed=0, n_layer=2, vocab_size=20, language_head=head)
+    reference = tiny_model(torch.float64, seed=0, n_layer=2, vocab_size=20, language_head=head)
+    runner = PipelineRunner(model, build_pipeline_plan(2, 1, 1, 2, "gpipe"), 0)
+    inputs = torch.tensor([[16, 0, 1, 17, 16, 2], [16, 4, 5, 17, 16, 6]])
+    targets = torch.tensor([[0, 1, 17, 19, 2, IGNORE_INDEX], [4, 19, 17, 18, 6, 19]])
+    out = runner.compute_gradients(SequenceBatch(inputs, targets))
+    _, ref_loss = reference(inputs, targets)
+    ref_loss.backward()
+    assert out.counted == 8  # 12 targets - 1 ignored - 3 of id 19
+    assert float(out.loss) == pytest.approx(ref_loss.item(), rel=1e-12)
+    for (name, p), ref_p in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, ref_p.grad, rtol=1e-10, atol=1e-14, msg=name)
+    loss_sum, counted = runner.eval_loss(SequenceBatch(inputs, targets))
+    assert counted == 8 and loss_sum / counted == pytest.approx(ref_loss.item(), rel=1e-12)

@@ -12,7 +12,12 @@ from helpers import tiny_model
 from bdh_train.batch import IGNORE_INDEX
 from bdh_train.errors import ConfigError
 from bdh_train.model import BDH, BDHConfig, LanguageHeadConfig
-from bdh_train.model.heads import nca_factorized_loss, patch_digits
+from bdh_train.model.heads import (
+    count_targets,
+    counted_target_mask,
+    nca_factorized_loss,
+    patch_digits,
+)
 
 
 def nca_head(**kw) -> LanguageHeadConfig:
@@ -162,3 +167,31 @@ def test_nca_loss_function_without_special_head():
     total, counted = hand_loss(hidden, targets, w.tolist(), [], 2, 4, [])
     loss = nca_factorized_loss(hidden, targets, w, None, head)
     assert counted == 3 and loss.item() == pytest.approx(total / 3, rel=1e-5)
+
+
+@pytest.mark.parametrize("head_type", ["token", "nca_factorized_patch"])
+def test_mean_loss_is_sum_over_the_heads_own_count(head_type):
+    """`count_targets` is the one counting rule: the head's mean is its sum over that count,
+    whatever ids the targets hold (ignored ones, and for NCA ids that are neither patch nor
+    special)."""
+    model = nca_model() if head_type != "token" else tiny_model(torch.float64, vocab_size=20)
+    head = model.config.language_head
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 7, 16, dtype=torch.float64, generator=g)
+    targets = torch.randint(0, 20, (2, 7), generator=g)
+    targets[0, :2] = IGNORE_INDEX
+    targets[1, 3] = 19
+    mask = counted_target_mask(targets, head)
+    unscored = int((targets == 19).sum()) if head_type != "token" else 0  # NCA: 19 is no id
+    expected = 14 - 2 - unscored
+    assert count_targets(targets, head) == mask.sum().item() == expected
+    total = model.loss_from_hidden(hidden, targets, "sum")
+    mean = model.loss_from_hidden(hidden, targets)
+    assert mean.item() == pytest.approx(total.item() / expected, rel=1e-12)
+
+
+def test_specials_without_their_head_are_refused():
+    head = nca_head()
+    hidden, w = torch.randn(3, 4), torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"special tokens \[16, 17, 18\] but no special_head"):
+        nca_factorized_loss(hidden, torch.tensor([0, 16, 1]), w, None, head)

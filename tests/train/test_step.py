@@ -7,13 +7,21 @@ from unittest import mock
 import pytest
 import torch
 from helpers import assert_close, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.errors import ConfigError
-from bdh_train.model import groups
+from bdh_train.model import LanguageHeadConfig, QuantConfig, groups
 from bdh_train.train import profile as profile_module
-from bdh_train.train.profile import StepProfiler
+from bdh_train.train.profile import (
+    PROBES,
+    MemoryReading,
+    ProfileSettings,
+    StepProfile,
+    StepProfiler,
+    profile_row,
+)
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.step import LanguageTrainModel
 
@@ -121,11 +129,94 @@ def test_ignored_targets_are_not_counted_in_chunk_weights():
 
 
 def test_tbptt_train_step_seed_case_is_finite():
+    """The reference's seed case (chunks of 2, one backward per chunk): a finite loss that is
+    the full forward's mean loss, and the gradients of the hand-written detaching loop."""
     model = tiny_model(n_layer=2, n_embd=8, n_head=1, mlp_internal_dim_multiplier=1, vocab_size=16)
-    out = LanguageTrainModel(model, tbptt_chunk_size=2).train_step(
-        SequenceBatch(SEED_INPUTS, SEED_TARGETS)
+    b = SequenceBatch(SEED_INPUTS, SEED_TARGETS)
+    full_loss, _ = full_gradients(model, b)
+    model.zero_grad(set_to_none=True)
+    state = model.init_state(2)
+    for start in (0, 2):  # the slow twin: forward, backward, detach per chunk
+        hidden = model.forward_hidden(b.inputs[:, start : start + 2], state)
+        (model.loss_from_hidden(hidden, b.targets[:, start : start + 2], "sum") / 8).backward()
+        state.detach_()
+    expected = grads_of(model)
+    out = LanguageTrainModel(model, tbptt_chunk_size=2).train_step(b)
+    assert torch.isfinite(out.loss) and out.counted == 8
+    assert abs(float(out.loss) - float(full_loss)) < 1e-6 * float(full_loss)
+    assert_close(grads_of(model), expected, rtol=1e-5, msg="seed-case TBPTT gradients")
+
+
+LOW_BIT_CASES = {  # the reference's three low-bit cases, each run through chunked TBPTT
+    "partial_safe_qat": dict(target_modules=["encoder", "decoder_y"]),
+    "train_kernel": dict(target_modules=["encoder", "decoder_y"], training_mode="train_kernel"),
+    "train_kernel_saved_int8": dict(
+        target_modules=["encoder", "decoder_y"],
+        training_mode="train_kernel",
+        saved_activations="quantized_cache_recompute",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOW_BIT_CASES))
+def test_quantized_tbptt_with_all_chunks_in_one_backward_is_full_backprop(case):
+    """QAT and TBPTT together: int8 activations are quantized per token and ternary weights
+    per tensor, so cutting the block into chunks changes nothing; with one backward over all
+    chunks the loss and gradients are full backprop's. float64, so no rounding decision of
+    the quantizers can flip between the two runs: 1e-10."""
+    quant = QuantConfig(enable=True, weight_format="ternary158", act_format="int8",
+                        **LOW_BIT_CASES[case])
+    model = tiny_model(torch.float64, quant=quant)
+    b = batch(t=10, seed=6)
+    full_loss, full_grads = full_gradients(model, b)
+    out = LanguageTrainModel(model, tbptt_chunk_size=3, tbptt_backprop_chunks=4).train_step(b)
+    assert abs(float(out.loss) - float(full_loss)) < 1e-6 * float(full_loss)  # float32 report
+    assert_close(grads_of(model), full_grads, rtol=1e-10, msg=case)
+    float_model = tiny_model(torch.float64)
+    _, float_grads = full_gradients(float_model, b)
+    with pytest.raises(AssertionError, match="exceeds"):  # quantization really is in the path
+        assert_close(full_grads, float_grads, rtol=1e-3)
+
+
+# ------------------------------------------------------------------ what the head counts
+NCA_HEAD = LanguageHeadConfig(
+    type="nca_factorized_patch", state_count=2, patch_size=2, frame_special_tokens=True, eos_id=18
+)
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [{}, {"tbptt_chunk_size": 3, "tbptt_backprop_chunks": 3}, {"pipeline": True}],
+    ids=["full", "tbptt", "pipeline"],
+)
+def test_nca_step_loss_and_weight_are_the_heads_own(setup):
+    """Target 19 is neither a patch id (< 16) nor a special (16, 17, 18): the head neither
+    scores nor counts it, so the step must divide by the head's count (6 here), not by the
+    8 non-ignored targets."""
+    model = tiny_model(torch.float64, vocab_size=20, language_head=NCA_HEAD)
+    inputs = torch.tensor([[16, 0, 1, 17, 16, 2, 3, 18], [16, 4, 5, 17, 16, 6, 7, 18]])
+    targets = torch.tensor(
+        [[0, 1, 17, 19, 2, 3, 16, IGNORE_INDEX], [4, 19, 17, 18, 6, 7, 16, 19]]
     )
-    assert torch.isfinite(out.loss)
+    b = SequenceBatch(inputs, targets)
+    with torch.no_grad():
+        _, model_loss = model(inputs, targets)
+    kwargs = dict(setup)
+    if kwargs.pop("pipeline", False):
+        kwargs["pipeline_plan"] = build_pipeline_plan(2, 2, 1, 2, "gpipe")
+    step = LanguageTrainModel(model, **kwargs)
+    out = step.train_step(b)
+    assert out.counted == 12  # 16 targets - 1 ignored - 3 of id 19
+    expected_loss = float(model_loss)  # the step reports float32 losses: 1e-6 relative
+    assert abs(float(out.loss) - expected_loss) < 1e-6 * expected_loss
+    assert abs(float(step.valid_step(b)) - expected_loss) < 1e-6 * expected_loss
+    loss_sum, counted = step.eval_loss(b)
+    assert counted == 12 and abs(loss_sum / counted - expected_loss) < 1e-6 * expected_loss
+    model.zero_grad(set_to_none=True)
+    model(inputs, targets)[1].backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    step.train_step(b)
+    assert_close(grads_of(model), expected, rtol=1e-10, msg="grads of the head's mean loss")
 
 
 # ------------------------------------------------------------------ streaming
@@ -145,28 +236,35 @@ def test_streaming_second_step_equals_direct_forward_from_carried_state():
 
 
 def test_streaming_reset_row_is_fresh_while_other_row_continues():
+    """Row 0 continues from its carried state; row 1, flagged, starts from zero at position 0.
+    Checked per row on what the step itself produces: its loss (with the other row's targets
+    ignored, so the loss is this row's alone) and the state it carries on, against each row
+    run on its own (row 0 from its carried state, row 1 from a fresh one)."""
     model = tiny_model()
     step = LanguageTrainModel(model, streaming=True)
     a = batch(b=2, t=3, seed=1)
     a.reset = torch.tensor([True, True])
     step.train_step(a)
     carried = step.carried_state.clone()
+    assert carried.position.tolist() == [3, 3] and all(r.abs().sum() > 0 for r in carried.rho)
     b = batch(b=2, t=3, seed=2)
     b.reset = torch.tensor([False, True])
-    step.train_step(b)
-    assert step.carried_state.position.tolist() == [6, 3]  # positions advance per row
+    alone = [_row(carried, 0), model.init_state(1)]  # the slow twin: each row on its own
+    expected = []
     with torch.no_grad():
-        continued = model.forward_hidden(b.inputs[:1], _row(carried, 0))
-        fresh = model.forward_hidden(b.inputs[1:])
-        expected = torch.cat([continued, fresh])
-        per_row = model.loss_from_hidden(expected, b.targets)
-    # check through the loss of a valid pass from the same states
-    state = carried.clone()
-    state.reset_(torch.tensor([False, True]))
-    with torch.no_grad():
-        got = model.forward_hidden(b.inputs, state)
-    assert_close(got, expected, rtol=1e-5)
-    assert abs(model.loss_from_hidden(got, b.targets) - per_row) < 1e-6
+        for row, state in enumerate(alone):
+            hidden = model.forward_hidden(b.inputs[row : row + 1], state)
+            expected.append(float(model.loss_from_hidden(hidden, b.targets[row : row + 1])))
+    for row in (0, 1):
+        step.carried_state = carried.clone()
+        targets = b.targets.clone()
+        targets[1 - row] = IGNORE_INDEX
+        out = step.train_step(SequenceBatch(b.inputs, targets, b.reset))
+        assert abs(float(out.loss) - expected[row]) < 1e-6 * expected[row], f"row {row} loss"
+        state = step.carried_state
+        assert state.position.tolist() == [6, 3]  # positions advance per row
+        for layer, rho in enumerate(state.rho):
+            assert_close(rho[row], alone[row].rho[layer][0], rtol=1e-6, msg=f"row {row} rho")
 
 
 def _row(state, row):
@@ -327,18 +425,160 @@ def test_schedule_rule_midpoint_interpolation():
 
 
 # ------------------------------------------------------------------ profiling
-def test_profiling_enabled_records_times_and_memory():
-    profiler = StepProfiler()
-    step = LanguageTrainModel(tiny_model(), tbptt_chunk_size=3, profiler=profiler)
-    out = step.train_step(batch())
-    p = out.stats["profile"]
-    assert p.forward_s > 0 and p.backward_s > 0
-    assert p.memory_before > 0 and p.memory_after_forward > 0 and p.memory_after_backward > 0
-    assert "forward ms" in profiler.summary()
+def _profiled(settings, **step_kwargs):
+    profiler = StepProfiler(settings=settings)
+    return LanguageTrainModel(profiler=profiler, **step_kwargs), profiler
+
+
+class OpClock(TorchDispatchMode):
+    """A clock that advances by one per tensor operation dispatched (forward and backward):
+    a stand-in for time that a loaded machine cannot disturb."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def now(self) -> float:
+        return float(self.ops)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_detail_probe_times_are_ordered():
+    """What each probe times, through a clock that counts operations (wall time on a shared
+    2-core machine varies 50x between identical passes): a backward costs at least half its
+    forward, so a forward alone is below 2/3 of the same forward with its backward; one layer
+    costs less than half of three, the embedding less than a layer,
+    the loss from logits less than the loss from hidden states (which adds the logits); the
+    step's forward is the model's forward plus the loss."""
+    model = tiny_model(n_layer=3)
+    step, profiler = _profiled(ProfileSettings("detail"), model=model)
+    clock = OpClock()
+    with clock, mock.patch.object(profile_module.time, "perf_counter", clock.now):
+        out = step.train_step(batch(b=2, t=12))
+    row = profile_row([out.stats["profile"]])
+    assert set(row) == {"forward_s", "backward_s", *(f"probe_{n}_s" for n in PROBES)}
+    probe = {name: row[f"probe_{name}_s"] for name in PROBES}
+    assert 1.5 * probe["first_layer_forward"] < probe["first_layer_forward_backward"]
+    assert 1.5 * probe["model_forward"] < probe["model_forward_backward"]
+    assert 2 * probe["first_layer_forward"] < probe["model_forward"]
+    assert probe["embed"] < probe["first_layer_forward"]
+    assert probe["logits_loss"] < probe["hidden_logits_loss"]
+    assert probe["model_forward"] < row["forward_s"] < probe["model_forward_backward"]
+    assert row["backward_s"] > 0
+    assert "whole model forward+backward" in profiler.summary()
+
+
+def test_a_known_allocation_moves_the_memory_reading():
+    """64 MiB allocated (and touched) during the forward and held past the backward: the
+    readings after forward and after backward are at least that far above the one before."""
+    step, _ = _profiled(ProfileSettings("step", memory=True), model=tiny_model())
+    held: list[torch.Tensor] = []
+    piece_loss = step._piece_loss
+
+    def allocating(*args):
+        if step.profiler.recorded == 0 and not held:  # the first step only
+            held.append(torch.ones(16 * 2**20))  # 64 MiB of float32, every page written
+        return piece_loss(*args)
+
+    step._piece_loss = allocating
+    p = step.train_step(batch()).stats["profile"]
+    mib = 2**20
+    assert p.memory_after_forward.in_use - p.memory_before.in_use >= 60 * mib
+    assert p.memory_after_backward.in_use - p.memory_before.in_use >= 60 * mib
+    assert p.memory_before.reserved is None  # reserved bytes are a CUDA reading
+    held.clear()
+    again = step.train_step(batch()).stats["profile"]  # released: the reading falls back
+    assert again.memory_after_forward.in_use < p.memory_after_forward.in_use - 50 * mib
+
+
+def test_detail_probes_leave_training_bit_identical():
+    """Streaming TBPTT with dropout, 3 steps, with and without detail probes (and memory
+    readings): gradients, carried state and the random generator state are bit-identical.
+    The probes run dropout and backward passes of their own, so this fails if they consume
+    the training's random numbers, write into .grad or touch the carried state."""
+    results = []
+    for settings in (None, ProfileSettings("detail", memory=True)):
+        model = tiny_model(dropout=0.2)
+        kwargs = dict(model=model, tbptt_chunk_size=3, tbptt_backprop_chunks=2, streaming=True)
+        if settings is None:
+            step = LanguageTrainModel(**kwargs)
+        else:
+            step = _profiled(settings, **kwargs)[0]
+        torch.manual_seed(7)
+        trace = []
+        for i in range(3):
+            b = batch(t=10, seed=i)
+            b.reset = torch.tensor([i == 0, i != 1])
+            out = step.train_step(b)
+            state = step.carried_state
+            trace.append((out.loss, grads_of(model), state.position.clone(), list(state.rho)))
+        results.append((trace, torch.get_rng_state()))
+    (plain, plain_rng), (probed, probed_rng) = results
+    assert torch.equal(plain_rng, probed_rng)
+    for (loss, grads, pos, rho), (loss2, grads2, pos2, rho2) in zip(plain, probed, strict=True):
+        assert torch.equal(loss, loss2) and torch.equal(pos, pos2)
+        assert grads.keys() == grads2.keys()
+        assert all(torch.equal(grads[n], grads2[n]) for n in grads)
+        assert all(torch.equal(a, b) for a, b in zip(rho, rho2, strict=True))
+
+
+def test_nca_head_has_no_logits_probe():
+    model = tiny_model(vocab_size=20, language_head=NCA_HEAD)
+    step, _ = _profiled(ProfileSettings("detail"), model=model)
+    b = SequenceBatch(torch.randint(0, 19, (2, 6)), torch.randint(0, 19, (2, 6)))
+    probes = step.train_step(b).stats["profile"].probes_s
+    assert set(probes) == set(PROBES) - {"logits_loss"}
+
+
+def test_window_row_sums_times_and_keeps_first_highest_last_memory():
+    """One optimizer step's row from its micro-steps: times add up; memory is the reading
+    before the first micro-step, the highest after a forward, and after the last backward."""
+    mib = 2**20
+    a = StepProfile(1.0, 2.0, MemoryReading(1 * mib, 8 * mib), MemoryReading(5 * mib, 9 * mib),
+                    MemoryReading(2 * mib, 9 * mib), {"embed": 0.5})
+    b = StepProfile(0.5, 1.0, MemoryReading(3 * mib, 9 * mib), MemoryReading(4 * mib, 12 * mib),
+                    MemoryReading(3 * mib, 12 * mib), {"embed": 0.25})
+    assert profile_row([a, b]) == {
+        "forward_s": 1.5, "backward_s": 3.0, "probe_embed_s": 0.75,
+        "mem_before_mib": 1.0, "mem_before_reserved_mib": 8.0,
+        "mem_after_forward_mib": 5.0, "mem_after_forward_reserved_mib": 12.0,
+        "mem_after_backward_mib": 3.0, "mem_after_backward_reserved_mib": 12.0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("config", "env", "expected"),
+    [
+        (("off", False), {}, ProfileSettings("off", False)),
+        (("off", False), {"BDH_PROFILE": "1"}, ProfileSettings("step", False)),
+        (("off", False), {"BDH_PROFILE": "detail"}, ProfileSettings("detail", False)),
+        (("step", False), {"BDH_PROFILE_DETAIL": "true"}, ProfileSettings("detail", False)),
+        (("detail", True), {"BDH_PROFILE_DETAIL": "0"}, ProfileSettings("step", True)),
+        (("detail", True), {"BDH_PROFILE": "off", "BDH_PROFILE_MEMORY": "no"},
+         ProfileSettings("off", False)),
+        (("off", False), {"BDH_PROFILE_MEMORY": "on"}, ProfileSettings("step", True)),
+        (("off", True), {}, ProfileSettings("step", True)),
+    ],
+)
+def test_environment_overrides_the_profile_settings(config, env, expected):
+    settings = ProfileSettings.resolve(*config, environ=env)
+    assert settings == expected
+    assert settings.enabled == (expected.mode != "off")
+
+
+def test_unreadable_profile_environment_is_named():
+    with pytest.raises(ConfigError, match="BDH_PROFILE_MEMORY must be 1/true/yes/on or 0/false"):
+        ProfileSettings.resolve("off", False, environ={"BDH_PROFILE_MEMORY": "maybe"})
+    with pytest.raises(ConfigError, match="BDH_PROFILE must be .* or one of"):
+        ProfileSettings.resolve("off", False, environ={"BDH_PROFILE": "details"})
 
 
 def test_profiling_disabled_reads_no_clock_and_syncs_nothing():
     step = LanguageTrainModel(tiny_model(), tbptt_chunk_size=3)
+    assert not step.profiler.detail
     with (
         mock.patch.object(profile_module.time, "perf_counter") as clock,
         mock.patch.object(torch.cuda, "synchronize") as sync,

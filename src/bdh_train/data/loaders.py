@@ -41,13 +41,10 @@ def _as_tokens(tokens: TokenSource) -> tuple[np.ndarray, str]:
     return arr, "the token array"
 
 
-def check_logical_length(logical_length: int, block_size: int, *, zero_ok: bool) -> None:
-    """Streamed documents are cut into whole blocks, so their length is a multiple of the
-    block (0 stands for "one block" where `zero_ok`)."""
-    checks.multiple_of(
-        "training.min_logical_block_size", logical_length, block_size, "training.block_size",
-        zero_ok=zero_ok,
-    )
+def logical_length_for(requested: int, block_size: int) -> int:
+    """The logical length streamed documents get: they are cut into whole blocks, so a
+    requested length is rounded UP to a multiple of the block (0 stands for one block)."""
+    return max(1, -(-requested // block_size)) * block_size
 
 
 def _check_ranks(batch_size: int, rank: int, world_size: int) -> None:
@@ -202,7 +199,8 @@ class RandomWindowLoader(_RankedLoader):
 class StreamingDocumentLoader(_RankedLoader):
     """Consecutive windows of documents, for training with state carried across steps.
 
-    The stream is cut into documents of `logical_length` L tokens (a multiple of block_size T):
+    The stream is cut into documents of `logical_length` L tokens (rounded up to a multiple of
+    block_size T by `logical_length_for`):
     doc i covers tokens [i*L, i*L + L + 1) and yields L/T windows of T + 1 tokens, window k
     covering [i*L + k*T, i*L + k*T + T + 1), so consecutive windows share one token and every
     target is the next window's first input. Each epoch visits documents in a permutation
@@ -226,8 +224,9 @@ class StreamingDocumentLoader(_RankedLoader):
         world_size: int = 1,
     ) -> None:
         super().__init__(tokens, block_size, batch_size, seed, rank, world_size)
-        self.logical_length = checks.positive_int("logical_length", logical_length)
-        check_logical_length(self.logical_length, self.block_size, zero_ok=False)
+        self.logical_length = logical_length_for(
+            checks.positive_int("logical_length", logical_length), self.block_size
+        )
         self.windows_per_doc = self.logical_length // self.block_size
         n = int(self.tokens.shape[0])
         self.num_docs = (n - 1) // self.logical_length

@@ -9,8 +9,9 @@ over the pipeline group (zeros where a rank did not use a parameter): the Megatr
 tied weights, so every replica takes the identical optimizer step and stays bit-identical.
 
 Loss scaling happens once: each microbatch's loss is a SUM over its counted targets divided by
-the counted targets of the WHOLE batch, and the schedule runs with ``scale_grads=False``, so
-pipeline gradients equal the single-process mean-loss gradients.
+the counted targets of the WHOLE batch (what the head counts, `heads.count_targets`), and the
+schedule runs with ``scale_grads=False``, so pipeline gradients equal the single-process
+mean-loss gradients.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from bdh_train.distributed.planner import (
 )
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.model.bdh import BDH
+from bdh_train.model.heads import count_targets
 
 Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
@@ -165,7 +167,7 @@ class PipelineRunner:
         self._batch_shape = shape
         batch = batch.to(self.device)
         # Known before the step from the whole batch, which every rank holds.
-        counted = batch.counted_tokens()
+        counted = count_targets(batch.targets, self.model.config.language_head)
         self._check_same_batch(shape, counted)
         self._loss_denominator = max(1.0, counted)
         self.model.zero_grad(set_to_none=True)
@@ -239,7 +241,10 @@ class PipelineRunner:
                 loss_sum = self.model.loss_from_hidden(hidden, batch.targets, reduction="sum")
             finally:
                 self.model.train(was_training)
-            counted = torch.tensor(batch.counted_tokens(), dtype=torch.float64)
+            counted = torch.tensor(
+                count_targets(batch.targets, self.model.config.language_head),
+                dtype=torch.float64,
+            )
             result = torch.stack([loss_sum.detach().double().cpu(), counted])
         self._broadcast_tensor(result, 0)
         return float(result[0]), float(result[1])

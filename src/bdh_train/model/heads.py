@@ -58,6 +58,40 @@ def patch_digits(ids: torch.Tensor, state_count: int, cells: int) -> torch.Tenso
     return torch.div(ids.unsqueeze(-1), powers, rounding_mode="floor") % state_count
 
 
+def _nca_target_classes(
+    targets: torch.Tensor, head: LanguageHeadConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat targets -> (is_patch, special index or -1): the NCA head's two kinds of target."""
+    t = targets.reshape(-1).to(dtype=torch.long)
+    is_patch = (t >= 0) & (t < head.patch_vocab)
+    specials = head.special_tokens
+    if not specials:
+        return is_patch, torch.full_like(t, -1)
+    table = torch.full((max(specials) + 1,), -1, dtype=torch.long, device=t.device)
+    table[torch.tensor(specials, device=t.device)] = torch.arange(len(specials), device=t.device)
+    in_table = (t >= 0) & (t < table.shape[0]) & ~is_patch
+    return is_patch, torch.where(in_table, table[torch.where(in_table, t, 0)], -1)
+
+
+def counted_target_mask(targets: torch.Tensor, head: LanguageHeadConfig) -> torch.Tensor:
+    """Which targets the head's loss counts (flattened, bool): the token head counts every
+    target but IGNORE_INDEX; the NCA head counts patch ids and its special tokens only.
+
+    A 'mean' loss is its 'sum' divided by max(1, this count), so a train step that weights
+    pieces or micro-batches by this count reproduces the head's mean exactly.
+    """
+    if head.type == "token":
+        return targets.reshape(-1) != IGNORE_INDEX
+    is_patch, special_index = _nca_target_classes(targets, head)
+    return is_patch | (special_index >= 0)
+
+
+def count_targets(targets: torch.Tensor, head: LanguageHeadConfig) -> float:
+    """The number of targets the head's loss counts: a batch's weight in token-weighted
+    accumulation and the denominator of its mean loss (see `counted_target_mask`)."""
+    return float(counted_target_mask(targets, head).sum().item())
+
+
 def nca_factorized_loss(
     hidden: torch.Tensor,
     targets: torch.Tensor,
@@ -70,34 +104,30 @@ def nca_factorized_loss(
 
     A target t < K costs the sum over cells of -log_softmax(h @ W_fact as [P, S])[c, digit_c];
     a special target costs -log_softmax(h @ W_special)[its index]. Those are the counted
-    targets; any other id (IGNORE_INDEX included) contributes 0 and is not counted. With data
-    from `bdh_train.data.nca` every non-ignored target is counted. reduction 'sum' returns the
-    plain sum (for exact token-weighted accumulation).
+    targets (`counted_target_mask`); any other id (IGNORE_INDEX included) contributes 0 and is
+    not counted. With data from `bdh_train.data.nca` every non-ignored target is counted.
+    reduction 'sum' returns the plain sum (for exact token-weighted accumulation).
     """
     _check_reduction(reduction)
-    s, p, k = head.state_count, head.cells, head.patch_vocab
+    s, p = head.state_count, head.cells
+    if head.special_tokens and special_head is None:
+        raise ValueError(
+            f"the head has special tokens {head.special_tokens} but no special_head was given"
+        )
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).to(device=h.device, dtype=torch.long)
-    is_patch = (t >= 0) & (t < k)
+    is_patch, special_index = _nca_target_classes(t, head)
     patch_logp = F.log_softmax(_upcast(h @ patch_head).view(-1, p, s), dim=-1)
     digits = patch_digits(torch.where(is_patch, t, 0), s, p)
     patch_nll = -patch_logp.gather(-1, digits.unsqueeze(-1)).squeeze(-1).sum(-1)
     nll = torch.where(is_patch, patch_nll, 0.0)
-    counted = is_patch
-    specials = head.special_tokens
-    if specials and special_head is not None:
-        table = torch.full((max(specials) + 1,), -1, dtype=torch.long, device=h.device)
-        table[torch.tensor(specials, device=h.device)] = torch.arange(
-            len(specials), device=h.device
-        )
-        in_table = (t >= 0) & (t < table.shape[0]) & ~is_patch
-        index = torch.where(in_table, table[torch.where(in_table, t, 0)], -1)
-        is_special = index >= 0
+    is_special = special_index >= 0
+    if special_head is not None and head.special_tokens:
         special_logp = F.log_softmax(_upcast(h @ special_head), dim=-1)
-        special_nll = -special_logp.gather(-1, index.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        index = special_index.clamp_min(0).unsqueeze(-1)
+        special_nll = -special_logp.gather(-1, index).squeeze(-1)
         nll = nll + torch.where(is_special, special_nll, 0.0)
-        counted = counted | is_special
     total = nll.sum()
     if reduction == "sum":
         return total
-    return total / counted.sum().clamp_min(1)
+    return total / (is_patch | is_special).sum().clamp_min(1)

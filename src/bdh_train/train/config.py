@@ -3,13 +3,15 @@ accumulation, intervals, device and precision, gradient scales."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from bdh_train import checks
-from bdh_train.data.loaders import check_logical_length
+from bdh_train.data.loaders import logical_length_for
 from bdh_train.errors import ConfigError
 from bdh_train.train.init_from import InitTransferConfig
+from bdh_train.train.profile import PROFILE_MODES
 from bdh_train.train.schedules import GradientScale, validate_gradient_scales
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -28,13 +30,15 @@ class TrainingConfig:
     batch_size: int = 32
     """Rows per micro-batch, over all data-parallel processes together."""
     tbptt_chunk_size: int = 0
-    """Truncated BPTT chunk length inside a block; 0 = off (backprop the whole block)."""
+    """Truncated BPTT chunk length inside a block; 0 = off (backprop the whole block). A value
+    >= block_size also means off: validation sets it to 0 and says so on stderr."""
     tbptt_backprop_chunks: int = 1
     """How many consecutive chunks one backward pass spans."""
     tbptt_persist_across_steps: bool = False
     """Carry the recurrent state from one optimizer step's block to the next (streaming)."""
     min_logical_block_size: int = 0
-    """Logical sequence length streamed over consecutive blocks; 0 = block_size."""
+    """Logical sequence length streamed over consecutive blocks; 0 = block_size. Documents are
+    whole blocks, so validation rounds it up to a multiple of block_size (saying so)."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step (unless target_tokens_per_step derives it)."""
     target_tokens_per_step: int = 0
@@ -56,8 +60,15 @@ class TrainingConfig:
     """torch.compile the shared layer."""
     max_consecutive_skips: int = 5
     """Abort after this many consecutive steps skipped for non-finite loss/gradients."""
-    profile: bool = False
-    """Per-step forward/backward time and memory in metrics.jsonl."""
+    profile: str = "off"
+    """'off'; 'step': forward/backward time per optimizer step in metrics.jsonl; 'detail': also
+    timed probes (embedding, first layer, head, whole model), extra passes that leave training
+    unchanged. true/false (older configs) read as 'step'/'off'. BDH_PROFILE or
+    BDH_PROFILE_DETAIL in the environment override it for one run. See `bdh-train profile`."""
+    profile_memory: bool = False
+    """Memory readings before each step, after its forward and after its backward (in-use
+    bytes, and reserved bytes on CUDA); turns on 'step' profiling if it is off.
+    BDH_PROFILE_MEMORY overrides it for one run."""
     gradient_scales: list[GradientScale] = field(default_factory=list)
     """Gradient multipliers per parameter group (not learning-rate changes); their ramps count
     optimizer steps of max_steps, an accumulation window of micro-batches being one step."""
@@ -65,8 +76,9 @@ class TrainingConfig:
 
     @property
     def logical_block_size(self) -> int:
-        """The logical sequence length (min_logical_block_size, or block_size when 0)."""
-        return self.min_logical_block_size or self.block_size
+        """The logical sequence length: min_logical_block_size rounded up to a multiple of
+        block_size (block_size when 0)."""
+        return logical_length_for(self.min_logical_block_size, self.block_size)
 
     @property
     def streaming(self) -> bool:
@@ -104,14 +116,12 @@ class TrainingConfig:
         checks.choice(f"{p}.dtype", self.dtype, DTYPES)
         checks.boolean(f"{p}.compile", self.compile)
         checks.nonneg_int(f"{p}.max_consecutive_skips", self.max_consecutive_skips)
-        checks.boolean(f"{p}.profile", self.profile)
+        if isinstance(self.profile, bool):
+            self.profile = "step" if self.profile else "off"
+        checks.choice(f"{p}.profile", self.profile, PROFILE_MODES)
+        checks.boolean(f"{p}.profile_memory", self.profile_memory)
 
-        if self.tbptt_chunk_size and self.tbptt_chunk_size >= self.block_size:
-            raise ConfigError(
-                f"{p}.tbptt_chunk_size must be 0 (off) or less than {p}.block_size "
-                f"({self.block_size}), got {self.tbptt_chunk_size}"
-            )
-        check_logical_length(self.min_logical_block_size, self.block_size, zero_ok=True)
+        self._normalise_lengths(p)
         if self.target_tokens_per_step:
             if self.gradient_accumulation_steps != 1:
                 raise ConfigError(
@@ -127,3 +137,25 @@ class TrainingConfig:
         validate_gradient_scales(self.gradient_scales, f"{p}.gradient_scales")
         self.init_transfer.validate(f"{p}.init_transfer")
         return self
+
+    def _normalise_lengths(self, p: str) -> None:
+        """Write the effective TBPTT chunk and logical length into the fields, with one info
+        line on stderr for each value changed. Idempotent: a config validated (and dumped)
+        once validates again unchanged and silently, e.g. on resume."""
+        if self.tbptt_chunk_size >= self.block_size:
+            _info(
+                f"{p}.tbptt_chunk_size={self.tbptt_chunk_size} >= {p}.block_size="
+                f"{self.block_size}: no TBPTT chunking (tbptt_chunk_size set to 0)"
+            )
+            self.tbptt_chunk_size = 0
+        if self.min_logical_block_size % self.block_size:
+            rounded = logical_length_for(self.min_logical_block_size, self.block_size)
+            _info(
+                f"{p}.min_logical_block_size={self.min_logical_block_size} rounded up to "
+                f"{rounded}, a multiple of {p}.block_size={self.block_size}"
+            )
+            self.min_logical_block_size = rounded
+
+
+def _info(message: str) -> None:
+    print(f"info: {message}", file=sys.stderr)

@@ -8,11 +8,13 @@
   * pipeline microbatches: the batch is split and each microbatch runs the plan's layer
     ranges in its forward-event order with a fresh state (single-process emulation);
   * gradient-scale schedules, applied after backward by `train_step`;
-  * profiling hooks that cost nothing when off.
+  * profiling hooks that cost nothing when off, and in 'detail' mode timed probes: extra
+    passes on the step's batch that leave everything the step computes unchanged.
 
 Losses are token-weighted: every piece (TBPTT chunk, microbatch) contributes its loss SUM
-divided by the counted targets of the whole block, so the pieces add up to the block's mean
-loss exactly, whatever the chunk lengths or ignored targets.
+divided by the counted targets of the whole block — counted by the model's head
+(`heads.count_targets`) — so the pieces add up to the head's mean loss of the block exactly,
+whatever the chunk lengths, ignored targets or ids the head does not count.
 
 `StepExecutor` is what the trainer drives; this class and the multi-process pipeline runner
 implement it.
@@ -30,6 +32,7 @@ from bdh_train.batch import SequenceBatch, StepOutput
 from bdh_train.distributed.planner import PipelinePlan, split_microbatch_ranges
 from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.model import BDH, ModelState
+from bdh_train.model.heads import count_targets, token_cross_entropy
 from bdh_train.train.profile import NullProfiler, StepProfiler
 from bdh_train.train.schedules import GradientScaleSchedule
 
@@ -98,6 +101,11 @@ class LanguageTrainModel:
         if self.streaming:
             self.carried_state = state.detach_()
 
+    def counted_targets(self, batch: SequenceBatch) -> float:
+        """The targets of `batch` the model's head counts: the denominator of its mean loss
+        and its weight in token-weighted accumulation."""
+        return count_targets(batch.targets, self.model.config.language_head)
+
     def _piece_loss(self, hidden, targets, normalizer: float) -> torch.Tensor:
         return self.model.loss_from_hidden(hidden, targets, reduction="sum") / normalizer
 
@@ -105,7 +113,7 @@ class LanguageTrainModel:
     def compute_gradients(self, batch: SequenceBatch, loss_scale: float = 1.0) -> StepOutput:
         """Forward and backward of one block; gradients of `loss_scale * mean loss` are ADDED
         to the parameters' .grad. No gradient-scale schedule is applied (see train_step)."""
-        counted = batch.counted_tokens()
+        counted = self.counted_targets(batch)
         normalizer = max(counted, 1.0)
         self.profiler.begin_step()
         self.model.train()
@@ -113,6 +121,8 @@ class LanguageTrainModel:
             loss = self._pipeline_forward_backward(batch, normalizer, loss_scale)
         else:
             loss = self._tbptt_forward_backward(batch, normalizer, loss_scale)
+        if self.profiler.detail:
+            self._detail_probes(batch)
         profile = self.profiler.end_step()
         stats: dict[str, Any] = {}
         if profile is not None:
@@ -191,6 +201,58 @@ class LanguageTrainModel:
         self.profiler.end_forward()
         return losses
 
+    # ------------------------------------------------------------ profiling
+    def _detail_probes(self, batch: SequenceBatch) -> None:
+        """Time extra passes on this batch through parts of the model (profile 'detail'):
+        the embedding, the first layer, the whole model (forward, and forward+backward of a
+        stand-in loss mean(tanh(h)^2)), and the head (logits -> loss, hidden -> loss).
+
+        They change nothing the step computes: their gradients come back from
+        torch.autograd.grad instead of landing in .grad, they run from fresh states (the
+        carried state is neither read nor advanced), and the random generators are restored
+        afterwards, so dropout inside a probe does not shift the training's draws. With TBPTT
+        they cover one backward window (backprop_chunks chunks): the most the step holds.
+        """
+        profiler, model = self.profiler, self.model
+        assert isinstance(profiler, StepProfiler)
+        span = batch.block_size
+        chunk = self.effective_chunk_size(span)
+        if chunk is not None:
+            span = min(span, chunk * self.tbptt_backprop_chunks)
+        inputs, targets = batch.inputs[:, :span], batch.targets[:, :span]
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def backward(loss: torch.Tensor, *leaves: torch.Tensor) -> None:
+            torch.autograd.grad(loss, [*params, *leaves], allow_unused=True)
+
+        def activity(hidden: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(hidden.float()).pow(2).mean()
+
+        device = inputs.device
+        rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+        first = range(1)
+        with rng, self.autocast():
+            with profiler.probe("embed"):
+                backward(activity(model.embed_tokens(inputs)))
+            with torch.no_grad():
+                embedded = model.embed_tokens(inputs)
+            with profiler.probe("first_layer_forward"):
+                model.forward_hidden(inputs, layers=first, u=embedded)
+            leaf = embedded.detach().requires_grad_()
+            with profiler.probe("first_layer_forward_backward"):
+                backward(activity(model.forward_hidden(inputs, layers=first, u=leaf)), leaf)
+            with profiler.probe("model_forward"):
+                hidden = model.forward_hidden(inputs).detach()
+            if model.config.language_head.type == "token":  # the NCA head has no logits
+                logits = model.logits_from_hidden(hidden).detach().requires_grad_()
+                with profiler.probe("logits_loss"):
+                    torch.autograd.grad(token_cross_entropy(logits, targets), [logits])
+            leaf = hidden.requires_grad_()
+            with profiler.probe("hidden_logits_loss"):
+                backward(model.loss_from_hidden(leaf, targets), leaf)
+            with profiler.probe("model_forward_backward"):
+                backward(activity(model.forward_hidden(inputs)))
+
     # ------------------------------------------------------------ validation
     @torch.no_grad()
     def valid_step(self, batch: SequenceBatch) -> torch.Tensor:
@@ -198,7 +260,7 @@ class LanguageTrainModel:
         was_training = self.model.training
         self.model.eval()
         try:
-            normalizer = max(batch.counted_tokens(), 1.0)
+            normalizer = max(self.counted_targets(batch), 1.0)
             if self.pipeline_plan is not None:
                 return torch.stack(self._pipeline_losses(batch, normalizer)).sum().float()
             state = self.model.init_state(batch.batch_size)
@@ -214,7 +276,7 @@ class LanguageTrainModel:
             self.model.train(was_training)
 
     def eval_loss(self, batch: SequenceBatch) -> tuple[float, float]:
-        counted = batch.counted_tokens()
+        counted = self.counted_targets(batch)
         return float(self.valid_step(batch)) * counted, counted
 
     # ------------------------------------------------------------ checkpointing

@@ -2,6 +2,7 @@
 
 u = norm(embed[idx])
 repeat n_layer times with THE SAME weights:
+    (u = u + summary memory of past chunks, in the layers that have one: summary.py)
     x  = relu(u @ encoder)                 neurons, sparse and non-negative
     a  = norm(mixer(q = x, v = u, rho_l))  linear attention over the carried state
     y  = dropout(x * relu(a @ encoder_v))
@@ -30,6 +31,7 @@ from bdh_train.model.mixer import linear_attention
 from bdh_train.model.positions import alibi_log_decay, apply_rope, rope_cos_sin
 from bdh_train.model.quant import LowBitQuantizer
 from bdh_train.model.state import ModelState
+from bdh_train.model.summary import summary_branch
 
 LN_EPS = 1e-5
 
@@ -50,6 +52,7 @@ class BDH(nn.Module):
         self.norm = nn.LayerNorm(d, eps=LN_EPS) if c.norm == "layernorm_affine" else None
         self.quantizer = LowBitQuantizer(c.quant) if c.quant.enable else None
         self._layer_fn = self.layer_step  # replaced by a compiled twin in compile_layers()
+        self._summary_layers = frozenset(c.summary_memory.layers(c.n_layer))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -107,8 +110,20 @@ class BDH(nn.Module):
         position_terms,
         executor: str | None = None,
         need_state: bool = True,
+        summary_event_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One application of the shared layer to u [B, 1, T, D]; updates state.rho[layer]."""
+        """One application of the shared layer to u [B, 1, T, D]; updates state.rho[layer]
+        (and the layer's summary memory, where it has one)."""
+        if layer_index in self._summary_layers:
+            u, carry = summary_branch(
+                u,
+                state.summary[layer_index],
+                state.position,
+                self.config.summary_memory,
+                summary_event_mask,
+            )
+            if need_state:
+                state.summary[layer_index] = carry
         u, new_rho = self._layer_fn(
             u,
             state.rho[layer_index],
@@ -162,13 +177,21 @@ class BDH(nn.Module):
         executor: str | None = None,
         layers: range | None = None,
         u: torch.Tensor | None = None,
+        summary_event_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [B, T, D]. With a state, continue from it and advance it in place.
 
         `layers` and `u` let a pipeline stage run a contiguous range of layers on the
         previous stage's output; the position advances only after the last layer.
+        `summary_event_mask` [B, T] marks summary events for the summary memory's write gate;
+        it has no effect without one.
         """
         batch, seq_len = idx.shape
+        if summary_event_mask is not None and summary_event_mask.shape != idx.shape:
+            raise ValueError(
+                f"summary_event_mask must have the tokens' shape {tuple(idx.shape)}, got "
+                f"{tuple(summary_event_mask.shape)}"
+            )
         need_state = state is not None
         if state is None:
             state = self.init_state(batch)
@@ -178,7 +201,9 @@ class BDH(nn.Module):
         u = u.view(batch, 1, seq_len, self.config.n_embd)
         terms = self._position_terms(state, seq_len, u.dtype)
         for layer_index in layers:
-            u = self.layer(u, layer_index, state, terms, executor, need_state)
+            u = self.layer(
+                u, layer_index, state, terms, executor, need_state, summary_event_mask
+            )
         if need_state and layers.stop == self.config.n_layer:
             state.position = state.position + seq_len
         return u.view(batch, seq_len, self.config.n_embd)
@@ -207,9 +232,10 @@ class BDH(nn.Module):
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         state: ModelState | None = None,
+        summary_event_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits, mean loss or None). The NCA head has no logits: (None, loss)."""
-        hidden = self.forward_hidden(idx, state)
+        hidden = self.forward_hidden(idx, state, summary_event_mask=summary_event_mask)
         if self.config.language_head.type != "token":
             loss = None if targets is None else self.loss_from_hidden(hidden, targets)
             return None, loss

@@ -204,7 +204,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 "the run has no validation split (data.val_fraction = 0); pass --data SOURCE"
             )
     step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
-    result = evaluate(step, data, t.block_size, t.batch_size, args.batches)
+    result = evaluate(
+        step, data, t.block_size, t.batch_size, args.batches,
+        summary_trigger=cfg.data.summary_trigger(),
+    )
     print(json.dumps({**result.row(), "tokens": result.tokens}))
     return 0
 

@@ -158,11 +158,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from bdh_train.data.tokenizer import ByteTokenizer
 
-    model, _ = _load_checkpoint_model(args.checkpoint)
+    model, directory = _load_checkpoint_model(args.checkpoint)
     if model.config.vocab_size != 256 or model.config.language_head.type != "token":
         raise BDHTrainError(
             "generate prints bytes: it needs a byte-level model (vocab_size 256, token head)"
         )
+    events = None
+    if model.config.summary_memory.write_gate:  # the run's trigger marks the events
+        from bdh_train.config import load_config
+        from bdh_train.trainer import CONFIG_FILE
+
+        events = load_config([directory / CONFIG_FILE]).data.summary_trigger()
     if args.max_new_tokens < 0:
         raise BDHTrainError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     tok = ByteTokenizer()
@@ -177,6 +183,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.temperature,
         args.top_k,
         torch.Generator().manual_seed(args.seed),
+        summary_events=events,
     )
     for token in stream:
         out.write(decoder.decode(bytes([int(token)])))

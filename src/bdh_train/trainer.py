@@ -444,6 +444,7 @@ class Trainer:
             temperature=0.8,
             top_k=50,
             generator=torch.Generator(self.device).manual_seed(0),
+            summary_events=self.cfg.data.summary_trigger(),
         )
         self.model.train()
         tok = ByteTokenizer()

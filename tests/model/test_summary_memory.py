@@ -9,8 +9,10 @@ import pytest
 import torch
 from helpers import assert_close, tiny_model
 
+from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.model import BDHConfig
+from bdh_train.model.bdh import sample_next_token
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.model.mixer import EXECUTORS
 
@@ -228,6 +230,38 @@ def test_greedy_generation_equals_full_prefix_rerun(position):
     assert torch.equal(fast, seq)
     plain = tiny_model(torch.float64, position=position).eval()
     assert not torch.equal(plain.generate(prompt, 24, temperature=0), fast)
+
+
+def test_generation_marks_the_events_of_the_tokens_it_produces(monkeypatch):
+    """With the write gate, generation finds events in its own tokens (a 3-token trigger,
+    also spanning the prompt's end): the masks its calls pass, put together, are the mask of
+    the whole sequence, and it continues exactly as the full forward over the whole prefix
+    with the prefix's mask. Four symbols, sampled: the trigger occurs often."""
+    trigger = SummaryEventTrigger(sequence=(2, 3, 0))
+    sm = summary(chunk_tokens=4, write_gate=True, residual_scale=1.0)
+    model = tiny_model(torch.float64, vocab_size=4, summary_memory=sm).eval()
+    passed = []
+    forward_hidden = model.forward_hidden
+
+    def recording(idx, *args, summary_event_mask=None, **kwargs):
+        passed.append(summary_event_mask)
+        return forward_hidden(idx, *args, summary_event_mask=summary_event_mask, **kwargs)
+
+    monkeypatch.setattr(model, "forward_hidden", recording)
+    prompt = torch.tensor([[3, 0, 1, 2], [1, 2, 1, 2]])
+    fast = model.generate(prompt, 40, generator=torch.Generator().manual_seed(0),
+                          summary_events=trigger)
+    monkeypatch.undo()
+    expected = trigger.mask(fast)
+    assert expected[:, 5:].sum() >= 2  # events among the generated tokens
+    assert torch.equal(torch.cat(passed, dim=1), expected)
+    seq, generator = prompt, torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(40):
+            logits, _ = model(seq, summary_event_mask=trigger.mask(seq))
+            token = sample_next_token(logits[:, -1].float(), 1.0, None, generator)
+            seq = torch.cat([seq, token.unsqueeze(1)], dim=1)
+    assert torch.equal(fast, seq)
 
 
 def test_generation_carry_is_fixed_size():

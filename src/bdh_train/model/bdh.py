@@ -31,7 +31,7 @@ from bdh_train.model.mixer import linear_attention
 from bdh_train.model.positions import alibi_log_decay, apply_rope, rope_cos_sin
 from bdh_train.model.quant import LowBitQuantizer
 from bdh_train.model.state import ModelState
-from bdh_train.model.summary import summary_branch
+from bdh_train.model.summary import SummaryEvents, summary_branch
 
 LN_EPS = 1e-5
 
@@ -248,32 +248,49 @@ class BDH(nn.Module):
     def stream_generate(
         self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
         top_k: int | None = None, generator: torch.Generator | None = None,
+        summary_events: SummaryEvents | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield new tokens [B] one at a time.
 
         The prompt is consumed once; then each token costs one recurrent step on the carried
         state, independent of how many tokens came before. temperature 0 means greedy.
+        `summary_events` marks the summary events of the prompt and of each new token (for a
+        summary memory with a write gate; without it such a memory is never written).
         """
         if prompt_ids.dim() == 1:
             prompt_ids = prompt_ids.unsqueeze(0)
         if prompt_ids.shape[1] == 0:
             raise ValueError("generate needs a prompt of at least one token")
         state = self.init_state(prompt_ids.shape[0])
-        hidden = self.forward_hidden(prompt_ids, state)[:, -1:]
+        events = None if summary_events is None else summary_events.mask(prompt_ids)
+        hidden = self.forward_hidden(prompt_ids, state, summary_event_mask=events)[:, -1:]
+        keep = 0 if summary_events is None else summary_events.history_len
+        recent = F.pad(prompt_ids, (keep, 0), value=-1)[:, prompt_ids.shape[1] :]  # last keep
         for _ in range(max_new_tokens):
             logits = self.logits_from_hidden(hidden)[:, -1].float()
             token = sample_next_token(logits, temperature, top_k, generator)
             yield token
-            hidden = self.forward_hidden(token.unsqueeze(1), state, executor="recurrent")
+            token = token.unsqueeze(1)
+            if summary_events is not None:
+                events = summary_events.mask(token, recent if keep else None)
+                recent = torch.cat([recent, token], dim=1)[:, 1:]
+            hidden = self.forward_hidden(
+                token, state, executor="recurrent", summary_event_mask=events
+            )
 
     def generate(
         self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
         top_k: int | None = None, generator: torch.Generator | None = None,
+        summary_events: SummaryEvents | None = None,
     ) -> torch.Tensor:
         """Prompt followed by `max_new_tokens` sampled tokens ([B, T + new])."""
         squeeze = prompt_ids.dim() == 1
         prompt = prompt_ids.unsqueeze(0) if squeeze else prompt_ids
-        new = list(self.stream_generate(prompt, max_new_tokens, temperature, top_k, generator))
+        new = list(
+            self.stream_generate(
+                prompt, max_new_tokens, temperature, top_k, generator, summary_events
+            )
+        )
         out = torch.cat([prompt, torch.stack(new, dim=1)], dim=1) if new else prompt
         return out[0] if squeeze else out
 

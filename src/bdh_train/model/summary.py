@@ -23,7 +23,7 @@ and generation costs O(1) per token. m is present for a row once its position ha
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,21 @@ from bdh_train.model.config import SummaryMemoryConfig
 
 WRITE_GATE_EPS = 1e-6
 """gate = hits / (hits + WRITE_GATE_EPS): one event opens the gate almost fully."""
+
+
+class SummaryEvents(Protocol):
+    """Finds summary events in tokens (the data layer's write trigger is one); generation
+    uses it to mark the events in the tokens it produces."""
+
+    @property
+    def history_len(self) -> int:
+        """How many tokens before the inputs an event may reach back to."""
+        ...
+
+    def mask(self, inputs: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T] events of inputs [B, T]; history [B, history_len] holds the tokens before
+        them (-1 where there were none)."""
+        ...
 
 
 class SummaryCarry(NamedTuple):

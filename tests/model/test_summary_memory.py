@@ -15,6 +15,7 @@ from bdh_train.model import BDHConfig
 from bdh_train.model.bdh import sample_next_token
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.model.mixer import EXECUTORS
+from bdh_train.model.summary import SummaryCarry, summary_branch
 
 VOCAB = 32
 
@@ -141,6 +142,28 @@ def test_write_gate_without_events_writes_nothing():
     assert torch.equal(gated(idx, state=state)[0], expected)
     assert torch.equal(gated(idx, summary_event_mask=torch.zeros(2, 10))[0], expected)
     assert all(not c.memory.any() for c in state.summary)
+
+
+@pytest.mark.parametrize("seq_len", [1, 5, 12])
+def test_same_phase_fast_path_equals_the_general_scatter_gather_fp64(seq_len):
+    """Rows at the same place in their chunk take the reshape path; the scatter/gather path
+    (taken when rows differ) is its twin: values, carry and gradients agree."""
+    sm = summary(chunk_tokens=4, **GATES["both"])
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(3, 1, seq_len, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    carry = SummaryCarry(
+        torch.randn(3, 1, 1, 8, generator=g, dtype=torch.float64),
+        torch.randn(3, 1, 1, 8, generator=g, dtype=torch.float64),
+        torch.tensor([1, 0, 2]),
+    )
+    position, mask = torch.tensor([6, 10, 2]), events(3, seq_len)  # phase 2 in every row
+    results = []
+    for fast in (True, False):
+        branch, new = summary_branch(u, carry, position, sm, mask, same_phase_fast_path=fast)
+        (grad,) = torch.autograd.grad((branch * branch).sum() + new.memory.sum(), u)
+        results.append((branch, *new, grad))
+    for fast, slow in zip(*results, strict=True):
+        assert_close(fast, slow, rtol=1e-12)
 
 
 # ------------------------------------------------------------------ off: nothing changes

@@ -66,11 +66,15 @@ def summary_branch(
     position: torch.Tensor,
     cfg: SummaryMemoryConfig,
     event_mask: torch.Tensor | None = None,
+    same_phase_fast_path: bool = True,
 ) -> tuple[torch.Tensor, SummaryCarry]:
     """(branch [B, 1, T, D], carry after the call) for the layer input u [B, 1, T, D].
 
     `carry` None is a fresh memory; `position` [B] is each row's absolute position at the
     call's first token; `event_mask` [B, T] (nonzero = event) is read only with the write gate.
+    When every row is at the same place in its chunk (the usual case; one host sync finds
+    out), tokens go to and from chunks by reshaping; otherwise, or with
+    `same_phase_fast_path=False`, by scatter and gather (the general twin).
     """
     batch, _, seq_len, dim = u.shape
     c = cfg.chunk_tokens
@@ -83,9 +87,16 @@ def summary_branch(
     # chunk_of[b, t]: the call-relative chunk of token t; chunk 0 is the unfinished one.
     chunk_of = (phase.unsqueeze(1) + torch.arange(seq_len, device=x.device)) // c
     n_chunks = (seq_len + c - 1) // c + 1  # enough for every phase, trailing chunk included
-    sums = x.new_zeros(batch, n_chunks, dim).scatter_add(
-        1, chunk_of.unsqueeze(-1).expand(batch, seq_len, dim), x
-    )
+    shared_phase = None
+    if same_phase_fast_path:
+        phases = phase.unique()
+        shared_phase = int(phases[0]) if phases.numel() == 1 else None
+    if shared_phase is None:
+        index = chunk_of.unsqueeze(-1).expand(batch, seq_len, dim)
+        sums = x.new_zeros(batch, n_chunks, dim).scatter_add(1, index, x)
+    else:  # pad the unfinished chunk's seen tokens and the trailing chunk, then reshape
+        padded = F.pad(x, (0, 0, shared_phase, n_chunks * c - shared_phase - seq_len))
+        sums = padded.view(batch, n_chunks, c, dim).sum(2)
     sums = torch.cat([sums[:, :1] + carry.chunk_sum.reshape(batch, 1, dim), sums[:, 1:]], dim=1)
     counts = torch.zeros(batch, n_chunks, dtype=torch.long, device=x.device)
     counts = counts.scatter_add(1, chunk_of, torch.ones_like(chunk_of))
@@ -120,7 +131,12 @@ def summary_branch(
         memory = torch.where(complete.unsqueeze(-1), updated, memory)
 
     per_chunk = torch.stack(before, dim=1)  # [B, n_chunks, D]
-    per_token = per_chunk.gather(1, chunk_of.unsqueeze(-1).expand(batch, seq_len, dim))
+    if shared_phase is None:
+        per_token = per_chunk.gather(1, index)
+    else:
+        spread = per_chunk.unsqueeze(2).expand(batch, n_chunks, c, dim)
+        spread = spread.reshape(batch, n_chunks * c, dim)
+        per_token = spread[:, shared_phase : shared_phase + seq_len]
     branch = (x + cfg.residual_scale * per_token).view(batch, 1, seq_len, dim)
 
     last = ((phase + seq_len) // c).view(batch, 1, 1)  # the chunk left unfinished

@@ -3,6 +3,7 @@ hands back, and the target id that is never counted in a loss."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,11 +20,14 @@ class SequenceBatch:
     inputs, targets: LongTensor [B, T]; targets equal to IGNORE_INDEX are not counted.
     reset: optional BoolTensor [B]; a True row starts a fresh sequence (state zeroed,
         position 0) when state is streamed across steps; other rows continue.
+    summary_event_mask: optional [B, T], bool or 0/1; nonzero where a summary event ends at
+        that input token (what the summary memory's write gate reads; ignored without one).
     """
 
     inputs: torch.Tensor
     targets: torch.Tensor
     reset: torch.Tensor | None = None
+    summary_event_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.inputs.dim() != 2 or self.inputs.shape != self.targets.shape:
@@ -35,6 +39,12 @@ class SequenceBatch:
             raise ValueError(
                 f"SequenceBatch.reset must have shape [B]=({self.inputs.shape[0]},), "
                 f"got {tuple(self.reset.shape)}"
+            )
+        mask = self.summary_event_mask
+        if mask is not None and mask.shape != self.inputs.shape:
+            raise ValueError(
+                f"SequenceBatch.summary_event_mask must have the inputs' shape [B, T]="
+                f"{tuple(self.inputs.shape)}, got {tuple(mask.shape)}"
             )
 
     @property
@@ -50,6 +60,7 @@ class SequenceBatch:
             self.inputs.to(device),
             self.targets.to(device),
             None if self.reset is None else self.reset.to(device),
+            _maybe(self.summary_event_mask, lambda m: m.to(device)),
         )
 
     def rows(self, start: int, end: int) -> SequenceBatch:
@@ -58,15 +69,22 @@ class SequenceBatch:
             self.inputs[start:end],
             self.targets[start:end],
             None if self.reset is None else self.reset[start:end],
+            _maybe(self.summary_event_mask, lambda m: m[start:end]),
         )
 
     def time_slice(self, start: int, end: int) -> SequenceBatch:
-        """Columns [start, end) (TBPTT chunks); the reset flags go with the first chunk only."""
+        """Columns [start, end) (TBPTT chunks), the summary event mask with them; the reset
+        flags go with the first chunk only."""
         return SequenceBatch(
             self.inputs[:, start:end],
             self.targets[:, start:end],
             self.reset if start == 0 else None,
+            _maybe(self.summary_event_mask, lambda m: m[:, start:end]),
         )
+
+
+def _maybe(tensor: torch.Tensor | None, fn: Callable[[torch.Tensor], torch.Tensor]):
+    return None if tensor is None else fn(tensor)
 
 
 @dataclass

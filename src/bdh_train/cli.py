@@ -199,11 +199,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from bdh_train.data.tokenizer import ByteTokenizer
 
-    model, _ = _load_checkpoint_model(args.checkpoint)
+    model, directory = _load_checkpoint_model(args.checkpoint)
     if model.config.vocab_size != 256 or model.config.language_head.type != "token":
         raise BDHTrainError(
             "generate prints bytes: it needs a byte-level model (vocab_size 256, token head)"
         )
+    events = None
+    if model.config.summary_memory.write_gate:  # the run's trigger marks the events
+        from bdh_train.config import load_config
+        from bdh_train.trainer import CONFIG_FILE
+
+        events = load_config([directory / CONFIG_FILE]).data.summary_trigger()
     if args.max_new_tokens < 0:
         raise BDHTrainError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     tok = ByteTokenizer()
@@ -218,6 +224,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.temperature,
         args.top_k,
         torch.Generator().manual_seed(args.seed),
+        summary_events=events,
     )
     for token in stream:
         out.write(decoder.decode(bytes([int(token)])))
@@ -245,7 +252,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 "the run has no validation split (data.val_fraction = 0); pass --data SOURCE"
             )
     step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
-    result = evaluate(step, data, t.block_size, t.batch_size, args.batches)
+    result = evaluate(
+        step, data, t.block_size, t.batch_size, args.batches,
+        summary_trigger=cfg.data.summary_trigger(),
+    )
     print(json.dumps({**result.row(), "tokens": result.tokens}))
     return 0
 

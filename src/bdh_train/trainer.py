@@ -255,11 +255,12 @@ class Trainer:
         if t.streaming:
             return StreamingDocumentLoader(
                 self.train_data, t.block_size, t.batch_size, t.logical_block_size, t.seed,
-                dp.rank, dp.world_size,
+                dp.rank, dp.world_size, summary_trigger=self.cfg.data.summary_trigger(),
             )
         return RandomWindowLoader(
             self.train_data, t.block_size, t.batch_size, t.seed, dp.rank, dp.world_size,
             accumulation_steps=self.accumulation_steps,
+            summary_trigger=self.cfg.data.summary_trigger(),
         )
 
     def _checkpoint_parts(self, loading: bool = False) -> dict[str, ckpt.Stateful]:
@@ -302,6 +303,8 @@ class Trainer:
             save_config(self.cfg, self.run_dir / CONFIG_FILE)
         resume_step = s.step if self.resumed_from is not None else None
         self.metrics = MetricsLog(self.run_dir, resume_step, enabled=self.dist.is_main)
+        for note in self.cfg.notes():
+            self.progress.log(note)
         if self.resumed_from is not None:
             self.progress.log(
                 f"resumed from {self.resumed_from} at step {s.step}"
@@ -452,7 +455,8 @@ class Trainer:
             return None
         t = self.cfg.training
         result = evaluate(
-            self.executor, self.val_data, t.block_size, t.batch_size, t.eval_steps, self.device
+            self.executor, self.val_data, t.block_size, t.batch_size, t.eval_steps, self.device,
+            self.cfg.data.summary_trigger(),
         )
         self.metrics.write({"step": self.state.step, **result.row()})
         bits = result.bits_per_byte
@@ -477,6 +481,7 @@ class Trainer:
             temperature=0.8,
             top_k=50,
             generator=torch.Generator(self.device).manual_seed(0),
+            summary_events=self.cfg.data.summary_trigger(),
         )
         self.model.train()
         tok = ByteTokenizer()

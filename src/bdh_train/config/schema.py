@@ -61,7 +61,26 @@ class RunConfig:
                         f"model.language_head.{name} must equal data.nca.{name} "
                         f"({getattr(self.data.nca, name)}), got {getattr(head, name)}"
                     )
+        self.data.check_summary_memory(self.model.summary_memory, self.model.vocab_size)
         return self
+
+    def notes(self) -> list[str]:
+        """Information lines for the start of a run: settings that are valid but behave
+        differently from what a user of other BDH implementations may expect."""
+        sm, tr = self.model.summary_memory, self.training
+        if not sm.enabled:
+            return []
+        calls = {"training.tbptt_chunk_size": tr.tbptt_chunk_size}
+        if tr.streaming:
+            calls["training.block_size"] = tr.block_size
+        return [
+            f"note: {key} ({size}) is not a multiple of model.summary_memory.chunk_tokens "
+            f"({sm.chunk_tokens}); summary chunks follow absolute token positions across calls, "
+            "so results equal one uninterrupted pass (implementations that restart the chunks "
+            "at every call would differ here)"
+            for key, size in calls.items()
+            if size and size % sm.chunk_tokens
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         """A plain nested dict (None values kept; the TOML dump drops them)."""

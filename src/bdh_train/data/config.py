@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bdh_train import checks
+from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.data.nca import NcaConfig, nca_source
 from bdh_train.data.sources import (
     BUILTIN_CORPORA,
@@ -19,7 +20,9 @@ from bdh_train.data.sources import (
     load_splits,
     load_tokens,
 )
+from bdh_train.data.tokenizer import ByteTokenizer
 from bdh_train.errors import ConfigError
+from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.utils import suggest
 
 GENERATED_SOURCES: dict[str, Callable[[DataConfig], TokenGenerator]] = {
@@ -38,6 +41,10 @@ class DataConfig:
     val_fraction: float = 0.1
     """The share of the tokens held out for validation, taken from the end (0 = none)."""
     nca: NcaConfig = field(default_factory=NcaConfig)
+    summary_write_trigger_text: str | None = None
+    """Text whose bytes, read in a row, make a summary event at the last byte (None = off)."""
+    summary_write_trigger_token_ids: list[int] | None = None
+    """Token ids each of which is a summary event (None = off)."""
 
     def validate(self, prefix: str = "data") -> DataConfig:
         checks.string(f"{prefix}.source", self.source)
@@ -56,7 +63,58 @@ class DataConfig:
                 )
         checks.number(f"{prefix}.val_fraction", self.val_fraction, low=0.0, high=1.0)
         self.nca.validate(f"{prefix}.nca")
+        text, ids = self.summary_write_trigger_text, self.summary_write_trigger_token_ids
+        if text is not None and (not isinstance(text, str) or not text):
+            raise ConfigError(
+                f"{prefix}.summary_write_trigger_text must be a non-empty string or unset, "
+                f"got {text!r}"
+            )
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise ConfigError(
+                    f"{prefix}.summary_write_trigger_token_ids must be a non-empty list of "
+                    f"token ids or unset, got {ids!r}"
+                )
+            for token in ids:
+                checks.nonneg_int(f"{prefix}.summary_write_trigger_token_ids[]", token)
         return self
+
+    def summary_trigger(self) -> SummaryEventTrigger | None:
+        """The summary write trigger (text as bytes: the models are byte-level), or None."""
+        text, ids = self.summary_write_trigger_text, self.summary_write_trigger_token_ids
+        if text is None and ids is None:
+            return None
+        sequence = tuple(ByteTokenizer().encode(text)) if text is not None else ()
+        return SummaryEventTrigger(sequence, tuple(int(i) for i in ids or ()))
+
+    def check_summary_memory(
+        self, summary: SummaryMemoryConfig, vocab_size: int, prefix: str = "data"
+    ) -> None:
+        """A trigger drives the summary memory's write gate: one without the other is an
+        error, and its ids must be tokens of the model's vocabulary."""
+        trigger = self.summary_trigger()
+        keys = f"{prefix}.summary_write_trigger_text / _token_ids"
+        if trigger is not None and not summary.write_gate:
+            raise ConfigError(
+                f"{keys} mark summary events for the summary memory's write gate: set "
+                "model.summary_memory.enabled=true and model.summary_memory.write_gate=true, "
+                "or unset the trigger"
+            )
+        if trigger is None and summary.write_gate:
+            raise ConfigError(
+                "model.summary_memory.write_gate=true writes only at summary events: set "
+                f"{keys}, or set write_gate=false"
+            )
+        if trigger is not None:
+            for key, tokens in (
+                (f"{prefix}.summary_write_trigger_text", trigger.sequence),
+                (f"{prefix}.summary_write_trigger_token_ids", trigger.ids),
+            ):
+                if tokens and max(tokens) >= vocab_size:
+                    raise ConfigError(
+                        f"{key} holds token id {max(tokens)}, outside model.vocab_size "
+                        f"({vocab_size})"
+                    )
 
     @property
     def is_generated(self) -> bool:

@@ -4,7 +4,9 @@ Both training loaders are deterministic functions of their seed and a small curs
 that cursor through `state_dict()` / `load_state_dict()`, so a resumed run draws exactly the
 batches the uninterrupted run would have drawn. Both work on the GLOBAL batch (all ranks'
 rows) and hand each rank its contiguous slice of rows; world_size can therefore change
-between save and resume without changing what any global row sees.
+between save and resume without changing what any global row sees. Given a summary write
+trigger, every loader also emits the batch's summary event mask, a function of the tokens
+(`events.py`), so the cursor stays all the state there is.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from bdh_train import checks
 from bdh_train.batch import SequenceBatch
+from bdh_train.data.events import NO_TOKEN, SummaryEventTrigger
 from bdh_train.data.sources import TokenData
 from bdh_train.errors import ConfigError, DataError
 
@@ -75,8 +78,15 @@ def _gather(tokens: np.ndarray, starts: list[int] | np.ndarray, width: int) -> t
     return torch.from_numpy(rows.astype(np.int64))
 
 
-def _windows_to_batch(windows: torch.Tensor, reset: torch.Tensor | None) -> SequenceBatch:
-    return SequenceBatch(windows[:, :-1].contiguous(), windows[:, 1:].contiguous(), reset)
+def _windows_to_batch(
+    windows: torch.Tensor,
+    reset: torch.Tensor | None,
+    trigger: SummaryEventTrigger | None = None,
+    history: torch.Tensor | None = None,
+) -> SequenceBatch:
+    inputs = windows[:, :-1].contiguous()
+    mask = None if trigger is None else trigger.mask(inputs, history)
+    return SequenceBatch(inputs, windows[:, 1:].contiguous(), reset, mask)
 
 
 class _RankedLoader:
@@ -85,8 +95,9 @@ class _RankedLoader:
 
     def __init__(
         self, tokens: TokenSource, block_size: int, batch_size: int, seed: int, rank: int,
-        world_size: int,
+        world_size: int, summary_trigger: SummaryEventTrigger | None = None,
     ) -> None:
+        self.summary_trigger = summary_trigger
         self.tokens, self.source = _as_tokens(tokens)
         self.block_size = checks.positive_int("block_size", block_size)
         self.batch_size = checks.positive_int("batch_size", batch_size)
@@ -121,8 +132,11 @@ class RandomWindowLoader(_RankedLoader):
     def __init__(
         self, tokens: TokenSource, block_size: int, batch_size: int, seed: int, rank: int = 0,
         world_size: int = 1, accumulation_steps: int = 1,
+        summary_trigger: SummaryEventTrigger | None = None,
     ) -> None:
-        super().__init__(tokens, block_size, batch_size, seed, rank, world_size)
+        super().__init__(
+            tokens, block_size, batch_size, seed, rank, world_size, summary_trigger
+        )
         self.accumulation_steps = checks.positive_int("accumulation_steps", accumulation_steps)
         n = int(self.tokens.shape[0])
         if n < self.block_size + 1:
@@ -157,7 +171,7 @@ class RandomWindowLoader(_RankedLoader):
         windows = _gather(
             self.tokens, starts[lo : lo + self.rows_per_rank].numpy(), self.block_size + 1
         )
-        return _windows_to_batch(windows, None)
+        return _windows_to_batch(windows, None, self.summary_trigger)
 
     def next_batch(self) -> SequenceBatch:
         """The batch at the cursor, then advance it by one micro-batch."""
@@ -222,8 +236,11 @@ class StreamingDocumentLoader(_RankedLoader):
         seed: int,
         rank: int = 0,
         world_size: int = 1,
+        summary_trigger: SummaryEventTrigger | None = None,
     ) -> None:
-        super().__init__(tokens, block_size, batch_size, seed, rank, world_size)
+        super().__init__(
+            tokens, block_size, batch_size, seed, rank, world_size, summary_trigger
+        )
         self.logical_length = logical_length_for(
             checks.positive_int("logical_length", logical_length), self.block_size
         )
@@ -271,7 +288,25 @@ class StreamingDocumentLoader(_RankedLoader):
             self.row_window[b] += 1
         lo, hi = self.rank * self.rows_per_rank, (self.rank + 1) * self.rows_per_rank
         windows = _gather(self.tokens, starts[lo:hi], self.block_size + 1)
-        return _windows_to_batch(windows, torch.tensor(reset[lo:hi], dtype=torch.bool))
+        history = self._history(starts[lo:hi])
+        reset_rows = torch.tensor(reset[lo:hi], dtype=torch.bool)
+        return _windows_to_batch(windows, reset_rows, self.summary_trigger, history)
+
+    def _history(self, starts: list[int]) -> torch.Tensor | None:
+        """The document's tokens just before each window (NO_TOKEN before the document's
+        start), so a trigger that spans two windows of a document is still found."""
+        k = 0 if self.summary_trigger is None else self.summary_trigger.history_len
+        if k == 0:
+            return None
+        history = torch.full((len(starts), k), NO_TOKEN, dtype=torch.long)
+        for row, start in enumerate(starts):
+            doc_start = start - start % self.logical_length  # documents start at i * L
+            lo = max(start - k, doc_start)
+            if lo < start:
+                history[row, k - (start - lo) :] = torch.from_numpy(
+                    np.asarray(self.tokens[lo:start]).astype(np.int64)
+                )
+        return history
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch, queue position and every global row's (doc, next window), as plain ints."""
@@ -330,10 +365,12 @@ def eval_batches(
     block_size: int,
     batch_size: int,
     max_batches: int | None = None,
+    summary_trigger: SummaryEventTrigger | None = None,
 ) -> Iterator[SequenceBatch]:
     """Deterministic evaluation batches: window j covers [j*T, j*T + T + 1), so every token
     after the first is predicted exactly once. The last batch may have fewer rows; max_batches
-    None means all windows. Each call starts over, so repeated evals see identical data."""
+    None means all windows. Each call starts over, so repeated evals see identical data.
+    With a summary trigger the batches carry their summary event mask (per window)."""
     arr, source = _as_tokens(tokens)
     block_size = checks.positive_int("block_size", block_size)
     batch_size = checks.positive_int("batch_size", batch_size)
@@ -348,13 +385,14 @@ def eval_batches(
     n_batches = -(-n_windows // batch_size)
     if max_batches is not None:
         n_batches = min(n_batches, int(max_batches))
-    return _eval_iter(arr, block_size, batch_size, n_windows, n_batches)
+    return _eval_iter(arr, block_size, batch_size, n_windows, n_batches, summary_trigger)
 
 
 def _eval_iter(
-    arr: np.ndarray, block_size: int, batch_size: int, n_windows: int, n_batches: int
+    arr: np.ndarray, block_size: int, batch_size: int, n_windows: int, n_batches: int,
+    trigger: SummaryEventTrigger | None,
 ) -> Iterator[SequenceBatch]:
     # A separate generator so eval_batches raises its errors at the call, not at first next().
     for i in range(n_batches):
         js = np.arange(i * batch_size, min((i + 1) * batch_size, n_windows))
-        yield _windows_to_batch(_gather(arr, js * block_size, block_size + 1), None)
+        yield _windows_to_batch(_gather(arr, js * block_size, block_size + 1), None, trigger)

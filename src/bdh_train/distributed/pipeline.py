@@ -52,12 +52,20 @@ TORCH_SCHEDULES: dict[str, tuple[type | None, type]] = {
 __all__ = ["BDHStage", "PipelineRunner"]
 
 
+def _event_count(batch: SequenceBatch) -> float:
+    """Summary events in the batch; -1 when it has no event mask."""
+    mask = batch.summary_event_mask
+    return -1.0 if mask is None else float((mask != 0).sum().item())
+
+
 class BDHStage(nn.Module):
     """One virtual pipeline stage: a full BDH replica that runs only `layers`.
 
     The first stage takes token ids [mb, T] and embeds them; later stages take the previous
     stage's hidden [mb, T, D]. Every stage returns hidden [mb, T, D]; the last stage's loss is
-    applied by the schedule's loss_fn. The replica is shared, not copied, between the virtual
+    applied by the schedule's loss_fn. The summary event mask [mb, T], if any, is a keyword
+    input: the schedule cuts it into microbatches on every rank from the batch each rank holds,
+    so it never travels between stages. The replica is shared, not copied, between the virtual
     stages of one rank, so their gradients accumulate into the same tensors.
     """
 
@@ -69,13 +77,18 @@ class BDHStage(nn.Module):
         self.layers = layers
         self.is_first = is_first
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, summary_event_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Token ids (first stage) or hidden states -> hidden after this stage's layers."""
+        mask = summary_event_mask
         if self.is_first:
-            return self.model.forward_hidden(x, layers=self.layers)
+            return self.model.forward_hidden(x, layers=self.layers, summary_event_mask=mask)
         # forward_hidden reads only the shape of idx when u is given.
         shape_only = torch.empty(x.shape[:2], dtype=torch.long, device=x.device)
-        return self.model.forward_hidden(shape_only, layers=self.layers, u=x)
+        return self.model.forward_hidden(
+            shape_only, layers=self.layers, u=x, summary_event_mask=mask
+        )
 
 
 class PipelineRunner:
@@ -168,14 +181,17 @@ class PipelineRunner:
         batch = batch.to(self.device)
         # Known before the step from the whole batch, which every rank holds.
         counted = count_targets(batch.targets, self.model.config.language_head)
-        self._check_same_batch(shape, counted)
+        self._check_same_batch(shape, counted, _event_count(batch))
         self._loss_denominator = max(1.0, counted)
         self.model.zero_grad(set_to_none=True)
         self.model.train()
         args = (batch.inputs,) if self.has_first else ()
         target = batch.targets if self.has_last else None
         losses: list[torch.Tensor] | None = [] if self.has_last else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        mask = {}
+        if batch.summary_event_mask is not None:  # every stage slices it per microbatch
+            mask["summary_event_mask"] = batch.summary_event_mask
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **mask)
         self.all_reduce_grads()
         loss = torch.zeros((), dtype=torch.float64)
         if losses:
@@ -190,22 +206,23 @@ class PipelineRunner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
-    def _check_same_batch(self, shape: tuple[int, int], counted: float) -> None:
+    def _check_same_batch(self, shape: tuple[int, int], counted: float, events: float) -> None:
         """Refuse, on every rank at once, batches that differ between ranks.
 
         Different shapes would leave a send without its receive (a hang); different counts
-        would scale the microbatch losses differently. One 6-float MAX all-reduce carries
-        each value and its negation, so max == -min exactly when all ranks agree.
+        would scale the microbatch losses differently; different summary event counts would
+        give the stages different masks. One 8-float MAX all-reduce carries each value and its
+        negation, so max == -min exactly when all ranks agree.
         """
-        values = torch.tensor([*shape, counted], dtype=torch.float64)
+        values = torch.tensor([*shape, counted, events], dtype=torch.float64)
         probe = torch.cat([values, -values])
         self._all_reduce_small(probe, dist.ReduceOp.MAX)
-        high, low = probe[:3], -probe[3:]
+        high, low = probe[:4], -probe[4:]
         if not torch.equal(high, low):
             raise DataError(
                 "every rank of a pipeline must pass the same batch to train_step; got "
-                f"(batch_size, block_size, counted targets) ranging from {low.tolist()} to "
-                f"{high.tolist()} across ranks"
+                f"(batch_size, block_size, counted targets, summary events or -1) ranging "
+                f"from {low.tolist()} to {high.tolist()} across ranks"
             )
 
     def all_reduce_grads(self) -> None:
@@ -237,7 +254,9 @@ class PipelineRunner:
             was_training = self.model.training
             self.model.eval()
             try:
-                hidden = self.model.forward_hidden(batch.inputs)
+                hidden = self.model.forward_hidden(
+                    batch.inputs, summary_event_mask=batch.summary_event_mask
+                )
                 loss_sum = self.model.loss_from_hidden(hidden, batch.targets, reduction="sum")
             finally:
                 self.model.train(was_training)

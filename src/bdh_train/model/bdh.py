@@ -2,6 +2,7 @@
 
 u = norm(embed[idx])
 repeat n_layer times with THE SAME weights:
+    (u = u + summary memory of past chunks, in the layers that have one: summary.py)
     x  = relu(u @ encoder)                 neurons, sparse and non-negative
     a  = norm(mixer(q = x, v = u, rho_l))  linear attention over the carried state
     y  = dropout(x * relu(a @ encoder_v))
@@ -35,6 +36,7 @@ from bdh_train.model.positions import (
 )
 from bdh_train.model.quant import LowBitQuantizer
 from bdh_train.model.state import ModelState
+from bdh_train.model.summary import SummaryEvents, summary_branch
 
 LN_EPS = 1e-5
 
@@ -57,6 +59,7 @@ class BDH(nn.Module):
         self.norm = nn.LayerNorm(d, eps=LN_EPS) if c.norm == "layernorm_affine" else None
         self.quantizer = LowBitQuantizer(c.quant) if c.quant.enable else None
         self._layer_fn = self.layer_step  # replaced by a compiled twin in compile_layers()
+        self._summary_layers = frozenset(c.summary_memory.layers(c.n_layer))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -118,8 +121,20 @@ class BDH(nn.Module):
         position_terms,
         executor: str | None = None,
         need_state: bool = True,
+        summary_event_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One application of the shared layer to u [B, 1, T, D]; updates state.rho[layer]."""
+        """One application of the shared layer to u [B, 1, T, D]; updates state.rho[layer]
+        (and the layer's summary memory, where it has one)."""
+        if layer_index in self._summary_layers:
+            u, carry = summary_branch(
+                u,
+                state.summary[layer_index],
+                state.position,
+                self.config.summary_memory,
+                summary_event_mask,
+            )
+            if need_state:
+                state.summary[layer_index] = carry
         u, new_rho = self._layer_fn(
             u,
             state.rho[layer_index],
@@ -173,13 +188,21 @@ class BDH(nn.Module):
         executor: str | None = None,
         layers: range | None = None,
         u: torch.Tensor | None = None,
+        summary_event_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [B, T, D]. With a state, continue from it and advance it in place.
 
         `layers` and `u` let a pipeline stage run a contiguous range of layers on the
         previous stage's output; the position advances only after the last layer.
+        `summary_event_mask` [B, T] marks summary events for the summary memory's write gate;
+        it has no effect without one.
         """
         batch, seq_len = idx.shape
+        if summary_event_mask is not None and summary_event_mask.shape != idx.shape:
+            raise ValueError(
+                f"summary_event_mask must have the tokens' shape {tuple(idx.shape)}, got "
+                f"{tuple(summary_event_mask.shape)}"
+            )
         need_state = state is not None
         if state is None:
             state = self.init_state(batch)
@@ -189,7 +212,9 @@ class BDH(nn.Module):
         u = u.view(batch, 1, seq_len, self.config.n_embd)
         terms = self._position_terms(state, seq_len, u.dtype)
         for layer_index in layers:
-            u = self.layer(u, layer_index, state, terms, executor, need_state)
+            u = self.layer(
+                u, layer_index, state, terms, executor, need_state, summary_event_mask
+            )
         if need_state and layers.stop == self.config.n_layer:
             state.position = state.position + seq_len
         return u.view(batch, seq_len, self.config.n_embd)
@@ -218,9 +243,10 @@ class BDH(nn.Module):
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         state: ModelState | None = None,
+        summary_event_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits, mean loss or None). The NCA head has no logits: (None, loss)."""
-        hidden = self.forward_hidden(idx, state)
+        hidden = self.forward_hidden(idx, state, summary_event_mask=summary_event_mask)
         if self.config.language_head.type != "token":
             loss = None if targets is None else self.loss_from_hidden(hidden, targets)
             return None, loss
@@ -233,32 +259,49 @@ class BDH(nn.Module):
     def stream_generate(
         self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
         top_k: int | None = None, generator: torch.Generator | None = None,
+        summary_events: SummaryEvents | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield new tokens [B] one at a time.
 
         The prompt is consumed once; then each token costs one recurrent step on the carried
         state, independent of how many tokens came before. temperature 0 means greedy.
+        `summary_events` marks the summary events of the prompt and of each new token (for a
+        summary memory with a write gate; without it such a memory is never written).
         """
         if prompt_ids.dim() == 1:
             prompt_ids = prompt_ids.unsqueeze(0)
         if prompt_ids.shape[1] == 0:
             raise ValueError("generate needs a prompt of at least one token")
         state = self.init_state(prompt_ids.shape[0])
-        hidden = self.forward_hidden(prompt_ids, state)[:, -1:]
+        events = None if summary_events is None else summary_events.mask(prompt_ids)
+        hidden = self.forward_hidden(prompt_ids, state, summary_event_mask=events)[:, -1:]
+        keep = 0 if summary_events is None else summary_events.history_len
+        recent = F.pad(prompt_ids, (keep, 0), value=-1)[:, prompt_ids.shape[1] :]  # last keep
         for _ in range(max_new_tokens):
             logits = self.logits_from_hidden(hidden)[:, -1].float()
             token = sample_next_token(logits, temperature, top_k, generator)
             yield token
-            hidden = self.forward_hidden(token.unsqueeze(1), state, executor="recurrent")
+            token = token.unsqueeze(1)
+            if summary_events is not None:
+                events = summary_events.mask(token, recent if keep else None)
+                recent = torch.cat([recent, token], dim=1)[:, 1:]
+            hidden = self.forward_hidden(
+                token, state, executor="recurrent", summary_event_mask=events
+            )
 
     def generate(
         self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
         top_k: int | None = None, generator: torch.Generator | None = None,
+        summary_events: SummaryEvents | None = None,
     ) -> torch.Tensor:
         """Prompt followed by `max_new_tokens` sampled tokens ([B, T + new])."""
         squeeze = prompt_ids.dim() == 1
         prompt = prompt_ids.unsqueeze(0) if squeeze else prompt_ids
-        new = list(self.stream_generate(prompt, max_new_tokens, temperature, top_k, generator))
+        new = list(
+            self.stream_generate(
+                prompt, max_new_tokens, temperature, top_k, generator, summary_events
+            )
+        )
         out = torch.cat([prompt, torch.stack(new, dim=1)], dim=1) if new else prompt
         return out[0] if squeeze else out
 

@@ -112,6 +112,59 @@ class LanguageHeadConfig:
 
 
 @dataclass
+class SummaryMemoryConfig:
+    """Summary memory: a per-layer running summary of past chunks of the layer input, added
+    back to the input of later chunks (off by default)."""
+
+    enabled: bool = False
+    """Add the summary memory branch to the layers chosen by last_layers."""
+    last_layers: int | None = None
+    """How many of the last layers carry a memory; None = every layer."""
+    chunk_tokens: int = 32
+    """Tokens per summarised chunk; chunks are aligned to each row's absolute position."""
+    residual_scale: float = 0.25
+    """Weight of the memory added to every token of the next chunks' layer input."""
+    state_decay: float = 0.75
+    """Share of the old memory kept at each chunk's update."""
+    state_update_scale: float = 0.5
+    """Weight of the chunk's mean layer input in each update."""
+    surprise_gate_threshold: float = 0.0
+    """Mean |chunk mean - memory| below which an update is suppressed; 0 = no surprise gate."""
+    surprise_gate_sharpness: float = 8.0
+    """Slope of the surprise gate above its threshold."""
+    write_gate: bool = False
+    """Update only chunks with summary events (data.summary_write_trigger_*), in proportion."""
+
+    def validate(self, n_layer: int, prefix: str = "model.summary_memory") -> None:
+        checks.boolean(f"{prefix}.enabled", self.enabled)
+        if self.last_layers is not None:
+            checks.int_in(f"{prefix}.last_layers", self.last_layers, 1, n_layer, "model.n_layer")
+        checks.positive_int(f"{prefix}.chunk_tokens", self.chunk_tokens)
+        checks.number(f"{prefix}.residual_scale", self.residual_scale, low=0.0)
+        checks.number(
+            f"{prefix}.state_decay", self.state_decay, low=0.0, high=1.0, high_open=False
+        )
+        checks.number(f"{prefix}.state_update_scale", self.state_update_scale, low=0.0)
+        checks.number(f"{prefix}.surprise_gate_threshold", self.surprise_gate_threshold, low=0.0)
+        checks.number(
+            f"{prefix}.surprise_gate_sharpness", self.surprise_gate_sharpness, low=0.0,
+            low_open=True,
+        )
+        checks.boolean(f"{prefix}.write_gate", self.write_gate)
+        if self.write_gate and not self.enabled:
+            raise ConfigError(
+                f"{prefix}.write_gate=true needs {prefix}.enabled=true (the gate decides when "
+                "the summary memory is written)"
+            )
+
+    def layers(self, n_layer: int) -> range:
+        """The layers with a summary memory (empty when disabled)."""
+        if not self.enabled:
+            return range(0)
+        return range(n_layer - (self.last_layers or n_layer), n_layer)
+
+
+@dataclass
 class BDHConfig:
     """Hyper-parameters of a BDH model. Defaults are those of the official pathwaycom/bdh model."""
 
@@ -130,6 +183,8 @@ class BDHConfig:
     """Tokens per chunk of the chunked executor (measured best on CPU: docs/benchmarks.md)."""
     quant: QuantConfig = field(default_factory=QuantConfig)
     language_head: LanguageHeadConfig = field(default_factory=LanguageHeadConfig)
+    summary_memory: SummaryMemoryConfig = field(default_factory=SummaryMemoryConfig)
+    """Per-layer summary memory of past chunks (off by default)."""
 
     @property
     def n_neurons(self) -> int:
@@ -163,6 +218,7 @@ class BDHConfig:
         checks.choice(f"{prefix}.executor", self.executor, EXECUTORS)
         self.quant.validate(f"{prefix}.quant")
         self.language_head.validate(self.vocab_size, f"{prefix}.language_head")
+        self.summary_memory.validate(self.n_layer, f"{prefix}.summary_memory")
         q = self.quant
         if q.enable and q.weight_format == "int8" and q.training_mode == "train_kernel":
             # int8 x int8 products summed over K must fit the kernel's int32 accumulator

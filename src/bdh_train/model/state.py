@@ -1,8 +1,10 @@
 """ModelState: what a BDH carries from one call to the next.
 
-One `rho` per layer ([B, H, N, D], None until first written) and a per-row absolute position
-([B] long), so rows of one batch may be at different points of their documents. Operations
-rebind tensors rather than writing into them, so a state can sit inside an autograd graph.
+One `rho` per layer ([B, H, N, D], None until first written), one summary-memory carry per
+layer that has one (`SummaryCarry`, None until first written or for layers without) and a
+per-row absolute position ([B] long), so rows of one batch may be at different points of their
+documents. Operations rebind tensors rather than writing into them, so a state can sit inside
+an autograd graph.
 """
 
 from __future__ import annotations
@@ -10,11 +12,20 @@ from __future__ import annotations
 import torch
 
 from bdh_train.errors import CheckpointError
+from bdh_train.model.summary import SummaryCarry
+
+SUMMARY_KEYS = {name: f"summary_{name}" for name in SummaryCarry._fields}
+"""SummaryCarry field -> its state_dict key prefix ('summary_memory.<layer>', ...)."""
+
+
+def _map_carry(carry: SummaryCarry | None, fn) -> SummaryCarry | None:
+    return None if carry is None else SummaryCarry(*(fn(t) for t in carry))
 
 
 class ModelState:
     def __init__(self, n_layer: int, batch_size: int, device: torch.device | str = "cpu"):
         self.rho: list[torch.Tensor | None] = [None] * n_layer
+        self.summary: list[SummaryCarry | None] = [None] * n_layer
         self.position = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     @property
@@ -28,6 +39,7 @@ class ModelState:
     def detach_(self) -> ModelState:
         """Cut the autograd graph, keep the values: how TBPTT truncates."""
         self.rho = [None if r is None else r.detach() for r in self.rho]
+        self.summary = [_map_carry(c, torch.Tensor.detach) for c in self.summary]
         return self
 
     def reset_(self, rows: torch.Tensor | None = None) -> ModelState:
@@ -41,26 +53,39 @@ class ModelState:
             )
         keep = ~rows
         self.rho = [None if r is None else r * keep.view(-1, 1, 1, 1).to(r.dtype) for r in self.rho]
+
+        def zero_rows(t: torch.Tensor) -> torch.Tensor:
+            return torch.where(rows.view(-1, *[1] * (t.dim() - 1)), torch.zeros_like(t), t)
+
+        self.summary = [_map_carry(c, zero_rows) for c in self.summary]
         self.position = self.position.masked_fill(rows, 0)
         return self
 
     def to(self, device: torch.device | str) -> ModelState:
         self.rho = [None if r is None else r.to(device) for r in self.rho]
+        self.summary = [_map_carry(c, lambda t: t.to(device)) for c in self.summary]
         self.position = self.position.to(device)
         return self
 
     def clone(self) -> ModelState:
         other = ModelState(self.n_layer, self.batch_size, self.position.device)
         other.rho = [None if r is None else r.clone() for r in self.rho]
+        other.summary = [_map_carry(c, torch.Tensor.clone) for c in self.summary]
         other.position = self.position.clone()
         return other
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Flat tensor dict (safetensors-friendly): 'position' and 'rho.<layer>'."""
+        """Flat tensor dict (safetensors-friendly): 'position', 'rho.<layer>' and, for layers
+        with a summary memory, 'summary_memory.<layer>', 'summary_chunk_sum.<layer>' and
+        'summary_chunk_hits.<layer>'."""
         out = {"position": self.position.detach().clone()}
         for layer, r in enumerate(self.rho):
             if r is not None:
                 out[f"rho.{layer}"] = r.detach().clone()
+        for layer, carry in enumerate(self.summary):
+            if carry is not None:
+                for name, t in carry._asdict().items():
+                    out[f"{SUMMARY_KEYS[name]}.{layer}"] = t.detach().clone()
         return out
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> ModelState:
@@ -74,20 +99,58 @@ class ModelState:
                 f"{position.dtype}"
             )
         rho: list[torch.Tensor | None] = [None] * self.n_layer
+        summary: list[dict[str, torch.Tensor]] = [{} for _ in range(self.n_layer)]
+        summary_fields = {key: name for name, key in SUMMARY_KEYS.items()}
         for key, value in sd.items():
             if key == "position":
                 continue
             prefix, _, index = key.partition(".")
-            if prefix != "rho" or not index.isdigit() or int(index) >= self.n_layer:
+            if (
+                prefix not in ("rho", *summary_fields)
+                or not index.isdigit()
+                or int(index) >= self.n_layer
+            ):
                 raise CheckpointError(
                     f"unexpected model state entry {key!r} for a {self.n_layer}-layer model"
                 )
+            if prefix in summary_fields:
+                summary[int(index)][summary_fields[prefix]] = _checked_summary_entry(
+                    key, summary_fields[prefix], value, int(position.shape[0])
+                )
+                continue
             if value.dim() != 4 or value.shape[0] != position.shape[0]:
                 raise CheckpointError(
                     f"model state {key!r} must be [B, H, N, D] with B={position.shape[0]}, "
                     f"got {tuple(value.shape)}"
                 )
             rho[int(index)] = value.to(self.position.device)
+        carries: list[SummaryCarry | None] = [None] * self.n_layer
+        for layer, parts in enumerate(summary):
+            if not parts:
+                continue  # a state saved without a summary memory starts it fresh
+            if len(parts) != len(SummaryCarry._fields):
+                missing = sorted(SUMMARY_KEYS[n] for n in SummaryCarry._fields if n not in parts)
+                raise CheckpointError(
+                    f"model state layer {layer} has a partial summary memory: missing "
+                    f"{', '.join(f'{m}.{layer}' for m in missing)}"
+                )
+            carries[layer] = SummaryCarry(
+                **{n: t.to(self.position.device) for n, t in parts.items()}
+            )
         self.rho = rho
+        self.summary = carries
         self.position = position.to(self.position.device).clone()
         return self
+
+
+def _checked_summary_entry(key: str, name: str, value: torch.Tensor, batch: int) -> torch.Tensor:
+    """A summary carry tensor of the shape its field has ([B, 1, 1, D] or [B] long)."""
+    if name == "chunk_hits":
+        ok, shape = value.shape == (batch,) and value.dtype == torch.long, f"[{batch}] long"
+    else:
+        ok, shape = value.dim() == 4 and value.shape[:3] == (batch, 1, 1), f"[{batch}, 1, 1, D]"
+    if not ok:
+        raise CheckpointError(
+            f"model state {key!r} must be {shape}, got {tuple(value.shape)} {value.dtype}"
+        )
+    return value

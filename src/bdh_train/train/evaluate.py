@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from bdh_train.batch import SequenceBatch
+from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.data.loaders import eval_batches
 from bdh_train.data.sources import TokenData
 
@@ -43,10 +44,12 @@ def evaluate(
     batch_size: int,
     max_batches: int | None,
     device: torch.device | str = "cpu",
+    summary_trigger: SummaryEventTrigger | None = None,
 ) -> EvalResult:
-    """Every token after the first of the first `max_batches` eval batches, predicted once."""
+    """Every token after the first of the first `max_batches` eval batches, predicted once
+    (with their summary event masks when there is a trigger)."""
     total, count = 0.0, 0.0
-    for batch in eval_batches(data, block_size, batch_size, max_batches):
+    for batch in eval_batches(data, block_size, batch_size, max_batches, summary_trigger):
         loss_sum, counted = step.eval_loss(batch.to(device))
         total += loss_sum
         count += counted

@@ -7,6 +7,8 @@
     fresh at position 0 while the others continue;
   * pipeline microbatches: the batch is split and each microbatch runs the plan's layer
     ranges in its forward-event order with a fresh state (single-process emulation);
+  * the batch's summary event mask, if any, goes with its tokens into every forward (sliced
+    with them per chunk and per microbatch);
   * gradient-scale schedules, applied after backward by `train_step`;
   * profiling hooks that cost nothing when off, and in 'detail' mode timed probes: extra
     passes on the step's batch that leave everything the step computes unchanged.
@@ -35,6 +37,11 @@ from bdh_train.model import BDH, ModelState
 from bdh_train.model.heads import count_targets, token_cross_entropy
 from bdh_train.train.profile import NullProfiler, StepProfiler
 from bdh_train.train.schedules import GradientScaleSchedule
+
+
+def _columns(mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    """Time steps [start, end) of an optional [B, T] mask."""
+    return None if mask is None else mask[:, start:end]
 
 
 class StepExecutor(Protocol):
@@ -157,7 +164,10 @@ class LanguageTrainModel:
             end = min(start + chunk, batch.block_size)
             self.profiler.begin_forward()
             with self.autocast():
-                hidden = self.model.forward_hidden(batch.inputs[:, start:end], state)
+                hidden = self.model.forward_hidden(
+                    batch.inputs[:, start:end], state,
+                    summary_event_mask=_columns(batch.summary_event_mask, start, end),
+                )
                 piece = self._piece_loss(hidden, batch.targets[:, start:end], normalizer)
             self.profiler.end_forward()
             window_loss = piece if window_loss is None else window_loss + piece
@@ -192,7 +202,8 @@ class LanguageTrainModel:
                 mb = event.microbatch_id
                 layers = plan.assignment(event.virtual_stage_id).layer_range
                 activations[mb] = self.model.forward_hidden(
-                    micro[mb].inputs, states[mb], layers=layers, u=activations[mb]
+                    micro[mb].inputs, states[mb], layers=layers, u=activations[mb],
+                    summary_event_mask=micro[mb].summary_event_mask,
                 )
             losses = [
                 self._piece_loss(activations[mb], micro[mb].targets, normalizer)
@@ -269,7 +280,10 @@ class LanguageTrainModel:
             for start in range(0, batch.block_size, chunk):
                 end = min(start + chunk, batch.block_size)
                 with self.autocast():
-                    hidden = self.model.forward_hidden(batch.inputs[:, start:end], state)
+                    hidden = self.model.forward_hidden(
+                        batch.inputs[:, start:end], state,
+                        summary_event_mask=_columns(batch.summary_event_mask, start, end),
+                    )
                     total += self._piece_loss(hidden, batch.targets[:, start:end], normalizer)
             return total.float()
         finally:

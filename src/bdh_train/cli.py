@@ -78,8 +78,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batches", type=int, default=None, help="at most this many batches")
 
-    p = sub.add_parser("config", help="print the fully resolved config")
+    p = sub.add_parser(
+        "config",
+        help="print the fully resolved config, or (--explain) what every key means",
+    )
     _add_config_args(p)
+    p.add_argument(
+        "--explain",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="KEY",
+        help="list every config key (or KEY, a section or table) with its default, allowed "
+        "values and description",
+    )
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="with --explain: the tables of docs/config.md",
+    )
 
     p = sub.add_parser("plot", help="draw RUN_DIR/loss.png from metrics.jsonl")
     p.add_argument("run_dir")
@@ -261,6 +278,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    if args.explain is not None:
+        from bdh_train.config.explain import explain_markdown, explain_text
+
+        if args.markdown and args.explain:
+            raise BDHTrainError("--markdown lists every key; drop KEY from --explain")
+        print(explain_markdown() if args.markdown else explain_text(args.explain), end="")
+        return 0
     from bdh_train.config import dump_toml, load_config
 
     print(dump_toml(load_config(args.config, args.overrides, args.preset)), end="")

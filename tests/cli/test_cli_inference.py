@@ -147,3 +147,19 @@ def test_chat_turns_continue_one_state(run_dir, capsys, monkeypatch):
     first = greedy_tokens(tok.encode(turns[0]))
     second = greedy_tokens(tok.encode(turns[0]) + first + tok.encode(turns[1]))
     assert replies[:3] == [tok.decode(first), tok.decode(second), ""]
+
+
+def test_training_threads_sets_torch_threads(tmp_path, capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        one = ["--set", "training.threads=1", "--set", "training.max_steps=1",
+               "--set", "training.eval_every=0", "--set", "training.checkpoint_every=1"]
+        assert main(["train", "--run-dir", str(tmp_path / "a"), *MICRO, *one]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert main(["train", "--run-dir", str(tmp_path / "b"), "--set", "training.threads=-1"]) == 2
+    assert "training.threads must be a non-negative integer" in capsys.readouterr().err

@@ -59,6 +59,9 @@ class TrainingConfig:
     """How many periodic checkpoints to keep; 0 keeps all."""
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'."""
+    threads: int = 0
+    """CPU threads torch uses (torch.set_num_threads at the start of the run); 0 = torch's
+    default (one per core). On a busy machine fewer threads can be much faster."""
     dtype: str = "float32"
     """'float32', or 'bfloat16' autocast."""
     compile: bool = False
@@ -119,6 +122,7 @@ class TrainingConfig:
         checks.positive_int(f"{p}.eval_steps", self.eval_steps)
         checks.nonneg_int(f"{p}.keep_checkpoints", self.keep_checkpoints)
         checks.choice(f"{p}.device", self.device, DEVICES)
+        checks.nonneg_int(f"{p}.threads", self.threads)
         checks.choice(f"{p}.dtype", self.dtype, DTYPES)
         checks.boolean(f"{p}.compile", self.compile)
         checks.nonneg_int(f"{p}.max_consecutive_skips", self.max_consecutive_skips)

@@ -1,4 +1,4 @@
-"""`bdh-train`: train, generate, eval, config, plot, profile, plan, export.
+"""`bdh-train`: train, generate, chat, eval, config, plot, profile, plan, export.
 
 Every user error (bad config, data, checkpoint) is a BDHTrainError: printed as one line on
 stderr with exit status 2, never a traceback.
@@ -41,7 +41,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         dest="overrides",
         help="override one value, e.g. training.max_steps=30",
     )
-    p.add_argument("--preset", default=None, help="start from a preset: tiny | small | pathway")
+    p.add_argument(
+        "--preset", default=None,
+        help="start from a preset: tiny | small | pathway (default: tiny when no --config)",
+    )
 
 
 def _add_inference_args(p: argparse.ArgumentParser) -> None:
@@ -71,13 +74,24 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--top-k", type=int, default=None,
-        help="sample only from the k most likely tokens (default: all)",
+        help="sample only from the k most likely tokens (default: all of them)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument(
         "--load-state", default=None, metavar="FILE",
         help="continue from a state saved with generate --save-state (same model)",
     )
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless it is None/False or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        unset = default is None or default is False or default == []
+        if unset or default == argparse.SUPPRESS or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -89,12 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bdh-train",
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser = functools.partial(  # type: ignore[method-assign]
-        sub.add_parser, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        sub.add_parser, formatter_class=_HelpFormatter
     )
 
     p = sub.add_parser("train", help="train a BDH (default: the tiny preset on builtin:pydoc)")
@@ -355,6 +369,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from bdh_train.train.evaluate import evaluate
     from bdh_train.train.step import LanguageTrainModel
 
+    if Path(args.checkpoint).is_file() and not args.data:
+        raise BDHTrainError(
+            f"{args.checkpoint} is a ternary export, which holds no data settings: pass "
+            "--data SOURCE"
+        )
     model, _, cfg = _load_for_inference(args, need_text=False)
     t = cfg.training
     if args.data:

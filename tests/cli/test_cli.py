@@ -299,6 +299,12 @@ def test_export_ternary_of_a_bitnet_run(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(run_dir), *greedy]) == 0
     assert text_from_export.startswith("def ") and len(text_from_export) > len("def \n")
     assert text_from_export == capsys.readouterr().out
+    assert main(["eval", "--checkpoint", str(out)]) == 2  # an export holds no data settings
+    assert "pass --data SOURCE" in capsys.readouterr().err
+    text = tmp_path / "held_out.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 40)
+    assert main(["eval", "--checkpoint", str(out), "--data", str(text), "--batches", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["val_loss"] > 0
 
 
 def test_export_of_a_float_run_is_refused(tmp_path, capsys):

@@ -11,7 +11,7 @@ PUBLIC = {
     "bdh_train": [
         "BDH", "BDHConfig", "IGNORE_INDEX", "LanguageTrainModel", "ModelState", "RunConfig",
         "SequenceBatch", "StepOutput", "Trainer", "WeightedGradientAccumulator", "__version__",
-        "load_config",
+        "load_config", "load_run",
     ],
     "bdh_train.model": [
         "BDH", "BDHConfig", "LanguageHeadConfig", "ModelState", "QuantConfig",

@@ -1,16 +1,33 @@
 """bdh-train: a training system for Dragon Hatchling (BDH) language models.
 
-The public names below are the package's API; `tests/test_api.py` pins them.
+The public names below are the package's API; `tests/test_api.py` pins them. They are imported
+on first use (PEP 562), so importing the package (and so the CLI, for `--help`) does not pay
+for importing torch.
 """
 
-from bdh_train.batch import IGNORE_INDEX, SequenceBatch, StepOutput
-from bdh_train.config import RunConfig, load_config
-from bdh_train.model import BDH, BDHConfig, ModelState
-from bdh_train.train.accumulate import WeightedGradientAccumulator
-from bdh_train.train.step import LanguageTrainModel
-from bdh_train.trainer import Trainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "BDH": "bdh_train.model",
+    "BDHConfig": "bdh_train.model",
+    "IGNORE_INDEX": "bdh_train.batch",
+    "LanguageTrainModel": "bdh_train.train.step",
+    "ModelState": "bdh_train.model",
+    "RunConfig": "bdh_train.config",
+    "SequenceBatch": "bdh_train.batch",
+    "StepOutput": "bdh_train.batch",
+    "Trainer": "bdh_train.trainer",
+    "WeightedGradientAccumulator": "bdh_train.train.accumulate",
+    "load_config": "bdh_train.config",
+    "load_run": "bdh_train.inference",
+}
+"""Public name -> the module that defines it."""
+
 __all__ = [
     "BDH",
     "IGNORE_INDEX",
@@ -24,4 +41,28 @@ __all__ = [
     "WeightedGradientAccumulator",
     "__version__",
     "load_config",
+    "load_run",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bdh_train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+if TYPE_CHECKING:
+    from bdh_train.batch import IGNORE_INDEX, SequenceBatch, StepOutput
+    from bdh_train.config import RunConfig, load_config
+    from bdh_train.inference import load_run
+    from bdh_train.model import BDH, BDHConfig, ModelState
+    from bdh_train.train.accumulate import WeightedGradientAccumulator
+    from bdh_train.train.step import LanguageTrainModel
+    from bdh_train.trainer import Trainer

@@ -1,4 +1,4 @@
-"""`bdh-train`: train, generate, eval, config, plot, profile, plan, export.
+"""`bdh-train`: train, generate, chat, eval, config, plot, profile, plan, export.
 
 Every user error (bad config, data, checkpoint) is a BDHTrainError: printed as one line on
 stderr with exit status 2, never a traceback.
@@ -7,15 +7,17 @@ stderr with exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
-import codecs
 import contextlib
 import datetime as _dt
+import functools
 import json
+import math
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from bdh_train import __version__
 from bdh_train.errors import BDHTrainError, CheckpointError
 
 EXIT_USER_ERROR = 2
@@ -39,12 +41,75 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         dest="overrides",
         help="override one value, e.g. training.max_steps=30",
     )
-    p.add_argument("--preset", default=None, help="start from a preset: tiny | small | pathway")
+    p.add_argument(
+        "--preset", default=None,
+        help="start from a preset: tiny | small | pathway (default: tiny when no --config)",
+    )
+
+
+def _add_inference_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="RUN_DIR",
+        help="a run directory (its latest checkpoint), a checkpoint directory, or a "
+        "`bdh-train export --ternary` file",
+    )
+    p.add_argument(
+        "--device", default="auto", choices=DEVICES,
+        help="where the model runs (auto: CUDA when available)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)"
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-new-tokens", type=int, default=200, help="tokens to generate (per turn in chat)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.8,
+        help="sampling temperature; 0 = greedy (always the most likely token)",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=None,
+        help="sample only from the k most likely tokens (default: all of them)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    p.add_argument(
+        "--load-state", default=None, metavar="FILE",
+        help="continue from a state saved with generate --save-state (same model)",
+    )
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless it is None/False or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        unset = default is None or default is False or default == []
+        if unset or default == argparse.SUPPRESS or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+DEVICES = ("auto", "cpu", "cuda")
+"""--device choices: those of training.device (a test checks they agree; importing them would
+import torch, which `--help` must not pay for)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bdh-train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="bdh-train",
+        description=__doc__.splitlines()[0],
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser = functools.partial(  # type: ignore[method-assign]
+        sub.add_parser, formatter_class=_HelpFormatter
+    )
 
     p = sub.add_parser("train", help="train a BDH (default: the tiny preset on builtin:pydoc)")
     _add_config_args(p)
@@ -64,22 +129,52 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser("generate", help="stream text from a checkpoint (O(1) per token)")
-    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR")
-    p.add_argument("--prompt", default="\n")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    _add_inference_args(p)
+    p.add_argument(
+        "--prompt", default=None,
+        help="text to continue (default: a newline; with --load-state: nothing more)",
+    )
+    _add_sampling_args(p)
+    p.add_argument(
+        "--save-state", default=None, metavar="FILE",
+        help="after reading the prompt, save the model's state (its size does not grow with "
+        "the prompt) to FILE, to continue from later with --load-state",
+    )
+
+    p = sub.add_parser(
+        "chat",
+        help="type lines; each continues the same carried state, so a turn costs only its "
+        "own tokens (Ctrl-D ends)",
+    )
+    _add_inference_args(p)
+    _add_sampling_args(p)
 
     p = sub.add_parser("eval", help="validation loss and bits per byte of a checkpoint")
-    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR")
+    _add_inference_args(p)
     p.add_argument(
         "--data", default=None, help="held-out data source (default: the run's validation split)"
     )
     p.add_argument("--batches", type=int, default=None, help="at most this many batches")
 
-    p = sub.add_parser("config", help="print the fully resolved config")
+    p = sub.add_parser(
+        "config",
+        help="print the fully resolved config, or (--explain) what every key means",
+    )
     _add_config_args(p)
+    p.add_argument(
+        "--explain",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="KEY",
+        help="list every config key (or KEY, a section or table) with its default, allowed "
+        "values and description",
+    )
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="with --explain: the tables of docs/config.md",
+    )
 
     p = sub.add_parser("plot", help="draw RUN_DIR/loss.png from metrics.jsonl")
     p.add_argument("run_dir")
@@ -175,72 +270,111 @@ def _stop_on_signals(request_stop: Callable[[], None]) -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def _load_checkpoint_model(path: str):
-    from safetensors import safe_open
-
-    from bdh_train.model import BDH, BDHConfig
-    from bdh_train.train import checkpoint as ckpt
-
-    directory = ckpt.resolve_checkpoint(path)
-    with safe_open(str(directory / ckpt.MODEL_FILE), "pt") as handle:
-        meta = handle.metadata() or {}
-    if "bdh_config" not in meta:
-        raise CheckpointError(
-            f"{directory / ckpt.MODEL_FILE} has no bdh_config metadata; "
-            "was it written by bdh-train?"
+def _check_inference_args(args: argparse.Namespace) -> None:
+    """Refuse bad sampling and thread values before anything is loaded."""
+    if getattr(args, "max_new_tokens", 0) < 0:
+        raise BDHTrainError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    temperature = getattr(args, "temperature", 0.0)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise BDHTrainError(
+            f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
         )
-    model = BDH(BDHConfig.from_dict(json.loads(meta["bdh_config"])))
-    ckpt.load_into_model(model, ckpt.load_model_weights(directory), directory)
-    return model.eval(), directory
+    top_k = getattr(args, "top_k", None)
+    if top_k is not None and top_k < 1:
+        raise BDHTrainError(f"--top-k must be a positive integer (or left out), got {top_k}")
+    if args.threads < 0:
+        raise BDHTrainError(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
+
+
+def _load_for_inference(args: argparse.Namespace, need_text: bool):
+    """(model, tokenizer, config) of --checkpoint on --device with --threads set."""
+    _check_inference_args(args)
+    import torch
+
+    from bdh_train.inference import load_run
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok, cfg = load_run(args.checkpoint, device=args.device)
+    if need_text and tok is None:
+        raise BDHTrainError(
+            f"{args.command} prints bytes: it needs a byte-level model (vocab_size 256, "
+            "token head)"
+        )
+    return model, tok, cfg
+
+
+def _summary_events(model, cfg):
+    """The run's summary trigger when the model's summary memory has a write gate."""
+    return cfg.data.summary_trigger() if model.config.summary_memory.write_gate else None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from bdh_train.data.tokenizer import ByteTokenizer
+    from bdh_train.inference import Continuation, stream_text
 
-    model, directory = _load_checkpoint_model(args.checkpoint)
-    if model.config.vocab_size != 256 or model.config.language_head.type != "token":
-        raise BDHTrainError(
-            "generate prints bytes: it needs a byte-level model (vocab_size 256, token head)"
-        )
-    events = None
-    if model.config.summary_memory.write_gate:  # the run's trigger marks the events
-        from bdh_train.config import load_config
-        from bdh_train.trainer import CONFIG_FILE
-
-        events = load_config([directory / CONFIG_FILE]).data.summary_trigger()
-    if args.max_new_tokens < 0:
-        raise BDHTrainError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    tok = ByteTokenizer()
-    prompt = torch.tensor(tok.encode(args.prompt or "\n"), dtype=torch.long)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    model, tok, cfg = _load_for_inference(args, need_text=True)
+    events = _summary_events(model, cfg)
+    device = model.embed.weight.device
+    generator = torch.Generator(device=device).manual_seed(args.seed)
     out = sys.stdout
-    out.write(args.prompt)
-    out.flush()
-    stream = model.stream_generate(
-        prompt,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_k,
-        torch.Generator().manual_seed(args.seed),
-        summary_events=events,
-    )
-    for token in stream:
-        out.write(decoder.decode(bytes([int(token)])))
+    if args.load_state is None and args.save_state is None:  # one call: stream_generate
+        text = "\n" if args.prompt is None else args.prompt
+        prompt = torch.tensor(tok.encode(text or "\n"), dtype=torch.long, device=device)
+        out.write(text)
         out.flush()
-    out.write(decoder.decode(b"", final=True) + "\n")
+        stream = model.stream_generate(
+            prompt, args.max_new_tokens, args.temperature, args.top_k, generator,
+            summary_events=events,
+        )
+        stream_text((int(token) for token in stream), out)
+        out.write("\n")
+        return 0
+    cont = Continuation(model, events)
+    text = args.prompt if args.prompt is not None else ("" if args.load_state else "\n")
+    if args.load_state is not None:
+        cont.load(args.load_state)
+    cont.feed(tok.encode(text))
+    if args.save_state is not None:
+        saved = cont.save(args.save_state)
+        print(f"saved the state after {cont.tokens_read} tokens to {saved}", file=sys.stderr)
+    out.write(text)
+    stream_text(cont.sample(args.max_new_tokens, args.temperature, args.top_k, generator), out)
+    out.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    import torch
+
+    from bdh_train.inference import Continuation, chat
+
+    model, tok, cfg = _load_for_inference(args, need_text=True)
+    cont = Continuation(model, _summary_events(model, cfg))
+    if args.load_state is not None:
+        cont.load(args.load_state)
+    generator = torch.Generator(device=model.embed.weight.device).manual_seed(args.seed)
+    prompt = "> " if sys.stdin.isatty() else ""
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    chat(
+        cont, tok, sys.stdin, sys.stdout, args.max_new_tokens, args.temperature, args.top_k,
+        generator, prompt=prompt,
+    )
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from bdh_train.config import load_config
     from bdh_train.train.evaluate import evaluate
     from bdh_train.train.step import LanguageTrainModel
-    from bdh_train.trainer import CONFIG_FILE
 
-    model, directory = _load_checkpoint_model(args.checkpoint)
-    cfg = load_config([directory / CONFIG_FILE])
+    if Path(args.checkpoint).is_file() and not args.data:
+        raise BDHTrainError(
+            f"{args.checkpoint} is a ternary export, which holds no data settings: pass "
+            "--data SOURCE"
+        )
+    model, _, cfg = _load_for_inference(args, need_text=False)
     t = cfg.training
     if args.data:
         data = cfg.data.load_source(args.data, cfg.model.vocab_size)
@@ -254,13 +388,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
     result = evaluate(
         step, data, t.block_size, t.batch_size, args.batches,
-        summary_trigger=cfg.data.summary_trigger(),
+        summary_trigger=cfg.data.summary_trigger(), device=model.embed.weight.device,
     )
     print(json.dumps({**result.row(), "tokens": result.tokens}))
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    if args.explain is not None:
+        from bdh_train.config.explain import explain_markdown, explain_text
+
+        if args.markdown and args.explain:
+            raise BDHTrainError("--markdown lists every key; drop KEY from --explain")
+        print(explain_markdown() if args.markdown else explain_text(args.explain), end="")
+        return 0
     from bdh_train.config import dump_toml, load_config
 
     print(dump_toml(load_config(args.config, args.overrides, args.preset)), end="")
@@ -311,8 +452,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from bdh_train.export import export_ternary
+    from bdh_train.inference import load_run
 
-    model, _ = _load_checkpoint_model(args.run_dir)
+    model, _, _ = load_run(args.run_dir)
     print(export_ternary(model, args.out))
     return 0
 
@@ -320,6 +462,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 COMMANDS = {
     "train": cmd_train,
     "generate": cmd_generate,
+    "chat": cmd_chat,
     "eval": cmd_eval,
     "config": cmd_config,
     "plot": cmd_plot,

@@ -180,6 +180,8 @@ class Trainer:
             check_fresh_run_dir(self.run_dir, overwrite)
         self.dist = dist_ctx or DistContext()
         self.device = self.dist.device(resolve_device(t.device).type)
+        if t.threads:
+            torch.set_num_threads(t.threads)
         self.accumulation_steps = t.accumulation_steps
         self.train_data, self.val_data = cfg.data.load_splits(cfg.model.vocab_size, t.block_size)
         self.model = build_model(cfg, self.device)

@@ -89,16 +89,25 @@ def build_dataclass(cls: type[T], data: Any, prefix: str) -> T:
     return cls(**kwargs)
 
 
+def current_umask() -> int:
+    """The process's file-mode creation mask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_write(path: str | os.PathLike[str], mode: str = "w") -> Iterator[typing.IO[Any]]:
     """Write `path` through a temporary file in the same directory, then rename.
 
-    A crash mid-write leaves the old file (or no file), never a half-written one.
+    A crash mid-write leaves the old file (or no file), never a half-written one. The file
+    gets the mode a plain `open()` would give it (0o666 less the umask), not mkstemp's 0o600.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, mode) as handle:
             yield handle
             handle.flush()

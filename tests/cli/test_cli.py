@@ -283,13 +283,28 @@ def test_export_ternary_of_a_bitnet_run(tmp_path, capsys):
     out = tmp_path / "model.safetensors"
     assert main(["export", "--ternary", str(run_dir), str(out)]) == 0
     capsys.readouterr()
-    from bdh_train.cli import _load_checkpoint_model
+    from bdh_train import load_run
 
-    fake_quant, _ = _load_checkpoint_model(str(run_dir))
+    fake_quant, _, _ = load_run(run_dir)
     packed = load_ternary(out)
     idx = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(packed(idx)[0], fake_quant(idx)[0], rtol=1e-5, atol=1e-5)
+    # generate and load_run read the export as well as the run (greedy: the same text)
+    from_export, tok, _ = load_run(out, device="cpu")
+    assert tok is not None and from_export.quantizer is not None
+    greedy = ["--prompt", "def ", "--temperature", "0", "--max-new-tokens", "8", "--device", "cpu"]
+    assert main(["generate", "--checkpoint", str(out), *greedy]) == 0
+    text_from_export = capsys.readouterr().out
+    assert main(["generate", "--checkpoint", str(run_dir), *greedy]) == 0
+    assert text_from_export.startswith("def ") and len(text_from_export) > len("def \n")
+    assert text_from_export == capsys.readouterr().out
+    assert main(["eval", "--checkpoint", str(out)]) == 2  # an export holds no data settings
+    assert "pass --data SOURCE" in capsys.readouterr().err
+    text = tmp_path / "held_out.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 40)
+    assert main(["eval", "--checkpoint", str(out), "--data", str(text), "--batches", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["val_loss"] > 0
 
 
 def test_export_of_a_float_run_is_refused(tmp_path, capsys):

@@ -41,6 +41,7 @@ class DataConfig:
     val_fraction: float = 0.1
     """The share of the tokens held out for validation, taken from the end (0 = none)."""
     nca: NcaConfig = field(default_factory=NcaConfig)
+    """The generated NCA corpus (data.source = "nca")."""
     summary_write_trigger_text: str | None = None
     """Text whose bytes, read in a row, make a summary event at the last byte (None = off)."""
     summary_write_trigger_token_ids: list[int] | None = None

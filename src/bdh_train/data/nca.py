@@ -45,16 +45,23 @@ class NcaConfig:
     by `nca_source` as a mapping or any object with these attributes."""
 
     grid_size: int = 8
+    """Cells per side of the square grid."""
     state_count: int = 2
+    """States a cell can take."""
     steps: int = 16
+    """Automaton updates per sequence (frames = steps + 1)."""
     patch_size: int = 2
+    """Cells per side of the square patch one token encodes."""
     seed: int = 0
+    """Seed of the rules and the initial grids; the corpus is a pure function of it."""
     rule_count: int = 4
+    """Random rules drawn; each sequence uses one of them."""
     n_sequences: int | None = None
     """Sequences to generate (default 1024 when total_tokens is unset too)."""
     total_tokens: int | None = None
     """Generate at least this many tokens (rounded up to whole sequences)."""
     frame_special_tokens: bool = True
+    """Wrap each frame in a start and an end token."""
     eos_id: int | None = None
     """The end-of-sequence id; None picks the first id after the patches and frame tokens."""
 

@@ -105,12 +105,15 @@ class ParallelConfig:
     ``pipeline_stages > 1`` needs that many torchrun processes."""
 
     pipeline_stages: int = 1
+    """Pipeline ranks the layers are split over (torchrun processes); 1 = no pipeline."""
     virtual_stages_per_rank: int = 1
     """Layer ranges per rank; more than 1 needs a multi-stage schedule."""
     microbatches: int = 1
+    """Microbatches each micro-batch is split into for the pipeline schedule."""
     schedule: str = "1f1b"
     """'gpipe', '1f1b' or 'interleaved_1f1b'."""
     emulate: bool = False
+    """Run the pipeline plan in one process (same numbers, for testing a plan)."""
 
     def validate(self, prefix: str = "parallel") -> ParallelConfig:
         checks.positive_int(f"{prefix}.pipeline_stages", self.pipeline_stages)

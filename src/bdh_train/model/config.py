@@ -28,12 +28,23 @@ class QuantConfig:
     """BitNet b1.58 quantization-aware training options."""
 
     enable: bool = False
+    """Quantize the projections named in target_modules."""
     weight_format: str = "ternary158"
+    """'ternary158' (round W / mean|W| to -1, 0, +1), 'ternary_threshold' (sign(W) where |W| >=
+    mean|W|, else 0) or 'int8'."""
     act_format: str = "int8"
+    """'int8' (one scale per token) or 'int8_tensor_mean' (one scale per tensor)."""
     target_modules: list[str] = field(default_factory=lambda: list(QUANT_TARGETS))
+    """Which projections to quantize."""
     training_mode: str = "qat_ste"
+    """'qat_ste' (fake quantization, straight-through gradients) or 'train_kernel' (integer matmul
+    forward, fake-quant gradients)."""
     saved_activations: str = "none"
+    """'none', or 'quantized_cache_recompute' (train_kernel only): backward keeps int8 input codes
+    instead of a float copy."""
     warmup_steps: int = 0
+    """Steps over which quantization ramps in from 0 to full (0 = fully quantized from the first
+    step)."""
 
     def validate(self, prefix: str = "model.quant") -> None:
         checks.boolean(f"{prefix}.enable", self.enable)
@@ -65,10 +76,16 @@ class LanguageHeadConfig:
     """The output head: plain token logits, or the NCA factorized patch head."""
 
     type: str = "token"
+    """'token' (logits over vocab_size) or 'nca_factorized_patch' (one state distribution per cell
+    of an NCA patch)."""
     state_count: int = 2
+    """NCA head: states per cell (must equal data.nca.state_count)."""
     patch_size: int = 1
+    """NCA head: cells per patch side (must equal data.nca.patch_size)."""
     frame_special_tokens: bool = False
+    """NCA head: the two ids after the patches mark frame starts and ends."""
     eos_id: int | None = None
+    """NCA head: the end-of-sequence id (>= the patch vocabulary); None = none."""
 
     def validate(self, vocab_size: int, prefix: str = "model.language_head") -> None:
         checks.choice(f"{prefix}.type", self.type, HEAD_TYPES)
@@ -169,20 +186,31 @@ class BDHConfig:
     """Hyper-parameters of a BDH model. Defaults are those of the official pathwaycom/bdh model."""
 
     n_layer: int = 6
+    """Layers; all share one set of weights (BDH's recurrence in depth)."""
     n_embd: int = 256
+    """D: width of the residual stream (the low-rank side)."""
     n_head: int = 4
+    """H: heads; each has n_embd * mlp_internal_dim_multiplier / n_head neurons."""
     mlp_internal_dim_multiplier: int = 128
+    """Neurons per layer (all heads) as a multiple of n_embd."""
     vocab_size: int = 256
+    """Token ids 0..vocab_size-1; 256 for byte text."""
     dropout: float = 0.1
+    """Dropout probability in training (0 = none)."""
     position: str = "rope"
     """'rope' (rotated queries), 'alibi' (fixed per-head state decay) or 'alibi_learned' (the
     same decay, each head's rate a parameter starting at alibi's)."""
     norm: str = "layernorm"
+    """'layernorm' (no learned scale or bias, as the official model) or 'layernorm_affine'."""
     executor: str = "auto"
+    """How the linear attention runs: 'dense' (T x T matrix), 'chunked' (blocks of chunk_size),
+    'recurrent' (token by token), or 'auto' (chosen by length); all give the same numbers."""
     chunk_size: int = 256
     """Tokens per chunk of the chunked executor (measured best on CPU: docs/benchmarks.md)."""
     quant: QuantConfig = field(default_factory=QuantConfig)
+    """BitNet b1.58 quantization-aware training of the three shared projections."""
     language_head: LanguageHeadConfig = field(default_factory=LanguageHeadConfig)
+    """The output head."""
     summary_memory: SummaryMemoryConfig = field(default_factory=SummaryMemoryConfig)
     """Per-layer summary memory of past chunks (off by default)."""
 

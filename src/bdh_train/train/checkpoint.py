@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from bdh_train import checks
 from bdh_train.errors import BDHTrainError, CheckpointError
-from bdh_train.utils import atomic_write
+from bdh_train.utils import atomic_write, current_umask
 
 
 @dataclass
@@ -155,6 +155,7 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f"{_TMP_PREFIX}{final.name}-"))
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0o700 -> what mkdir would give
     old: Path | None = None
     try:
         write(tmp)

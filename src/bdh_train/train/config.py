@@ -46,14 +46,22 @@ class TrainingConfig:
     max_steps: int = 3000
     """Optimizer steps of the run."""
     seed: int = 1337
+    """Seed of the initial weights and the batch order."""
     log_every: int = 100
+    """Print and record the train loss every this many optimizer steps."""
     eval_every: int = 500
+    """Evaluate on the validation split every this many optimizer steps."""
     eval_steps: int = 20
     """Validation batches per evaluation."""
     checkpoint_every: int = 1000
+    """Write a checkpoint every this many optimizer steps."""
     keep_checkpoints: int = 3
     """How many periodic checkpoints to keep; 0 keeps all."""
     device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'."""
+    threads: int = 0
+    """CPU threads torch uses (torch.set_num_threads at the start of the run); 0 = torch's
+    default (one per core). On a busy machine fewer threads can be much faster."""
     dtype: str = "float32"
     """'float32', or 'bfloat16' autocast."""
     compile: bool = False
@@ -73,6 +81,7 @@ class TrainingConfig:
     """Gradient multipliers per parameter group (not learning-rate changes); their ramps count
     optimizer steps of max_steps, an accumulation window of micro-batches being one step."""
     init_transfer: InitTransferConfig = field(default_factory=InitTransferConfig)
+    """How weights loaded with checkpoint.init_from are treated in the first steps."""
 
     @property
     def logical_block_size(self) -> int:
@@ -113,6 +122,7 @@ class TrainingConfig:
         checks.positive_int(f"{p}.eval_steps", self.eval_steps)
         checks.nonneg_int(f"{p}.keep_checkpoints", self.keep_checkpoints)
         checks.choice(f"{p}.device", self.device, DEVICES)
+        checks.nonneg_int(f"{p}.threads", self.threads)
         checks.choice(f"{p}.dtype", self.dtype, DTYPES)
         checks.boolean(f"{p}.compile", self.compile)
         checks.nonneg_int(f"{p}.max_consecutive_skips", self.max_consecutive_skips)

@@ -21,7 +21,9 @@ class OptimizerConfig:
     lr: float = 1e-3
     """The base learning rate, reached at the end of warm-up."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW's two moment decay rates."""
     eps: float = 1e-8
+    """AdamW's denominator epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay of matrices; vectors (norms, biases, decays) get none."""
     warmup_steps: int = 0

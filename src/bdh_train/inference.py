@@ -1,0 +1,214 @@
+"""Using a finished run: `load_run` (a run directory, checkpoint or ternary export -> model,
+tokenizer, config), a `Continuation` that carries the model's fixed-size state between calls
+(what `bdh-train chat` and `generate --save-state/--load-state` are built on), and the state
+file that saves one.
+
+A BDH's whole past is its recurrent state: a few tensors per layer whose size does not grow
+with the text read. A continuation fed A and then B is the model fed A + B, so a chat turn or
+a cached prompt costs only its own tokens.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TextIO
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+
+from bdh_train.config import RunConfig, load_config
+from bdh_train.data.tokenizer import ByteTokenizer
+from bdh_train.errors import BDHTrainError, CheckpointError
+from bdh_train.export import load_ternary
+from bdh_train.model import BDH, BDHConfig, ModelState, sample_next_token
+from bdh_train.model.summary import SummaryEvents
+from bdh_train.train import checkpoint as ckpt
+from bdh_train.trainer import CONFIG_FILE, resolve_device
+from bdh_train.utils import atomic_write
+
+STATE_FORMAT = "bdh-state/1"
+
+
+def inference_device(name: str | torch.device) -> torch.device:
+    """'auto' (CUDA when available), 'cpu', 'cuda' or a torch.device."""
+    if isinstance(name, torch.device):
+        return name
+    try:
+        return resolve_device(name)
+    except BDHTrainError:
+        raise BDHTrainError(
+            f"device {name!r} was asked for but no CUDA device is available; use 'auto' or 'cpu'"
+        ) from None
+
+
+def load_run(
+    path: str | os.PathLike[str], device: str | torch.device = "cpu"
+) -> tuple[BDH, ByteTokenizer | None, RunConfig]:
+    """(model in eval mode on `device`, tokenizer, run config) of a finished run.
+
+    `path` is a run directory (its latest checkpoint), a checkpoint directory, or a file
+    written by `bdh-train export --ternary`. The tokenizer is the byte tokenizer for a
+    byte-level token model, else None. For an export, which holds only the model, the config
+    is the defaults with the export's model section.
+    """
+    path = Path(path)
+    dev = inference_device(device)
+    if path.is_file():
+        model = load_ternary(path, dev)
+        return model, tokenizer_for(model.config), RunConfig(model=model.config)
+    directory = ckpt.resolve_checkpoint(path)
+    with safe_open(str(directory / ckpt.MODEL_FILE), "pt") as handle:
+        meta = handle.metadata() or {}
+    if "bdh_config" not in meta:
+        raise CheckpointError(
+            f"{directory / ckpt.MODEL_FILE} has no bdh_config metadata; "
+            "was it written by bdh-train?"
+        )
+    model = BDH(BDHConfig.from_dict(json.loads(meta["bdh_config"])))
+    ckpt.load_into_model(model, ckpt.load_model_weights(directory), directory)
+    saved = directory / CONFIG_FILE
+    cfg = load_config([saved]) if saved.is_file() else RunConfig(model=model.config)
+    return model.to(dev).eval(), tokenizer_for(model.config), cfg
+
+
+def tokenizer_for(config: BDHConfig) -> ByteTokenizer | None:
+    """The byte tokenizer for a byte-level token model (vocab 256, token head), else None."""
+    if config.vocab_size == 256 and config.language_head.type == "token":
+        return ByteTokenizer()
+    return None
+
+
+def config_hash(config: BDHConfig) -> str:
+    """SHA-256 of the model config (canonical JSON): what a saved state must match."""
+    text = json.dumps(config.to_dict(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class Continuation:
+    """One sequence read so far: the model's carried state and the output of its last token.
+
+    `feed(ids)` reads tokens on top of what was read; `sample(n, ...)` draws n tokens, each
+    fed back as it is drawn. Feeding A then B equals feeding A + B; `BDH.stream_generate` is
+    the one-call twin (tests/test_inference.py checks they agree).
+    """
+
+    def __init__(self, model: BDH, summary_events: SummaryEvents | None = None) -> None:
+        self.model = model
+        self.events = summary_events
+        self.state: ModelState = model.init_state(1)
+        self.hidden: torch.Tensor | None = None
+        """[1, 1, D] output of the last token read; None before any."""
+        keep = 0 if summary_events is None else summary_events.history_len
+        self.recent = torch.full((1, keep), -1, dtype=torch.long, device=self._device)
+        """The last history_len tokens (-1 before the start), for the summary-event mask."""
+
+    @property
+    def _device(self) -> torch.device:
+        return self.model.embed.weight.device
+
+    @property
+    def tokens_read(self) -> int:
+        return int(self.state.position[0])
+
+    @torch.no_grad()
+    def feed(self, ids: torch.Tensor | list[int], executor: str | None = None) -> None:
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self._device).reshape(1, -1)
+        if ids.shape[1] == 0:
+            return
+        mask = None
+        if self.events is not None:
+            history = self.recent if self.recent.shape[1] else None
+            mask = self.events.mask(ids, history)
+            keep = self.recent.shape[1]
+            if keep:
+                self.recent = torch.cat([self.recent, ids], dim=1)[:, -keep:]
+        hidden = self.model.forward_hidden(
+            ids, self.state, executor=executor, summary_event_mask=mask
+        )
+        self.hidden = hidden[:, -1:]
+
+    @torch.no_grad()
+    def sample(
+        self, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[int]:
+        """Draw tokens one at a time, each read back in before the next is drawn."""
+        if self.hidden is None:
+            raise BDHTrainError("nothing has been read yet: give a prompt")
+        for _ in range(max_new_tokens):
+            logits = self.model.logits_from_hidden(self.hidden)[:, -1].float()
+            token = sample_next_token(logits, temperature, top_k, generator)
+            yield int(token[0])
+            self.feed(token.reshape(1, 1), executor="recurrent")
+
+    # ------------------------------------------------------------------ state files
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the state (fixed size, whatever was read) with the model's config hash."""
+        if self.hidden is None:
+            raise BDHTrainError("nothing has been read yet: there is no state to save")
+        tensors = {f"state.{k}": v.cpu().contiguous() for k, v in self.state.state_dict().items()}
+        tensors["hidden"] = self.hidden.detach().cpu().contiguous()
+        tensors["recent"] = self.recent.cpu().contiguous()
+        meta = {"format": STATE_FORMAT, "config_hash": config_hash(self.model.config)}
+        out = Path(path)
+        with atomic_write(out, "wb") as handle:
+            handle.write(safetensors_bytes(tensors, metadata=meta))
+        return out
+
+    def load(self, path: str | os.PathLike[str]) -> Continuation:
+        """Continue from a saved state; refused when it was saved from another model config."""
+        path = Path(path)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+        except Exception as exc:  # a missing or damaged file: safetensors' own error types
+            raise CheckpointError(f"cannot read state file {path}: {exc}") from exc
+        if meta.get("format") != STATE_FORMAT:
+            raise CheckpointError(f"{path} is not a saved generation state (--save-state)")
+        if meta.get("config_hash") != config_hash(self.model.config):
+            raise CheckpointError(
+                f"{path} was saved from a model with another config; load it with the "
+                "checkpoint it was saved from"
+            )
+        state = {k.removeprefix("state."): v for k, v in tensors.items() if k.startswith("state.")}
+        if "hidden" not in tensors or state.get("position", torch.zeros(0)).shape != (1,):
+            raise CheckpointError(f"{path} is not a single-sequence generation state")
+        self.state.load_state_dict(state)
+        self.hidden = tensors["hidden"].to(self._device, self.model.embed.weight.dtype)
+        if tensors["recent"].shape == self.recent.shape:
+            self.recent = tensors["recent"].to(self._device)
+        return self
+
+
+def stream_text(tokens: Iterable[int], out: TextIO) -> None:
+    """Write byte tokens to `out` as UTF-8 text as they come (invalid bytes as U+FFFD)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for token in tokens:
+        out.write(decoder.decode(bytes([token])))
+        out.flush()
+    out.write(decoder.decode(b"", final=True))
+
+
+def chat(
+    continuation: Continuation, tokenizer: ByteTokenizer, lines: Iterable[str], out: TextIO,
+    max_new_tokens: int, temperature: float, top_k: int | None, generator: torch.Generator,
+    prompt: str = "",
+) -> int:
+    """A REPL: each line read (newline included) is fed on top of everything before it, then
+    `max_new_tokens` are sampled and written, then a newline. Returns the turns taken."""
+    turns = 0
+    for line in lines:
+        continuation.feed(tokenizer.encode(line))
+        stream_text(continuation.sample(max_new_tokens, temperature, top_k, generator), out)
+        out.write("\n")
+        out.write(prompt)
+        out.flush()
+        turns += 1
+    return turns

@@ -1,0 +1,165 @@
+"""The inference side of the command line: --help without torch, --version, defaults in the
+help, sampling arguments refused with one line, --device/--threads, generate --save-state /
+--load-state, and chat."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+from test_cli import MICRO
+
+import bdh_train
+from bdh_train.cli import DEVICES, build_parser, main
+
+
+def test_the_cli_and_its_help_import_no_torch():
+    script = (
+        "import sys, argparse\n"
+        "import bdh_train.cli as cli\n"
+        "parser = cli.build_parser()\n"
+        "parser.format_help()\n"
+        "for action in parser._actions:\n"
+        "    if isinstance(action, argparse._SubParsersAction):\n"
+        "        for sub in action.choices.values(): sub.format_help()\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy'))\n"
+        "print(bad[:5])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_version_and_defaults_in_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"bdh-train {bdh_train.__version__}"
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for expected in ("(default: 0.8)", "0 = greedy", "(default: auto)", "--save-state FILE"):
+        assert expected in help_text
+
+
+def test_device_choices_are_those_of_the_training_config():
+    from bdh_train.train.config import DEVICES as TRAINING_DEVICES
+
+    assert DEVICES == TRAINING_DEVICES
+    assert build_parser().parse_args(["eval", "--checkpoint", "x"]).device == "auto"
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--top-k", "0"], "--top-k must be a positive integer"),
+        (["--top-k", "-5"], "--top-k must be a positive integer"),
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+        (["--threads", "-2"], "--threads must be >= 0"),
+    ],
+)
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_bad_sampling_arguments_are_one_line(tmp_path, capsys, command, bad, message):
+    # refused before the (missing) checkpoint is even looked at
+    assert main([command, "--checkpoint", str(tmp_path / "none"), *bad]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run")
+    assert main(["train", "--run-dir", str(path), *MICRO]) == 0
+    return path
+
+
+def _generate(capsys, run_dir, *args: str) -> str:
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(run_dir), "--device", "cpu", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_temperature_zero_is_greedy_whatever_the_seed(run_dir, capsys):
+    greedy = ["--temperature", "0", "--max-new-tokens", "10"]
+    assert _generate(capsys, run_dir, *greedy, "--seed", "1") == _generate(
+        capsys, run_dir, *greedy, "--seed", "2"
+    )
+
+
+def test_threads_sets_torch_threads(run_dir, capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        _generate(capsys, run_dir, "--threads", "1", "--max-new-tokens", "2")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_save_state_then_load_state_equals_the_whole_prompt(run_dir, tmp_path, capsys):
+    first, second = "class Foo:\n    def __init__(self):\n" * 3, "        self."
+    state = tmp_path / "doc.state"
+    greedy = ["--temperature", "0", "--max-new-tokens", "16"]
+    assert _generate(
+        capsys, run_dir, "--prompt", first, "--save-state", str(state), "--max-new-tokens", "0"
+    ) == first + "\n"
+    resumed = _generate(capsys, run_dir, "--load-state", str(state), "--prompt", second, *greedy)
+    whole = _generate(capsys, run_dir, "--prompt", first + second, *greedy)
+    assert resumed.startswith(second) and whole.startswith(first + second)
+    assert resumed[len(second):] == whole[len(first + second):]
+    assert len(resumed) > len(second) + 1
+
+
+def test_a_state_saved_from_another_model_is_refused(run_dir, tmp_path, capsys):
+    other = tmp_path / "other"
+    wider = [*MICRO, "--set", "model.n_embd=16", "--set", "training.max_steps=1",
+             "--set", "training.checkpoint_every=1", "--set", "training.eval_every=0"]
+    assert main(["train", "--run-dir", str(other), *wider]) == 0
+    state = tmp_path / "s.state"
+    _generate(capsys, other, "--prompt", "abc", "--save-state", str(state),
+              "--max-new-tokens", "0")
+    assert main(["generate", "--checkpoint", str(run_dir), "--load-state", str(state)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "another config" in err
+
+
+def test_chat_turns_continue_one_state(run_dir, capsys, monkeypatch):
+    turns = ["def add(a, b):\n", "    return\n"]
+    greedy = ["--temperature", "0", "--max-new-tokens", "6", "--device", "cpu"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(turns)))
+    capsys.readouterr()
+    assert main(["chat", "--checkpoint", str(run_dir), *greedy]) == 0
+    replies = capsys.readouterr().out.split("\n")
+    # the second reply is what generate gives on the whole conversation so far (in tokens: an
+    # untrained model's bytes need not be valid UTF-8, so its text does not round-trip)
+    import torch
+
+    model, tok, _ = bdh_train.load_run(run_dir)
+
+    def greedy_tokens(prompt: list[int]) -> list[int]:
+        return model.generate(torch.tensor(prompt), 6, temperature=0)[len(prompt):].tolist()
+
+    first = greedy_tokens(tok.encode(turns[0]))
+    second = greedy_tokens(tok.encode(turns[0]) + first + tok.encode(turns[1]))
+    assert replies[:3] == [tok.decode(first), tok.decode(second), ""]
+
+
+def test_training_threads_sets_torch_threads(tmp_path, capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        one = ["--set", "training.threads=1", "--set", "training.max_steps=1",
+               "--set", "training.eval_every=0", "--set", "training.checkpoint_every=1"]
+        assert main(["train", "--run-dir", str(tmp_path / "a"), *MICRO, *one]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert main(["train", "--run-dir", str(tmp_path / "b"), "--set", "training.threads=-1"]) == 2
+    assert "training.threads must be a non-negative integer" in capsys.readouterr().err

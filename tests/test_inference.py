@@ -1,0 +1,122 @@
+"""Continuing a sequence across calls: `Continuation` (feed, sample, save, load) against the
+one-call `BDH.generate`, and the chat loop built on it. float64 models, so greedy choices are
+not decided by rounding."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from helpers import assert_close, tiny_model
+
+from bdh_train.data.events import SummaryEventTrigger
+from bdh_train.data.tokenizer import ByteTokenizer
+from bdh_train.errors import CheckpointError
+from bdh_train.inference import Continuation, chat
+from bdh_train.model.config import SummaryMemoryConfig
+
+GATED = SummaryMemoryConfig(enabled=True, chunk_tokens=4, write_gate=True, residual_scale=1.0)
+TRIGGER = SummaryEventTrigger(sequence=(2, 3, 0))
+
+
+def models():
+    """(model, events): a plain model, and one whose summary memory is written at events."""
+    return [
+        (tiny_model(torch.float64, vocab_size=4).eval(), None),
+        (tiny_model(torch.float64, vocab_size=4, summary_memory=GATED).eval(), TRIGGER),
+    ]
+
+
+def assert_state_is_the_whole_sequence(cont: Continuation, model, events, seq: list[int]):
+    """The continuation's last output equals one forward pass over everything it read (a
+    random tiny model's samples barely depend on the context; its hidden states do)."""
+    idx = torch.tensor([seq])
+    mask = None if events is None else events.mask(idx)
+    with torch.no_grad():
+        whole = model.forward_hidden(idx, summary_event_mask=mask)[:, -1:]
+    assert_close(cont.hidden, whole, rtol=1e-10)
+
+
+def one_call(model, events, prompt: list[int], n: int, temperature: float, seed: int):
+    out = model.generate(
+        torch.tensor(prompt), n, temperature, generator=torch.Generator().manual_seed(seed),
+        summary_events=events,
+    )
+    return out[len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("which", [0, 1], ids=["plain", "gated_summary_memory"])
+def test_feeding_in_pieces_equals_one_call(which, temperature):
+    model, events = models()[which]
+    a, b = [3, 0, 1, 2, 3, 2, 3], [0, 2, 3, 0, 1]
+    cont = Continuation(model, events)
+    cont.feed(a)
+    cont.feed(b)
+    got = list(cont.sample(16, temperature, None, torch.Generator().manual_seed(5)))
+    assert got == one_call(model, events, a + b, 16, temperature, 5)
+    assert cont.tokens_read == len(a) + len(b) + 16
+    assert_state_is_the_whole_sequence(cont, model, events, a + b + got)
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["plain", "gated_summary_memory"])
+def test_saved_state_continues_like_the_whole_prompt(tmp_path, which):
+    model, events = models()[which]
+    first, second = [3, 0, 1, 2, 3, 2, 3, 1, 2, 3], [0, 2, 3]
+    saver = Continuation(model, events)
+    saver.feed(first)
+    saver.save(tmp_path / "state.safetensors")
+    loaded = Continuation(model, events).load(tmp_path / "state.safetensors")
+    loaded.feed(second)
+    got = list(loaded.sample(25, 1.0, None, torch.Generator().manual_seed(2)))
+    assert got == one_call(model, events, first + second, 25, 1.0, 2)
+    assert_state_is_the_whole_sequence(loaded, model, events, first + second + got)
+
+
+def test_a_state_file_does_not_grow_with_the_prompt(tmp_path):
+    model, events = models()[1]
+    sizes = []
+    for length in (5, 200):
+        cont = Continuation(model, events)
+        cont.feed([i % 4 for i in range(length)])
+        sizes.append(cont.save(tmp_path / f"{length}.safetensors").stat().st_size)
+    assert sizes[0] == sizes[1]
+
+
+def test_a_state_from_another_model_is_refused(tmp_path):
+    cont = Continuation(tiny_model(torch.float64, vocab_size=4))
+    cont.feed([1, 2, 3])
+    cont.save(tmp_path / "state.safetensors")
+    other = tiny_model(torch.float64, vocab_size=4, n_embd=32)
+    with pytest.raises(CheckpointError, match="another config"):
+        Continuation(other).load(tmp_path / "state.safetensors")
+    with pytest.raises(CheckpointError, match="cannot read state file"):
+        Continuation(other).load(tmp_path / "missing.safetensors")
+
+
+def test_chat_keeps_the_state_and_a_turn_costs_only_its_tokens(monkeypatch):
+    model = tiny_model(torch.float64, vocab_size=256).eval()
+    tok, lines, n = ByteTokenizer(), ["def f(x):\n", "return\n"], 8
+    fed: list[int] = []
+    forward_hidden = model.forward_hidden
+
+    def counting(idx, *args, **kwargs):
+        fed.append(idx.shape[1])
+        return forward_hidden(idx, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward_hidden", counting)
+    out = io.StringIO()
+    cont = Continuation(model)
+    chat(cont, tok, lines[:1], out, n, 0.0, None, torch.Generator())
+    before = len(fed)
+    chat(cont, tok, lines[1:], out, n, 0.0, None, torch.Generator())
+    assert sum(fed[before:]) == len(tok.encode(lines[1])) + n  # not the history again
+    monkeypatch.undo()
+
+    first = one_call(model, None, tok.encode(lines[0]), n, 0.0, 0)
+    history = tok.encode(lines[0]) + first + tok.encode(lines[1])
+    second = one_call(model, None, history, n, 0.0, 0)
+    expected = tok.decode(first) + "\n" + tok.decode(second) + "\n"
+    assert out.getvalue() == expected
+    assert_state_is_the_whole_sequence(cont, model, None, history + second)

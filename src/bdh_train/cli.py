@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start a fresh run in a run directory that holds an earlier one, deleting it",
     )
+    p.add_argument(
+        "--resume-fallback",
+        action="store_true",
+        help="with --resume: when the latest checkpoint is damaged, continue from the newest "
+        "intact one",
+    )
 
     p = sub.add_parser("generate", help="stream text from a checkpoint (O(1) per token)")
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR")
@@ -141,7 +147,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     dist_ctx = DistContext.from_env(resolve_device(cfg.training.device).type)
     try:
         trainer = Trainer(
-            cfg, run_dir, resume=resume, dist_ctx=dist_ctx, overwrite=args.overwrite
+            cfg, run_dir, resume=resume, dist_ctx=dist_ctx, overwrite=args.overwrite,
+            resume_fallback=args.resume_fallback,
         )
         with _stop_on_signals(trainer.request_stop):
             result = trainer.run()

@@ -169,9 +169,12 @@ class Trainer:
         dist_ctx: DistContext | None = None,
         stream: IO[str] | None = None,
         overwrite: bool = False,
+        resume_fallback: bool = False,
     ):
         """Validate everything (config, data, checkpoint, the run directory) before anything
-        is written. A fresh run needs an empty run directory unless `overwrite`."""
+        is written. A fresh run needs an empty run directory unless `overwrite`; a resume
+        whose latest checkpoint is damaged continues from the newest intact one only with
+        `resume_fallback`."""
         self.cfg = cfg.validate()
         t = cfg.training
         self.run_dir = Path(run_dir)
@@ -206,7 +209,9 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(self.run_dir, t.keep_checkpoints, self.dist.is_main)
         self.window_profiles: list[StepProfile] = []
         self.stop_requested = False
-        self.resumed_from = ckpt.resolve_checkpoint(self.run_dir) if resume else None
+        self.resumed_from = (
+            ckpt.resolve_checkpoint(self.run_dir, fallback=resume_fallback) if resume else None
+        )
         if self.resumed_from is not None:
             self.checkpointer.load(self.resumed_from, self._checkpoint_parts(loading=True))
         self.progress = Progress(t.max_steps, self.state.step, stream, enabled=self.dist.is_main)

@@ -5,12 +5,23 @@ line and exit status 2, and the last checkpoint stays intact and resumable."""
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from bdh_train.cli import main
+from bdh_train.errors import ConfigError
+from bdh_train.model import BDH, BDHConfig
+from bdh_train.model import bdh as bdh_module
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.metrics import read_metrics
 
@@ -79,3 +90,180 @@ def test_resume_fallback_continues_from_the_newest_intact_checkpoint(tmp_path, c
     ) == 0
     assert "resumed from " + str(run / "checkpoints" / "step-0000002") in capsys.readouterr().out
     assert_same_run(whole, run)
+
+
+# ------------------------------------------------------------------ one error line, exit 2
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory) -> Path:
+    """A finished two-step run (one checkpoint, step-0000002) to copy and damage."""
+    run = tmp_path_factory.mktemp("base") / "run"
+    assert main(["train", "--run-dir", str(run), *SETS, "--set", "training.max_steps=2"]) == 0
+    return run
+
+
+def copy_run(base: Path, where: Path) -> Path:
+    shutil.copytree(base, where)
+    (where / ".lock").unlink(missing_ok=True)
+    return where
+
+
+def leftovers(run: Path) -> list[str]:
+    return [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith((".tmp", ".old"))]
+
+
+def test_run_dir_naming_a_file_and_a_non_utf8_config(tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine\n")
+    assert main(["train", "--run-dir", str(a_file), *SETS]) == 2
+    assert one_error_line(capsys) == (
+        f"error: run directory {a_file} is a file, not a directory; choose another --run-dir"
+    )
+    assert a_file.read_text() == "mine\n"
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b"[training]\n# caf\xe9\nmax_steps = 2\n")
+    assert main(["train", "--config", str(bad), "--run-dir", str(tmp_path / "r"), *SETS]) == 2
+    line = one_error_line(capsys)
+    assert f"config file {bad} is not UTF-8 text (byte 16" in line
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def _rewrite_part(checkpoint: Path, name: str, data: bytes) -> None:
+    """Replace one file and re-sign the manifest: damage the checksum cannot see."""
+    (checkpoint / name).write_bytes(data)
+    ckpt._write_manifest(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "part, data, expected",
+    [
+        ("trainer.json", b"{}", "(trainer.json): it lacks the counters step, micro, tokens"),
+        ("ranks.pt", b"PK\x03\x04 not a zip archive", "ranks.pt ("),
+    ],
+    ids=["empty-trainer-json", "corrupt-ranks-pt"],
+)
+def test_damaged_checkpoint_parts_are_one_line(base_run, tmp_path, capsys, part, data, expected):
+    run = copy_run(base_run, tmp_path / "run")
+    _rewrite_part(run / "checkpoints" / "step-0000002", part, data)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--set", "training.max_steps=3"]) == 2
+    line = one_error_line(capsys)
+    assert expected in line and str(run / "checkpoints" / "step-0000002") in line
+
+
+def test_untrusted_model_sizes_are_refused_before_allocation(base_run, tmp_path, capsys):
+    assert main(["train", "--run-dir", str(tmp_path / "r"), *SETS,
+                 "--set", "model.vocab_size=1000000000000"]) == 2
+    assert one_error_line(capsys).startswith(
+        "error: model.vocab_size=1000000000000 (with model.n_embd=32, model.n_head=2) makes a "
+        "model of 6.4e+13 parameters, more than the 1e+11 allowed; lower model.vocab_size"
+    )
+    # a checkpoint whose metadata claims such a model
+    run = copy_run(base_run, tmp_path / "run")
+    checkpoint = run / "checkpoints" / "step-0000002"
+    with safe_open(str(checkpoint / ckpt.MODEL_FILE), "pt") as handle:
+        meta = handle.metadata()
+    tensors = load_file(str(checkpoint / ckpt.MODEL_FILE))
+    config = json.loads(meta["bdh_config"])
+    config["vocab_size"] = 10**12
+    meta["bdh_config"] = json.dumps(config)
+    save_file(tensors, str(checkpoint / ckpt.MODEL_FILE), meta)
+    ckpt._write_manifest(checkpoint)
+    for command in (["generate", "--checkpoint", str(run)], ["eval", "--checkpoint", str(run)]):
+        assert main(command) == 2
+        line = one_error_line(capsys)
+        assert line.startswith(f"error: the bdh_config metadata of {checkpoint / ckpt.MODEL_FILE}")
+        assert "model.vocab_size=1000000000000" in line, line
+
+
+def test_a_model_larger_than_memory_is_refused_before_allocation(monkeypatch):
+    cfg = BDHConfig(n_layer=1, n_embd=32, n_head=2, mlp_internal_dim_multiplier=4)
+    monkeypatch.setattr(bdh_module.os, "sysconf", lambda name: 1024 if "PAGES" in name else 64)
+    with pytest.raises(ConfigError, match=r"model.vocab_size=256 .* more than this machine's "):
+        BDH(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"position": "alibi_learned", "norm": "layernorm_affine", "vocab_size": 300},
+        {"language_head": {"type": "nca_factorized_patch", "state_count": 2, "patch_size": 2,
+                           "frame_special_tokens": True}, "vocab_size": 40},
+    ],
+    ids=["token", "alibi-learned-affine", "nca-head"],
+)
+def test_parameter_count_from_sizes_equals_the_built_model(overrides):
+    cfg = BDHConfig.from_dict({"n_layer": 2, "n_embd": 32, "n_head": 4,
+                               "mlp_internal_dim_multiplier": 4, **overrides})
+    assert cfg.parameter_count() == sum(p.numel() for p in BDH(cfg).parameters())
+
+
+def test_file_size_limit_during_a_save_keeps_the_last_checkpoint(base_run, tmp_path):
+    """EFBIG (ulimit -f) while writing optimizer.pt: one line naming the file and what to do;
+    nothing half-written; the run resumes once the limit is lifted."""
+    run = copy_run(base_run, tmp_path / "run")
+    limit = (run / "checkpoints" / "step-0000002" / "optimizer.pt").stat().st_size // 2
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "bdh_train", "train", "--resume", str(run),
+         "--set", "training.max_steps=4"],
+        capture_output=True, text=True, timeout=120, preexec_fn=small_files,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(
+        f"error: cannot write {run / 'checkpoints' / 'step-0000004' / 'optimizer.pt'} ("
+    ), proc.stderr
+    assert "enforce fail" not in proc.stderr  # torch's C++ source location is left out
+    assert proc.stderr.strip().endswith(
+        f"the last checkpoint, {run / 'checkpoints' / 'step-0000002'}, is intact: free space "
+        "(or raise the file size limit, or make the directory writable), then continue with: "
+        f"bdh-train train --resume {run}"
+    )
+    assert leftovers(run) == []
+    assert ckpt.resolve_checkpoint(run).name == "step-0000002"
+    assert main(["train", "--resume", str(run), "--set", "training.max_steps=4"]) == 0
+    assert ckpt.resolve_checkpoint(run).name == "step-0000004"
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 512 KiB tmpfs (root only): a disk that really fills up and can be made read-only."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)],
+        capture_output=True, text=True,
+    )
+    if made.returncode != 0:
+        reason = f"cannot mount a tmpfs here ({made.stderr.strip() or made.returncode})"
+        print(reason)
+        pytest.skip(reason)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_full_and_read_only_run_dir_keep_the_last_checkpoint(base_run, small_tmpfs, capsys):
+    run = copy_run(base_run, small_tmpfs / "run")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--set", "training.max_steps=4"]) == 2
+    line = one_error_line(capsys)
+    assert "No space left on device" in line and str(run / "checkpoints") in line, line
+    assert line.endswith(f"then continue with: bdh-train train --resume {run}"), line
+    assert leftovers(run) == [] and ckpt.resolve_checkpoint(run).name == "step-0000002"
+
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    assert main(["train", "--resume", str(run), "--set", "training.max_steps=4"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("error: Read-only file system: ") and str(run) in line, line
+    assert ckpt.resolve_checkpoint(run).name == "step-0000002"
+
+    subprocess.run(["mount", "-o", "remount,rw,size=4m", str(small_tmpfs)], check=True)
+    assert main(["train", "--resume", str(run), "--set", "training.max_steps=4"]) == 0
+    assert ckpt.resolve_checkpoint(run).name == "step-0000004"

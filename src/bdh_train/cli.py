@@ -196,7 +196,13 @@ def _load_checkpoint_model(path: str):
             f"{directory / ckpt.MODEL_FILE} has no bdh_config metadata; "
             "was it written by bdh-train?"
         )
-    model = BDH(BDHConfig.from_dict(json.loads(meta["bdh_config"])))
+    try:  # untrusted sizes: validated (and checked against memory) before anything is built
+        config = BDHConfig.from_dict(json.loads(meta["bdh_config"]))
+        model = BDH(config)
+    except (BDHTrainError, ValueError, TypeError) as exc:
+        raise CheckpointError(
+            f"the bdh_config metadata of {directory / ckpt.MODEL_FILE} is unusable: {exc}"
+        ) from None
     ckpt.load_into_model(model, ckpt.load_model_weights(directory), directory)
     return model.eval(), directory
 
@@ -357,6 +363,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except BDHTrainError as exc:
         message = f"error: {exc}"
+        print(message, file=sys.stderr)
+        _log_error(args.error_dir, message)
+        return EXIT_USER_ERROR
+    except OSError as exc:  # disk full, file size limit, read-only directory
+        where = f": {exc.filename}" if exc.filename else ""
+        message = f"error: {exc.strerror or exc}{where}"
+        if args.error_dir is not None:
+            from bdh_train.train.checkpoint import io_advice
+
+            message += f"; {io_advice(args.error_dir)}"
         print(message, file=sys.stderr)
         _log_error(args.error_dir, message)
         return EXIT_USER_ERROR

@@ -82,6 +82,12 @@ class TrainerState:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        needed = ("step", "micro", "tokens", "skips", "window_loss", "window_count", "elapsed")
+        if not isinstance(state, dict):
+            raise ValueError(f"it holds a {type(state).__name__}, not the counters")
+        missing = [name for name in needed if name not in state]
+        if missing:  # the checkpointer names the file and the checkpoint
+            raise ValueError(f"it lacks the counters {', '.join(missing)}")
         if state.get("world_size", 1) != self.world_size:
             raise CheckpointError(
                 f"the checkpoint was written by {state.get('world_size')} processes; resume it "

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -267,3 +270,63 @@ def test_disk_full_and_read_only_run_dir_keep_the_last_checkpoint(base_run, smal
     subprocess.run(["mount", "-o", "remount,rw,size=4m", str(small_tmpfs)], check=True)
     assert main(["train", "--resume", str(run), "--set", "training.max_steps=4"]) == 0
     assert ckpt.resolve_checkpoint(run).name == "step-0000004"
+
+
+# ------------------------------------------------------------------ a signal to one DDP rank
+def _torchrun(run: Path, *args: str) -> list[str]:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    return [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "bdh_train", "train",
+            "--run-dir", str(run), *args]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_sigterm_to_one_ddp_rank_stops_both_with_one_checkpoint(tmp_path):
+    """SIGTERM to rank 1 only: the stop is agreed at the next micro-step, both ranks write
+    one checkpoint together and exit 75; `--resume` continues from it."""
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    sets = [*SETS, "--set", "training.max_steps=100000", "--set", "training.checkpoint_every=5",
+            "--set", "training.gradient_accumulation_steps=2",
+            "--set", "parallel.collective_timeout_s=20"]
+    launcher = subprocess.Popen(
+        _torchrun(run, *sets), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while not (run / "checkpoints" / "latest").exists():
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the two-process run did not start"
+            time.sleep(0.2)
+        workers = subprocess.run(
+            ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True
+        ).stdout.split()
+        assert len(workers) == 2, workers
+        ranks = {}
+        for pid in workers:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next(e for e in environ if e.startswith(b"RANK=")).split(b"=")[1]
+            ranks[int(rank)] = int(pid)
+        os.kill(ranks[1], signal.SIGTERM)
+        _, err = launcher.communicate(timeout=90)
+    finally:
+        launcher.kill()
+    exits = re.findall(r"exitcode\s*:\s*(-?\d+)", err)
+    assert launcher.returncode != 0 and exits and set(exits) == {"75"}, err[-3000:]
+    stopped = ckpt.resolve_checkpoint(run)
+    state = ckpt.read_json(stopped / "trainer.json")
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert state["step"] == steps[-1]
+    position = ckpt.checkpoint_position(stopped.name)
+    assert position == (state["step"], state["micro"])
+    same = [p for p in ckpt.list_checkpoints(run / "checkpoints")
+            if ckpt.checkpoint_position(p.name) == position]
+    assert same == [stopped] and leftovers(run) == []
+
+    target = state["step"] + 1
+    resumed = subprocess.run(
+        _torchrun(run, "--resume", str(run), "--set", f"training.max_steps={target}"),
+        capture_output=True, text=True, env=env, timeout=150,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ckpt.read_json(ckpt.resolve_checkpoint(run) / "trainer.json")["step"] == target

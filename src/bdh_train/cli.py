@@ -144,7 +144,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_config([saved, *args.config], args.overrides)
     else:
         cfg = load_config(args.config, args.overrides, args.preset)
-    dist_ctx = DistContext.from_env(resolve_device(cfg.training.device).type)
+    dist_ctx = DistContext.from_env(
+        resolve_device(cfg.training.device).type, cfg.parallel.collective_timeout_s
+    )
     try:
         trainer = Trainer(
             cfg, run_dir, resume=resume, dist_ctx=dist_ctx, overwrite=args.overwrite,

@@ -334,8 +334,9 @@ class Trainer:
         last_log_time, last_log_tokens = time.perf_counter(), s.tokens
         checkpoint: Path | None = None
         while s.step < t.max_steps:
-            if self.stop_requested or (
-                stop_after_micro_steps is not None and micro_done >= stop_after_micro_steps
+            if self._stop_agreed(
+                self.stop_requested
+                or (stop_after_micro_steps is not None and micro_done >= stop_after_micro_steps)
             ):
                 s.elapsed = time.perf_counter() - started
                 checkpoint = self.save_checkpoint()
@@ -374,6 +375,16 @@ class Trainer:
             plot_losses(self.run_dir)
         sample = self.sample() if self.dist.is_main else None
         return RunResult(s.step, False, checkpoint, last_val, sample)
+
+    def _stop_agreed(self, local: bool) -> bool:
+        """Whether any process asked to stop: one MAX all-reduce of a flag per micro-step over
+        every rank (data-parallel and pipeline alike), so a signal to any one rank stops them
+        all at the same micro-step with one checkpoint. Free in one process."""
+        if not self.dist.active:
+            return local
+        flag = torch.tensor([int(local)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _micro_step(self) -> None:
         s = self.state

@@ -330,3 +330,90 @@ def test_sigterm_to_one_ddp_rank_stops_both_with_one_checkpoint(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert ckpt.read_json(ckpt.resolve_checkpoint(run) / "trainer.json")["step"] == target
+
+
+# ------------------------------------------------------------------ SIGKILL loop
+KILL_LOOP = [
+    *MICRO,
+    "training.block_size=8",
+    "training.tbptt_chunk_size=3",
+    "training.tbptt_backprop_chunks=2",
+    "training.tbptt_persist_across_steps=true",
+    "training.min_logical_block_size=32",
+    "training.gradient_accumulation_steps=2",
+    "training.checkpoint_every=1",
+    "training.keep_checkpoints=2",
+    "training.eval_every=10",
+    "training.eval_steps=1",
+    "training.max_steps=40",
+]
+
+
+def _train_quietly(argv: list[str]) -> None:
+    """A forkserver child: `bdh-train train ARGV` on one thread, output discarded; the exit
+    status is main's."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    torch.set_num_threads(1)
+    sys.exit(main(["train", *argv]))
+
+
+def _pointer(run: Path) -> str | None:
+    try:
+        return (run / "checkpoints" / "latest").read_text()
+    except OSError:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigkill_loop_resumes_bit_identical(tmp_path):
+    """Ten SIGKILLs at seeded random moments of a streaming TBPTT run with accumulation that
+    checkpoints every step (so many land inside a save), each followed by --resume: the end
+    is bit-identical to the uninterrupted run and no temporary directory is left. The runs
+    are forked from a server that imported the package once (a fresh interpreter per run
+    would spend most of the time importing torch)."""
+    import multiprocessing
+    import random
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["bdh_train.cli", "bdh_train.trainer", "test_failures"])
+    sets = [a for o in KILL_LOOP for a in ("--set", o)]
+    whole, run = tmp_path / "whole", tmp_path / "run"
+
+    def launch(argv: list[str]) -> multiprocessing.process.BaseProcess:
+        proc = ctx.Process(target=_train_quietly, args=([*argv, *sets],))
+        proc.start()
+        return proc
+
+    started = time.monotonic()
+    proc = launch(["--run-dir", str(whole)])
+    proc.join(120)
+    assert proc.exitcode == 0
+    trained = [r for r in read_metrics(whole / "metrics.jsonl") if "elapsed_s" in r]
+    step_s = trained[-1]["elapsed_s"] / len(trained)
+    rng = random.Random(12)
+    kills = inside_saves = 0
+    while kills < 10:
+        before = _pointer(run)
+        proc = launch(["--resume", str(run)] if before else ["--run-dir", str(run)])
+        deadline = time.monotonic() + 60
+        while _pointer(run) == before and proc.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.002)  # until the first checkpoint of this segment
+        time.sleep(rng.uniform(0.0, 2 * step_s))
+        if not proc.is_alive():
+            break
+        proc.kill()
+        proc.join(60)
+        kills += 1
+        inside_saves += bool(leftovers(run))
+    proc.join(120)
+    if kills == 10:
+        proc = launch(["--resume", str(run)])
+        proc.join(120)
+    assert proc.exitcode == 0
+    print(f"{kills} kills, {inside_saves} inside a save, {time.monotonic() - started:.1f} s")
+    assert kills == 10
+    assert_same_run(whole, run)
+    assert leftovers(run) == []

@@ -5,6 +5,8 @@ line and exit status 2, and the last checkpoint stays intact and resumable."""
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import os
 import re
@@ -136,13 +138,21 @@ def _rewrite_part(checkpoint: Path, name: str, data: bytes) -> None:
     ckpt._write_manifest(checkpoint)
 
 
+def _pickled_namespace() -> bytes:
+    """A ranks.pt holding an object torch's safe loader refuses (its message runs to 6 lines)."""
+    buffer = io.BytesIO()
+    torch.save({"rng": argparse.Namespace(a=1)}, buffer)
+    return buffer.getvalue()
+
+
 @pytest.mark.parametrize(
     "part, data, expected",
     [
         ("trainer.json", b"{}", "(trainer.json): it lacks the counters step, micro, tokens"),
         ("ranks.pt", b"PK\x03\x04 not a zip archive", "ranks.pt ("),
+        ("ranks.pt", _pickled_namespace(), "ranks.pt (Weights only load failed"),
     ],
-    ids=["empty-trainer-json", "corrupt-ranks-pt"],
+    ids=["empty-trainer-json", "corrupt-ranks-pt", "ranks-pt-with-foreign-objects"],
 )
 def test_damaged_checkpoint_parts_are_one_line(base_run, tmp_path, capsys, part, data, expected):
     run = copy_run(base_run, tmp_path / "run")

@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start a fresh run in a run directory that holds an earlier one, deleting it",
     )
+    p.add_argument(
+        "--resume-fallback",
+        action="store_true",
+        help="with --resume: when the latest checkpoint is damaged, continue from the newest "
+        "intact one",
+    )
 
     p = sub.add_parser("generate", help="stream text from a checkpoint (O(1) per token)")
     _add_inference_args(p)
@@ -233,10 +239,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_config([saved, *args.config], args.overrides)
     else:
         cfg = load_config(args.config, args.overrides, args.preset)
-    dist_ctx = DistContext.from_env(resolve_device(cfg.training.device).type)
+    dist_ctx = DistContext.from_env(
+        resolve_device(cfg.training.device).type, cfg.parallel.collective_timeout_s
+    )
     try:
         trainer = Trainer(
-            cfg, run_dir, resume=resume, dist_ctx=dist_ctx, overwrite=args.overwrite
+            cfg, run_dir, resume=resume, dist_ctx=dist_ctx, overwrite=args.overwrite,
+            resume_fallback=args.resume_fallback,
         )
         with _stop_on_signals(trainer.request_stop):
             result = trainer.run()
@@ -493,6 +502,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except BDHTrainError as exc:
         message = f"error: {exc}"
+        print(message, file=sys.stderr)
+        _log_error(args.error_dir, message)
+        return EXIT_USER_ERROR
+    except OSError as exc:  # disk full, file size limit, read-only directory
+        where = f": {exc.filename}" if exc.filename else ""
+        message = f"error: {exc.strerror or exc}{where}"
+        if args.error_dir is not None:
+            from bdh_train.train.checkpoint import io_advice
+
+            message += f"; {io_advice(args.error_dir)}"
         print(message, file=sys.stderr)
         _log_error(args.error_dir, message)
         return EXIT_USER_ERROR

@@ -70,7 +70,12 @@ def load_run(
             f"{directory / ckpt.MODEL_FILE} has no bdh_config metadata; "
             "was it written by bdh-train?"
         )
-    model = BDH(BDHConfig.from_dict(json.loads(meta["bdh_config"])))
+    try:  # untrusted sizes: validated (and checked against memory) before anything is built
+        model = BDH(BDHConfig.from_dict(json.loads(meta["bdh_config"])))
+    except (BDHTrainError, ValueError, TypeError) as exc:
+        raise CheckpointError(
+            f"the bdh_config metadata of {directory / ckpt.MODEL_FILE} is unusable: {exc}"
+        ) from None
     ckpt.load_into_model(model, ckpt.load_model_weights(directory), directory)
     saved = directory / CONFIG_FILE
     cfg = load_config([saved]) if saved.is_file() else RunConfig(model=model.config)

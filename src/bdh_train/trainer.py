@@ -82,6 +82,12 @@ class TrainerState:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        needed = ("step", "micro", "tokens", "skips", "window_loss", "window_count", "elapsed")
+        if not isinstance(state, dict):
+            raise ValueError(f"it holds a {type(state).__name__}, not the counters")
+        missing = [name for name in needed if name not in state]
+        if missing:  # the checkpointer names the file and the checkpoint
+            raise ValueError(f"it lacks the counters {', '.join(missing)}")
         if state.get("world_size", 1) != self.world_size:
             raise CheckpointError(
                 f"the checkpoint was written by {state.get('world_size')} processes; resume it "
@@ -169,9 +175,12 @@ class Trainer:
         dist_ctx: DistContext | None = None,
         stream: IO[str] | None = None,
         overwrite: bool = False,
+        resume_fallback: bool = False,
     ):
         """Validate everything (config, data, checkpoint, the run directory) before anything
-        is written. A fresh run needs an empty run directory unless `overwrite`."""
+        is written. A fresh run needs an empty run directory unless `overwrite`; a resume
+        whose latest checkpoint is damaged continues from the newest intact one only with
+        `resume_fallback`."""
         self.cfg = cfg.validate()
         t = cfg.training
         self.run_dir = Path(run_dir)
@@ -208,7 +217,9 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(self.run_dir, t.keep_checkpoints, self.dist.is_main)
         self.window_profiles: list[StepProfile] = []
         self.stop_requested = False
-        self.resumed_from = ckpt.resolve_checkpoint(self.run_dir) if resume else None
+        self.resumed_from = (
+            ckpt.resolve_checkpoint(self.run_dir, fallback=resume_fallback) if resume else None
+        )
         if self.resumed_from is not None:
             self.checkpointer.load(self.resumed_from, self._checkpoint_parts(loading=True))
         self.progress = Progress(t.max_steps, self.state.step, stream, enabled=self.dist.is_main)
@@ -325,8 +336,9 @@ class Trainer:
         last_log_time, last_log_tokens = time.perf_counter(), s.tokens
         checkpoint: Path | None = None
         while s.step < t.max_steps:
-            if self.stop_requested or (
-                stop_after_micro_steps is not None and micro_done >= stop_after_micro_steps
+            if self._stop_agreed(
+                self.stop_requested
+                or (stop_after_micro_steps is not None and micro_done >= stop_after_micro_steps)
             ):
                 s.elapsed = time.perf_counter() - started
                 checkpoint = self.save_checkpoint()
@@ -365,6 +377,16 @@ class Trainer:
             plot_losses(self.run_dir)
         sample = self.sample() if self.dist.is_main else None
         return RunResult(s.step, False, checkpoint, last_val, sample)
+
+    def _stop_agreed(self, local: bool) -> bool:
+        """Whether any process asked to stop: one MAX all-reduce of a flag per micro-step over
+        every rank (data-parallel and pipeline alike), so a signal to any one rank stops them
+        all at the same micro-step with one checkpoint. Free in one process."""
+        if not self.dist.active:
+            return local
+        flag = torch.tensor([int(local)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _micro_step(self) -> None:
         s = self.state

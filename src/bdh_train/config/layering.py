@@ -94,6 +94,11 @@ class _Layerer:
             raise ConfigError(f"config path is a directory, not a TOML file: {path}") from None
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {path} is not UTF-8 text (byte {exc.start}: "
+                f"{exc.object[exc.start:exc.start + 1]!r}); save it as UTF-8"
+            ) from None
         return self._layer(str(resolved), text, resolved.parent)
 
     def _layer(self, key: str, text: str, base_dir: Path | None) -> dict[str, Any]:

@@ -26,8 +26,9 @@ class DistContext:
         return self.world_size > 1
 
     @classmethod
-    def from_env(cls, device_type: str) -> DistContext:
-        """Join the group torchrun describes in the environment (gloo on CPU, nccl on GPU)."""
+    def from_env(cls, device_type: str, timeout_s: float = 300.0) -> DistContext:
+        """Join the group torchrun describes in the environment (gloo on CPU, nccl on GPU);
+        a collective waits `timeout_s` seconds for the others before failing."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return cls()
@@ -36,7 +37,7 @@ class DistContext:
         owns = False
         if not dist.is_initialized():
             backend = "nccl" if device_type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(minutes=5))
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
             owns = True
         return cls(rank, world, local_rank, owns)
 

@@ -114,6 +114,9 @@ class ParallelConfig:
     """'gpipe', '1f1b' or 'interleaved_1f1b'."""
     emulate: bool = False
     """Run the pipeline plan in one process (same numbers, for testing a plan)."""
+    collective_timeout_s: float = 300.0
+    """Seconds a collective (gradient all-reduce, stop vote, checkpoint gather) waits for the
+    other processes before the run fails, instead of hanging."""
 
     def validate(self, prefix: str = "parallel") -> ParallelConfig:
         checks.positive_int(f"{prefix}.pipeline_stages", self.pipeline_stages)
@@ -124,6 +127,9 @@ class ParallelConfig:
         checks.positive_int(f"{prefix}.microbatches", self.microbatches)
         checks.choice(f"{prefix}.schedule", self.schedule, SCHEDULES)
         checks.boolean(f"{prefix}.emulate", self.emulate)
+        checks.number(
+            f"{prefix}.collective_timeout_s", self.collective_timeout_s, low=0.0, low_open=True
+        )
         if self.virtual_stages_per_rank > 1 and self.schedule not in MULTI_STAGE_SCHEDULES:
             raise ConfigError(
                 f"{prefix}.virtual_stages_per_rank={self.virtual_stages_per_rank} needs "

@@ -14,6 +14,7 @@ Quantization-aware training hooks in at `_project`; the head loss lives in heads
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
@@ -41,11 +42,23 @@ from bdh_train.model.summary import SummaryEvents, summary_branch
 LN_EPS = 1e-5
 
 
+def _check_fits_in_memory(config: BDHConfig) -> None:
+    """Refuse, before allocating, a model whose parameters alone exceed this machine's memory."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not every platform reports it
+        return
+    element = torch.finfo(torch.get_default_dtype()).bits // 8
+    if config.parameter_count() * element > memory:
+        raise config.size_error(f"this machine's memory holds ({memory / 2**30:.0f} GiB)")
+
+
 class BDH(nn.Module):
     def __init__(self, config: BDHConfig):
         super().__init__()
         self.config = config.validate()
         c = config
+        _check_fits_in_memory(c)
         h, d, n = c.n_head, c.n_embd, c.n_neurons
         self.embed = nn.Embedding(c.vocab_size, d)
         self.encoder = nn.Parameter(torch.empty(h, d, n))

@@ -21,6 +21,9 @@ QUANT_TARGETS = ("decoder_x", "decoder_y", "encoder")
 TRAINING_MODES = ("qat_ste", "train_kernel")
 SAVED_ACTIVATIONS = ("none", "quantized_cache_recompute")
 HEAD_TYPES = ("token", "nca_factorized_patch")
+MAX_PARAMETERS = 10**11
+"""The most parameters a config may ask for (400 GB in float32): sizes from a config or a
+checkpoint's metadata are checked against it before anything is allocated."""
 
 
 @dataclass
@@ -219,6 +222,37 @@ class BDHConfig:
         """N: neurons per head = multiplier * D / H."""
         return self.mlp_internal_dim_multiplier * self.n_embd // self.n_head
 
+    def parameter_count(self) -> int:
+        """Parameters the model will hold, from the sizes alone (nothing is allocated)."""
+        from bdh_train.model.heads import head_parameter_shapes
+
+        h, d, n = self.n_head, self.n_embd, self.n_neurons
+        count = self.vocab_size * d + 3 * h * d * n  # embedding, encoder, encoder_v, decoder
+        count += h if self.position == "alibi_learned" else 0
+        count += 2 * d if self.norm == "layernorm_affine" else 0
+        for shape in head_parameter_shapes(self).values():
+            size = 1
+            for extent in shape:
+                size *= extent
+            count += size
+        return count
+
+    def size_error(self, limit: str, prefix: str = "model") -> ConfigError:
+        """The error for a model too large for `limit`, naming the key that makes it so (the
+        vocabulary when the embedding and token head hold most of it)."""
+        count = self.parameter_count()
+        embedding = self.vocab_size * self.n_embd
+        key = "vocab_size" if 4 * embedding >= count else "mlp_internal_dim_multiplier"
+        return ConfigError(
+            f"{prefix}.{key}={getattr(self, key)} (with {prefix}.n_embd={self.n_embd}, "
+            f"{prefix}.n_head={self.n_head}) makes a model of {count:.3g} parameters, more than "
+            f"{limit}; lower {prefix}.{key}"
+        )
+
+    def _check_size(self, prefix: str) -> None:
+        if self.parameter_count() > MAX_PARAMETERS:
+            raise self.size_error(f"the {MAX_PARAMETERS:.0e} allowed", prefix)
+
     def validate(self, prefix: str = "model") -> BDHConfig:
         for name in (
             "n_layer",
@@ -247,6 +281,7 @@ class BDHConfig:
         self.quant.validate(f"{prefix}.quant")
         self.language_head.validate(self.vocab_size, f"{prefix}.language_head")
         self.summary_memory.validate(self.n_layer, f"{prefix}.summary_memory")
+        self._check_size(prefix)
         q = self.quant
         if q.enable and q.weight_format == "int8" and q.training_mode == "train_kernel":
             # int8 x int8 products summed over K must fit the kernel's int32 accumulator

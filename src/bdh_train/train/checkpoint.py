@@ -258,7 +258,9 @@ def load_model_weights(directory: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(Path(directory) / MODEL_FILE))
     except Exception as exc:  # safetensors raises several kinds for a damaged file
-        raise CheckpointError(f"cannot read {Path(directory) / MODEL_FILE}: {exc}") from exc
+        raise CheckpointError(
+            f"cannot read {Path(directory) / MODEL_FILE}: {_first_line(exc)}"
+        ) from exc
 
 
 def load_into_model(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: Path) -> None:
@@ -320,11 +322,43 @@ def read_json(path: Path) -> Any:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (torch's run to six lines)."""
+    text = re.sub(r"\[enforce fail at [^\]]*\][ .]*", "", str(exc))  # torch's C++ location
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
 def torch_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        raise CheckpointError(
+            f"cannot read {path} ({_first_line(exc)}); the file is damaged: resume from "
+            "another checkpoint"
+        ) from exc
+
+
+class CheckpointWriteError(BDHTrainError):
+    """A checkpoint file could not be written (disk full, file size limit, read-only
+    directory); the half-written checkpoint is removed and the previous one is intact."""
+
+    def __init__(self, run_dir: Path, path: Path, exc: BaseException) -> None:
+        super().__init__(f"cannot write {path} ({_first_line(exc)}); {io_advice(run_dir)}")
+
+
+def io_advice(run_dir: Path) -> str:
+    """What to do after a write failed in `run_dir`: where the last good checkpoint is and how
+    to continue from it."""
+    fix = "free space (or raise the file size limit, or make the directory writable)"
+    try:
+        last = resolve_checkpoint(run_dir)
+    except CheckpointError:
+        return f"no checkpoint was written: {fix}, then start again"
+    return (
+        f"the last checkpoint, {last}, is intact: {fix}, then continue with: "
+        f"bdh-train train --resume {run_dir}"
+    )
 
 
 # ---------------------------------------------------------------- a mapping of stateful parts
@@ -401,7 +435,11 @@ class Checkpointer:
 
         def write(directory: Path) -> None:
             for file, state in states.items():
-                _write_part(directory / file, state)
+                try:
+                    _write_part(directory / file, state)
+                except Exception as exc:  # torch and safetensors wrap the OSError they meet
+                    where = self.run_dir / CHECKPOINTS / name / file
+                    raise CheckpointWriteError(self.run_dir, where, exc) from exc
 
         return save_checkpoint(self.run_dir, name, write, self.keep, before_rename)
 

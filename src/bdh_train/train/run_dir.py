@@ -56,6 +56,10 @@ def used_entries(run_dir: Path) -> list[str]:
 
 def check_fresh_run_dir(run_dir: Path, overwrite: bool) -> None:
     """A fresh run needs an empty (or absent) directory, unless `overwrite` clears it."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(
+            f"run directory {run_dir} is a file, not a directory; choose another --run-dir"
+        )
     used = used_entries(run_dir)
     if used and not overwrite:
         shown = ", ".join(used[:4]) + (", ..." if len(used) > 4 else "")

@@ -153,7 +153,7 @@ class SummaryMemoryConfig:
     surprise_gate_sharpness: float = 8.0
     """Slope of the surprise gate above its threshold."""
     write_gate: bool = False
-    """Update only chunks with summary events (data.summary_write_trigger_*), in proportion."""
+    """Write the memory only at chunks holding a summary event (data.summary_write_trigger_*)."""
 
     def validate(self, n_layer: int, prefix: str = "model.summary_memory") -> None:
         checks.boolean(f"{prefix}.enabled", self.enabled)

@@ -231,6 +231,7 @@ class LanguageTrainModel:
         if chunk is not None:
             span = min(span, chunk * self.tbptt_backprop_chunks)
         inputs, targets = batch.inputs[:, :span], batch.targets[:, :span]
+        events = _columns(batch.summary_event_mask, 0, span)
         params = [p for p in model.parameters() if p.requires_grad]
 
         def backward(loss: torch.Tensor, *leaves: torch.Tensor) -> None:
@@ -248,12 +249,15 @@ class LanguageTrainModel:
             with torch.no_grad():
                 embedded = model.embed_tokens(inputs)
             with profiler.probe("first_layer_forward"):
-                model.forward_hidden(inputs, layers=first, u=embedded)
+                model.forward_hidden(inputs, layers=first, u=embedded, summary_event_mask=events)
             leaf = embedded.detach().requires_grad_()
             with profiler.probe("first_layer_forward_backward"):
-                backward(activity(model.forward_hidden(inputs, layers=first, u=leaf)), leaf)
+                first_hidden = model.forward_hidden(
+                    inputs, layers=first, u=leaf, summary_event_mask=events
+                )
+                backward(activity(first_hidden), leaf)
             with profiler.probe("model_forward"):
-                hidden = model.forward_hidden(inputs).detach()
+                hidden = model.forward_hidden(inputs, summary_event_mask=events).detach()
             if model.config.language_head.type == "token":  # the NCA head has no logits
                 logits = model.logits_from_hidden(hidden).detach().requires_grad_()
                 with profiler.probe("logits_loss"):
@@ -262,7 +266,7 @@ class LanguageTrainModel:
             with profiler.probe("hidden_logits_loss"):
                 backward(model.loss_from_hidden(leaf, targets), leaf)
             with profiler.probe("model_forward_backward"):
-                backward(activity(model.forward_hidden(inputs)))
+                backward(activity(model.forward_hidden(inputs, summary_event_mask=events)))
 
     # ------------------------------------------------------------ validation
     @torch.no_grad()

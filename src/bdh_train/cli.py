@@ -135,7 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"cannot resume: {saved} does not exist (is {run_dir} a run "
                 "directory written by bdh-train train?)"
             )
-        cfg = load_config([saved, *args.config], args.overrides)
+        cfg = load_config([saved, *args.config], args.overrides, default_preset=False)
     else:
         cfg = load_config(args.config, args.overrides, args.preset)
     dist_ctx = DistContext.from_env(resolve_device(cfg.training.device).type)
@@ -209,7 +209,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from bdh_train.config import load_config
         from bdh_train.trainer import CONFIG_FILE
 
-        events = load_config([directory / CONFIG_FILE]).data.summary_trigger()
+        events = load_config([directory / CONFIG_FILE], default_preset=False).data.summary_trigger()
     if args.max_new_tokens < 0:
         raise BDHTrainError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     tok = ByteTokenizer()
@@ -240,7 +240,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from bdh_train.trainer import CONFIG_FILE
 
     model, directory = _load_checkpoint_model(args.checkpoint)
-    cfg = load_config([directory / CONFIG_FILE])
+    cfg = load_config([directory / CONFIG_FILE], default_preset=False)
     t = cfg.training
     if args.data:
         data = cfg.data.load_source(args.data, cfg.model.vocab_size)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from bdh_train.data.config import DataConfig
 from bdh_train.distributed.planner import ParallelConfig
@@ -38,6 +38,10 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    layered_on: ClassVar[str | None] = None
+    """Which preset `load_config` layered the config on, in words (set on the instance; not
+    a section, never saved); None for a config built directly."""
 
     def validate(self) -> RunConfig:
         """Check every section, then the rules that span sections. Returns self."""

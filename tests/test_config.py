@@ -487,6 +487,18 @@ def test_each_invalid_field_is_named(item: str, message: str) -> None:
             ],
             "model.language_head.patch_size must equal data.nca.patch_size (2), got 1",
         ),
+        *(
+            (
+                [
+                    f"data.source={source!r}",
+                    'model.language_head={type="nca_factorized_patch", state_count=2, '
+                    "patch_size=2}",
+                ],
+                f"model.language_head.type = 'nca_factorized_patch' predicts patch ids (0..15, "
+                f"grids of cells), but data.source = {source!r} is byte text",
+            )
+            for source in ("builtin:pydoc", "corpus.txt", "some/dir")
+        ),
     ],
 )
 def test_cross_field_checks(overrides: list[str], message: str) -> None:
@@ -557,6 +569,15 @@ def test_valid_cross_field_combinations() -> None:
         ]
     )
     assert cfg.data.source == "nca"
+    # Token data (a .bin file) may carry patch ids: the head is allowed on it.
+    cfg = load_config(
+        overrides=[
+            "data.source='patches.bin'",
+            "model.vocab_size=32",
+            'model.language_head={type="nca_factorized_patch", state_count=2, patch_size=2}',
+        ]
+    )
+    assert cfg.model.language_head.type == "nca_factorized_patch"
 
 
 @pytest.mark.parametrize(

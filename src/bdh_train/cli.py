@@ -239,6 +239,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from bdh_train.train.step import LanguageTrainModel
     from bdh_train.trainer import CONFIG_FILE
 
+    if args.batches is not None and args.batches < 1:
+        raise BDHTrainError(
+            f"--batches must be >= 1 (or left out for the whole split), got {args.batches}"
+        )
     model, directory = _load_checkpoint_model(args.checkpoint)
     cfg = load_config([directory / CONFIG_FILE], default_preset=False)
     t = cfg.training

@@ -476,7 +476,7 @@ def test_checkpoint_written_by_v0_1_resumes_bit_exact(tmp_path, capsys):
 
     run = tmp_path / "run"
     shutil.copytree(FIXTURE_V0_1, run)
-    cfg = load_config([run / "config.toml"])
+    cfg = load_config([run / "config.toml"], default_preset=False)  # a complete saved config
     assert "module_lr_scales is deprecated" in capsys.readouterr().err
     trainer = Trainer(cfg, run, resume=True, stream=io.StringIO())
     assert (trainer.state.step, trainer.state.micro) == (4, 1)

@@ -43,11 +43,27 @@ def test_default_is_tiny_when_no_files() -> None:
     assert load_config(overrides=["training.max_steps=7"]).model.n_layer == 4
 
 
-def test_files_without_preset_start_from_dataclass_defaults(tmp_path: Path) -> None:
+def test_a_file_without_extends_layers_on_the_default_preset(tmp_path: Path) -> None:
+    # A file that extends no preset sits on 'tiny', as the CLI's no-config default does (it
+    # used to sit on the dataclass defaults: a 25 M-parameter, 3,000-step run).
     f = write(tmp_path / "a.toml", "[training]\nmax_steps = 9\n")
     cfg = load_config([f])
+    tiny = load_config(preset="tiny")
     assert cfg.training.max_steps == 9
-    assert cfg.model == RunConfig().model
+    assert cfg.model == tiny.model and cfg.optimizer == tiny.optimizer
+    assert cfg.layered_on == "preset tiny (the default: no config file extends a preset)"
+    # A file extending only another file still gets the default under the whole chain.
+    g = write(tmp_path / "b.toml", 'extends = "a.toml"\n[model]\nn_layer = 2\n')
+    assert load_config([g]).model == tiny.model.__class__(**{**vars(tiny.model), "n_layer": 2})
+    # A chain that names a preset, or --preset, is layered on that one and no other.
+    h = write(tmp_path / "c.toml", 'extends = "preset:small"\n')
+    assert load_config([h]).model == load_config(preset="small").model
+    assert load_config([h]).layered_on == "preset small (extended by the config)"
+    assert load_config([f], preset="small").layered_on == "preset small (--preset)"
+    assert load_config().layered_on == "preset tiny (the default: no config file given)"
+    # A complete saved config.toml can be read with no base under it.
+    assert load_config([f], default_preset=False).model == RunConfig().model
+    assert load_config([f], default_preset=False).layered_on is None
 
 
 def test_preset_contents() -> None:
@@ -471,6 +487,18 @@ def test_each_invalid_field_is_named(item: str, message: str) -> None:
             ],
             "model.language_head.patch_size must equal data.nca.patch_size (2), got 1",
         ),
+        *(
+            (
+                [
+                    f"data.source={source!r}",
+                    'model.language_head={type="nca_factorized_patch", state_count=2, '
+                    "patch_size=2}",
+                ],
+                f"model.language_head.type = 'nca_factorized_patch' predicts patch ids (0..15, "
+                f"grids of cells), but data.source = {source!r} is byte text",
+            )
+            for source in ("builtin:pydoc", "corpus.txt", "some/dir")
+        ),
     ],
 )
 def test_cross_field_checks(overrides: list[str], message: str) -> None:
@@ -541,6 +569,15 @@ def test_valid_cross_field_combinations() -> None:
         ]
     )
     assert cfg.data.source == "nca"
+    # Token data (a .bin file) may carry patch ids: the head is allowed on it.
+    cfg = load_config(
+        overrides=[
+            "data.source='patches.bin'",
+            "model.vocab_size=32",
+            'model.language_head={type="nca_factorized_patch", state_count=2, patch_size=2}',
+        ]
+    )
+    assert cfg.model.language_head.type == "nca_factorized_patch"
 
 
 @pytest.mark.parametrize(
@@ -675,13 +712,22 @@ OPTIMIZER_DEFAULTS = {  # OptimizerConfig as documented in config.py, field by f
 }
 
 
-def test_file_without_extends_gets_the_documented_optimizer_defaults(tmp_path: Path) -> None:
+def test_the_documented_optimizer_defaults(tmp_path: Path) -> None:
+    # The dataclass defaults; a file read with no base preset under it gets them. (A file
+    # without extends read the normal way now sits on the tiny preset: its optimizer is tiny's.)
     f = write(tmp_path / "run.toml", "[training]\nmax_steps = 9\n[model]\nn_layer = 2\n")
-    for cfg in (load_config([f]), RunConfig(), RunConfig().validate()):
+    loaded = load_config([f], default_preset=False)
+    for cfg in (loaded, RunConfig(), RunConfig().validate()):
         got = {name: getattr(cfg.optimizer, name) for name in OPTIMIZER_DEFAULTS}
         assert got == OPTIMIZER_DEFAULTS
         assert type(got["warmup_steps"]) is int and type(got["betas"]) is list
-    # An [optimizer] table that sets one key keeps the other defaults.
+    assert load_config([f]).optimizer == load_config(preset="tiny").optimizer
+    # An [optimizer] table that sets one key keeps the other values under it.
     g = write(tmp_path / "lr.toml", "[optimizer]\nlr = 0.002\n")
-    got = {name: getattr(load_config([g]).optimizer, name) for name in OPTIMIZER_DEFAULTS}
+    got = {
+        name: getattr(load_config([g], default_preset=False).optimizer, name)
+        for name in OPTIMIZER_DEFAULTS
+    }
     assert got == {**OPTIMIZER_DEFAULTS, "lr": 0.002}
+    tiny = load_config(preset="tiny").optimizer
+    assert load_config([g]).optimizer == type(tiny)(**{**vars(tiny), "lr": 0.002})

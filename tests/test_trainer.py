@@ -283,8 +283,8 @@ def test_bitnet_warmup_follows_the_trainer_step(tmp_path):
     trainer = Trainer(cfg, tmp_path, stream=io.StringIO())
     trainer.run()
     assert trainer.model.quantizer.lam == pytest.approx(2 / 4)  # set for step index 2
+    cfg.training.max_steps = 4  # one more step (resuming at max_steps is refused)
     resumed = Trainer(cfg, tmp_path, resume=True, stream=io.StringIO())
-    resumed.cfg.training.max_steps = 4
     resumed.run()
     assert resumed.model.quantizer.lam == pytest.approx(3 / 4)
 
@@ -476,7 +476,7 @@ def test_checkpoint_written_by_v0_1_resumes_bit_exact(tmp_path, capsys):
 
     run = tmp_path / "run"
     shutil.copytree(FIXTURE_V0_1, run)
-    cfg = load_config([run / "config.toml"])
+    cfg = load_config([run / "config.toml"], default_preset=False)  # a complete saved config
     assert "module_lr_scales is deprecated" in capsys.readouterr().err
     trainer = Trainer(cfg, run, resume=True, stream=io.StringIO())
     assert (trainer.state.step, trainer.state.micro) == (4, 1)
@@ -587,8 +587,10 @@ def test_trainer_sample_generates_without_dropout(tmp_path):
 def test_optimizer_defaults_of_a_file_without_preset_reach_adamw_and_clipping(
     tmp_path, monkeypatch
 ):
-    """No `extends`, no [optimizer]: AdamW(lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay
-    0.1 on matrices), a constant lr without warm-up, and the gradient norm clipped at 1.0."""
+    """A file read with no base preset and no [optimizer] (a file without `extends` read the
+    normal way sits on the tiny preset, see test_config): AdamW(lr 1e-3, betas (0.9, 0.95),
+    eps 1e-8, weight decay 0.1 on matrices), a constant lr without warm-up, and the gradient
+    norm clipped at 1.0."""
     config = tmp_path / "run.toml"
     config.write_text(
         textwrap.dedent("""
@@ -614,7 +616,8 @@ def test_optimizer_defaults_of_a_file_without_preset_reach_adamw_and_clipping(
         return real_clip(parameters, max_norm, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
-    trainer = Trainer(load_config([config]), tmp_path / "run", stream=io.StringIO())
+    cfg = load_config([config], default_preset=False)
+    trainer = Trainer(cfg, tmp_path / "run", stream=io.StringIO())
     monkeypatch.setattr(trainer, "sample", lambda *args, **kwargs: None)  # not under test
     assert isinstance(trainer.optimizer, torch.optim.AdamW)
     for group in trainer.optimizer.param_groups:

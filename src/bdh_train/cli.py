@@ -236,7 +236,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"cannot resume: {saved} does not exist (is {run_dir} a run "
                 "directory written by bdh-train train?)"
             )
-        cfg = load_config([saved, *args.config], args.overrides)
+        cfg = load_config([saved, *args.config], args.overrides, default_preset=False)
     else:
         cfg = load_config(args.config, args.overrides, args.preset)
     dist_ctx = DistContext.from_env(
@@ -378,6 +378,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from bdh_train.train.evaluate import evaluate
     from bdh_train.train.step import LanguageTrainModel
 
+    if args.batches is not None and args.batches < 1:
+        raise BDHTrainError(
+            f"--batches must be >= 1 (or left out for the whole split), got {args.batches}"
+        )
     if Path(args.checkpoint).is_file() and not args.data:
         raise BDHTrainError(
             f"{args.checkpoint} is a ternary export, which holds no data settings: pass "

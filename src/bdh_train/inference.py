@@ -78,7 +78,11 @@ def load_run(
         ) from None
     ckpt.load_into_model(model, ckpt.load_model_weights(directory), directory)
     saved = directory / CONFIG_FILE
-    cfg = load_config([saved]) if saved.is_file() else RunConfig(model=model.config)
+    cfg = (
+        load_config([saved], default_preset=False)
+        if saved.is_file()
+        else RunConfig(model=model.config)
+    )
     return model.to(dev).eval(), tokenizer_for(model.config), cfg
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shlex
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +35,7 @@ from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.accumulate import WeightedGradientAccumulator, write_to_params
 from bdh_train.train.evaluate import evaluate
 from bdh_train.train.init_from import init_weights_from
-from bdh_train.train.metrics import MetricsLog, Progress, plot_losses
+from bdh_train.train.metrics import PLOT_FILE, MetricsLog, Progress, format_duration, plot_losses
 from bdh_train.train.profile import ProfileSettings, StepProfile, StepProfiler, profile_row
 from bdh_train.train.reduce import all_reduce_accumulated
 from bdh_train.train.run_dir import RunDirLock, check_fresh_run_dir, clear_run_dir
@@ -181,7 +183,7 @@ class Trainer:
         is written. A fresh run needs an empty run directory unless `overwrite`; a resume
         whose latest checkpoint is damaged continues from the newest intact one only with
         `resume_fallback`."""
-        self.cfg = cfg.validate()
+        self.cfg = cfg = cfg.validate().resolved()
         t = cfg.training
         self.run_dir = Path(run_dir)
         self.overwrite = overwrite and not resume
@@ -220,9 +222,14 @@ class Trainer:
         self.resumed_from = (
             ckpt.resolve_checkpoint(self.run_dir, fallback=resume_fallback) if resume else None
         )
+        self.resume_notes: list[str] = []
         if self.resumed_from is not None:
             self.checkpointer.load(self.resumed_from, self._checkpoint_parts(loading=True))
-        self.progress = Progress(t.max_steps, self.state.step, stream, enabled=self.dist.is_main)
+            self.resume_notes = self._check_resumed_length(self.resumed_from)
+        self.progress = Progress(
+            t.max_steps, self.state.step, stream, enabled=self.dist.is_main,
+            log_every=t.log_every, initial_tokens=self.state.tokens,
+        )
 
     # ------------------------------------------------------------------ construction
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -290,6 +297,36 @@ class Trainer:
             parts[CONFIG_FILE] = ConfigText(self.cfg)
         return parts
 
+    def _check_resumed_length(self, checkpoint: Path) -> list[str]:
+        """Refuse a max_steps at or below the checkpoint's step (nothing would train); a
+        warning line when max_steps differs from the checkpoint's, which re-stretches the
+        learning-rate schedule (and any gradient-scale ramp) over the new length."""
+        t, o, step = self.cfg.training, self.cfg.optimizer, self.state.step
+        if t.max_steps <= step:
+            raise ConfigError(
+                f"training.max_steps = {t.max_steps} is at or below the checkpoint's step "
+                f"{step}: there is nothing left to train; to train on, set a larger value "
+                f"(e.g. --set training.max_steps={2 * step})"
+            )
+        try:
+            saved = tomllib.loads((checkpoint / CONFIG_FILE).read_text(encoding="utf-8"))
+            before = int(saved["training"]["max_steps"])
+        except (OSError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
+            return []  # no readable saved length: nothing to compare with
+        if before == t.max_steps:
+            return []
+        old_lr, new_lr = o.lr_at(step, before), o.lr_at(step, t.max_steps)
+        jump = (
+            f"the lr at step {step} jumps from {old_lr:.3g} to {new_lr:.3g}"
+            if old_lr != new_lr
+            else f"the lr at step {step} stays {new_lr:.3g}"
+        )
+        return [
+            f"warning: training.max_steps changed from {before} (the checkpoint's) to "
+            f"{t.max_steps}: the {o.schedule} lr schedule is re-stretched over the new length; "
+            f"{jump}"
+        ]
+
     def _model_metadata(self) -> dict[str, str]:
         return {"bdh_config": json.dumps(self.cfg.model.to_dict()), "step": str(self.state.step)}
 
@@ -316,6 +353,8 @@ class Trainer:
             save_config(self.cfg, self.run_dir / CONFIG_FILE)
         resume_step = s.step if self.resumed_from is not None else None
         self.metrics = MetricsLog(self.run_dir, resume_step, enabled=self.dist.is_main)
+        for line in self.banner_lines():
+            self.progress.log(line)
         for note in self.cfg.notes():
             self.progress.log(note)
         if self.resumed_from is not None:
@@ -323,6 +362,8 @@ class Trainer:
                 f"resumed from {self.resumed_from} at step {s.step}"
                 f" (micro-step {s.micro} of {self.accumulation_steps})"
             )
+            for note in self.resume_notes:
+                self.progress.log(note)
             if self.metrics.dropped_torn_line:
                 self.progress.log(
                     f"notice: the last line of {self.metrics.path} was torn (an interrupted "
@@ -335,6 +376,13 @@ class Trainer:
         started = time.perf_counter() - s.elapsed
         last_log_time, last_log_tokens = time.perf_counter(), s.tokens
         checkpoint: Path | None = None
+        compiling = t.compile and s.step < t.max_steps
+        if compiling:
+            self.progress.log(
+                "compiling the model (training.compile = true): the first step takes longer…"
+            )
+        first_step_started = time.perf_counter()
+        self.progress.restart_clock()
         while s.step < t.max_steps:
             if self._stop_agreed(
                 self.stop_requested
@@ -354,20 +402,21 @@ class Trainer:
                 continue
             row = self._optimizer_step()
             s.elapsed = time.perf_counter() - started
-            log_row = None
+            if compiling:
+                compiling = False
+                took = time.perf_counter() - first_step_started
+                self.progress.log(f"compiled: the first step took {took:.1f} s")
             if t.log_every and (s.step % t.log_every == 0 or s.step == t.max_steps):
                 now = time.perf_counter()
                 row["tokens_per_s"] = (s.tokens - last_log_tokens) / max(now - last_log_time, 1e-9)
                 row["elapsed_s"] = s.elapsed
                 last_log_time, last_log_tokens = now, s.tokens
                 self.metrics.write(row)
-                log_row = row
-            self.progress.update(s.step, log_row)
+            self.progress.update(s.step, row)
             if t.eval_every and (s.step % t.eval_every == 0 or s.step == t.max_steps):
                 last_val = self.evaluate()
-            due = t.checkpoint_every and (
-                s.step % t.checkpoint_every == 0 or s.step == t.max_steps
-            )
+            # The final step always checkpoints, even with checkpoint_every = 0.
+            due = s.step == t.max_steps or (t.checkpoint_every and s.step % t.checkpoint_every == 0)
             if due and s.skips == 0:  # never keep a step of a non-finite streak as "good"
                 checkpoint = self.save_checkpoint()
         self.progress.close()
@@ -376,7 +425,69 @@ class Trainer:
         if self.dist.is_main and t.log_every:
             plot_losses(self.run_dir)
         sample = self.sample() if self.dist.is_main else None
-        return RunResult(s.step, False, checkpoint, last_val, sample)
+        result = RunResult(s.step, False, checkpoint, last_val, sample)
+        for line in self.summary_lines(result):
+            self.progress.log(line)
+        return result
+
+    # ------------------------------------------------------------------ console
+    def banner_lines(self) -> list[str]:
+        """What the run is about to do: run directory, device, parameters, data, tokens per
+        optimizer step, steps, and the preset the config was layered on."""
+        t, s = self.cfg.training, self.state
+        params = sum(p.numel() for p in self.model.parameters())
+        device = str(self.device)
+        if self.dist.world_size > 1:
+            device += f" x {self.dist.world_size} processes"
+        val = f"{len(self.val_data):,} val tokens" if self.val_data is not None else "no val split"
+        per_step = t.batch_size * t.block_size * self.accumulation_steps
+        accum = f" x {self.accumulation_steps} micro-steps" if self.accumulation_steps > 1 else ""
+        if self.resumed_from is not None:
+            steps = f"steps {s.step} -> {t.max_steps} (resumed)"
+        else:
+            steps = f"{t.max_steps:,} steps"
+        if self.cfg.layered_on is not None:
+            layered = f"layered on {self.cfg.layered_on}"
+        elif self.resumed_from is not None:
+            layered = f"the run's saved {CONFIG_FILE}"
+        else:
+            layered = "built directly (no preset)"
+        return [
+            f"run directory  {self.run_dir.resolve()}",
+            f"device         {device}",
+            f"model          {params / 1e6:.2f} M parameters ({params:,})",
+            f"data           {self.cfg.data.source}: {len(self.train_data):,} train tokens, "
+            f"{val}",
+            f"per step       {t.batch_size} x {t.block_size} tokens{accum} = {per_step:,} tokens",
+            f"length         {steps} ({t.max_steps * per_step:,} tokens in all)",
+            f"config         {layered}",
+        ]
+
+    def summary_lines(self, result: RunResult) -> list[str]:
+        """Where the run's results are and the commands that use them."""
+        run_dir = self.run_dir.resolve()
+        quoted = shlex.quote(str(run_dir))
+        s, t = self.state, self.cfg.training
+        rate = s.tokens / max(s.elapsed, 1e-9)
+        val = f"; val_loss {result.last_val_loss:.4f}" if result.last_val_loss is not None else ""
+        lines = [
+            f"finished {result.step} steps, {s.tokens:,} tokens in {format_duration(s.elapsed)} "
+            f"({rate:,.0f} tok/s){val}",
+        ]
+        if result.checkpoint is not None:
+            lines.append(f"checkpoint     {result.checkpoint.resolve()}")
+        plot = run_dir / PLOT_FILE
+        if plot.is_file():
+            lines.append(f"loss plot      {plot}")
+        lines.append(
+            f"train on       bdh-train train --resume {quoted} "
+            f"--set training.max_steps={2 * t.max_steps}"
+        )
+        model = self.cfg.model
+        if model.language_head.type == "token" and model.vocab_size == 256:
+            lines.append(f"generate       bdh-train generate --checkpoint {quoted} --prompt 'The '")
+        lines.append(f"evaluate       bdh-train eval --checkpoint {quoted}")
+        return lines
 
     def _stop_agreed(self, local: bool) -> bool:
         """Whether any process asked to stop: one MAX all-reduce of a flag per micro-step over

@@ -139,7 +139,7 @@ def test_reference_schedule_case_with_the_decay_target():
 @pytest.mark.parametrize("position", ["rope", "alibi"])
 def test_old_checkpoint_without_the_parameter_loads_for_rope_and_alibi(position):
     """A model.safetensors written by v0.1 (before alibi_learned) loads strictly."""
-    cfg = load_config([FIXTURE_V0_1 / "config.toml"]).model
+    cfg = load_config([FIXTURE_V0_1 / "config.toml"], default_preset=False).model
     model = BDH(dataclasses.replace(cfg, position=position))
     where = next((FIXTURE_V0_1 / "checkpoints").glob("step-*"))
     weights = ckpt.load_model_weights(where)

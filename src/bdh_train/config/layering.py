@@ -4,9 +4,10 @@ starts.
 
 Layering (`load_config`), lowest priority first:
 
-1. the dataclass defaults, or a preset (``tiny`` | ``small`` | ``pathway``, shipped in
-   ``bdh_train/presets``). When neither a preset nor any file is given, the preset is ``tiny``
-   (a CPU demo), so ``bdh-train train`` with no arguments does something useful;
+1. a preset (``tiny`` | ``small`` | ``pathway``, shipped in ``bdh_train/presets``): the one
+   given, else the presets the files extend, else ``tiny`` (a CPU demo). So ``bdh-train train``
+   with no arguments, and a file that extends no preset, both sit on ``tiny`` rather than on
+   the dataclass defaults (a 25 M-parameter model); `RunConfig.layered_on` says which;
 2. each file in order; a file may say ``extends = ["base.toml", "preset:tiny"]`` (paths relative
    to that file), and its own values override what it extends;
 3. each ``--set section.key=value`` override, the value parsed as a TOML value (a bare word
@@ -73,6 +74,8 @@ class _Layerer:
 
     def __init__(self) -> None:
         self.stack: list[str] = []
+        self.presets: list[str] = []
+        """Every preset layered in, in order (a diamond may list one twice)."""
 
     def preset(self, name: str, referrer: str | None = None) -> dict[str, Any]:
         try:
@@ -80,6 +83,7 @@ class _Layerer:
         except ConfigError as exc:
             raise ConfigError(f"{exc} (extended by {referrer})" if referrer else str(exc)) from None
         key = f"{PRESET_PREFIX}{name}"
+        self.presets.append(name)
         return self._layer(key, resource.read_text(encoding="utf-8"), None)
 
     def file(self, path: str | Path, referrer: str | None = None) -> dict[str, Any]:
@@ -185,22 +189,36 @@ def load_config(
     files: Sequence[str | Path] = (),
     overrides: Sequence[str] = (),
     preset: str | None = None,
+    default_preset: bool = True,
 ) -> RunConfig:
-    """Layer preset (default 'tiny' only when no files are given), files, then --set overrides,
-    and return the validated `RunConfig`. Every problem is a ConfigError naming its source."""
+    """Layer a preset, the files, then the --set overrides, and return the validated
+    `RunConfig`. The preset is `preset` when given; otherwise, when no file extends a preset,
+    'tiny' (unless `default_preset` is False: a complete saved config.toml needs no base).
+    Every problem is a ConfigError naming its source."""
     if isinstance(files, (str, Path)):
         files = [files]
     if isinstance(overrides, str):
         overrides = [overrides]
     layerer = _Layerer()
-    if preset is None and not files:
-        preset = DEFAULT_PRESET
     merged: dict[str, Any] = layerer.preset(preset) if preset is not None else {}
     for path in files:
         merged = deep_merge(merged, layerer.file(path))
+    layered_on = None
+    if preset is not None:
+        layered_on = f"preset {preset} (--preset)"
+    elif layerer.presets:
+        layered_on = f"preset {layerer.presets[-1]} (extended by the config)"
+    elif default_preset:
+        merged = deep_merge(layerer.preset(DEFAULT_PRESET), merged)
+        layered_on = (
+            f"preset {DEFAULT_PRESET} (the default: "
+            + ("no config file extends a preset)" if files else "no config file given)")
+        )
     for item in overrides:
         merged = deep_merge(merged, parse_override(item))
-    return RunConfig.from_dict(merged)
+    cfg = RunConfig.from_dict(merged)
+    cfg.layered_on = layered_on
+    return cfg
 
 
 # --------------------------------------------------------------------------- writing

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from bdh_train.data.config import DataConfig
 from bdh_train.distributed.planner import ParallelConfig
@@ -39,6 +39,10 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
+    layered_on: ClassVar[str | None] = None
+    """Which preset `load_config` layered the config on, in words (set on the instance; not
+    a section, never saved); None for a config built directly."""
+
     def validate(self) -> RunConfig:
         """Check every section, then the rules that span sections. Returns self."""
         for name in SECTIONS:
@@ -54,6 +58,14 @@ class RunConfig:
                     f"gives the model; got model.position = {self.model.position!r}"
                 )
         head = self.model.language_head
+        if head.type == "nca_factorized_patch" and self.data.is_byte_text:
+            raise ConfigError(
+                "model.language_head.type = 'nca_factorized_patch' predicts patch ids "
+                f"(0..{head.patch_vocab - 1}, grids of cells), but data.source = "
+                f"{self.data.source!r} is byte text: the head would train on nothing (loss 0, "
+                "gradient 0); use data.source = 'nca' or a .bin token file of patch ids, or "
+                "model.language_head.type = 'token'"
+            )
         if self.data.is_generated and head.type == "nca_factorized_patch":
             for name in ("state_count", "patch_size"):
                 if getattr(head, name) != getattr(self.data.nca, name):
@@ -63,6 +75,14 @@ class RunConfig:
                     )
         self.data.check_summary_memory(self.model.summary_memory, self.model.vocab_size)
         return self
+
+    def resolved(self) -> RunConfig:
+        """A copy whose paths are stored resolved (`DataConfig.resolved_source`), as a run
+        writes it to config.toml."""
+        data = dataclasses.replace(self.data, source=self.data.resolved_source())
+        out = dataclasses.replace(self, data=data)
+        out.layered_on = self.layered_on
+        return out
 
     def notes(self) -> list[str]:
         """Information lines for the start of a run: settings that are valid but behave

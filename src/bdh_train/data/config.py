@@ -6,6 +6,7 @@ The names a source may take live here and in `sources`: `builtin:<name>` for the
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -116,6 +117,20 @@ class DataConfig:
                         f"{key} holds token id {max(tokens)}, outside model.vocab_size "
                         f"({vocab_size})"
                     )
+
+    def resolved_source(self) -> str:
+        """The source as a run stores it: a filesystem path made absolute (``~`` expanded),
+        so the run's config reads the same data from any working directory; builtin and
+        generated names unchanged."""
+        if self.source in GENERATED_SOURCES or self.source.startswith(BUILTIN_PREFIX):
+            return self.source
+        return os.path.abspath(os.path.expanduser(self.source))
+
+    @property
+    def is_byte_text(self) -> bool:
+        """Whether the source is text read as bytes (ids 0..255): a builtin corpus, a text
+        file or a directory of .txt files; not a generated source or a ``.bin`` token file."""
+        return not self.is_generated and not self.source.endswith(".bin")
 
     @property
     def is_generated(self) -> bool:

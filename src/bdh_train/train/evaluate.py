@@ -13,6 +13,7 @@ from bdh_train.batch import SequenceBatch
 from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.data.loaders import eval_batches
 from bdh_train.data.sources import TokenData
+from bdh_train.errors import DataError
 
 
 class EvalLoss(Protocol):
@@ -53,6 +54,11 @@ def evaluate(
         loss_sum, counted = step.eval_loss(batch.to(device))
         total += loss_sum
         count += counted
-    val_loss = total / max(count, 1.0)
+    if count == 0:  # a mean over nothing is no number, least of all 0.0
+        raise DataError(
+            f"evaluation counted no tokens ({max_batches} batches of {data.source}); "
+            "give at least one batch of data longer than one token"
+        )
+    val_loss = total / count
     bits = val_loss / math.log(2) if data.byte_level else None
     return EvalResult(val_loss, int(count), bits)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,33 +58,81 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def format_duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``."""
+    seconds = max(int(round(seconds)), 0)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 class Progress:
-    """A tqdm bar on a terminal; plain periodic lines otherwise (no bar spam in logs)."""
+    """A tqdm bar on a terminal, with the loss lines written above it (`tqdm.write`) so they
+    stay visible; plain lines otherwise (no bar spam in logs). A loss line is printed for the
+    first step of a session, every `log_every` steps, the last step, and, on a pipe, at least
+    every `heartbeat_s` seconds; each says step/total, tokens seen, tok/s and the ETA."""
 
     def __init__(
-        self, total: int, initial: int, stream: IO[str] | None = None, enabled: bool = True
+        self,
+        total: int,
+        initial: int,
+        stream: IO[str] | None = None,
+        enabled: bool = True,
+        log_every: int = 0,
+        initial_tokens: int = 0,
+        heartbeat_s: float = 30.0,
+        clock: Any = time.perf_counter,
     ):
         self.stream = stream or sys.stdout
         self.enabled = enabled
+        self.total, self.initial, self.initial_tokens = total, initial, initial_tokens
+        self.log_every, self.heartbeat_s, self.clock = log_every, heartbeat_s, clock
+        self.started = self.last_line = clock()
         self.bar = None
         if enabled and self.stream.isatty():
             self.bar = tqdm(
                 total=total, initial=initial, file=self.stream, unit="step", dynamic_ncols=True
             )
 
+    def restart_clock(self) -> None:
+        """Time tok/s and the ETA from now (the start of the first step)."""
+        self.started = self.last_line = self.clock()
+
+    def _due(self, step: int, now: float) -> bool:
+        if step == self.initial + 1 or step == self.total:
+            return True
+        if self.log_every and step % self.log_every == 0:
+            return True
+        return self.bar is None and now - self.last_line >= self.heartbeat_s
+
+    def line(self, row: dict[str, Any], now: float) -> str:
+        """One loss line: step/total, loss, lr, gradient norm, tokens seen, tok/s, ETA."""
+        step, done = row["step"], row["step"] - self.initial
+        spent = max(now - self.started, 1e-9)
+        rate = (row["tokens"] - self.initial_tokens) / spent
+        eta = (self.total - step) * spent / max(done, 1)
+        width = len(str(self.total))
+        return (
+            f"step {step:>{width}}/{self.total} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+            f"grad_norm {row['grad_norm']:.3f} | {row['tokens']:,} tok | {rate:,.0f} tok/s | "
+            f"ETA {format_duration(eta)}"
+        )
+
     def update(self, step: int, row: dict[str, Any] | None) -> None:
+        """Advance to `step`; `row` is that optimizer step's metrics (step, tokens, loss, lr,
+        grad_norm), printed as a loss line when one is due."""
         if not self.enabled:
             return
+        now = self.clock()
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             if row is not None:
-                self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
-        elif row is not None:
-            self.log(
-                f"step {row['step']:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
-                f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_s']:.0f} tok/s | "
-                f"{row['elapsed_s']:.1f}s"
-            )
+                self.bar.set_postfix(loss=f"{row['loss']:.4f}")
+        if row is not None and self._due(step, now):
+            self.log(self.line(row, now))
+            self.last_line = now
 
     def log(self, message: str) -> None:
         if not self.enabled:
@@ -96,6 +145,7 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 def plot_losses(run_dir: Path) -> Path:

@@ -161,3 +161,27 @@ def official_frequencies_buffer(n_neurons: int) -> torch.Tensor:
     return (1.0 / (2.0**16) ** ((i / 2).floor() * 2 / n_neurons) / (2 * math.pi)).view(
         1, 1, 1, n_neurons
     )
+
+
+# ------------------------------------------------------------------ run directories
+DETERMINISTIC_METRICS = ("step", "tokens", "loss", "lr", "grad_norm", "val_loss", "bits_per_byte")
+"""The metrics.jsonl fields that a resumed run must reproduce exactly (no timings)."""
+
+
+def checkpoint_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a run's latest checkpoint."""
+    from safetensors.torch import load_file
+
+    from bdh_train.train import checkpoint as ckpt
+
+    return load_file(str(ckpt.resolve_checkpoint(run_dir) / ckpt.MODEL_FILE))
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl rows with only the deterministic fields."""
+    from bdh_train.train.metrics import read_metrics
+
+    return [
+        {k: v for k, v in r.items() if k in DETERMINISTIC_METRICS}
+        for r in read_metrics(run_dir / "metrics.jsonl")
+    ]

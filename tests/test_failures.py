@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import checkpoint_weights, metric_rows
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -44,22 +45,12 @@ MICRO = [
     "training.max_steps=4",
 ]
 SETS = [a for o in MICRO for a in ("--set", o)]
-DETERMINISTIC = ("step", "tokens", "loss", "lr", "grad_norm", "val_loss", "bits_per_byte")
 
 
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(ckpt.resolve_checkpoint(run_dir) / ckpt.MODEL_FILE))
-
-
-def metric_rows(run_dir: Path) -> list[dict]:
-    return [
-        {k: v for k, v in r.items() if k in DETERMINISTIC}
-        for r in read_metrics(run_dir / "metrics.jsonl")
-    ]
 
 
 def assert_same_run(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
+    wa, wb = checkpoint_weights(a), checkpoint_weights(b)
     assert wa.keys() == wb.keys()
     for name in wa:
         assert torch.equal(wa[name], wb[name]), name

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, checkpoint_weights, metric_rows
 from safetensors.torch import load_file
 
 from bdh_train.config import load_config
@@ -54,18 +54,8 @@ STREAMING_TBPTT = [
     "training.min_logical_block_size=32",
     "training.gradient_accumulation_steps=2",
 ]
-DETERMINISTIC = ("step", "tokens", "loss", "lr", "grad_norm", "val_loss", "bits_per_byte")
 
 
-def params(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(ckpt.resolve_checkpoint(run_dir) / ckpt.MODEL_FILE))
-
-
-def metric_rows(run_dir: Path) -> list[dict]:
-    return [
-        {k: v for k, v in r.items() if k in DETERMINISTIC}
-        for r in read_metrics(run_dir / "metrics.jsonl")
-    ]
 
 
 @pytest.mark.parametrize(
@@ -89,7 +79,7 @@ def test_resume_is_bit_exact(tmp_path, overrides, stop_micro):
         assert first.accumulator.state.microbatches == 1  # the window really was open
     Trainer(load_config(overrides=overrides), split, resume=True, stream=io.StringIO()).run()
 
-    a, b = params(whole), params(split)
+    a, b = checkpoint_weights(whole), checkpoint_weights(split)
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -187,7 +177,7 @@ def train_one_and_two_processes(tmp_path: Path, overrides: list[str], two_only: 
 
 
 def assert_same_parameters(one: Path, two: Path) -> None:
-    a, b = params(one), params(two)
+    a, b = checkpoint_weights(one), checkpoint_weights(two)
     for name in a:
         assert_close(b[name], a[name], rtol=1e-5, msg=name)
 
@@ -260,7 +250,7 @@ def test_emulated_pipeline_trains_in_one_process(tmp_path):
     reference = load_config(overrides=[*MICRO, "model.dropout=0.0", "training.max_steps=2"])
     Trainer(cfg, tmp_path / "emu", stream=io.StringIO()).run()
     Trainer(reference, tmp_path / "ref", stream=io.StringIO()).run()
-    a, b = params(tmp_path / "emu"), params(tmp_path / "ref")
+    a, b = checkpoint_weights(tmp_path / "emu"), checkpoint_weights(tmp_path / "ref")
     for name in a:
         assert_close(a[name], b[name], rtol=1e-5, msg=name)
 
@@ -374,7 +364,7 @@ def test_init_from_loads_weights_only_and_honours_preserve_fresh(tmp_path):
     Trainer(
         load_config(overrides=[*MICRO, "training.max_steps=2"]), source, stream=io.StringIO()
     ).run()
-    trained = params(source)
+    trained = checkpoint_weights(source)
     overrides = [
         *MICRO,
         "training.max_steps=1",

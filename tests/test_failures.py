@@ -313,7 +313,10 @@ def test_sigterm_to_one_ddp_rank_stops_both_with_one_checkpoint(tmp_path):
     finally:
         launcher.kill()
     exits = re.findall(r"exitcode\s*:\s*(-?\d+)", err)
-    assert launcher.returncode != 0 and exits and set(exits) == {"75"}, err[-3000:]
+    # Both ranks stop together (after the checkpoint's barrier); torchrun treats the first
+    # exit (75, stopped) as a failure and sends SIGTERM to a rank that has not exited yet, so
+    # a second rank may report -15: its checkpoint work was already done (checked below).
+    assert launcher.returncode != 0 and "75" in exits and set(exits) <= {"75", "-15"}, err[-3000:]
     stopped = ckpt.resolve_checkpoint(run)
     state = ckpt.read_json(stopped / "trainer.json")
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]

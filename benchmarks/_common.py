@@ -30,6 +30,11 @@ from typing import Any
 MIB = 1 << 20
 GIB = 1 << 30
 RESULT_MARKER = "BENCH_RESULT "
+CONFIGS: dict[str, dict[str, int]] = {
+    "a": dict(n_layer=4, n_embd=128, n_head=4, mlp_internal_dim_multiplier=16),
+    "b": dict(n_layer=6, n_embd=256, n_head=4, mlp_internal_dim_multiplier=32),
+}
+"""The benchmark model shapes: (a) L4 D128 H4 x16 and (b) L6 D256 H4 x32 (BDHConfig fields)."""
 
 
 # --------------------------------------------------------------------- worker side

@@ -49,6 +49,7 @@ import time
 from typing import Any
 
 from _common import (
+    CONFIGS,
     GIB,
     cpu_counters,
     emit,
@@ -67,10 +68,6 @@ from _common import (
 
 from bdh_train.model import BDHConfig
 
-CONFIGS: dict[str, dict[str, int]] = {
-    "a": dict(n_layer=4, n_embd=128, n_head=4, mlp_internal_dim_multiplier=16),
-    "b": dict(n_layer=6, n_embd=256, n_head=4, mlp_internal_dim_multiplier=32),
-}
 CHUNKS = (64, 128, 256, 512)
 BATCH = 8
 THREADS = 2

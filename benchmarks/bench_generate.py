@@ -27,6 +27,7 @@ import time
 
 import torch
 from _common import (
+    CONFIGS,
     cpu_counters,
     load_average,
     machine_line,
@@ -37,7 +38,7 @@ from _common import (
 
 from bdh_train.model import BDH, BDHConfig
 
-CONFIG_A = dict(n_layer=4, n_embd=128, n_head=4, mlp_internal_dim_multiplier=16)
+CONFIG_A = CONFIGS["a"]
 PROMPT_TOKENS = 16
 LENGTHS = (64, 256, 1024)
 WINDOW = 64  # tokens averaged for "start" and "end" per-token times

@@ -32,6 +32,7 @@ import time
 
 import torch
 from _common import (
+    CONFIGS,
     cpu_counters,
     load_average,
     machine_line,
@@ -46,7 +47,7 @@ from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.model.summary import summary_branch
 from bdh_train.train.step import LanguageTrainModel
 
-CONFIG_A = dict(n_layer=4, n_embd=128, n_head=4, mlp_internal_dim_multiplier=16)
+CONFIG_A = CONFIGS["a"]
 BLOCK, BATCH, EVENT_RATE = 512, 8, 0.05
 VARIANTS = {
     "off": (SummaryMemoryConfig(), False),

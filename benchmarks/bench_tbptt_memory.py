@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from _common import (
+    CONFIGS,
     MIB,
     cpu_counters,
     emit,
@@ -39,7 +40,7 @@ from _common import (
     worker_spec,
 )
 
-CONFIG_A = dict(n_layer=4, n_embd=128, n_head=4, mlp_internal_dim_multiplier=16)
+CONFIG_A = CONFIGS["a"]
 # (T, c): c = 0 is full backprop through the block
 CASES = ((4096, 0), (4096, 1024), (4096, 512), (4096, 256), (2048, 0), (2048, 256), (1024, 256))
 PRIMER_TOKENS = 16

@@ -164,6 +164,17 @@ def official_frequencies_buffer(n_neurons: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ run directories
+STREAMING_TBPTT_SETTINGS = [
+    "training.block_size=8",
+    "training.tbptt_chunk_size=3",
+    "training.tbptt_backprop_chunks=2",
+    "training.tbptt_persist_across_steps=true",
+    "training.min_logical_block_size=32",
+    "training.gradient_accumulation_steps=2",
+]
+"""--set overrides for a streaming TBPTT run: 32-token documents seen as 8-token blocks in
+chunks of 3 (two per backward), the state carried across steps, accumulation 2."""
+
 DETERMINISTIC_METRICS = ("step", "tokens", "loss", "lr", "grad_norm", "val_loss", "bits_per_byte")
 """The metrics.jsonl fields that a resumed run must reproduce exactly (no timings)."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkpoint_weights, metric_rows
+from helpers import STREAMING_TBPTT_SETTINGS, checkpoint_weights, metric_rows
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -339,12 +339,7 @@ def test_sigterm_to_one_ddp_rank_stops_both_with_one_checkpoint(tmp_path):
 # ------------------------------------------------------------------ SIGKILL loop
 KILL_LOOP = [
     *MICRO,
-    "training.block_size=8",
-    "training.tbptt_chunk_size=3",
-    "training.tbptt_backprop_chunks=2",
-    "training.tbptt_persist_across_steps=true",
-    "training.min_logical_block_size=32",
-    "training.gradient_accumulation_steps=2",
+    *STREAMING_TBPTT_SETTINGS,
     "training.checkpoint_every=1",
     "training.keep_checkpoints=2",
     "training.eval_every=10",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close, checkpoint_weights, metric_rows
+from helpers import STREAMING_TBPTT_SETTINGS, assert_close, checkpoint_weights, metric_rows
 from safetensors.torch import load_file
 
 from bdh_train.config import load_config
@@ -47,12 +47,7 @@ MICRO = [
 RANDOM_ACCUM = [*MICRO, "training.gradient_accumulation_steps=3"]
 STREAMING_TBPTT = [
     *MICRO,
-    "training.block_size=8",
-    "training.tbptt_chunk_size=3",
-    "training.tbptt_backprop_chunks=2",
-    "training.tbptt_persist_across_steps=true",
-    "training.min_logical_block_size=32",
-    "training.gradient_accumulation_steps=2",
+    *STREAMING_TBPTT_SETTINGS,
 ]
 
 

@@ -43,7 +43,7 @@ def test_decode_replaces_invalid_utf8() -> None:
 
 
 def test_decode_rejects_out_of_range_ids() -> None:
-    with pytest.raises(DataError, match=r"id 300 at position 1 is outside the byte vocabulary"):
+    with pytest.raises(DataError, match=r"id 300 at position 1 is outside the vocabulary 0..255"):
         TOK.decode([65, 300])
     with pytest.raises(DataError, match=r"id -1 at position 0"):
         TOK.decode(np.array([-1, 2]))
@@ -52,3 +52,56 @@ def test_decode_rejects_out_of_range_ids() -> None:
 def test_encode_rejects_other_types() -> None:
     with pytest.raises(TypeError, match="str or bytes"):
         TOK.encode(123)  # type: ignore[arg-type]
+
+
+# --- Hugging Face tokenizers: a byte-level BPE trained here, on text the test makes --------
+
+from bdh_train.data.tokenizer import (  # noqa: E402
+    EOT_TOKEN,
+    HFTokenizer,
+    load_tokenizer,
+    train_bpe,
+)
+
+_CORPUS = [f"line {i}: the quick brown fox, ünïcödé 日本 {i * i}\n" for i in range(200)]
+
+
+def _bpe(vocab_size: int = 400) -> HFTokenizer:
+    return train_bpe(_CORPUS, vocab_size)
+
+
+def test_bpe_round_trips_text_exactly_and_counts_bytes() -> None:
+    tok = _bpe()
+    assert tok.vocab_size == 400 and tok.eot_id is not None
+    text = "Unseen words ÷ ∑ 🐉, tabs\tand  double  spaces\n\n"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    lengths = tok.token_byte_lengths()
+    assert int(lengths[ids].sum()) == len(text.encode("utf-8"))
+    assert lengths[tok.eot_id] == 0
+    first = tok.decode_bytes(tok.encode("日")[:1])  # part of one character: byte-exact
+    assert "日".encode().startswith(first) and len(first) < 3
+
+
+def test_bpe_training_is_deterministic_and_survives_save_and_load(tmp_path) -> None:
+    tok = _bpe()
+    assert _bpe().fingerprint() == tok.fingerprint()
+    tok.save(tmp_path)
+    loaded = load_tokenizer(tmp_path)  # a directory holding tokenizer.json
+    assert loaded.fingerprint() == tok.fingerprint()
+    assert loaded.encode(_CORPUS[3]) == tok.encode(_CORPUS[3])
+    assert loaded.eot_id == tok.eot_id == loaded._tok.token_to_id(EOT_TOKEN)
+
+
+def test_load_tokenizer_errors_are_one_clear_line(tmp_path) -> None:
+    assert load_tokenizer("bytes").vocab_size == 256
+    with pytest.raises(DataError, match="not found: data.tokenizer is 'bytes' or the path"):
+        load_tokenizer(tmp_path / "missing.json")
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json")
+    with pytest.raises(DataError, match="cannot load tokenizer"):
+        load_tokenizer(bad)
+    with pytest.raises(DataError, match="outside the vocabulary 0..399"):
+        _bpe().decode([400])
+    with pytest.raises(DataError, match="vocab_size >= 257"):
+        train_bpe(_CORPUS, 256)

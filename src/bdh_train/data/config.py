@@ -16,12 +16,13 @@ from bdh_train.data.nca import NcaConfig, nca_source
 from bdh_train.data.sources import (
     BUILTIN_CORPORA,
     BUILTIN_PREFIX,
+    TOKEN_DTYPES,
     TokenData,
     TokenGenerator,
     load_splits,
     load_tokens,
 )
-from bdh_train.data.tokenizer import ByteTokenizer
+from bdh_train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from bdh_train.errors import ConfigError
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.utils import suggest
@@ -40,7 +41,16 @@ class DataConfig:
     """``builtin:<name>``, a generated source (``nca``), or a path (text file or directory, or
     a ``.bin`` token file with a ``.json`` header)."""
     val_fraction: float = 0.1
-    """The share of the tokens held out for validation, taken from the end (0 = none)."""
+    """The share of the tokens held out for validation, taken from the end (0 = none; not
+    used when ``val_source`` is set)."""
+    val_source: str | None = None
+    """A separate validation set (any form ``source`` takes), or None to split ``source``."""
+    tokenizer: str = "bytes"
+    """``bytes`` (every UTF-8 byte is a token) or the path of a Hugging Face ``tokenizer.json``;
+    ``model.vocab_size`` must equal its vocabulary size."""
+    bin_dtype: str | None = None
+    """The id dtype (``uint16`` or ``uint32``) of a headerless ``.bin`` token file (nanoGPT
+    style); None requires the ``<file>.json`` header."""
     nca: NcaConfig = field(default_factory=NcaConfig)
     """The generated NCA corpus (data.source = "nca")."""
     summary_write_trigger_text: str | None = None
@@ -64,6 +74,11 @@ class DataConfig:
                     f"{suggest(name, BUILTIN_CORPORA)}"
                 )
         checks.number(f"{prefix}.val_fraction", self.val_fraction, low=0.0, high=1.0)
+        if self.val_source is not None:
+            checks.string(f"{prefix}.val_source", self.val_source)
+        checks.string(f"{prefix}.tokenizer", self.tokenizer)
+        if self.bin_dtype is not None:
+            checks.choice(f"{prefix}.bin_dtype", self.bin_dtype, TOKEN_DTYPES)
         self.nca.validate(f"{prefix}.nca")
         text, ids = self.summary_write_trigger_text, self.summary_write_trigger_token_ids
         if text is not None and (not isinstance(text, str) or not text):
@@ -131,6 +146,10 @@ class DataConfig:
         """Whether the source is text read as bytes (ids 0..255): a builtin corpus, a text
         file or a directory of .txt files; not a generated source or a ``.bin`` token file."""
         return not self.is_generated and not self.source.endswith(".bin")
+
+    def load_tokenizer(self) -> ByteTokenizer | HFTokenizer:
+        """The tokenizer ``data.tokenizer`` names (DataError when it cannot be loaded)."""
+        return load_tokenizer(self.tokenizer)
 
     @property
     def is_generated(self) -> bool:

@@ -65,12 +65,17 @@ class TokenData:
     source: human-readable origin, used in error messages.
     byte_level: the ids are the UTF-8 bytes of text, so a loss per token is a loss per byte
         (bits per byte is reported for such data only).
+    doc_starts: sorted start offsets of the documents in `tokens` (the first is 0), or None
+        when the stream is not cut into documents.
+    eot_id: the end-of-document token id of the tokenizer that wrote `tokens`, or None.
     """
 
     tokens: np.ndarray
     vocab_size: int
     source: str
     byte_level: bool = False
+    doc_starts: np.ndarray | None = None
+    eot_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.tokens.ndim != 1 or not np.issubdtype(self.tokens.dtype, np.integer):

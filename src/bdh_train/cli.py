@@ -1,4 +1,4 @@
-"""`bdh-train`: train, generate, chat, eval, config, plot, profile, plan, export.
+"""`bdh-train`: train, generate, chat, eval, prepare, config, plot, profile, plan, export.
 
 Every user error (bad config, data, checkpoint) is a BDHTrainError: printed as one line on
 stderr with exit status 2, never a traceback.
@@ -161,6 +161,44 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", default=None, help="held-out data source (default: the run's validation split)"
     )
     p.add_argument("--batches", type=int, default=None, help="at most this many batches")
+
+    p = sub.add_parser(
+        "prepare",
+        help="tokenize text corpora (.txt, .jsonl/.json, .parquet, .gz/.zst of them, "
+        "directories, saved Hugging Face datasets) once into a directory training memory-maps",
+    )
+    p.add_argument("sources", nargs="+", metavar="SOURCE", help="corpus files or directories")
+    p.add_argument("--out", required=True, metavar="DIR", help="the prepared corpus directory")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument(
+        "--tokenizer", default=None, metavar="PATH",
+        help="'bytes' or a Hugging Face tokenizer.json (or a directory holding one) "
+        "(default: bytes)",
+    )
+    tok.add_argument(
+        "--train-tokenizer", choices=("bpe",), default=None,
+        help="train a byte-level BPE of --vocab-size ids on the training documents and store "
+        "it in DIR",
+    )
+    p.add_argument("--vocab-size", type=int, default=None, help="with --train-tokenizer")
+    val = p.add_mutually_exclusive_group()
+    val.add_argument(
+        "--val-fraction", type=float, default=None,
+        help="about this share of the documents goes to validation, picked by a hash of "
+        "their index (a corpus of too few documents: the last share of its tokens) "
+        "(default: 0.1)",
+    )
+    val.add_argument(
+        "--val", nargs="+", default=None, metavar="SOURCE",
+        help="validation sources instead of --val-fraction",
+    )
+    p.add_argument(
+        "--text-field", default="text",
+        help="the field of JSON lines, column of parquet files and saved datasets that holds "
+        "the text",
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing prepared DIR")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser(
         "config",
@@ -407,6 +445,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from bdh_train.data.prepared import prepare_corpus
+    from bdh_train.data.tokenizer import load_tokenizer
+
+    if (args.train_tokenizer is None) != (args.vocab_size is None):
+        raise BDHTrainError("--train-tokenizer bpe and --vocab-size N go together")
+    meta = prepare_corpus(
+        args.sources, args.out,
+        tokenizer=None if args.tokenizer is None else load_tokenizer(args.tokenizer),
+        train_bpe_vocab=args.vocab_size,
+        val_fraction=0.1 if args.val_fraction is None else args.val_fraction,
+        val_sources=args.val, text_field=args.text_field, force=args.force,
+        progress=not args.quiet,
+    )
+    splits = ", ".join(
+        f"{name} {counts['tokens']:,} tokens ({counts['documents']:,} documents)"
+        for name, counts in meta["splits"].items()
+    )
+    print(f"{args.out}: {splits}; vocab_size {meta['vocab_size']} ({meta['tokenizer']})")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     if args.explain is not None:
         from bdh_train.config.explain import explain_markdown, explain_text
@@ -477,6 +537,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "chat": cmd_chat,
     "eval": cmd_eval,
+    "prepare": cmd_prepare,
     "config": cmd_config,
     "plot": cmd_plot,
     "profile": cmd_profile,

@@ -191,8 +191,8 @@ def test_ids_outside_vocab(tmp_path: Path) -> None:
     ):
         load_tokens(str(path), vocab_size=512)
     text = tmp_path / "t.txt"
-    text.write_bytes(b"ab\xff")
-    with pytest.raises(DataError, match=r"token id 255 at position 2 .* >= vocab_size 128"):
+    text.write_text("abé", encoding="utf-8")
+    with pytest.raises(DataError, match=r"token id 195 at position 2 .* >= vocab_size 128"):
         load_tokens(str(text), vocab_size=128)
 
 

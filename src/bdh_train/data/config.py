@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from bdh_train import checks
 from bdh_train.data.events import SummaryEventTrigger
+from bdh_train.data.formats import TEXT_FIELD
 from bdh_train.data.nca import NcaConfig, nca_source
 from bdh_train.data.sources import (
     BUILTIN_CORPORA,
@@ -38,19 +39,26 @@ class DataConfig:
     """Where tokens come from. The vocabulary size is the model's (``model.vocab_size``)."""
 
     source: str = "builtin:pydoc"
-    """``builtin:<name>``, a generated source (``nca``), or a path (text file or directory, or
-    a ``.bin`` token file with a ``.json`` header)."""
+    """``builtin:<name>``, a generated source (``nca``), or a path: a directory written by
+    ``bdh-train prepare``; a ``.bin`` token file (``.json`` header, a split of a prepared
+    directory, or headerless with ``bin_dtype``); a text file (``.txt`` or any other name,
+    UTF-8), ``.jsonl``/``.json`` lines or ``.parquet`` (``text_field`` holds the text), any
+    of these ``.gz``/``.zst``; or a directory of such files (recursive, sorted)."""
     val_fraction: float = 0.1
-    """The share of the tokens held out for validation, taken from the end (0 = none; not
-    used when ``val_source`` is set)."""
+    """The share of the tokens held out for validation, taken from the end (0 = none). Used
+    only when neither ``val_source`` is set nor ``source`` is a prepared directory with a
+    validation split (those win, in that order)."""
     val_source: str | None = None
-    """A separate validation set (any form ``source`` takes), or None to split ``source``."""
+    """A separate validation set (any form ``source`` takes; a prepared directory gives its
+    training split, so name ``DIR/val.bin`` for its validation split), or None."""
     tokenizer: str = "bytes"
     """``bytes`` (every UTF-8 byte is a token) or the path of a Hugging Face ``tokenizer.json``;
     ``model.vocab_size`` must equal its vocabulary size."""
     bin_dtype: str | None = None
     """The id dtype (``uint16`` or ``uint32``) of a headerless ``.bin`` token file (nanoGPT
     style); None requires the ``<file>.json`` header."""
+    text_field: str = TEXT_FIELD
+    """The field of ``.jsonl``/``.json`` lines (the column of ``.parquet``) holding the text."""
     nca: NcaConfig = field(default_factory=NcaConfig)
     """The generated NCA corpus (data.source = "nca")."""
     summary_write_trigger_text: str | None = None
@@ -77,6 +85,7 @@ class DataConfig:
         if self.val_source is not None:
             checks.string(f"{prefix}.val_source", self.val_source)
         checks.string(f"{prefix}.tokenizer", self.tokenizer)
+        checks.string(f"{prefix}.text_field", self.text_field)
         if self.bin_dtype is not None:
             checks.choice(f"{prefix}.bin_dtype", self.bin_dtype, TOKEN_DTYPES)
         self.nca.validate(f"{prefix}.nca")
@@ -144,8 +153,12 @@ class DataConfig:
     @property
     def is_byte_text(self) -> bool:
         """Whether the source is text read as bytes (ids 0..255): a builtin corpus, a text
-        file or a directory of .txt files; not a generated source or a ``.bin`` token file."""
-        return not self.is_generated and not self.source.endswith(".bin")
+        source or a prepared directory with ``data.tokenizer = "bytes"``; not a generated
+        source, a ``.bin`` token file or text under another tokenizer."""
+        return (
+            not self.is_generated and not self.source.endswith(".bin")
+            and self.tokenizer == "bytes"
+        )
 
     def load_tokenizer(self) -> ByteTokenizer | HFTokenizer:
         """The tokenizer ``data.tokenizer`` names (DataError when it cannot be loaded)."""
@@ -162,9 +175,15 @@ class DataConfig:
     def load_splits(self, vocab_size: int, block_size: int) -> tuple[TokenData, TokenData | None]:
         """(train, validation) token data, each long enough for `block_size`."""
         return load_splits(
-            self.source, vocab_size, block_size, self.val_fraction, self.generators()
+            self.source, vocab_size, block_size, self.val_fraction, self.generators(),
+            tokenizer=self.load_tokenizer(), bin_dtype=self.bin_dtype,
+            val_source=self.val_source, text_field=self.text_field,
         )
 
     def load_source(self, source: str, vocab_size: int) -> TokenData:
-        """Any other source (e.g. held-out eval data), resolved with this config's generators."""
-        return load_tokens(source, vocab_size, self.generators())
+        """Any other source (e.g. held-out eval data), read like ``source`` (this config's
+        generators, tokenizer, bin_dtype and text_field)."""
+        return load_tokens(
+            source, vocab_size, self.generators(), tokenizer=self.load_tokenizer(),
+            bin_dtype=self.bin_dtype, text_field=self.text_field,
+        )

@@ -18,6 +18,9 @@ from types import MappingProxyType
 import numpy as np
 
 from bdh_train import checks
+from bdh_train.data import formats
+from bdh_train.data.formats import TEXT_FIELD
+from bdh_train.data.tokenizer import BYTES, ByteTokenizer, Tokenizer
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.utils import atomic_write, suggest
 
@@ -96,16 +99,18 @@ class TokenData:
         """
         if val_fraction == 0:
             return self, None
-        n = len(self)
-        n_val = min(max(1, int(round(n * float(val_fraction)))), n - 1)
-        if n_val <= 0:
-            raise DataError(
-                f"{self.source} has {n} token(s), too few to split off a validation set; "
-                f"use more data or set data.val_fraction = 0"
-            )
-        cut = n - n_val
-        train = replace(self, tokens=self.tokens[:cut], source=f"{self.source} (train split)")
-        val = replace(self, tokens=self.tokens[cut:], source=f"{self.source} (validation split)")
+        cut = validation_cut(len(self), val_fraction, self.source)
+        train_starts = val_starts = None
+        if self.doc_starts is not None:
+            train_starts, val_starts = split_doc_starts(self.doc_starts, cut)
+        train = replace(
+            self, tokens=self.tokens[:cut], source=f"{self.source} (train split)",
+            doc_starts=train_starts,
+        )
+        val = replace(
+            self, tokens=self.tokens[cut:], source=f"{self.source} (validation split)",
+            doc_starts=val_starts,
+        )
         return train, val
 
     def validate_for_block(self, block_size: int, what: str = "data") -> None:
@@ -134,6 +139,34 @@ class TokenData:
         )
 
 
+def validation_cut(n_tokens: int, val_fraction: float, source: str) -> int:
+    """Where a stream of `n_tokens` splits into training and its last `val_fraction` (at least
+    one token each): the cut `TokenData.split` and `bdh-train prepare` make."""
+    n_val = min(max(1, int(round(n_tokens * float(val_fraction)))), n_tokens - 1)
+    if n_val <= 0:
+        raise DataError(
+            f"{source} has {n_tokens} token(s), too few to split off a validation set; "
+            f"use more data or set data.val_fraction = 0"
+        )
+    return n_tokens - n_val
+
+
+def split_doc_starts(starts: np.ndarray, cut: int) -> tuple[np.ndarray, np.ndarray]:
+    """Document starts of the two sides of a stream cut at `cut`: the starts before it, and
+    those from it on shifted by -cut, beginning with 0 (the cut document's rest)."""
+    starts = np.asarray(starts)
+    before = np.asarray(starts[starts < cut])
+    after = np.asarray(starts[starts >= cut], dtype=starts.dtype) - starts.dtype.type(cut)
+    if after.size == 0 or after[0] != 0:
+        after = np.concatenate([np.zeros(1, dtype=starts.dtype), after])
+    return before, after
+
+
+def token_dtype_for(vocab_size: int) -> str:
+    """The smallest of `TOKEN_DTYPES` that holds ids 0..vocab_size-1."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
 def first_id_at_least(tokens: np.ndarray, limit: int) -> int | None:
     """Position of the first element >= limit (or < 0), or None; chunked for memmaps."""
     if np.issubdtype(tokens.dtype, np.unsignedinteger) and limit > np.iinfo(tokens.dtype).max:
@@ -157,14 +190,25 @@ def load_tokens(
     source: str | os.PathLike[str],
     vocab_size: int = 256,
     generators: Mapping[str, TokenGenerator] | None = None,
+    *,
+    tokenizer: Tokenizer | None = None,
+    bin_dtype: str | None = None,
+    text_field: str = TEXT_FIELD,
 ) -> TokenData:
     """Resolve `source` to a TokenData whose ids are all < vocab_size.
 
     source is, checked in this order: a name in `generators` (called with vocab_size);
-    "builtin:<name>" (UTF-8 bytes of a builtin corpus); a path to a `.bin` token file with a
-    `<file>.json` header; a directory of `.txt` files (sorted by name, joined by a newline);
-    any other file, read as UTF-8 bytes. Byte sources give ids 0..255, so they need
-    vocab_size >= 256 unless the text happens to use fewer byte values.
+    "builtin:<name>" (a builtin corpus's text); a directory written by `bdh-train prepare`
+    (its training split; `load_splits` also takes its validation split); a `.bin` token file
+    (with a `<file>.json` header, inside a prepared directory, or headerless with
+    `bin_dtype`); a directory of corpus files or a corpus file (`formats`: .txt, .jsonl/.json,
+    .parquet, any of them .gz/.zst; any other file name is UTF-8 text).
+
+    Text is tokenized by `tokenizer` (None: bytes). With bytes, a plain text file is
+    memory-mapped as it is and a directory's files are joined by a newline; other formats and
+    other tokenizers are tokenized into memory, a document per file, line or row, with
+    `doc_starts` (prepare large corpora once with `bdh-train prepare` instead). Byte sources
+    give ids 0..255, so they need vocab_size >= 256 unless the text uses fewer byte values.
     """
     name = os.fspath(source)
     if not name:
@@ -173,16 +217,24 @@ def load_tokens(
             "files or a .bin token file"
         )
     generators = generators or {}
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     if name in generators:
         data = _from_generator(name, generators[name], vocab_size)
     elif name.startswith(BUILTIN_PREFIX):
         corpus = name[len(BUILTIN_PREFIX) :]
-        text = builtin_corpus(corpus).encode("utf-8")
-        data = TokenData(
-            np.frombuffer(text, dtype=np.uint8), vocab_size, f"'{name}'", byte_level=True
-        )
+        text = builtin_corpus(corpus)
+        if tokenizer.kind == BYTES:
+            data = TokenData(
+                np.frombuffer(text.encode("utf-8"), dtype=np.uint8), vocab_size, f"'{name}'",
+                byte_level=True,
+            )
+        else:
+            ids = np.asarray(tokenizer.encode(text), dtype=token_dtype_for(vocab_size))
+            data = TokenData(ids, vocab_size, f"'{name}'", doc_starts=np.zeros(1, np.uint64),
+                             eot_id=tokenizer.eot_id)
     else:
-        data = _from_path(Path(name).expanduser(), vocab_size, name)
+        data = _from_path(Path(name).expanduser(), vocab_size, name, tokenizer, bin_dtype,
+                          text_field)
     data.check_ids(vocab_size)
     return data
 
@@ -193,11 +245,38 @@ def load_splits(
     block_size: int,
     val_fraction: float = 0.0,
     generators: Mapping[str, TokenGenerator] | None = None,
+    *,
+    tokenizer: Tokenizer | None = None,
+    bin_dtype: str | None = None,
+    val_source: str | None = None,
+    text_field: str = TEXT_FIELD,
 ) -> tuple[TokenData, TokenData | None]:
-    """load_tokens + split + validate_for_block on both parts: what a trainer needs, with every
-    data problem reported before the first step rather than mid-run."""
-    data = load_tokens(source, vocab_size, generators)
-    train, val = data.split(val_fraction)
+    """(train, validation), both checked to fit `block_size`: every data problem is reported
+    before the first step rather than mid-run.
+
+    Validation is, first that applies: `val_source` (all of `source` trains); the validation
+    split of a prepared corpus `source`; the last `val_fraction` of `source`'s tokens
+    (`TokenData.split`). So val_fraction is used only when neither of the others exists.
+    """
+    from bdh_train.data import prepared
+
+    options = dict(tokenizer=tokenizer, bin_dtype=bin_dtype, text_field=text_field)
+    path = Path(source).expanduser()
+    val: TokenData | None
+    if (
+        source not in (generators or {}) and not source.startswith(BUILTIN_PREFIX)
+        and prepared.is_prepared(path)
+    ):
+        train, val = prepared.load_prepared(path, vocab_size, tokenizer=tokenizer)
+        if val_source is not None:
+            val = None
+    else:
+        train = load_tokens(source, vocab_size, generators, **options)  # type: ignore[arg-type]
+        val = None
+    if val_source is not None:
+        val = load_tokens(val_source, vocab_size, generators, **options)  # type: ignore[arg-type]
+    elif val is None:
+        train, val = train.split(val_fraction)
     train.validate_for_block(block_size, "training data")
     if val is not None:
         val.validate_for_block(block_size, "validation data")
@@ -216,21 +295,51 @@ def _from_generator(name: str, make: TokenGenerator, vocab_size: int) -> TokenDa
     return TokenData(arr.reshape(-1), vocab_size, f"generator {name!r}")
 
 
-def _from_path(path: Path, vocab_size: int, name: str) -> TokenData:
+def _from_path(
+    path: Path, vocab_size: int, name: str, tokenizer: Tokenizer, bin_dtype: str | None,
+    text_field: str,
+) -> TokenData:
+    from bdh_train.data import prepared
+
     if not path.exists():
         hint = ""
         if name in BUILTIN_CORPORA:
             hint = f" (did you mean '{BUILTIN_PREFIX}{name}'?)"
         raise DataError(
             f"data source path '{path}' does not exist{hint}; give a text file, a directory of "
-            f".txt files, a .bin token file with a .json header, or one of "
+            f".txt files, a .bin token file with a .json header, a directory written by "
+            f"`bdh-train prepare`, or one of "
             f"{', '.join(BUILTIN_PREFIX + n for n in sorted(BUILTIN_CORPORA))}"
         )
-    if path.is_dir():
-        return _from_directory(path, vocab_size)
+    if prepared.is_prepared(path):
+        train, _ = prepared.load_prepared(path, vocab_size, tokenizer=tokenizer)
+        return train
     if path.suffix == ".bin":
-        return _from_bin(path, vocab_size)
-    return _from_text_file(path, vocab_size)
+        return _from_bin(path, vocab_size, bin_dtype, tokenizer)
+    if path.is_dir() and not formats.is_hf_dataset(path):
+        files = formats.list_files(path)
+        if not files:
+            raise DataError(
+                f"data directory '{path}' contains no .txt files (nor .jsonl, .json, .parquet, "
+                f"or .gz/.zst of them); put UTF-8 text files named *.txt in it or point "
+                f"data.source at a single file"
+            )
+        if tokenizer.kind == BYTES and all(_is_plain_text(p) for p in files):
+            return _from_directory(path, files, vocab_size)
+        what = f"'{path}' ({len(files)} files)"
+    else:
+        files = [path]
+        if tokenizer.kind == BYTES and _is_plain_text(path):
+            return _from_text_file(path, vocab_size)
+        what = f"'{path}'"
+    return prepared.encode_in_memory(files, tokenizer, text_field, what, vocab_size)
+
+
+def _is_plain_text(path: Path) -> bool:
+    """Read as text by the memory-mapped byte path: not compressed, not a record format."""
+    return path.is_file() and formats.compression_of(path) is None and formats.format_suffix(
+        path
+    ) not in formats.JSON_LINES_SUFFIXES + formats.PARQUET_SUFFIXES
 
 
 def _file_size(path: Path) -> int:
@@ -256,33 +365,32 @@ def _memmap(path: Path, dtype: str, what: str) -> np.ndarray:
 def _from_text_file(path: Path, vocab_size: int) -> TokenData:
     if _file_size(path) == 0:
         raise DataError(f"data file '{path}' is empty; point data.source at a file with text")
-    return TokenData(
-        _memmap(path, "uint8", "text file"), vocab_size, f"'{path}'", byte_level=True
-    )
+    tokens = _memmap(path, "uint8", "text file")
+    formats.check_utf8(path)
+    return TokenData(tokens, vocab_size, f"'{path}'", byte_level=True)
 
 
-def _from_directory(path: Path, vocab_size: int) -> TokenData:
-    try:
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() == ".txt" and p.is_file())
-    except OSError as exc:
-        raise DataError(f"cannot list data directory '{path}': {exc.strerror or exc}") from exc
-    if not files:
-        raise DataError(
-            f"data directory '{path}' contains no .txt files; put UTF-8 text files named "
-            f"*.txt in it or point data.source at a single file"
-        )
-    if sum(_file_size(p) for p in files) == 0:
+def _from_directory(path: Path, files: list[Path], vocab_size: int) -> TokenData:
+    """The byte path of a directory of plain text files: each non-empty file a document,
+    joined by a newline (the rule `prepared.SplitWriter` applies to the byte tokenizer)."""
+    nonempty = [p for p in files if _file_size(p)]
+    if not nonempty:
         raise DataError(f"data directory '{path}': all {len(files)} .txt files are empty")
     parts: list[np.ndarray] = []
+    starts: list[int] = []
+    position = 0
     sep = np.frombuffer(b"\n", dtype=np.uint8)
-    for i, p in enumerate(files):
+    for i, p in enumerate(nonempty):
         if i:
             parts.append(sep)
-        if _file_size(p):
-            parts.append(_memmap(p, "uint8", "text file"))
-    tokens = np.concatenate(parts)
+            position += 1
+        starts.append(position)
+        parts.append(_memmap(p, "uint8", "text file"))
+        formats.check_utf8(p)
+        position += len(parts[-1])
     return TokenData(
-        tokens, vocab_size, f"'{path}' ({len(files)} .txt files)", byte_level=True
+        np.concatenate(parts), vocab_size, f"'{path}' ({len(files)} text files)",
+        byte_level=True, doc_starts=np.array(starts, dtype=np.uint64),
     )
 
 
@@ -300,7 +408,8 @@ def read_header(path: Path) -> dict[str, object]:
     if not hpath.exists():
         raise DataError(
             f"token file '{path}' has no header '{hpath}'; write one containing {expected} "
-            f"(bdh_train.data.write_token_file does this)"
+            f"(bdh_train.data.write_token_file does this), or for a headerless (nanoGPT) file "
+            f"set data.bin_dtype to its id dtype (uint16 or uint32)"
         )
     try:
         header = json.loads(hpath.read_text(encoding="utf-8"))
@@ -328,10 +437,23 @@ def read_header(path: Path) -> dict[str, object]:
     return header
 
 
-def _from_bin(path: Path, vocab_size: int) -> TokenData:
-    header = read_header(path)
-    dtype = str(header["dtype"])
-    file_vocab = int(header["vocab_size"])  # type: ignore[arg-type]
+def _from_bin(
+    path: Path, vocab_size: int, bin_dtype: str | None, tokenizer: Tokenizer
+) -> TokenData:
+    """A token file: with its `<file>.json` header; a split of the prepared corpus it sits in;
+    or headerless (nanoGPT style) with `bin_dtype` (ids checked against vocab_size)."""
+    from bdh_train.data import prepared
+
+    if not header_path(path).exists() and path.stem in prepared.SPLITS and (
+        prepared.is_prepared(path.parent)
+    ):
+        return prepared.load_prepared_split(path.parent, path.stem, vocab_size, tokenizer)
+    if header_path(path).exists() or bin_dtype is None:
+        header = read_header(path)
+        dtype = str(header["dtype"])
+        file_vocab = int(header["vocab_size"])  # type: ignore[arg-type]
+    else:
+        dtype, file_vocab = bin_dtype, vocab_size
     size = _file_size(path)
     itemsize = np.dtype(dtype).itemsize
     if size == 0:
@@ -339,7 +461,7 @@ def _from_bin(path: Path, vocab_size: int) -> TokenData:
     if size % itemsize:
         raise DataError(
             f"token file '{path}' has {size} bytes, not a multiple of {itemsize} ({dtype}); "
-            f"the file is truncated or its header's dtype is wrong"
+            f"the file is truncated or its dtype (header or data.bin_dtype) is wrong"
         )
     data = TokenData(_memmap(path, dtype, "token file"), vocab_size, f"'{path}'")
     if file_vocab < vocab_size:
@@ -364,7 +486,7 @@ def write_token_file(
     vocab_size first, so a written file always loads.
     """
     if dtype is None:
-        dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
+        dtype = token_dtype_for(vocab_size)
     if dtype not in TOKEN_DTYPES:
         raise DataError(f"unsupported token dtype {dtype!r}; supported: {', '.join(TOKEN_DTYPES)}")
     if vocab_size - 1 > np.iinfo(dtype).max:

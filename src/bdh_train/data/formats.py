@@ -1,0 +1,476 @@
+"""Documents read from text corpora, streamed: the reading side of `bdh-train prepare` and
+of loading text sources with a tokenizer.
+
+Formats (by file name; each may also end in `.gz` or `.zst`, decompressed on the fly):
+
+- `.txt` and any other name not listed below: UTF-8 text, one file = one document;
+- `.jsonl`, `.json`: JSON lines, one object per line = one document, its text in the field
+  `text_field` (default "text"); blank lines are skipped;
+- `.parquet`: one row = one document, the string column `text_field` (read one record batch
+  at a time);
+- a directory saved by Hugging Face `datasets` (`save_to_disk`): one row = one document
+  (needs the `datasets` package);
+- any other directory: the files of the formats above inside it and its subdirectories
+  (recursive; hidden names starting with "." skipped), in sorted order of their relative
+  paths. A subdirectory that is a saved Hugging Face dataset is read as one; one written by
+  `bdh-train prepare` (it holds a meta.json) is skipped.
+
+Text is checked to be UTF-8 as it streams (a file is never read whole to validate it); a file
+that is not UTF-8 text (or holds NUL bytes) is refused with one DataError naming the file.
+Empty documents are skipped.
+
+A document is yielded as pieces (`Piece`): a long one is cut into pieces of about
+`PIECE_CHARS` characters, only right after a newline that stands alone between two visible
+characters ("a\nb", not "a\n\nb" nor "a \nb"). Pre-tokenizers that split text at whitespace
+runs (the byte-level BPE of `train_bpe`, GPT-2 style) always have a token boundary on both
+sides of such a newline, so encoding the pieces one by one gives the ids of encoding the whole
+document; a line is never cut.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from bdh_train.errors import DataError
+
+TEXT_FIELD = "text"
+"""The default field (JSON lines) or column (parquet, datasets) that holds a document."""
+JSON_LINES_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+TEXT_SUFFIXES = (".txt",)
+COMPRESSED_SUFFIXES = (".gz", ".zst")
+DIRECTORY_SUFFIXES = TEXT_SUFFIXES + JSON_LINES_SUFFIXES + PARQUET_SUFFIXES
+"""The formats a directory's files are read in (other files in a directory are ignored)."""
+HF_DATASET_MARKERS = (("dataset_info.json", "state.json"), ("dataset_dict.json",))
+"""Files that make a directory a Hugging Face `save_to_disk` dataset (a Dataset; a
+DatasetDict)."""
+PREPARED_MARKER = "meta.json"
+"""The file of a prepared corpus directory (`prepared.META_FILE`), skipped when listing."""
+READ_BYTES = 1 << 20
+"""Bytes read (and UTF-8 checked) per step from a text file."""
+PIECE_CHARS = 1 << 20
+"""About how many characters a long document's pieces hold."""
+PARQUET_BATCH_ROWS = 1024
+FORMATS_HINT = (
+    "give UTF-8 text (.txt), JSON lines (.jsonl/.json), .parquet, any of these as .gz or "
+    ".zst, or a saved Hugging Face dataset directory"
+)
+_CUT = re.compile(r"(?<=[!-~\w])\n(?=[!-~\w])")
+"""A safe place to cut a document: right after a newline between two visible characters
+(ASCII or word characters, whitespace in no definition), where a whitespace-splitting
+pre-tokenizer has a token boundary whatever comes before or after."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text of one document, or of part of one."""
+
+    text: str
+    starts_document: bool
+    """True for a document's first piece."""
+    source_bytes: int
+    """Bytes of the source files read since the previous piece (for progress)."""
+
+
+def binary_file_error(path: Path | str, why: str) -> DataError:
+    """The one message for a file that is neither UTF-8 text nor a readable format."""
+    return DataError(
+        f"'{path}' is not UTF-8 text ({why}): convert it to UTF-8 text, or store the corpus "
+        f"as .jsonl/.json lines or .parquet (also .gz/.zst) and run `bdh-train prepare` on it; "
+        f"a token file needs the .bin suffix"
+    )
+
+
+# ------------------------------------------------------------------------- names and files
+def compression_of(path: Path) -> str | None:
+    """"gz", "zst" or None, by the file name's last suffix."""
+    suffix = path.suffix.lower()
+    return suffix[1:] if suffix in COMPRESSED_SUFFIXES else None
+
+
+def format_suffix(path: Path) -> str:
+    """The format suffix of a file name, under its compression suffix (`a.jsonl.gz` ->
+    `.jsonl`)."""
+    name = path.name.lower()
+    if compression_of(path):
+        name = name[: name.rfind(".")]
+    return Path(name).suffix
+
+
+def is_hf_dataset(path: Path) -> bool:
+    return path.is_dir() and any(
+        all((path / name).is_file() for name in marker) for marker in HF_DATASET_MARKERS
+    )
+
+
+def list_files(directory: Path) -> list[Path]:
+    """The corpus files (and saved Hugging Face datasets) under `directory`: recursive, sorted
+    by relative path, hidden names and prepared corpus directories skipped, only the formats
+    in `DIRECTORY_SUFFIXES`."""
+    found: list[Path] = []
+
+    def walk(folder: Path) -> None:
+        try:
+            entries = sorted(folder.iterdir(), key=lambda p: p.name)
+        except OSError as exc:
+            raise DataError(
+                f"cannot list data directory '{folder}': {exc.strerror or exc}"
+            ) from exc
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir():
+                if (entry / PREPARED_MARKER).is_file():
+                    continue  # a `bdh-train prepare` output: tokens, not text
+                if is_hf_dataset(entry):
+                    found.append(entry)
+                else:
+                    walk(entry)
+            elif entry.is_file() and format_suffix(entry) in DIRECTORY_SUFFIXES:
+                found.append(entry)
+
+    walk(directory)
+    return sorted(found, key=lambda p: p.relative_to(directory).as_posix())
+
+
+def expand_sources(sources: list[str | os.PathLike[str]]) -> list[Path]:
+    """Every file (or saved dataset) the sources name, in order; DataError for a missing path
+    or a directory without corpus files."""
+    files: list[Path] = []
+    for source in sources:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise DataError(f"source '{source}' does not exist; {FORMATS_HINT}")
+        if path.is_dir() and not is_hf_dataset(path):
+            inside = list_files(path)
+            if not inside:
+                raise DataError(
+                    f"data directory '{path}' contains no .txt, .jsonl, .json or .parquet "
+                    f"files (nor .gz/.zst of them); put the corpus files in it"
+                )
+            files.extend(inside)
+        else:
+            files.append(path)
+    return files
+
+
+def source_bytes(files: list[Path]) -> int | None:
+    """The bytes progress is counted against (the files' sizes), or None when unknown (a
+    saved dataset)."""
+    total = 0
+    for path in files:
+        if path.is_dir():
+            return None
+        total += path.stat().st_size
+    return total
+
+
+# ------------------------------------------------------------------------------ streams
+class _CountingReader(io.RawIOBase):
+    """A raw file that counts the bytes read from it (the compressed bytes, under a
+    decompressor), so progress over compressed files follows their sizes."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw = raw
+        self.consumed = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+        n = self._raw.readinto(buffer)
+        self.consumed += n or 0
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+@contextmanager
+def open_binary(path: Path) -> Iterator[tuple[BinaryIO, _CountingReader]]:
+    """(the decompressed byte stream, the counter of raw bytes read) of a file."""
+    try:
+        raw = _CountingReader(open(path, "rb"))  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise DataError(f"cannot read data file '{path}': {exc.strerror or exc}") from exc
+    kind = compression_of(path)
+    try:
+        if kind == "gz":
+            stream: BinaryIO = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
+        elif kind == "zst":
+            import zstandard
+
+            stream = io.BufferedReader(  # type: ignore[assignment]
+                zstandard.ZstdDecompressor().stream_reader(raw), READ_BYTES
+            )
+        else:
+            stream = io.BufferedReader(raw, READ_BYTES)  # type: ignore[assignment]
+        with stream:
+            yield stream, raw
+    except (OSError, EOFError) as exc:
+        raise DataError(
+            f"cannot read '{path}': {exc}; the file is damaged or not {kind or 'readable'} "
+            f"compressed data"
+        ) from exc
+    except Exception as exc:
+        if type(exc).__module__.startswith("zstd"):
+            raise DataError(f"cannot decompress '{path}': {exc}; the file is damaged") from exc
+        raise
+    finally:
+        raw.close()
+
+
+def iter_utf8(path: Path) -> Iterator[tuple[str, int]]:
+    """The text of a (possibly compressed) file in chunks with the raw bytes each consumed,
+    checked to be UTF-8 without NUL bytes as it streams."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open_binary(path) as (stream, counter):
+        seen = 0
+        while True:
+            chunk = stream.read(READ_BYTES)
+            final = not chunk
+            try:
+                text = decoder.decode(chunk, final=final)
+            except UnicodeDecodeError as exc:
+                where = offset + exc.start - len(decoder.getstate()[0])
+                raise binary_file_error(path, f"invalid UTF-8 at byte {max(where, 0)}") from None
+            if "\x00" in text:
+                where = offset + len(text[: text.index("\x00")].encode("utf-8"))
+                raise binary_file_error(path, f"NUL byte at byte {where}")
+            offset += len(chunk)
+            yield text, counter.consumed - seen
+            seen = counter.consumed
+            if final:
+                return
+
+
+def check_utf8(path: Path) -> None:
+    """Raise the binary-file DataError unless the whole file is UTF-8 text (streamed)."""
+    for _ in iter_utf8(path):
+        pass
+
+
+# ---------------------------------------------------------------------------- documents
+def split_text(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
+    """`text` cut into pieces of about `piece_chars` characters, each cut at a `_CUT` place
+    (one piece when there is no such place)."""
+    if len(text) <= piece_chars:
+        return [text]
+    pieces: list[str] = []
+    start = 0
+    while len(text) - start > piece_chars:
+        target = start + piece_chars
+        cut = max((m.end() for m in _CUT.finditer(text, start + 1, target + 1)), default=None)
+        if cut is None:  # none before the target: the first one after it
+            match = _CUT.search(text, target)
+            if match is None:
+                break
+            cut = match.end()
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def _document_pieces(text: str, consumed: int) -> Iterator[Piece]:
+    for i, part in enumerate(split_text(text)):
+        yield Piece(part, i == 0, consumed if i == 0 else 0)
+
+
+def _text_file(path: Path) -> Iterator[Piece]:
+    """One document: the file's text, cut only at `_CUT` places."""
+    buffer = ""
+    first = True
+    pending = 0
+    for chunk, consumed in iter_utf8(path):
+        buffer += chunk
+        pending += consumed
+        if len(buffer) < PIECE_CHARS:
+            continue
+        cut = max((m.end() for m in _CUT.finditer(buffer, max(len(buffer) - PIECE_CHARS, 1))),
+                  default=0)
+        if cut == 0:
+            continue  # no safe cut yet (one long line): keep reading
+        yield Piece(buffer[:cut], first, pending)
+        buffer, first, pending = buffer[cut:], False, 0
+    if buffer:
+        yield Piece(buffer, first, pending)
+    elif pending and not first:
+        yield Piece("", False, pending)
+
+
+def _json_lines(path: Path, text_field: str) -> Iterator[Piece]:
+    with open_binary(path) as (stream, counter):
+        seen = 0
+        for number, line in enumerate(stream, start=1):  # type: ignore[arg-type]
+            if not line.strip():
+                continue
+            where = f"line {number} of '{path}'"
+            try:
+                record = json.loads(line)
+            except UnicodeDecodeError as exc:
+                raise binary_file_error(
+                    path, f"invalid UTF-8 on line {number}: {exc.reason}"
+                ) from None
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"{where} is not JSON ({exc.msg}): .jsonl/.json files are read as JSON "
+                    f"lines, one object per line with the text in field '{text_field}'"
+                ) from None
+            if not isinstance(record, dict) or text_field not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise DataError(
+                    f"{where} has no field '{text_field}' (it has {keys}); name the text "
+                    f"field with --text-field (data sources: the default 'text')"
+                )
+            text = record[text_field]
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise DataError(
+                    f"{where}: field '{text_field}' is a {type(text).__name__}, not a string"
+                )
+            if "\x00" in text:
+                raise binary_file_error(path, f"NUL character on line {number}")
+            consumed, seen = counter.consumed - seen, counter.consumed
+            if text:
+                yield from _document_pieces(text, consumed)
+        if counter.consumed > seen:
+            yield Piece("", False, counter.consumed - seen)
+
+
+def _string_column(batch, text_field: str, where: str) -> list[str | None]:  # type: ignore[no-untyped-def]
+    import pyarrow as pa
+
+    names = batch.schema.names
+    if text_field not in names:
+        raise DataError(
+            f"{where} has no column '{text_field}' (it has {names}); name the text column "
+            f"with --text-field"
+        )
+    column = batch.column(names.index(text_field))
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise DataError(f"{where}: column '{text_field}' is {column.type}, not a string column")
+    return column.to_pylist()
+
+
+def _parquet(path: Path, text_field: str) -> Iterator[Piece]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with contextlib_decompressed(path) as local:
+        try:
+            reader = pq.ParquetFile(local)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"cannot read parquet file '{path}': {exc}") from None
+        size = path.stat().st_size
+        groups = max(reader.metadata.num_row_groups, 1)
+        reported = 0
+        for group in range(reader.metadata.num_row_groups):
+            for batch in reader.iter_batches(
+                batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=None
+                if text_field not in reader.schema_arrow.names else [text_field],
+            ):
+                for text in _string_column(batch, text_field, f"parquet file '{path}'"):
+                    if text:
+                        yield from _document_pieces(text, 0)
+            done = size * (group + 1) // groups
+            if done > reported:
+                yield Piece("", False, done - reported)
+                reported = done
+
+
+@contextmanager
+def contextlib_decompressed(path: Path) -> Iterator[Path]:
+    """`path` itself, or for a compressed file a temporary decompressed copy (parquet needs
+    random access)."""
+    if compression_of(path) is None:
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="bdh-prepare-") as tmp:
+        local = Path(tmp) / path.stem
+        with open_binary(path) as (stream, _), open(local, "wb") as out:
+            shutil.copyfileobj(stream, out, READ_BYTES)
+        yield local
+
+
+def _hf_dataset(path: Path, text_field: str) -> Iterator[Piece]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"'{path}' is a saved Hugging Face dataset: reading it needs the `datasets` package "
+            f"(pip install datasets), or export it to .jsonl or .parquet first"
+        ) from None
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise DataError(
+                f"saved dataset '{path}' has splits {sorted(loaded)} and no 'train': give the "
+                f"directory of one split"
+            )
+        loaded = loaded["train"]
+    if text_field not in loaded.column_names:
+        raise DataError(
+            f"saved dataset '{path}' has no column '{text_field}' (it has "
+            f"{loaded.column_names}); name the text column with --text-field"
+        )
+    for rows in loaded.select_columns([text_field]).iter(batch_size=PARQUET_BATCH_ROWS):
+        for text in rows[text_field]:
+            if not isinstance(text, str | None):
+                raise DataError(
+                    f"saved dataset '{path}': column '{text_field}' holds "
+                    f"{type(text).__name__}, not strings"
+                )
+            if text:
+                yield from _document_pieces(text, 0)
+
+
+def read_pieces(path: Path, text_field: str = TEXT_FIELD) -> Iterator[Piece]:
+    """The documents of one file (or saved dataset), as pieces."""
+    if path.is_dir():
+        return _hf_dataset(path, text_field)
+    suffix = format_suffix(path)
+    if suffix in JSON_LINES_SUFFIXES:
+        return _json_lines(path, text_field)
+    if suffix in PARQUET_SUFFIXES:
+        return _parquet(path, text_field)
+    return _text_file(path)
+
+
+def iter_pieces(
+    sources: list[str | os.PathLike[str]], text_field: str = TEXT_FIELD
+) -> Iterator[Piece]:
+    """The documents of every source in order, as pieces."""
+    for path in expand_sources(sources):
+        yield from read_pieces(path, text_field)
+
+
+def iter_documents(
+    sources: list[str | os.PathLike[str]], text_field: str = TEXT_FIELD
+) -> Iterator[str]:
+    """The documents of every source in order, whole (for tests and small corpora; use
+    `iter_pieces` to stay within bounded memory)."""
+    parts: list[str] = []
+    for piece in iter_pieces(sources, text_field):
+        if piece.starts_document and parts:
+            yield "".join(parts)
+            parts = []
+        if piece.text:
+            parts.append(piece.text)
+    if parts:
+        yield "".join(parts)

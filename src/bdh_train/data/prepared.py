@@ -1,0 +1,648 @@
+"""The prepared corpus: documents tokenized once by `bdh-train prepare` into a directory that
+training memory-maps.
+
+Layout of DIR (one home for it: this module):
+
+- `train.bin`, `val.bin` (optional): token ids, headerless, uint16 when the vocabulary has at
+  most 65536 ids, else uint32;
+- `train.idx.npy`, `val.idx.npy`: each split's document start offsets (uint64, sorted, the
+  first 0), memory-mapped when loaded;
+- `meta.json`: format name and version, dtype, vocab_size, eot_id, the tokenizer ("bytes" or
+  "tokenizer.json") and its sha256 (`Tokenizer.fingerprint()`), per split the token,
+  document and text byte counts, and how validation was chosen;
+- `tokenizer.json`: the tokenizer, unless it is the byte tokenizer.
+
+Documents are concatenated in order. A tokenizer with an end-of-document id gets it after
+each document; the byte tokenizer has none, and a newline goes between documents instead (as
+between the files of a directory source). `doc_starts` mark each document's first token.
+Text bytes of a split are the UTF-8 bytes its tokens decode to (separators included, EOT 0).
+
+Validation (`val_fraction` F): document i > 0 goes to validation when a keyed hash of i is
+below F (so about F of the documents, spread over the corpus, the same ones every time;
+decided while streaming, so `--train-tokenizer` trains on the training documents only). The
+first document always trains. When that picks no document (a corpus of one or a few
+documents), validation is instead the last F of the training tokens, the cut
+`TokenData.split` makes (`validation_cut`) - then a trained tokenizer has seen that text.
+Explicit `val_sources` replace the fraction.
+
+The writer streams: pieces of documents are tokenized in batches (`encode_batch`, on the
+tokenizer's thread pool) and appended to the files, into a temporary sibling directory that
+is renamed into place at the end (a failure leaves nothing). Same inputs, same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from bdh_train import checks
+from bdh_train.data import formats
+from bdh_train.data.sources import (
+    TOKEN_DTYPES,
+    TokenData,
+    split_doc_starts,
+    token_dtype_for,
+    validation_cut,
+)
+from bdh_train.data.tokenizer import (
+    BYTES,
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    train_bpe,
+)
+from bdh_train.errors import DataError
+from bdh_train.utils import current_umask
+
+FORMAT_NAME = "bdh-train prepared corpus"
+FORMAT_VERSION = 1
+META_FILE = formats.PREPARED_MARKER
+SPLITS = ("train", "val")
+INDEX_DTYPE = np.dtype("<u8")
+META_MAX_BYTES = 1 << 20
+"""A meta.json larger than this is refused unread (it is a few hundred bytes)."""
+BATCH_CHARS = 4 << 20
+"""Characters of text tokenized per `encode_batch` call."""
+_COPY_TOKENS = 1 << 22
+_VAL_HASH_KEY = b"bdh-train validation documents"
+
+
+def tokens_file(split: str) -> str:
+    return f"{split}.bin"
+
+
+def index_file(split: str) -> str:
+    return f"{split}.idx.npy"
+
+
+def is_prepared(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a prepared corpus directory (it holds a meta.json)."""
+    return (Path(path) / META_FILE).is_file()
+
+
+def in_validation(index: int, val_fraction: float) -> bool:
+    """Whether document `index` goes to validation under `val_fraction` (never the first)."""
+    if index == 0 or val_fraction <= 0:
+        return False
+    digest = hashlib.blake2b(
+        index.to_bytes(8, "little"), digest_size=8, key=_VAL_HASH_KEY
+    ).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2.0**64
+
+
+# ------------------------------------------------------------------------------- encoding
+def encode_texts(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
+    """Ids of each text. The byte tokenizer's are the UTF-8 bytes, read straight into an
+    array (the same ids as `tokenizer.encode_batch`, without a Python int per byte)."""
+    if tokenizer.kind == BYTES:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+    return [np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(texts)]
+
+
+class SplitWriter:
+    """One split's token stream, written as documents arrive: the separator rule of the
+    module docstring, the document starts, and the token and text byte counts."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, dtype: str, tokens: BinaryIO, index: BinaryIO
+    ) -> None:
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self._tokens, self._index = tokens, index
+        self._lengths = tokenizer.token_byte_lengths()
+        self.eot_id = tokenizer.eot_id
+        self._between = (
+            None if self.eot_id is not None else encode_texts(tokenizer, ["\n"])[0]
+        )
+        self.n_tokens = self.n_documents = self.text_bytes = 0
+        self._open = False
+
+    def _write(self, ids: np.ndarray) -> None:
+        if ids.size:
+            self._tokens.write(ids.astype(self.dtype, copy=False).tobytes())
+            self.n_tokens += int(ids.size)
+            self.text_bytes += int(self._lengths[ids].sum())
+
+    def begin_document(self) -> None:
+        self._end_document()
+        if self._between is not None and self.n_documents:
+            self._write(self._between)
+        self._index.write(np.array([self.n_tokens], dtype=INDEX_DTYPE).tobytes())
+        self.n_documents += 1
+        self._open = True
+
+    def add(self, ids: np.ndarray) -> None:
+        if not self._open:
+            raise AssertionError("SplitWriter.add before begin_document")
+        self._write(ids)
+
+    def _end_document(self) -> None:
+        if self._open and self.eot_id is not None:
+            self._write(np.array([self.eot_id], dtype=np.int64))
+        self._open = False
+
+    def close(self) -> None:
+        self._end_document()
+        self._tokens.flush()
+        self._index.flush()
+
+
+def write_pieces(
+    pieces: Iterable[formats.Piece],
+    tokenizer: Tokenizer,
+    route: Callable[[int], SplitWriter],
+    on_batch: Callable[[int, int], None] = lambda source_bytes, tokens: None,
+) -> int:
+    """Tokenize `pieces` in batches of about `BATCH_CHARS` characters and append them to the
+    writer `route(document_index)` picks for each document; returns the documents seen.
+    `on_batch(source bytes read, tokens written)` follows the progress."""
+    documents = 0
+    batch: list[tuple[SplitWriter, bool, str]] = []
+    chars = consumed = 0
+    writer: SplitWriter | None = None
+
+    def flush() -> None:
+        nonlocal chars, consumed
+        before = sum({id(w): w.n_tokens for w, _, _ in batch}.values())
+        encoded = encode_texts(tokenizer, [text for _, _, text in batch])
+        for (target, starts, _), ids in zip(batch, encoded, strict=True):
+            if starts:
+                target.begin_document()
+            target.add(ids)
+        after = sum({id(w): w.n_tokens for w, _, _ in batch}.values())
+        on_batch(consumed, after - before)
+        batch.clear()
+        chars = consumed = 0
+
+    for piece in pieces:
+        consumed += piece.source_bytes
+        if piece.starts_document:
+            writer = route(documents)
+            documents += 1
+        if writer is not None and (piece.text or piece.starts_document):
+            batch.append((writer, piece.starts_document, piece.text))
+            chars += len(piece.text)
+        if chars >= BATCH_CHARS:
+            flush()
+    flush()
+    return documents
+
+
+def encode_in_memory(
+    files: list[Path], tokenizer: Tokenizer, text_field: str, source: str, vocab_size: int
+) -> TokenData:
+    """The documents of `files` tokenized into memory (loading a text source for training),
+    by the same writer as `prepare_corpus`."""
+    import io
+
+    tokens, index = io.BytesIO(), io.BytesIO()
+    dtype = token_dtype_for(tokenizer.vocab_size)
+    writer = SplitWriter(tokenizer, dtype, tokens, index)
+    pieces = (p for path in files for p in formats.read_pieces(path, text_field))
+    write_pieces(pieces, tokenizer, lambda _: writer)
+    writer.close()
+    if writer.n_tokens == 0:
+        raise DataError(f"data source {source} holds no text (every document is empty)")
+    return TokenData(
+        np.frombuffer(tokens.getbuffer(), dtype=writer.dtype), vocab_size, source,
+        byte_level=tokenizer.kind == BYTES,
+        doc_starts=np.frombuffer(index.getbuffer(), dtype=INDEX_DTYPE),
+        eot_id=tokenizer.eot_id,
+    )
+
+
+# --------------------------------------------------------------------------------- writing
+@dataclass
+class _Split:
+    name: str
+    writer: SplitWriter
+    tokens: BinaryIO
+    index: BinaryIO
+
+
+def _open_split(directory: Path, name: str, tokenizer: Tokenizer, dtype: str) -> _Split:
+    tokens = open(directory / tokens_file(name), "wb")  # noqa: SIM115 - closed by _finish
+    index = open(directory / f"{name}.idx.raw", "wb")  # noqa: SIM115
+    return _Split(name, SplitWriter(tokenizer, dtype, tokens, index), tokens, index)
+
+
+def _finish_split(directory: Path, split: _Split) -> dict[str, int] | None:
+    """Close the split's files and turn its raw index into the .npy; None (files removed)
+    when it got no tokens."""
+    split.writer.close()
+    for handle in (split.tokens, split.index):
+        os.fsync(handle.fileno())
+        handle.close()
+    raw = directory / f"{split.name}.idx.raw"
+    if split.writer.n_tokens == 0:
+        raw.unlink()
+        (directory / tokens_file(split.name)).unlink()
+        return None
+    starts = np.memmap(raw, dtype=INDEX_DTYPE, mode="r")
+    _write_index(directory / index_file(split.name), starts)
+    del starts
+    raw.unlink()
+    w = split.writer
+    return {"tokens": w.n_tokens, "documents": w.n_documents, "text_bytes": w.text_bytes}
+
+
+def _write_index(path: Path, starts: np.ndarray) -> None:
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=INDEX_DTYPE, shape=(len(starts),))
+    for s in range(0, len(starts), _COPY_TOKENS):
+        out[s : s + _COPY_TOKENS] = starts[s : s + _COPY_TOKENS]
+    out.flush()
+    del out
+
+
+def _text_bytes(tokens: np.ndarray, lengths: np.ndarray) -> int:
+    return sum(
+        int(lengths[np.asarray(tokens[s : s + _COPY_TOKENS])].sum())
+        for s in range(0, len(tokens), _COPY_TOKENS)
+    )
+
+
+def _cut_tail(
+    directory: Path, counts: dict[str, int], val_fraction: float, tokenizer: Tokenizer,
+    dtype: str,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Move the last `val_fraction` of train.bin into val.bin (the `TokenData.split` cut)."""
+    n = counts["tokens"]
+    cut = validation_cut(n, val_fraction, f"the prepared corpus ({n} tokens)")
+    train_bin = directory / tokens_file("train")
+    tokens = np.memmap(train_bin, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+    starts = np.load(directory / index_file("train"), mmap_mode="r")
+    train_starts, val_starts = split_doc_starts(np.asarray(starts), cut)
+    lengths = tokenizer.token_byte_lengths()
+    with open(directory / tokens_file("val"), "wb") as out:
+        for s in range(cut, n, _COPY_TOKENS):
+            out.write(np.asarray(tokens[s : min(s + _COPY_TOKENS, n)]).tobytes())
+        out.flush()
+        os.fsync(out.fileno())
+    val_bytes = _text_bytes(tokens[cut:], lengths)
+    del tokens, starts
+    with open(train_bin, "r+b") as fh:
+        fh.truncate(cut * np.dtype(dtype).itemsize)
+        os.fsync(fh.fileno())
+    _write_index(directory / index_file("train"), train_starts)
+    _write_index(directory / index_file("val"), val_starts)
+    train = {"tokens": cut, "documents": len(train_starts),
+             "text_bytes": counts["text_bytes"] - val_bytes}
+    val = {"tokens": n - cut, "documents": len(val_starts), "text_bytes": val_bytes}
+    return train, val
+
+
+def _check_output(out: Path, force: bool) -> None:
+    if not out.exists() and not out.is_symlink():
+        return
+    if not force:
+        raise DataError(
+            f"output '{out}' already exists; pass --force to replace it (or choose another "
+            f"--out)"
+        )
+    if out.is_dir() and (is_prepared(out) or not any(out.iterdir())):
+        return
+    raise DataError(
+        f"output '{out}' exists and is not a prepared corpus (no {META_FILE}); --force replaces "
+        f"only a prepared corpus or an empty directory: remove it yourself or choose another "
+        f"--out"
+    )
+
+
+class _Progress:
+    """The tqdm bar on stderr: source bytes read (with rate and ETA) and tokens written."""
+
+    def __init__(self, total: int | None, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.tokens = 0
+        self.bar = tqdm(
+            total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+            disable=not enabled, desc="prepare", dynamic_ncols=True,
+        )
+
+    def __call__(self, source_bytes: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.bar.set_postfix_str(f"{self.tokens:,} tokens", refresh=False)
+        self.bar.update(source_bytes)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def prepare_corpus(
+    sources: Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str],
+    *,
+    tokenizer: Tokenizer | None = None,
+    train_bpe_vocab: int | None = None,
+    val_fraction: float = 0.1,
+    val_sources: Sequence[str | os.PathLike[str]] | None = None,
+    text_field: str = formats.TEXT_FIELD,
+    force: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenize the documents of `sources` into the prepared corpus `out`; returns its meta.
+
+    tokenizer: the tokenizer to use (None: bytes); or train_bpe_vocab: train a byte-level BPE
+    of that many ids on the training documents and store it in `out`. Validation: the
+    documents `val_fraction` picks (module docstring), or the documents of `val_sources`.
+    An existing `out` is refused unless `force` (then only a prepared corpus or an empty
+    directory is replaced). Every failure raises before `out` is touched.
+    """
+    out = Path(out)
+    if not sources:
+        raise DataError("prepare needs at least one source")
+    checks.number("val_fraction", val_fraction, low=0.0, high=1.0)
+    if val_fraction >= 1:
+        raise DataError(f"val_fraction must be below 1 (some data must train), got {val_fraction}")
+    if tokenizer is not None and train_bpe_vocab is not None:
+        raise DataError("give a tokenizer or a BPE vocabulary size to train, not both")
+    _check_output(out, force)
+    files = formats.expand_sources(list(sources))
+    val_files = formats.expand_sources(list(val_sources)) if val_sources else []
+    fraction = 0.0 if val_sources else float(val_fraction)
+    totals = [formats.source_bytes(files), formats.source_bytes(val_files)]
+    total = None if None in totals else sum(t for t in totals if t is not None)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        tmp.chmod(0o777 & ~current_umask())
+        if train_bpe_vocab is not None:
+            tokenizer = train_bpe(
+                _training_texts(files, text_field, fraction), train_bpe_vocab,
+                show_progress=progress,
+            )
+        tokenizer = tokenizer or ByteTokenizer()
+        meta = _write_corpus(
+            tmp, files, val_files, tokenizer, fraction, text_field, total, progress,
+        )
+        meta["sources"] = [os.fspath(s) for s in sources]
+        meta["val_sources"] = [os.fspath(s) for s in val_sources or []]
+        if tokenizer.save(tmp) is not None:
+            meta["tokenizer"] = TOKENIZER_FILE
+        with open(tmp / META_FILE, "w", encoding="utf-8") as fh:
+            json.dump(meta, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def _training_texts(files: list[Path], text_field: str, val_fraction: float) -> Iterator[str]:
+    """The text pieces of the training documents (those `in_validation` leaves out)."""
+    index, keep = -1, True
+    for path in files:
+        for piece in formats.read_pieces(path, text_field):
+            if piece.starts_document:
+                index += 1
+                keep = not in_validation(index, val_fraction)
+            if keep and piece.text:
+                yield piece.text
+
+
+def _write_corpus(
+    tmp: Path, files: list[Path], val_files: list[Path], tokenizer: Tokenizer,
+    val_fraction: float, text_field: str, total: int | None, progress: bool,
+) -> dict[str, Any]:
+    dtype = token_dtype_for(tokenizer.vocab_size)
+    train = _open_split(tmp, "train", tokenizer, dtype)
+    val = _open_split(tmp, "val", tokenizer, dtype)
+    bar = _Progress(total, progress)
+    try:
+        def pieces(paths: list[Path]) -> Iterator[formats.Piece]:
+            for path in paths:
+                yield from formats.read_pieces(path, text_field)
+
+        write_pieces(
+            pieces(files), tokenizer,
+            lambda i: val.writer if in_validation(i, val_fraction) else train.writer, bar,
+        )
+        if val_files:
+            write_pieces(pieces(val_files), tokenizer, lambda _: val.writer, bar)
+    finally:
+        bar.close()
+    train_counts = _finish_split(tmp, train)
+    val_counts = _finish_split(tmp, val)
+    if train_counts is None:
+        raise DataError(
+            f"the sources hold no text ({len(files)} file(s), every document empty)"
+        )
+    rule = "sources" if val_files else "documents" if val_fraction > 0 else "none"
+    if val_files and val_counts is None:
+        raise DataError("the validation sources hold no text (every document empty)")
+    if val_fraction > 0 and val_counts is None:
+        train_counts, val_counts = _cut_tail(tmp, train_counts, val_fraction, tokenizer, dtype)
+        rule = "tail"
+    splits = {"train": train_counts}
+    if val_counts is not None:
+        splits["val"] = val_counts
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "dtype": dtype,
+        "vocab_size": int(tokenizer.vocab_size),
+        "eot_id": tokenizer.eot_id,
+        "tokenizer": BYTES,
+        "tokenizer_sha256": tokenizer.fingerprint(),
+        "text_field": text_field,
+        "val_rule": rule,
+        "val_fraction": val_fraction,
+        "splits": splits,
+    }
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename the finished directory into place; an existing `out` (allowed by --force) is
+    moved aside first and deleted after."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+        os.replace(out, old / out.name)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------- reading
+def read_meta(directory: Path) -> dict[str, Any]:
+    """The checked meta.json of a prepared corpus (sizes not yet compared with the files)."""
+    path = directory / META_FILE
+    redo = f"prepare the corpus again with `bdh-train prepare ... --out {directory} --force`"
+    try:
+        size = path.stat().st_size
+        if size > META_MAX_BYTES:
+            raise DataError(f"'{path}' has {size} bytes, too large for a prepared corpus meta")
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise DataError(f"cannot read '{path}': {exc.strerror or exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"'{path}' is not valid JSON ({exc}); {redo}") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise DataError(f"'{path}' is not the meta of a {FORMAT_NAME}; {redo}")
+    if meta.get("version") != FORMAT_VERSION:
+        raise DataError(
+            f"'{path}' has format version {meta.get('version')!r}, this bdh-train reads "
+            f"version {FORMAT_VERSION}; {redo}"
+        )
+
+    def bad(what: str) -> DataError:
+        return DataError(f"'{path}': {what}; the file is damaged, {redo}")
+
+    if meta.get("dtype") not in TOKEN_DTYPES:
+        raise bad(f"dtype {meta.get('dtype')!r} is not one of {', '.join(TOKEN_DTYPES)}")
+    vocab = meta.get("vocab_size")
+    if not checks.is_int(vocab) or not 0 < vocab <= np.iinfo(meta["dtype"]).max + 1:
+        raise bad(f"vocab_size {vocab!r} is not a positive integer that fits {meta['dtype']}")
+    eot = meta.get("eot_id")
+    if eot is not None and (not checks.is_int(eot) or not 0 <= eot < vocab):
+        raise bad(f"eot_id {eot!r} is outside the vocabulary")
+    if meta.get("tokenizer") not in (BYTES, TOKENIZER_FILE) or not isinstance(
+        meta.get("tokenizer_sha256"), str
+    ):
+        raise bad("'tokenizer' must be 'bytes' or 'tokenizer.json', with a 'tokenizer_sha256'")
+    splits = meta.get("splits")
+    if not isinstance(splits, dict) or "train" not in splits or set(splits) - set(SPLITS):
+        raise bad(f"'splits' must hold 'train' (and optionally 'val'), got {splits!r}")
+    for name, counts in splits.items():
+        if not isinstance(counts, dict) or not all(
+            checks.is_int(counts.get(k)) and counts[k] >= 0
+            for k in ("tokens", "documents", "text_bytes")
+        ) or counts["tokens"] == 0 or not 0 < counts["documents"] <= counts["tokens"]:
+            raise bad(f"split {name!r} needs positive token and document counts, got {counts!r}")
+    return meta
+
+
+def _check_tokenizer(directory: Path, meta: dict[str, Any], tokenizer: Tokenizer) -> None:
+    if tokenizer.fingerprint() == meta["tokenizer_sha256"]:
+        return
+    theirs = (
+        "the byte tokenizer" if meta["tokenizer"] == BYTES
+        else f"'{directory / TOKENIZER_FILE}'"
+    )
+    fix = "'bytes'" if meta["tokenizer"] == BYTES else f"'{directory}'"
+    raise DataError(
+        f"prepared corpus '{directory}' was tokenized with {theirs} (sha256 "
+        f"{meta['tokenizer_sha256'][:12]}...), not with data.tokenizer "
+        f"({getattr(tokenizer, 'source', tokenizer.kind)}, sha256 "
+        f"{tokenizer.fingerprint()[:12]}...): set data.tokenizer = {fix}"
+    )
+
+
+def _load_split(
+    directory: Path, meta: dict[str, Any], split: str, vocab_size: int, tokenizer: Tokenizer
+) -> TokenData:
+    counts = meta["splits"][split]
+    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+    redo = f"prepare the corpus again (`bdh-train prepare ... --out {directory} --force`)"
+    bin_path, idx_path = directory / tokens_file(split), directory / index_file(split)
+    for path in (bin_path, idx_path):
+        if not path.is_file():
+            raise DataError(f"prepared corpus '{directory}' lacks {path.name}; {redo}")
+    size = bin_path.stat().st_size
+    if size != counts["tokens"] * dtype.itemsize:
+        raise DataError(
+            f"'{bin_path}' has {size} bytes, but {META_FILE} says {counts['tokens']} "
+            f"{meta['dtype']} tokens ({counts['tokens'] * dtype.itemsize} bytes); {redo}"
+        )
+    with open(idx_path, "rb") as fh:
+        try:
+            version = np.lib.format.read_magic(fh)
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, fortran, idx_dtype = read_header(fh)
+        except ValueError as exc:
+            raise DataError(f"'{idx_path}' is not a .npy document index ({exc}); {redo}") from None
+        offset = fh.tell()
+    n_docs = counts["documents"]
+    if idx_dtype != INDEX_DTYPE or shape != (n_docs,) or fortran:
+        raise DataError(
+            f"'{idx_path}' holds {idx_dtype} {shape}, but {META_FILE} says {n_docs} uint64 "
+            f"document starts; {redo}"
+        )
+    if idx_path.stat().st_size != offset + n_docs * INDEX_DTYPE.itemsize:
+        raise DataError(f"'{idx_path}' is truncated or has extra bytes; {redo}")
+    starts = np.memmap(idx_path, dtype=INDEX_DTYPE, mode="r", offset=offset, shape=(n_docs,))
+    _check_starts(starts, counts["tokens"], idx_path, redo)
+    tokens = np.memmap(bin_path, dtype=dtype, mode="r")
+    return TokenData(
+        tokens, vocab_size, f"'{directory}' ({'validation' if split == 'val' else split} split)",
+        byte_level=tokenizer.kind == BYTES, doc_starts=starts, eot_id=meta["eot_id"],
+    )
+
+
+def _check_starts(starts: np.ndarray, n_tokens: int, path: Path, redo: str) -> None:
+    if int(starts[0]) != 0 or int(starts[-1]) >= n_tokens:
+        raise DataError(f"'{path}': document starts must begin at 0 and stay below "
+                        f"{n_tokens}; {redo}")
+    previous = -1
+    for s in range(0, len(starts), _COPY_TOKENS):
+        chunk = np.asarray(starts[s : s + _COPY_TOKENS]).astype(np.int64)
+        if chunk[0] <= previous or (chunk.size > 1 and np.any(np.diff(chunk) <= 0)):
+            raise DataError(f"'{path}': document starts are not increasing; {redo}")
+        previous = int(chunk[-1])
+
+
+def load_prepared(
+    directory: str | os.PathLike[str],
+    vocab_size: int | None = None,
+    *,
+    tokenizer: Tokenizer | None = None,
+    splits: Sequence[str] = SPLITS,
+) -> tuple[TokenData, TokenData | None]:
+    """(train, validation or None) of a prepared corpus, memory-mapped, with document starts
+    and the end-of-document id. `tokenizer` (None: bytes) must be the one the corpus was
+    prepared with; ids must fit `vocab_size` (default: the corpus's). Every size in meta.json
+    is compared with the files before anything is mapped."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+    _check_tokenizer(directory, meta, tokenizer)
+    vocab = int(meta["vocab_size"]) if vocab_size is None else int(vocab_size)
+    loaded: dict[str, TokenData] = {}
+    for split in splits:
+        if split in meta["splits"]:
+            loaded[split] = _load_split(directory, meta, split, vocab, tokenizer)
+            if vocab < meta["vocab_size"]:
+                loaded[split].check_ids(vocab)
+    if "train" in splits and "train" not in loaded:
+        raise AssertionError("read_meta guarantees a train split")
+    return loaded.get("train"), loaded.get("val")  # type: ignore[return-value]
+
+
+def load_prepared_split(
+    directory: Path, split: str, vocab_size: int, tokenizer: Tokenizer | None = None
+) -> TokenData:
+    """One split of a prepared corpus (e.g. `DIR/val.bin` named as an eval source)."""
+    meta = read_meta(directory)
+    if split not in meta["splits"]:
+        raise DataError(
+            f"prepared corpus '{directory}' has no {split} split (it has "
+            f"{', '.join(meta['splits'])})"
+        )
+    train, val = load_prepared(directory, vocab_size, tokenizer=tokenizer, splits=(split,))
+    data = val if split == "val" else train
+    assert data is not None
+    return data
+
+
+def load_tokenizer_of(directory: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer a prepared corpus was written with."""
+    meta = read_meta(Path(directory))
+    return ByteTokenizer() if meta["tokenizer"] == BYTES else load_tokenizer(directory)

@@ -1,0 +1,207 @@
+"""Corpus formats: the same documents from .txt, JSON lines, parquet, gzip and zstd; streamed
+UTF-8 checks; long documents cut where tokenization is unchanged; one clear line for a file
+that is not text."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from bdh_train.data import formats, load_tokens
+from bdh_train.data.formats import iter_documents, split_text
+from bdh_train.data.prepared import encode_texts
+from bdh_train.data.tokenizer import ByteTokenizer, train_bpe
+from bdh_train.errors import DataError
+
+DOCS = [
+    "The first document.\nIt has two lines.\n",
+    "Zweites Dokument: Grüße, 世界 and emoji 🐉.",
+    "  leading spaces\n\n\nblank lines\tand tabs  \n",
+    "x",
+]
+
+
+def write_txt_dir(root: Path, docs: list[str]) -> Path:
+    root.mkdir()
+    for i, doc in enumerate(docs):
+        (root / f"doc{i:02d}.txt").write_text(doc, encoding="utf-8")
+    return root
+
+
+def jsonl_bytes(docs: list[str], field: str = "text") -> bytes:
+    lines = [json.dumps({"id": i, field: d}, ensure_ascii=i % 2 == 0) for i, d in enumerate(docs)]
+    return ("\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:]) + "\n").encode("utf-8")
+
+
+def write_all_formats(tmp_path: Path, docs: list[str]) -> dict[str, Path]:
+    """The same documents in every format (a .txt directory: one file per document)."""
+    out = {"txt-dir": write_txt_dir(tmp_path / "txt", docs)}
+    raw = jsonl_bytes(docs)
+    out["jsonl"] = tmp_path / "c.jsonl"
+    out["jsonl"].write_bytes(raw)
+    out["jsonl.gz"] = tmp_path / "c.jsonl.gz"
+    out["jsonl.gz"].write_bytes(gzip.compress(raw, mtime=0))
+    out["json.zst"] = tmp_path / "c.json.zst"
+    out["json.zst"].write_bytes(zstandard.ZstdCompressor().compress(raw))
+    out["parquet"] = tmp_path / "c.parquet"
+    table = pa.table({"id": list(range(len(docs))), "text": docs})
+    pq.write_table(table, out["parquet"], row_group_size=2)
+    out["parquet.gz"] = tmp_path / "c.parquet.gz"
+    out["parquet.gz"].write_bytes(gzip.compress(out["parquet"].read_bytes(), mtime=0))
+    gz_dir = tmp_path / "gz"
+    gz_dir.mkdir()
+    for i, doc in enumerate(docs):
+        (gz_dir / f"doc{i:02d}.txt.gz").write_bytes(gzip.compress(doc.encode(), mtime=0))
+    out["txt.gz-dir"] = gz_dir
+    return out
+
+
+def test_every_format_gives_the_same_documents(tmp_path: Path) -> None:
+    for name, path in write_all_formats(tmp_path, DOCS).items():
+        assert list(iter_documents([path])) == DOCS, name
+
+
+def test_every_format_gives_the_same_tokens_at_load(tmp_path: Path) -> None:
+    """The memory-mapped byte path of a .txt directory (fast) and the document path of every
+    other format (the writer `prepare` uses) agree; so do they under a BPE."""
+    sources = write_all_formats(tmp_path, DOCS)
+    fast = load_tokens(str(sources["txt-dir"]))
+    assert isinstance(fast.tokens, np.ndarray) and fast.byte_level
+    assert bytes(fast.tokens.astype(np.uint8)) == "\n".join(DOCS).encode()
+    bpe = train_bpe(DOCS * 3, 300)
+    by_bpe = load_tokens(str(sources["txt-dir"]), 300, tokenizer=bpe)
+    for name, path in sources.items():
+        data = load_tokens(str(path))
+        assert data.tokens.tolist() == fast.tokens.tolist(), name
+        assert data.doc_starts.tolist() == fast.doc_starts.tolist(), name
+        other = load_tokens(str(path), 300, tokenizer=bpe)
+        assert other.tokens.tolist() == by_bpe.tokens.tolist(), name
+        assert other.doc_starts.tolist() == by_bpe.doc_starts.tolist(), name
+    ids = by_bpe.tokens.tolist()
+    assert ids.count(bpe.eot_id) == len(DOCS) and ids[-1] == bpe.eot_id
+    assert not by_bpe.byte_level and by_bpe.eot_id == bpe.eot_id
+
+
+def test_byte_encoding_fast_path_matches_the_tokenizer() -> None:
+    texts = [*DOCS, ""]
+    fast = encode_texts(ByteTokenizer(), texts)
+    assert [a.tolist() for a in fast] == ByteTokenizer().encode_batch(texts)
+
+
+def test_utf8_is_checked_as_it_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(formats, "READ_BYTES", 3)  # multi-byte characters straddle reads
+    monkeypatch.setattr(formats, "PIECE_CHARS", 8)
+    text = "Grüße\n世界 🐉\nline\nend"
+    path = tmp_path / "a.txt"
+    path.write_text(text, encoding="utf-8")
+    pieces = list(formats.read_pieces(path))
+    assert "".join(p.text for p in pieces) == text and len(pieces) > 1
+    assert [p.starts_document for p in pieces if p.text] == [True] + [False] * (
+        len([p for p in pieces if p.text]) - 1
+    )
+    assert sum(p.source_bytes for p in pieces) == path.stat().st_size
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("Grüße".encode() + b"\xff tail")
+    with pytest.raises(DataError, match=r"bad.txt' is not UTF-8 text \(invalid UTF-8 at byte 7\)"):
+        list(formats.read_pieces(bad))
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"abc\x00def")
+    with pytest.raises(DataError, match=r"NUL byte at byte 3"):
+        list(formats.read_pieces(nul))
+
+
+@pytest.mark.parametrize("piece_chars", [1, 4, 9, 30])
+def test_pieces_encode_like_the_whole_document(piece_chars: int) -> None:
+    """Cutting only after a lone newline between visible characters leaves a byte-level BPE's
+    ids unchanged (the slow twin: the whole document encoded at once)."""
+    text = (
+        "alpha beta\ngamma  \ndelta\n\n\nepsilon\n zeta\neta's\nthe\n(x)\n  y\nz\n"
+        "über\n世界\n🐉\n!\n"
+    ) * 3
+    bpe = train_bpe([text], 320)
+    pieces = split_text(text, piece_chars)
+    assert "".join(pieces) == text
+    assert len(pieces) > 1
+    joined = [i for ids in bpe.encode_batch(pieces) for i in ids]
+    assert joined == bpe.encode(text)
+
+
+def test_directory_is_recursive_sorted_and_skips_other_files(tmp_path: Path) -> None:
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x.txt").write_text("b/x")
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "c.jsonl").write_text('{"text": "c"}\n')
+    (tmp_path / ".hidden.txt").write_text("hidden")
+    (tmp_path / "notes.md").write_text("markdown")
+    (tmp_path / "prepared").mkdir()
+    (tmp_path / "prepared" / "meta.json").write_text("{}")
+    (tmp_path / "prepared" / "more.txt").write_text("inside a prepared corpus")
+    assert list(iter_documents([tmp_path])) == ["a", "b/x", "c"]
+
+
+def test_binary_file_is_one_clear_line(tmp_path: Path) -> None:
+    blob = tmp_path / "weights.dat"
+    blob.write_bytes(bytes(range(256)) * 4)
+    for call in (lambda: load_tokens(str(blob)), lambda: list(iter_documents([blob]))):
+        with pytest.raises(DataError) as info:
+            call()
+        message = str(info.value)
+        assert "\n" not in message
+        assert re.search(r"weights.dat' is not UTF-8 text .*bdh-train prepare", message)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b'{"text": "ok"}\nnot json\n', r"line 2 of .*c.jsonl' is not JSON"),
+        (b'{"body": "x"}\n', r"line 1 .* no field 'text' \(it has \['body'\]\).*--text-field"),
+        (b'{"text": 3}\n', r"field 'text' is a int, not a string"),
+        (b'{"text": "\xff"}\n', r"c.jsonl' is not UTF-8 text"),
+    ],
+)
+def test_bad_json_lines(tmp_path: Path, content: bytes, expected: str) -> None:
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=expected):
+        list(iter_documents([path]))
+
+
+def test_other_text_field_and_parquet_errors(tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(jsonl_bytes(DOCS, field="body"))
+    assert list(iter_documents([path], text_field="body")) == DOCS
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"n": [1, 2]}), table)
+    with pytest.raises(DataError, match=r"has no column 'text' \(it has \['n'\]\)"):
+        list(iter_documents([table]))
+    pq.write_table(pa.table({"text": [1, 2]}), table)
+    with pytest.raises(DataError, match=r"column 'text' is int64, not a string column"):
+        list(iter_documents([table]))
+    broken = tmp_path / "b.jsonl.gz"
+    broken.write_bytes(b"not gzip at all")
+    with pytest.raises(DataError, match=r"cannot read .*b.jsonl.gz'.*not gz compressed"):
+        list(iter_documents([broken]))
+
+
+def test_saved_hugging_face_dataset(tmp_path: Path) -> None:
+    """Read with `datasets` when it is installed; without it, one line saying to install it."""
+    saved = tmp_path / "ds"
+    try:
+        import datasets
+    except ImportError:
+        saved.mkdir()
+        (saved / "dataset_info.json").write_text("{}")
+        (saved / "state.json").write_text("{}")
+        with pytest.raises(DataError, match=r"saved Hugging Face dataset: .*pip install datasets"):
+            list(iter_documents([saved]))
+        return
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(saved))
+    assert list(iter_documents([saved])) == DOCS

@@ -21,7 +21,8 @@ PUBLIC = {
         "BUILTIN_CORPORA", "ByteTokenizer", "DataConfig", "GENERATED_SOURCES", "NcaConfig",
         "RandomWindowLoader", "StreamingDocumentLoader", "TOKEN_DTYPES", "TokenData",
         "TokenGenerator", "TokenSource", "builtin_corpus", "eval_batches", "header_path",
-        "load_splits", "load_tokens", "read_header", "write_token_file",
+        "iter_documents", "load_prepared", "load_splits", "load_tokens", "prepare_corpus",
+        "read_header", "write_token_file",
     ],
     "bdh_train.train": [
         "CheckpointConfig", "Checkpointer", "EvalResult", "GradientScale", "GradientScaleRamp",

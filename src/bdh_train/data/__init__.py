@@ -1,8 +1,10 @@
-"""The data layer: byte tokenizer, token sources (builtin corpora, text, .bin files, generated
-data) and deterministic, resumable loaders that produce SequenceBatch; `DataConfig` is the
-`[data]` section."""
+"""The data layer: tokenizers, corpus formats, the prepared corpus (`bdh-train prepare`),
+token sources (builtin corpora, text, .bin files, prepared directories, generated data) and
+deterministic, resumable loaders that produce SequenceBatch; `DataConfig` is the `[data]`
+section."""
 
 from bdh_train.data.config import GENERATED_SOURCES, DataConfig
+from bdh_train.data.formats import iter_documents
 from bdh_train.data.loaders import (
     RandomWindowLoader,
     StreamingDocumentLoader,
@@ -10,6 +12,7 @@ from bdh_train.data.loaders import (
     eval_batches,
 )
 from bdh_train.data.nca import NcaConfig
+from bdh_train.data.prepared import load_prepared, prepare_corpus
 from bdh_train.data.sources import (
     BUILTIN_CORPORA,
     TOKEN_DTYPES,
@@ -39,8 +42,11 @@ __all__ = [
     "builtin_corpus",
     "eval_batches",
     "header_path",
+    "iter_documents",
+    "load_prepared",
     "load_splits",
     "load_tokens",
+    "prepare_corpus",
     "read_header",
     "write_token_file",
 ]

@@ -1,0 +1,241 @@
+"""`bdh-train prepare` and the prepared corpus: exact round trips, byte-identical reruns, the
+validation rule, atomic refusal of bad input, and a reader that trusts no size in meta.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_formats import DOCS, write_all_formats
+
+from bdh_train.cli import main
+from bdh_train.data import DataConfig, load_splits, load_tokens
+from bdh_train.data.prepared import (
+    META_FILE,
+    in_validation,
+    load_prepared,
+    prepare_corpus,
+)
+from bdh_train.data.tokenizer import load_tokenizer, train_bpe
+from bdh_train.errors import DataError
+
+CORPUS = [
+    f"Document {i}: {' '.join(['the quick brown fox', 'jumps over', 'the lazy dog'][: i % 3 + 1])}"
+    f"\n{'Grüße 世界 🐉 ' * (i % 4)}end {i}.\n"
+    for i in range(40)
+]
+
+
+def write_jsonl(path: Path, docs: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return path
+
+
+def documents_of(data, tokenizer) -> list[str]:  # type: ignore[no-untyped-def]
+    """Each document's text, cut at doc_starts, without the end-of-document token."""
+    starts = [int(s) for s in data.doc_starts] + [len(data)]
+    docs = []
+    for a, b in zip(starts, starts[1:], strict=False):
+        ids = data.tokens[a:b].tolist()
+        if tokenizer.eot_id is not None:
+            assert ids[-1] == tokenizer.eot_id
+            ids = ids[:-1]
+        docs.append(tokenizer.decode_bytes(ids).decode("utf-8"))
+    return docs
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_trained_bpe_round_trips_every_document(tmp_path: Path, capsys) -> None:
+    # Validation documents carry a word no training document has.
+    corpus = [d + " qqqqqqqq" * 20 if in_validation(i, 0.2) else d for i, d in enumerate(CORPUS)]
+    assert len(train_bpe(corpus, 320).encode("qqqqqqqq")) < 8  # trained on all: "qq" merges
+    source = write_jsonl(tmp_path / "c.jsonl", corpus)
+    out = tmp_path / "prep"
+    assert main(["prepare", str(source), "--out", str(out), "--train-tokenizer", "bpe",
+                 "--vocab-size", "320", "--val-fraction", "0.2", "--quiet"]) == 0
+    assert "train" in capsys.readouterr().out
+    meta = json.loads((out / META_FILE).read_text())
+    tok = load_tokenizer(out)
+    assert meta["tokenizer"] == "tokenizer.json" and meta["tokenizer_sha256"] == tok.fingerprint()
+    assert meta["vocab_size"] == tok.vocab_size == 320 and meta["eot_id"] == tok.eot_id
+    train, val = load_prepared(out, tokenizer=tok)
+    assert isinstance(train.tokens, np.memmap) and isinstance(train.doc_starts, np.memmap)
+    want_val = [d for i, d in enumerate(corpus) if in_validation(i, 0.2)]
+    assert 0 < len(want_val) < len(corpus) and meta["val_rule"] == "documents"
+    assert documents_of(train, tok) == [d for d in corpus if d not in want_val]
+    assert documents_of(val, tok) == want_val
+    for name, data in (("train", train), ("val", val)):
+        counts = meta["splits"][name]
+        assert counts["tokens"] == len(data)
+        assert counts["documents"] == len(data.doc_starts)
+        text = documents_of(data, tok)
+        assert counts["text_bytes"] == sum(len(d.encode()) for d in text)
+    assert len(tok.encode("qqqqqqqq")) == 8  # the tokenizer saw the training documents only
+    assert val.eot_id == tok.eot_id and not train.byte_level
+
+
+def test_prepare_is_byte_identical_across_runs(tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "c.jsonl", CORPUS)
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        prepare_corpus([source], out, train_bpe_vocab=300, val_fraction=0.3, progress=False)
+    first, second = (files_of(o) for o in outs)
+    assert sorted(first) == [
+        "meta.json", "tokenizer.json", "train.bin", "train.idx.npy", "val.bin", "val.idx.npy",
+    ]
+    assert first == second
+    assert str(tmp_path) not in first["meta.json"].decode().replace(str(source), "")
+
+
+def test_every_format_prepares_to_the_same_files(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    sources = write_all_formats(tmp_path / "src", DOCS)
+    bpe = train_bpe(DOCS, 300)
+    expected = None
+    for i, (name, path) in enumerate(sources.items()):
+        out = tmp_path / f"out{i}"
+        prepare_corpus([path], out, tokenizer=bpe, val_fraction=0.5, progress=False)
+        got = {k: v for k, v in files_of(out).items() if k != META_FILE}
+        meta = json.loads((out / META_FILE).read_text())
+        got["splits"] = json.dumps(meta["splits"]).encode()
+        if expected is None:
+            expected = got
+        assert got == expected, name
+
+
+def test_single_document_splits_like_training_does(tmp_path: Path) -> None:
+    """A corpus of one document still gets validation: its last val_fraction of tokens, the
+    same cut `data.val_fraction` makes when training on the text directly."""
+    text = tmp_path / "one.txt"
+    text.write_text("".join(CORPUS), encoding="utf-8")
+    out = tmp_path / "prep"
+    meta = prepare_corpus([text], out, val_fraction=0.1, progress=False)
+    assert meta["val_rule"] == "tail"
+    train, val = load_splits(str(out), 256, block_size=8)
+    direct_train, direct_val = load_splits(str(text), 256, block_size=8, val_fraction=0.1)
+    assert train.tokens.tolist() == direct_train.tokens.tolist()
+    assert val.tokens.tolist() == direct_val.tokens.tolist()
+    assert train.doc_starts.tolist() == [0] and val.doc_starts.tolist() == [0]
+    assert train.byte_level and val.byte_level
+    assert meta["splits"]["val"]["text_bytes"] == len(val)
+
+
+def test_validation_choice_order(tmp_path: Path) -> None:
+    """val_source wins over a prepared validation split, which wins over val_fraction."""
+    source = write_jsonl(tmp_path / "c.jsonl", CORPUS)
+    other = tmp_path / "other.txt"
+    other.write_text("a separate validation text, long enough for a block")
+    out = tmp_path / "prep"
+    prepare_corpus([source], out, val_sources=[other], progress=False)
+    _, val = load_splits(str(out), 256, 8, val_fraction=0.5)
+    assert val.tokens.tolist() == list(other.read_bytes())
+    cfg = DataConfig(source=str(out), val_source=str(out / "train.bin"), val_fraction=0.5)
+    train, val = cfg.load_splits(256, 8)
+    assert val.tokens.tolist() == train.tokens.tolist()
+    assert load_tokens(str(out / "val.bin")).tokens.tolist() == list(other.read_bytes())
+
+
+def test_headerless_bin_trains(tmp_path: Path, capsys) -> None:
+    ids = (np.arange(3000) * 7 % 200).astype(np.uint16)
+    path = tmp_path / "train.bin"
+    path.write_bytes(ids.tobytes())
+    run = tmp_path / "run"
+    args = ["train", "--run-dir", str(run), "--set", f"data.source='{path}'",
+            "--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "model.n_head=1",
+            "--set", "model.mlp_internal_dim_multiplier=2", "--set", "training.block_size=8",
+            "--set", "training.batch_size=2", "--set", "training.max_steps=2",
+            "--set", "training.eval_every=2", "--set", "training.checkpoint_every=2"]
+    assert main(args) == 2
+    assert "data.bin_dtype" in capsys.readouterr().err
+    assert main([*args, "--set", "data.bin_dtype='uint16'", "--overwrite"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(row.get("step") == 2 for row in rows)
+    data = DataConfig(source=str(path), bin_dtype="uint16").load_source(str(path), 256)
+    assert data.tokens.tolist() == ids.tolist() and not data.byte_level
+    with pytest.raises(DataError, match=r"token id 154 at position 22 .* >= vocab_size 150"):
+        DataConfig(source=str(path), bin_dtype="uint16").load_source(str(path), 150)
+
+
+def test_binary_source_is_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    good = write_jsonl(tmp_path / "c.jsonl", CORPUS)
+    blob = tmp_path / "blob.dat"
+    blob.write_bytes(bytes(range(256)))
+    out = tmp_path / "out" / "prep"
+    assert main(["prepare", str(good), str(blob), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "blob.dat' is not UTF-8" in err
+    assert not out.exists() and list((tmp_path / "out").iterdir()) == []
+
+
+def test_existing_output_needs_force(tmp_path: Path, capsys) -> None:
+    source = write_jsonl(tmp_path / "c.jsonl", CORPUS[:5])
+    out = tmp_path / "prep"
+    assert main(["prepare", str(source), "--out", str(out), "--quiet"]) == 0
+    before = files_of(out)
+    source.write_text(json.dumps({"text": "changed"}) + "\n")
+    assert main(["prepare", str(source), "--out", str(out), "--quiet"]) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
+    assert files_of(out) == before
+    assert main(["prepare", str(source), "--out", str(out), "--quiet", "--force"]) == 0
+    train, val = load_prepared(out)
+    assert bytes(train.tokens.tolist() + val.tokens.tolist()) == b"changed"
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep.txt").write_text("mine")
+    assert main(["prepare", str(source), "--out", str(precious), "--quiet", "--force"]) == 2
+    assert "not a prepared corpus" in capsys.readouterr().err
+    assert (precious / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "precious", "prep"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda m: m["splits"]["train"].update(tokens=10**15), r"train.bin' has \d+ bytes, but"),
+        (lambda m: m["splits"]["train"].update(documents=7), r"train.idx.npy' holds uint64"),
+        (lambda m: m.update(dtype="uint32"), r"train.bin' has \d+ bytes, but meta.json says"),
+        (lambda m: m.update(vocab_size=-1), r"vocab_size -1 is not a positive integer"),
+        (lambda m: m.update(version=99), r"format version 99"),
+        (lambda m: m["splits"].update(test={}), r"'splits' must hold 'train'"),
+    ],
+)
+def test_meta_that_disagrees_with_the_files_is_refused_before_mapping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit, expected
+) -> None:
+    source = write_jsonl(tmp_path / "c.jsonl", CORPUS[:6])
+    out = tmp_path / "prep"
+    prepare_corpus([source], out, val_fraction=0, progress=False)
+    meta = json.loads((out / META_FILE).read_text())
+    edit(meta)
+    (out / META_FILE).write_text(json.dumps(meta))
+
+    def no_mapping(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("a file was mapped before its size was checked")
+
+    monkeypatch.setattr(np, "memmap", no_mapping)
+    with pytest.raises(DataError, match=expected):
+        load_prepared(out)
+
+
+def test_damaged_index_and_wrong_tokenizer_are_refused(tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "c.jsonl", CORPUS[:6])
+    out = tmp_path / "prep"
+    prepare_corpus([source], out, val_fraction=0, progress=False)
+    bpe = train_bpe(CORPUS, 300)
+    with pytest.raises(DataError, match=r"tokenized with the byte tokenizer .* data.tokenizer = "
+                       r"'bytes'"):
+        load_prepared(out, tokenizer=bpe)
+    saved = bpe.save(tmp_path / "bpe")
+    with pytest.raises(DataError, match=r"tokenized with the byte tokenizer"):
+        DataConfig(source=str(out), tokenizer=str(saved)).load_splits(256, 8)
+    index = out / "train.idx.npy"
+    starts = np.load(index)
+    starts[2] = starts[1]
+    np.save(index, starts)
+    with pytest.raises(DataError, match=r"document starts are not increasing"):
+        load_prepared(out)

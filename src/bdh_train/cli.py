@@ -14,6 +14,7 @@ import json
 import math
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -451,6 +452,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     if (args.train_tokenizer is None) != (args.vocab_size is None):
         raise BDHTrainError("--train-tokenizer bpe and --vocab-size N go together")
+    started = time.perf_counter()
     meta = prepare_corpus(
         args.sources, args.out,
         tokenizer=None if args.tokenizer is None else load_tokenizer(args.tokenizer),
@@ -463,7 +465,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         f"{name} {counts['tokens']:,} tokens ({counts['documents']:,} documents)"
         for name, counts in meta["splits"].items()
     )
-    print(f"{args.out}: {splits}; vocab_size {meta['vocab_size']} ({meta['tokenizer']})")
+    seconds = time.perf_counter() - started
+    text_mb = sum(counts["text_bytes"] for counts in meta["splits"].values()) / 1e6
+    print(
+        f"{args.out}: {splits}; vocab_size {meta['vocab_size']} ({meta['tokenizer']}); "
+        f"{text_mb:.1f} MB of text in {seconds:.1f}s ({text_mb / max(seconds, 1e-9):.1f} MB/s)"
+    )
     return 0
 
 

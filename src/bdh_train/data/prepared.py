@@ -59,7 +59,6 @@ from bdh_train.data.tokenizer import (
     TOKENIZER_FILE,
     ByteTokenizer,
     Tokenizer,
-    load_tokenizer,
     train_bpe,
 )
 from bdh_train.errors import DataError
@@ -374,6 +373,9 @@ def prepare_corpus(
     totals = [formats.source_bytes(files), formats.source_bytes(val_files)]
     total = None if None in totals else sum(t for t in totals if t is not None)
 
+    created = next(
+        (p for p in reversed(out.absolute().parents) if not p.exists()), None
+    )  # the first folder this call makes, removed again on failure
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
@@ -398,7 +400,7 @@ def prepare_corpus(
             os.fsync(fh.fileno())
         _replace(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(created or tmp, ignore_errors=True)
         raise
     return meta
 
@@ -604,45 +606,35 @@ def load_prepared(
     vocab_size: int | None = None,
     *,
     tokenizer: Tokenizer | None = None,
-    splits: Sequence[str] = SPLITS,
 ) -> tuple[TokenData, TokenData | None]:
     """(train, validation or None) of a prepared corpus, memory-mapped, with document starts
     and the end-of-document id. `tokenizer` (None: bytes) must be the one the corpus was
-    prepared with; ids must fit `vocab_size` (default: the corpus's). Every size in meta.json
-    is compared with the files before anything is mapped."""
-    directory = Path(directory)
-    meta = read_meta(directory)
-    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
-    _check_tokenizer(directory, meta, tokenizer)
-    vocab = int(meta["vocab_size"]) if vocab_size is None else int(vocab_size)
-    loaded: dict[str, TokenData] = {}
-    for split in splits:
-        if split in meta["splits"]:
-            loaded[split] = _load_split(directory, meta, split, vocab, tokenizer)
-            if vocab < meta["vocab_size"]:
-                loaded[split].check_ids(vocab)
-    if "train" in splits and "train" not in loaded:
-        raise AssertionError("read_meta guarantees a train split")
-    return loaded.get("train"), loaded.get("val")  # type: ignore[return-value]
+    prepared with; ids must be below `vocab_size` (default: the corpus's). Every size in
+    meta.json is compared with the files before anything is mapped."""
+    meta = read_meta(Path(directory))
+    train = load_prepared_split(directory, "train", vocab_size, tokenizer)
+    val = None
+    if "val" in meta["splits"]:
+        val = load_prepared_split(directory, "val", vocab_size, tokenizer)
+    return train, val
 
 
 def load_prepared_split(
-    directory: Path, split: str, vocab_size: int, tokenizer: Tokenizer | None = None
+    directory: str | os.PathLike[str], split: str, vocab_size: int | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> TokenData:
-    """One split of a prepared corpus (e.g. `DIR/val.bin` named as an eval source)."""
+    """One split of a prepared corpus (`DIR/val.bin` named as a source reads this), checked
+    like `load_prepared`."""
+    directory = Path(directory)
     meta = read_meta(directory)
     if split not in meta["splits"]:
         raise DataError(
             f"prepared corpus '{directory}' has no {split} split (it has "
             f"{', '.join(meta['splits'])})"
         )
-    train, val = load_prepared(directory, vocab_size, tokenizer=tokenizer, splits=(split,))
-    data = val if split == "val" else train
-    assert data is not None
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+    _check_tokenizer(directory, meta, tokenizer)
+    vocab = int(meta["vocab_size"]) if vocab_size is None else int(vocab_size)
+    data = _load_split(directory, meta, split, vocab, tokenizer)
+    data.check_ids(vocab)
     return data
-
-
-def load_tokenizer_of(directory: str | os.PathLike[str]) -> Tokenizer:
-    """The tokenizer a prepared corpus was written with."""
-    meta = read_meta(Path(directory))
-    return ByteTokenizer() if meta["tokenizer"] == BYTES else load_tokenizer(directory)

@@ -112,6 +112,10 @@ def test_utf8_is_checked_as_it_streams(tmp_path: Path, monkeypatch: pytest.Monke
     bad.write_bytes("Grüße".encode() + b"\xff tail")
     with pytest.raises(DataError, match=r"bad.txt' is not UTF-8 text \(invalid UTF-8 at byte 7\)"):
         list(formats.read_pieces(bad))
+    for content, offset in ((b"ab\xc3\x28cd", 2), (b"abcd\xe2\x82\x28cd", 4)):
+        bad.write_bytes(content)  # the invalid sequence starts in an earlier read
+        with pytest.raises(DataError, match=rf"invalid UTF-8 at byte {offset}\)"):
+            list(formats.read_pieces(bad))
     nul = tmp_path / "nul.txt"
     nul.write_bytes(b"abc\x00def")
     with pytest.raises(DataError, match=r"NUL byte at byte 3"):
@@ -119,19 +123,29 @@ def test_utf8_is_checked_as_it_streams(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize("piece_chars", [1, 4, 9, 30])
-def test_pieces_encode_like_the_whole_document(piece_chars: int) -> None:
+def test_pieces_encode_like_the_whole_document(
+    piece_chars: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Cutting only after a lone newline between visible characters leaves a byte-level BPE's
-    ids unchanged (the slow twin: the whole document encoded at once)."""
+    ids unchanged (the slow twin: the whole document encoded at once), for a document given
+    as a string and for a text file streamed in small reads."""
     text = (
         "alpha beta\ngamma  \ndelta\n\n\nepsilon\n zeta\neta's\nthe\n(x)\n  y\nz\n"
-        "über\n世界\n🐉\n!\n"
-    ) * 3
+        "über\n世界\n🐉\n!\nend \n\nnext  \nword \n\nmore\t\nx \n\n"
+    ) * 3  # " \n" is a whole-text pre-token, so a cut after "  \n" would change the ids
     bpe = train_bpe([text], 320)
     pieces = split_text(text, piece_chars)
     assert "".join(pieces) == text
     assert len(pieces) > 1
     joined = [i for ids in bpe.encode_batch(pieces) for i in ids]
     assert joined == bpe.encode(text)
+    monkeypatch.setattr(formats, "PIECE_CHARS", piece_chars)
+    monkeypatch.setattr(formats, "READ_BYTES", 5)
+    path = tmp_path / "doc.txt"
+    path.write_text(text, encoding="utf-8")
+    assert len([p for p in formats.read_pieces(path) if p.text]) > 1
+    loaded = load_tokens(str(path), 320, tokenizer=bpe)
+    assert loaded.tokens.tolist() == [*bpe.encode(text), bpe.eot_id]
 
 
 def test_directory_is_recursive_sorted_and_skips_other_files(tmp_path: Path) -> None:

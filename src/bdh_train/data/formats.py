@@ -296,17 +296,18 @@ def _text_file(path: Path) -> Iterator[Piece]:
     buffer = ""
     first = True
     pending = 0
+    scan_from = 1  # the buffer before this holds no cut
     for chunk, consumed in iter_utf8(path):
         buffer += chunk
         pending += consumed
         if len(buffer) < PIECE_CHARS:
             continue
-        cut = max((m.end() for m in _CUT.finditer(buffer, max(len(buffer) - PIECE_CHARS, 1))),
-                  default=0)
-        if cut == 0:
-            continue  # no safe cut yet (one long line): keep reading
+        cut = max((m.end() for m in _CUT.finditer(buffer, scan_from)), default=0)
+        if cut == 0:  # no cut yet (one long line): read on; the last character may start one
+            scan_from = max(len(buffer) - 1, 1)
+            continue
         yield Piece(buffer[:cut], first, pending)
-        buffer, first, pending = buffer[cut:], False, 0
+        buffer, first, pending, scan_from = buffer[cut:], False, 0, 1
     if buffer:
         yield Piece(buffer, first, pending)
     elif pending and not first:

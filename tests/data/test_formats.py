@@ -219,3 +219,26 @@ def test_saved_hugging_face_dataset(tmp_path: Path) -> None:
         return
     datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(saved))
     assert list(iter_documents([saved])) == DOCS
+
+
+class BytesWithEot:
+    """A non-byte tokenizer as far as loading is concerned: UTF-8 bytes plus an id 256 that
+    ends documents (cheap, so a whole builtin corpus encodes in a blink)."""
+
+    kind = "test"
+    vocab_size = 257
+    eot_id = 256
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
+    def token_byte_lengths(self) -> np.ndarray:
+        return np.array([1] * 256 + [0])
+
+
+def test_builtin_corpus_under_a_tokenizer_is_one_document() -> None:
+    from bdh_train.data import builtin_corpus
+
+    data = load_tokens("builtin:pydoc", 257, tokenizer=BytesWithEot())  # type: ignore[arg-type]
+    assert data.doc_starts.tolist() == [0] and data.tokens[-1] == 256 and not data.byte_level
+    assert bytes(data.tokens[:-1].astype(np.uint8)) == builtin_corpus("pydoc").encode()

@@ -286,7 +286,8 @@ def split_text(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
     return pieces
 
 
-def _document_pieces(text: str, consumed: int) -> Iterator[Piece]:
+def document_pieces(text: str, consumed: int = 0) -> Iterator[Piece]:
+    """One document given as a string, as pieces (`split_text`)."""
     for i, part in enumerate(split_text(text)):
         yield Piece(part, i == 0, consumed if i == 0 else 0)
 
@@ -349,7 +350,7 @@ def _json_lines(path: Path, text_field: str) -> Iterator[Piece]:
                 raise binary_file_error(path, f"NUL character on line {number}")
             consumed, seen = counter.consumed - seen, counter.consumed
             if text:
-                yield from _document_pieces(text, consumed)
+                yield from document_pieces(text, consumed)
         if counter.consumed > seen:
             yield Piece("", False, counter.consumed - seen)
 
@@ -388,7 +389,7 @@ def _parquet(path: Path, text_field: str) -> Iterator[Piece]:
             ):
                 for text in _string_column(batch, text_field, f"parquet file '{path}'"):
                     if text:
-                        yield from _document_pieces(text, 0)
+                        yield from document_pieces(text, 0)
             done = size * (group + 1) // groups
             if done > reported:
                 yield Piece("", False, done - reported)
@@ -438,7 +439,7 @@ def _hf_dataset(path: Path, text_field: str) -> Iterator[Piece]:
                     f"{type(text).__name__}, not strings"
                 )
             if text:
-                yield from _document_pieces(text, 0)
+                yield from document_pieces(text, 0)
 
 
 def read_pieces(path: Path, text_field: str = TEXT_FIELD) -> Iterator[Piece]:

@@ -198,16 +198,15 @@ def write_pieces(
 
 
 def encode_in_memory(
-    files: list[Path], tokenizer: Tokenizer, text_field: str, source: str, vocab_size: int
+    pieces: Iterable[formats.Piece], tokenizer: Tokenizer, source: str, vocab_size: int
 ) -> TokenData:
-    """The documents of `files` tokenized into memory (loading a text source for training),
-    by the same writer as `prepare_corpus`."""
+    """Documents tokenized into memory (a text source loaded for training), by the same
+    writer as `prepare_corpus`."""
     import io
 
     tokens, index = io.BytesIO(), io.BytesIO()
     dtype = token_dtype_for(tokenizer.vocab_size)
     writer = SplitWriter(tokenizer, dtype, tokens, index)
-    pieces = (p for path in files for p in formats.read_pieces(path, text_field))
     write_pieces(pieces, tokenizer, lambda _: writer)
     writer.close()
     if writer.n_tokens == 0:

@@ -229,9 +229,11 @@ def load_tokens(
                 byte_level=True,
             )
         else:
-            ids = np.asarray(tokenizer.encode(text), dtype=token_dtype_for(vocab_size))
-            data = TokenData(ids, vocab_size, f"'{name}'", doc_starts=np.zeros(1, np.uint64),
-                             eot_id=tokenizer.eot_id)
+            from bdh_train.data import prepared
+
+            data = prepared.encode_in_memory(
+                formats.document_pieces(text), tokenizer, f"'{name}'", vocab_size
+            )
     else:
         data = _from_path(Path(name).expanduser(), vocab_size, name, tokenizer, bin_dtype,
                           text_field)
@@ -332,7 +334,8 @@ def _from_path(
         if tokenizer.kind == BYTES and _is_plain_text(path):
             return _from_text_file(path, vocab_size)
         what = f"'{path}'"
-    return prepared.encode_in_memory(files, tokenizer, text_field, what, vocab_size)
+    pieces = (piece for p in files for piece in formats.read_pieces(p, text_field))
+    return prepared.encode_in_memory(pieces, tokenizer, what, vocab_size)
 
 
 def _is_plain_text(path: Path) -> bool:

@@ -1,7 +1,8 @@
 """Documents read from text corpora, streamed: the reading side of `bdh-train prepare` and
 of loading text sources with a tokenizer.
 
-Formats (by file name; each may also end in `.gz` or `.zst`, decompressed on the fly):
+Formats (by file name; each may also end in `.gz` or `.zst`, decompressed on the fly; a
+compressed parquet file into a temporary file, as parquet needs random access):
 
 - `.txt` and any other name not listed below: UTF-8 text, one file = one document;
 - `.jsonl`, `.json`: JSON lines, one object per line = one document, its text in the field
@@ -377,23 +378,22 @@ def _parquet(path: Path, text_field: str) -> Iterator[Piece]:
     with contextlib_decompressed(path) as local:
         try:
             reader = pq.ParquetFile(local)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise DataError(f"cannot read parquet file '{path}': {exc}") from None
-        size = path.stat().st_size
-        groups = max(reader.metadata.num_row_groups, 1)
-        reported = 0
-        for group in range(reader.metadata.num_row_groups):
-            for batch in reader.iter_batches(
-                batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=None
-                if text_field not in reader.schema_arrow.names else [text_field],
-            ):
-                for text in _string_column(batch, text_field, f"parquet file '{path}'"):
-                    if text:
-                        yield from document_pieces(text, 0)
-            done = size * (group + 1) // groups
-            if done > reported:
+            size = path.stat().st_size
+            groups = reader.metadata.num_row_groups
+            columns = [text_field] if text_field in reader.schema_arrow.names else None
+            reported = 0
+            for group in range(groups):
+                for batch in reader.iter_batches(
+                    batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=columns
+                ):
+                    for text in _string_column(batch, text_field, f"parquet file '{path}'"):
+                        if text:
+                            yield from document_pieces(text)
+                done = size * (group + 1) // groups
                 yield Piece("", False, done - reported)
                 reported = done
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(f"cannot read parquet file '{path}': {exc}") from None
 
 
 @contextmanager
@@ -418,7 +418,10 @@ def _hf_dataset(path: Path, text_field: str) -> Iterator[Piece]:
             f"'{path}' is a saved Hugging Face dataset: reading it needs the `datasets` package "
             f"(pip install datasets), or export it to .jsonl or .parquet first"
         ) from None
-    loaded = datasets.load_from_disk(str(path))
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as exc:  # the library raises several kinds for a damaged directory
+        raise DataError(f"cannot load saved dataset '{path}': {exc}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
             raise DataError(

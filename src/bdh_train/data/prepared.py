@@ -33,6 +33,7 @@ is renamed into place at the end (a failure leaves nothing). Same inputs, same b
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -202,8 +203,6 @@ def encode_in_memory(
 ) -> TokenData:
     """Documents tokenized into memory (a text source loaded for training), by the same
     writer as `prepare_corpus`."""
-    import io
-
     tokens, index = io.BytesIO(), io.BytesIO()
     dtype = token_dtype_for(tokenizer.vocab_size)
     writer = SplitWriter(tokenizer, dtype, tokens, index)

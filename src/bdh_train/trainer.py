@@ -35,7 +35,13 @@ from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.accumulate import WeightedGradientAccumulator, write_to_params
 from bdh_train.train.evaluate import evaluate
 from bdh_train.train.init_from import init_weights_from
-from bdh_train.train.metrics import PLOT_FILE, MetricsLog, Progress, format_duration, plot_losses
+from bdh_train.train.metrics import (
+    PLOT_FILE,
+    MetricsReporter,
+    Progress,
+    format_duration,
+    plot_losses,
+)
 from bdh_train.train.profile import ProfileSettings, StepProfile, StepProfiler, profile_row
 from bdh_train.train.reduce import all_reduce_accumulated
 from bdh_train.train.run_dir import RunDirLock, check_fresh_run_dir, clear_run_dir
@@ -219,6 +225,7 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(self.run_dir, t.keep_checkpoints, self.dist.is_main)
         self.window_profiles: list[StepProfile] = []
         self.stop_requested = False
+        self.metrics: MetricsReporter | None = None
         self.resumed_from = (
             ckpt.resolve_checkpoint(self.run_dir, fallback=resume_fallback) if resume else None
         )
@@ -339,9 +346,14 @@ class Trainer:
         """Train to `max_steps` (or until a stop is requested); the main process holds the
         run directory's lock throughout."""
         lock = RunDirLock(self.run_dir).acquire() if self.dist.is_main else None
+        failed = True
         try:
-            return self._run(stop_after_micro_steps)
+            result = self._run(stop_after_micro_steps)
+            failed = False
+            return result
         finally:
+            if self.metrics is not None:
+                self.metrics.close(failed)
             if lock is not None:
                 lock.release()
 
@@ -352,7 +364,10 @@ class Trainer:
                 clear_run_dir(self.run_dir)
             save_config(self.cfg, self.run_dir / CONFIG_FILE)
         resume_step = s.step if self.resumed_from is not None else None
-        self.metrics = MetricsLog(self.run_dir, resume_step, enabled=self.dist.is_main)
+        self.metrics = MetricsReporter(
+            self.run_dir, self.cfg.metrics, resume_step, enabled=self.dist.is_main,
+            config=self.cfg.to_dict(), config_text=dump_toml(self.cfg),
+        )
         for line in self.banner_lines():
             self.progress.log(line)
         for note in self.cfg.notes():
@@ -593,7 +608,8 @@ class Trainer:
             self.executor, self.val_data, t.block_size, t.batch_size, t.eval_steps, self.device,
             self.cfg.data.summary_trigger(),
         )
-        self.metrics.write({"step": self.state.step, **result.row()})
+        if self.metrics is not None:
+            self.metrics.write({"step": self.state.step, **result.row()})
         bits = result.bits_per_byte
         self.progress.log(
             f"step {self.state.step:>6} | val_loss {result.val_loss:.4f}"

@@ -96,10 +96,13 @@ class TrainerState:
         missing = [name for name in needed if name not in state]
         if missing:  # the checkpointer names the file and the checkpoint
             raise ValueError(f"it lacks the counters {', '.join(missing)}")
-        if state.get("world_size", 1) != self.world_size:
+        written_by = state.get("world_size", 1)
+        if written_by != self.world_size and int(state["micro"]):
             raise CheckpointError(
-                f"the checkpoint was written by {state.get('world_size')} processes; resume it "
-                f"with the same number (now {self.world_size})"
+                f"the checkpoint was taken {state['micro']} micro-step(s) into an accumulation "
+                f"window by {written_by} processes; resume it with {written_by} processes (now "
+                f"{self.world_size}), or resume another number from a checkpoint taken at a "
+                "step boundary"
             )
         for name in ("step", "micro", "tokens", "skips"):
             setattr(self, name, int(state[name]))
@@ -133,13 +136,45 @@ class RankStates:
 
     def load_state_dict(self, payloads: list[dict[str, Any]]) -> None:
         t = self.trainer
-        payload = payloads[t.dist.rank]
+        if len(payloads) == t.dist.world_size:
+            payload = payloads[t.dist.rank]
+        else:
+            dp = t.data_parallel
+            payload = regroup_rank_payloads(payloads, dp.rank, dp.world_size)
         t.executor.load_state_dict(payload["train_step"])
         t.accumulator.load_state_dict(payload["accumulator"])
         # Checkpoints of v0.1 kept the counter only inside the train-step state.
         scales = payload.get("gradient_scales") or payload["train_step"]["gradient_scales"]
         t.gradient_scales.load_state_dict(scales)
         ckpt.restore_rng_state(payload["rng"])
+
+
+def regroup_rank_payloads(
+    payloads: list[dict[str, Any]], rank: int, world_size: int
+) -> dict[str, Any]:
+    """Rank `rank`'s part of a step-boundary checkpoint written by another number of
+    data-parallel processes. The ranks' carried streaming states, in rank order, are the
+    global batch's rows: they are joined and this rank takes its contiguous slice, as the
+    loader deals its rows. The gradient-scale counter and the (empty) accumulation window are
+    the same on every rank; the RNGs are those of the rank that held this rank's first row."""
+    states = [p["train_step"].get("carried_state") for p in payloads]
+    if any(s is None for s in states) and not all(s is None for s in states):
+        raise CheckpointError("ranks.pt holds a carried state for some processes only")
+    carried = None
+    if states[0] is not None:  # the loader has checked that the rows split evenly
+        per_rank = sum(int(s["position"].shape[0]) for s in states) // world_size
+        lo = rank * per_rank
+        carried = {
+            key: torch.cat([s[key] for s in states])[lo : lo + per_rank].clone()
+            for key in states[0]
+        }
+    first_row_owner = rank * len(payloads) // world_size
+    return {
+        "rng": payloads[first_row_owner]["rng"],
+        "train_step": {**payloads[0]["train_step"], "carried_state": carried},
+        "accumulator": payloads[0]["accumulator"],
+        "gradient_scales": payloads[0].get("gradient_scales"),
+    }
 
 
 class ConfigText:

@@ -43,7 +43,7 @@ from bdh_train.train.metrics import (
     plot_losses,
 )
 from bdh_train.train.profile import ProfileSettings, StepProfile, StepProfiler, profile_row
-from bdh_train.train.reduce import all_reduce_accumulated
+from bdh_train.train.reduce import all_reduce_accumulated, all_reduce_sums
 from bdh_train.train.run_dir import RunDirLock, check_fresh_run_dir, clear_run_dir
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.step import LanguageTrainModel, StepExecutor
@@ -228,9 +228,10 @@ class Trainer:
         t = cfg.training
         self.run_dir = Path(run_dir)
         self.overwrite = overwrite and not resume
+        self.dist = dist_ctx or DistContext()
         if not resume:
             check_fresh_run_dir(self.run_dir, overwrite)
-        self.dist = dist_ctx or DistContext()
+            self.dist.barrier()  # every process has looked before the first one writes
         self.device = self.dist.device(resolve_device(t.device).type)
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -639,9 +640,11 @@ class Trainer:
         if self.val_data is None:
             return None
         t = self.cfg.training
+        dp = self.data_parallel  # pipeline ranks evaluate every batch together instead
         result = evaluate(
             self.executor, self.val_data, t.block_size, t.batch_size, t.eval_steps, self.device,
-            self.cfg.data.summary_trigger(),
+            self.cfg.data.summary_trigger(), part=(dp.rank, dp.world_size),
+            add_across_ranks=all_reduce_sums if dp.active else None,
         )
         if self.metrics is not None:
             self.metrics.write({"step": self.state.step, **result.row()})

@@ -17,6 +17,7 @@ import time
 import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from bdh_train.config import RunConfig, dump_toml, save_config
 from bdh_train.data import RandomWindowLoader, StreamingDocumentLoader
 from bdh_train.data.tokenizer import ByteTokenizer
-from bdh_train.distributed.env import DistContext
+from bdh_train.distributed.env import DistContext, pipeline_mesh
 from bdh_train.distributed.pipeline import PipelineRunner
 from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
@@ -138,6 +139,11 @@ class RankStates:
         t = self.trainer
         if len(payloads) == t.dist.world_size:
             payload = payloads[t.dist.rank]
+        elif t.cfg.parallel.pipeline_stages > 1 and not t.cfg.parallel.emulate:
+            raise CheckpointError(
+                f"the checkpoint was written by {len(payloads)} processes of a pipeline mesh; "
+                f"resume it with {len(payloads)} processes (now {t.dist.world_size})"
+            )
         else:
             dp = t.data_parallel
             payload = regroup_rank_payloads(payloads, dp.rank, dp.world_size)
@@ -281,25 +287,21 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _build_executor(self) -> tuple[StepExecutor, DistContext]:
-        """The step executor, and the data-parallel group its gradients are reduced over:
-        the multi-process pipeline runner already sums its gradients over the stages, and
-        every stage sees the whole batch."""
+        """The step executor, and the data-parallel group its gradients are reduced over.
+        The processes form a data_parallel x pipeline_stages mesh: a pipeline runner sums
+        its gradients over its replica's stages, every stage of a replica sees the replica's
+        rows, and the replicas reduce over the data-parallel dimension."""
         t, p = self.cfg.training, self.cfg.parallel
+        replicas, stages = p.mesh_shape(self.dist.world_size)
         plan = None
         if p.pipeline_stages > 1:
             plan = build_pipeline_plan(
                 self.cfg.model.n_layer, p.pipeline_stages, p.virtual_stages_per_rank,
                 p.microbatches, p.schedule,
             )
-        if plan is not None and not p.emulate:
-            if self.dist.world_size != p.pipeline_stages:
-                raise ConfigError(
-                    f"parallel.pipeline_stages={p.pipeline_stages} needs exactly that many "
-                    f"processes (torchrun --nproc-per-node {p.pipeline_stages}), got "
-                    f"{self.dist.world_size}; or set parallel.emulate=true to run the plan's "
-                    "microbatches in one process"
-                )
-            return PipelineRunner(self.model, plan, self.dist.rank), DistContext()
+        if plan is not None and stages > 1:
+            mesh = pipeline_mesh(self.dist, self.device.type, replicas, stages)
+            return PipelineRunner(self.model, plan, mesh.stage, mesh.stage_group), mesh.data
         step = LanguageTrainModel(
             self.model,
             tbptt_chunk_size=t.tbptt_chunk_size,
@@ -489,7 +491,10 @@ class Trainer:
         params = sum(p.numel() for p in self.model.parameters())
         device = str(self.device)
         if self.dist.world_size > 1:
+            replicas, stages = self.cfg.parallel.mesh_shape(self.dist.world_size)
             device += f" x {self.dist.world_size} processes"
+            if stages > 1:
+                device += f" ({replicas} data-parallel x {stages} pipeline stages)"
         val = f"{len(self.val_data):,} val tokens" if self.val_data is not None else "no val split"
         per_step = t.batch_size * t.block_size * self.accumulation_steps
         accum = f" x {self.accumulation_steps} micro-steps" if self.accumulation_steps > 1 else ""
@@ -571,12 +576,11 @@ class Trainer:
         s = self.state
         if not self.data_parallel.active:
             return self.accumulator.finish_mean().gradients, s.window_loss, s.window_count
+        group = self.data_parallel.group
         grads = all_reduce_accumulated(
-            self.accumulator.finish_sums(), self.model.named_parameters()
+            self.accumulator.finish_sums(), self.model.named_parameters(), group
         )
-        totals = torch.tensor([s.window_loss, s.window_count], dtype=torch.float64)
-        dist.all_reduce(totals)
-        loss_sum, count = totals.tolist()
+        loss_sum, count = all_reduce_sums([s.window_loss, s.window_count], group)
         return grads, loss_sum, count
 
     def _optimizer_step(self) -> dict[str, Any]:
@@ -644,7 +648,7 @@ class Trainer:
         result = evaluate(
             self.executor, self.val_data, t.block_size, t.batch_size, t.eval_steps, self.device,
             self.cfg.data.summary_trigger(), part=(dp.rank, dp.world_size),
-            add_across_ranks=all_reduce_sums if dp.active else None,
+            add_across_ranks=partial(all_reduce_sums, group=dp.group) if dp.active else None,
         )
         if self.metrics is not None:
             self.metrics.write({"step": self.state.step, **result.row()})

@@ -460,3 +460,19 @@ def plot_timeline(plan: PipelinePlan, path: str | os.PathLike[str]) -> Path:
     with atomic_write(out, "wb") as handle:
         fig.savefig(handle, format="png", dpi=100)
     return out
+
+
+def render_mesh(replicas: int, stages: int) -> str:
+    """The data-parallel x pipeline process mesh as torchrun numbers its processes: rank =
+    replica * stages + stage."""
+    checks.positive_int("--data-parallel", replicas)
+    checks.positive_int("--stages", stages)
+    width = len(str(replicas * stages - 1))
+    lines = [
+        f"mesh: {replicas} data-parallel x {stages} pipeline stages = {replicas * stages} "
+        f"processes (torchrun --nproc-per-node {replicas * stages}, or that many in all)"
+    ]
+    for replica in range(replicas):
+        ranks = " ".join(f"{replica * stages + s:>{width}}" for s in range(stages))
+        lines.append(f"  replica {replica}: ranks {ranks} (stages 0..{stages - 1})")
+    return "\n".join(lines)

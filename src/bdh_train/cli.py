@@ -240,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--virtual", type=int, default=1)
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--schedule", default="gpipe", help="gpipe | 1f1b | interleaved_1f1b")
+    p.add_argument(
+        "--data-parallel", type=int, default=1, metavar="N",
+        help="data-parallel replicas of the pipeline: show the N x stages process mesh",
+    )
     p.add_argument("--png", default=None, metavar="PATH", help="also draw it to PATH")
 
     p = sub.add_parser("export", help="export a checkpoint for inference")
@@ -519,11 +523,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from bdh_train.distributed.planner import build_pipeline_plan, plot_timeline, render_timeline
+    from bdh_train.distributed.planner import (
+        build_pipeline_plan,
+        plot_timeline,
+        render_mesh,
+        render_timeline,
+    )
 
     plan = build_pipeline_plan(
         args.layers, args.stages, args.virtual, args.microbatches, args.schedule
     )
+    print(render_mesh(args.data_parallel, args.stages))
     print(render_timeline(plan))
     if args.png:
         print(plot_timeline(plan, args.png))

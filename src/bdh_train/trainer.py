@@ -17,6 +17,7 @@ import time
 import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from bdh_train.config import RunConfig, dump_toml, save_config
 from bdh_train.data import RandomWindowLoader, StreamingDocumentLoader
 from bdh_train.data.tokenizer import ByteTokenizer
-from bdh_train.distributed.env import DistContext
+from bdh_train.distributed.env import DistContext, pipeline_mesh
 from bdh_train.distributed.pipeline import PipelineRunner
 from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
@@ -35,9 +36,15 @@ from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.accumulate import WeightedGradientAccumulator, write_to_params
 from bdh_train.train.evaluate import evaluate
 from bdh_train.train.init_from import init_weights_from
-from bdh_train.train.metrics import PLOT_FILE, MetricsLog, Progress, format_duration, plot_losses
+from bdh_train.train.metrics import (
+    PLOT_FILE,
+    MetricsReporter,
+    Progress,
+    format_duration,
+    plot_losses,
+)
 from bdh_train.train.profile import ProfileSettings, StepProfile, StepProfiler, profile_row
-from bdh_train.train.reduce import all_reduce_accumulated
+from bdh_train.train.reduce import all_reduce_accumulated, all_reduce_sums
 from bdh_train.train.run_dir import RunDirLock, check_fresh_run_dir, clear_run_dir
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.step import LanguageTrainModel, StepExecutor
@@ -90,10 +97,13 @@ class TrainerState:
         missing = [name for name in needed if name not in state]
         if missing:  # the checkpointer names the file and the checkpoint
             raise ValueError(f"it lacks the counters {', '.join(missing)}")
-        if state.get("world_size", 1) != self.world_size:
+        written_by = state.get("world_size", 1)
+        if written_by != self.world_size and int(state["micro"]):
             raise CheckpointError(
-                f"the checkpoint was written by {state.get('world_size')} processes; resume it "
-                f"with the same number (now {self.world_size})"
+                f"the checkpoint was taken {state['micro']} micro-step(s) into an accumulation "
+                f"window by {written_by} processes; resume it with {written_by} processes (now "
+                f"{self.world_size}), or resume another number from a checkpoint taken at a "
+                "step boundary"
             )
         for name in ("step", "micro", "tokens", "skips"):
             setattr(self, name, int(state[name]))
@@ -127,13 +137,50 @@ class RankStates:
 
     def load_state_dict(self, payloads: list[dict[str, Any]]) -> None:
         t = self.trainer
-        payload = payloads[t.dist.rank]
+        if len(payloads) == t.dist.world_size:
+            payload = payloads[t.dist.rank]
+        elif t.cfg.parallel.pipeline_stages > 1 and not t.cfg.parallel.emulate:
+            raise CheckpointError(
+                f"the checkpoint was written by {len(payloads)} processes of a pipeline mesh; "
+                f"resume it with {len(payloads)} processes (now {t.dist.world_size})"
+            )
+        else:
+            dp = t.data_parallel
+            payload = regroup_rank_payloads(payloads, dp.rank, dp.world_size)
         t.executor.load_state_dict(payload["train_step"])
         t.accumulator.load_state_dict(payload["accumulator"])
         # Checkpoints of v0.1 kept the counter only inside the train-step state.
         scales = payload.get("gradient_scales") or payload["train_step"]["gradient_scales"]
         t.gradient_scales.load_state_dict(scales)
         ckpt.restore_rng_state(payload["rng"])
+
+
+def regroup_rank_payloads(
+    payloads: list[dict[str, Any]], rank: int, world_size: int
+) -> dict[str, Any]:
+    """Rank `rank`'s part of a step-boundary checkpoint written by another number of
+    data-parallel processes. The ranks' carried streaming states, in rank order, are the
+    global batch's rows: they are joined and this rank takes its contiguous slice, as the
+    loader deals its rows. The gradient-scale counter and the (empty) accumulation window are
+    the same on every rank; the RNGs are those of the rank that held this rank's first row."""
+    states = [p["train_step"].get("carried_state") for p in payloads]
+    if any(s is None for s in states) and not all(s is None for s in states):
+        raise CheckpointError("ranks.pt holds a carried state for some processes only")
+    carried = None
+    if states[0] is not None:  # the loader has checked that the rows split evenly
+        per_rank = sum(int(s["position"].shape[0]) for s in states) // world_size
+        lo = rank * per_rank
+        carried = {
+            key: torch.cat([s[key] for s in states])[lo : lo + per_rank].clone()
+            for key in states[0]
+        }
+    first_row_owner = rank * len(payloads) // world_size
+    return {
+        "rng": payloads[first_row_owner]["rng"],
+        "train_step": {**payloads[0]["train_step"], "carried_state": carried},
+        "accumulator": payloads[0]["accumulator"],
+        "gradient_scales": payloads[0].get("gradient_scales"),
+    }
 
 
 class ConfigText:
@@ -187,9 +234,10 @@ class Trainer:
         t = cfg.training
         self.run_dir = Path(run_dir)
         self.overwrite = overwrite and not resume
+        self.dist = dist_ctx or DistContext()
         if not resume:
             check_fresh_run_dir(self.run_dir, overwrite)
-        self.dist = dist_ctx or DistContext()
+            self.dist.barrier()  # every process has looked before the first one writes
         self.device = self.dist.device(resolve_device(t.device).type)
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -219,6 +267,7 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(self.run_dir, t.keep_checkpoints, self.dist.is_main)
         self.window_profiles: list[StepProfile] = []
         self.stop_requested = False
+        self.metrics: MetricsReporter | None = None
         self.resumed_from = (
             ckpt.resolve_checkpoint(self.run_dir, fallback=resume_fallback) if resume else None
         )
@@ -238,25 +287,21 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _build_executor(self) -> tuple[StepExecutor, DistContext]:
-        """The step executor, and the data-parallel group its gradients are reduced over:
-        the multi-process pipeline runner already sums its gradients over the stages, and
-        every stage sees the whole batch."""
+        """The step executor, and the data-parallel group its gradients are reduced over.
+        The processes form a data_parallel x pipeline_stages mesh: a pipeline runner sums
+        its gradients over its replica's stages, every stage of a replica sees the replica's
+        rows, and the replicas reduce over the data-parallel dimension."""
         t, p = self.cfg.training, self.cfg.parallel
+        replicas, stages = p.mesh_shape(self.dist.world_size)
         plan = None
         if p.pipeline_stages > 1:
             plan = build_pipeline_plan(
                 self.cfg.model.n_layer, p.pipeline_stages, p.virtual_stages_per_rank,
                 p.microbatches, p.schedule,
             )
-        if plan is not None and not p.emulate:
-            if self.dist.world_size != p.pipeline_stages:
-                raise ConfigError(
-                    f"parallel.pipeline_stages={p.pipeline_stages} needs exactly that many "
-                    f"processes (torchrun --nproc-per-node {p.pipeline_stages}), got "
-                    f"{self.dist.world_size}; or set parallel.emulate=true to run the plan's "
-                    "microbatches in one process"
-                )
-            return PipelineRunner(self.model, plan, self.dist.rank), DistContext()
+        if plan is not None and stages > 1:
+            mesh = pipeline_mesh(self.dist, self.device.type, replicas, stages)
+            return PipelineRunner(self.model, plan, mesh.stage, mesh.stage_group), mesh.data
         step = LanguageTrainModel(
             self.model,
             tbptt_chunk_size=t.tbptt_chunk_size,
@@ -339,9 +384,14 @@ class Trainer:
         """Train to `max_steps` (or until a stop is requested); the main process holds the
         run directory's lock throughout."""
         lock = RunDirLock(self.run_dir).acquire() if self.dist.is_main else None
+        failed = True
         try:
-            return self._run(stop_after_micro_steps)
+            result = self._run(stop_after_micro_steps)
+            failed = False
+            return result
         finally:
+            if self.metrics is not None:
+                self.metrics.close(failed)
             if lock is not None:
                 lock.release()
 
@@ -352,7 +402,10 @@ class Trainer:
                 clear_run_dir(self.run_dir)
             save_config(self.cfg, self.run_dir / CONFIG_FILE)
         resume_step = s.step if self.resumed_from is not None else None
-        self.metrics = MetricsLog(self.run_dir, resume_step, enabled=self.dist.is_main)
+        self.metrics = MetricsReporter(
+            self.run_dir, self.cfg.metrics, resume_step, enabled=self.dist.is_main,
+            config=self.cfg.to_dict(), config_text=dump_toml(self.cfg),
+        )
         for line in self.banner_lines():
             self.progress.log(line)
         for note in self.cfg.notes():
@@ -438,7 +491,10 @@ class Trainer:
         params = sum(p.numel() for p in self.model.parameters())
         device = str(self.device)
         if self.dist.world_size > 1:
+            replicas, stages = self.cfg.parallel.mesh_shape(self.dist.world_size)
             device += f" x {self.dist.world_size} processes"
+            if stages > 1:
+                device += f" ({replicas} data-parallel x {stages} pipeline stages)"
         val = f"{len(self.val_data):,} val tokens" if self.val_data is not None else "no val split"
         per_step = t.batch_size * t.block_size * self.accumulation_steps
         accum = f" x {self.accumulation_steps} micro-steps" if self.accumulation_steps > 1 else ""
@@ -520,12 +576,11 @@ class Trainer:
         s = self.state
         if not self.data_parallel.active:
             return self.accumulator.finish_mean().gradients, s.window_loss, s.window_count
+        group = self.data_parallel.group
         grads = all_reduce_accumulated(
-            self.accumulator.finish_sums(), self.model.named_parameters()
+            self.accumulator.finish_sums(), self.model.named_parameters(), group
         )
-        totals = torch.tensor([s.window_loss, s.window_count], dtype=torch.float64)
-        dist.all_reduce(totals)
-        loss_sum, count = totals.tolist()
+        loss_sum, count = all_reduce_sums([s.window_loss, s.window_count], group)
         return grads, loss_sum, count
 
     def _optimizer_step(self) -> dict[str, Any]:
@@ -589,11 +644,14 @@ class Trainer:
         if self.val_data is None:
             return None
         t = self.cfg.training
+        dp = self.data_parallel  # pipeline ranks evaluate every batch together instead
         result = evaluate(
             self.executor, self.val_data, t.block_size, t.batch_size, t.eval_steps, self.device,
-            self.cfg.data.summary_trigger(),
+            self.cfg.data.summary_trigger(), part=(dp.rank, dp.world_size),
+            add_across_ranks=partial(all_reduce_sums, group=dp.group) if dp.active else None,
         )
-        self.metrics.write({"step": self.state.step, **result.row()})
+        if self.metrics is not None:
+            self.metrics.write({"step": self.state.step, **result.row()})
         bits = result.bits_per_byte
         self.progress.log(
             f"step {self.state.step:>6} | val_loss {result.val_loss:.4f}"

@@ -121,6 +121,19 @@ def test_plan_prints_timeline_and_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plan_shows_the_data_parallel_by_pipeline_mesh(capsys):
+    args = ["plan", "--layers", "4", "--stages", "2", "--microbatches", "2"]
+    assert main([*args, "--data-parallel", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:4] == [
+        "mesh: 3 data-parallel x 2 pipeline stages = 6 processes (torchrun --nproc-per-node "
+        "6, or that many in all)",
+        "  replica 0: ranks 0 1 (stages 0..1)",
+        "  replica 1: ranks 2 3 (stages 0..1)",
+        "  replica 2: ranks 4 5 (stages 0..1)",
+    ]
+
+
 def test_profile_shows_where_the_time_goes(tmp_path, capsys):
     """From metrics.jsonl profile rows (written here by hand, as a CUDA run with detail
     probes would): the mean of each part in ms and its share of the whole step, the rest of the

@@ -14,6 +14,7 @@ from bdh_train.errors import ConfigError
 from bdh_train.model.config import BDHConfig
 from bdh_train.train.checkpoint import CheckpointConfig
 from bdh_train.train.config import TrainingConfig
+from bdh_train.train.metrics import MetricsConfig
 from bdh_train.train.optim import OptimizerConfig
 from bdh_train.utils import build_dataclass, suggest
 
@@ -24,6 +25,7 @@ SECTIONS: dict[str, type] = {
     "optimizer": OptimizerConfig,
     "checkpoint": CheckpointConfig,
     "parallel": ParallelConfig,
+    "metrics": MetricsConfig,
 }
 """TOML section -> the component config that owns it."""
 
@@ -38,6 +40,7 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     layered_on: ClassVar[str | None] = None
     """Which preset `load_config` layered the config on, in words (set on the instance; not

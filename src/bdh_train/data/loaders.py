@@ -56,10 +56,11 @@ def _check_ranks(batch_size: int, rank: int, world_size: int) -> None:
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank must be in [0, world_size={world_size}), got {rank}")
     if batch_size % world_size:
+        fits = [n for n in range(1, batch_size + 1) if batch_size % n == 0]
         raise ConfigError(
             f"batch_size {batch_size} is not divisible by world_size {world_size}: the global "
-            f"batch is split into equal per-rank slices; pick a batch_size that is a multiple "
-            f"of {world_size}"
+            f"batch is split into equal per-rank slices; run {', '.join(map(str, fits))} "
+            f"processes, or pick a batch_size that is a multiple of {world_size}"
         )
 
 

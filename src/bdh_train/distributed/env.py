@@ -12,10 +12,15 @@ import torch.distributed as dist
 
 @dataclass
 class DistContext:
+    """A process's place in a group: the whole torchrun launch, or one dimension of the
+    data x pipeline mesh (`group` is then that dimension's process group)."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     owns_group: bool = False
+    group: dist.ProcessGroup | None = None
+    """The group collectives of this context run on; None = every process."""
 
     @property
     def is_main(self) -> bool:
@@ -54,3 +59,30 @@ class DistContext:
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@dataclass
+class PipelineMesh:
+    """This process's coordinates on the data_parallel x pipeline_stages mesh."""
+
+    data: DistContext
+    """The replicas: this process's replica index, their count and the group of the
+    processes holding the same stage in every replica."""
+    stage: int
+    """This process's pipeline stage inside its replica."""
+    stage_group: dist.ProcessGroup | None
+    """The processes of this replica's pipeline; None when they are every process."""
+
+
+def pipeline_mesh(world: DistContext, device_type: str, replicas: int, stages: int) -> PipelineMesh:
+    """The ("dp", "pp") device mesh of `replicas` x `stages` processes, global rank =
+    replica * stages + stage (torch's `init_device_mesh`)."""
+    if replicas == 1:
+        return PipelineMesh(DistContext(), world.rank, None)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (replicas, stages), mesh_dim_names=("dp", "pp"))
+    data = DistContext(
+        mesh.get_local_rank("dp"), replicas, world.local_rank, group=mesh.get_group("dp")
+    )
+    return PipelineMesh(data, mesh.get_local_rank("pp"), mesh.get_group("pp"))

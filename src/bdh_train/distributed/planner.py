@@ -100,9 +100,11 @@ MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("gpipe", "interleaved_1f1b")
 
 @dataclass
 class ParallelConfig:
-    """`[parallel]`: pipeline parallelism over layer stages. With ``emulate`` the plan's
-    microbatches run in one process (same numbers as the real pipeline); otherwise
-    ``pipeline_stages > 1`` needs that many torchrun processes."""
+    """`[parallel]`: data parallel x pipeline parallel over layer stages. The torchrun
+    processes form a ``data_parallel`` x ``pipeline_stages`` mesh: each data-parallel replica
+    is one pipeline of ``pipeline_stages`` processes and takes its rows of every batch. With
+    ``emulate`` the plan's microbatches run in one process (same numbers as the real
+    pipeline)."""
 
     pipeline_stages: int = 1
     """Pipeline ranks the layers are split over (torchrun processes); 1 = no pipeline."""
@@ -117,6 +119,9 @@ class ParallelConfig:
     collective_timeout_s: float = 300.0
     """Seconds a collective (gradient all-reduce, stop vote, checkpoint gather) waits for the
     other processes before the run fails, instead of hanging."""
+    data_parallel: int = 0
+    """Data-parallel replicas; 0 = the torchrun processes / pipeline_stages.
+    Set it to have a wrong process count refused."""
 
     def validate(self, prefix: str = "parallel") -> ParallelConfig:
         checks.positive_int(f"{prefix}.pipeline_stages", self.pipeline_stages)
@@ -125,6 +130,7 @@ class ParallelConfig:
             self.pipeline_stages, f"{prefix}.pipeline_stages",
         )
         checks.positive_int(f"{prefix}.microbatches", self.microbatches)
+        checks.nonneg_int(f"{prefix}.data_parallel", self.data_parallel)
         checks.choice(f"{prefix}.schedule", self.schedule, SCHEDULES)
         checks.boolean(f"{prefix}.emulate", self.emulate)
         checks.number(
@@ -137,6 +143,26 @@ class ParallelConfig:
                 f"{self.schedule!r} runs one stage per rank"
             )
         return self
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(data-parallel replicas, pipeline stages) of `world_size` processes; ConfigError
+        when they do not make the mesh (emulated pipelines use no processes)."""
+        stages = 1 if self.emulate else self.pipeline_stages
+        if self.data_parallel:
+            if self.data_parallel * stages != world_size:
+                raise ConfigError(
+                    f"parallel.data_parallel={self.data_parallel} x parallel.pipeline_stages="
+                    f"{stages} needs {self.data_parallel * stages} processes (torchrun "
+                    f"--nproc-per-node ...), got {world_size}"
+                )
+            return self.data_parallel, stages
+        if world_size % stages:
+            raise ConfigError(
+                f"parallel.pipeline_stages={stages} needs a multiple of {stages} processes "
+                f"(one pipeline per data-parallel replica), got {world_size}; or set "
+                "parallel.emulate=true to run the plan's microbatches in one process"
+            )
+        return world_size // stages, stages
 
     def check_fill(self, prefix: str = "parallel") -> None:
         """1F1B schedules fill the pipeline before their steady state."""
@@ -188,6 +214,13 @@ class ParallelConfig:
         self.check_fill(prefix)
         if self.emulate:
             return
+        if self.data_parallel > 1:
+            if batch_size % self.data_parallel:
+                raise ConfigError(
+                    f"training.batch_size={batch_size} does not split over "
+                    f"{prefix}.data_parallel={self.data_parallel} replicas"
+                )
+            batch_size //= self.data_parallel
         check_equal_microbatches(batch_size, self.microbatches)
         rounds = max(1, self.microbatches // self.pipeline_stages)
         if self.schedule == "interleaved_1f1b" and self.microbatches % rounds:
@@ -427,3 +460,19 @@ def plot_timeline(plan: PipelinePlan, path: str | os.PathLike[str]) -> Path:
     with atomic_write(out, "wb") as handle:
         fig.savefig(handle, format="png", dpi=100)
     return out
+
+
+def render_mesh(replicas: int, stages: int) -> str:
+    """The data-parallel x pipeline process mesh as torchrun numbers its processes: rank =
+    replica * stages + stage."""
+    checks.positive_int("--data-parallel", replicas)
+    checks.positive_int("--stages", stages)
+    width = len(str(replicas * stages - 1))
+    lines = [
+        f"mesh: {replicas} data-parallel x {stages} pipeline stages = {replicas * stages} "
+        f"processes (torchrun --nproc-per-node {replicas * stages}, or that many in all)"
+    ]
+    for replica in range(replicas):
+        ranks = " ".join(f"{replica * stages + s:>{width}}" for s in range(stages))
+        lines.append(f"  replica {replica}: ranks {ranks} (stages 0..{stages - 1})")
+    return "\n".join(lines)

@@ -1,20 +1,127 @@
-"""What a run reports: metrics.jsonl rows, a progress bar or plain log lines, loss.png."""
+"""What a run reports: metrics rows (metrics.jsonl, and TensorBoard or Weights & Biases when
+`[metrics] report_to` names them), a progress bar or plain log lines, loss.png."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
+import math
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from tqdm import tqdm
 
-from bdh_train.errors import DataError
+from bdh_train import checks
+from bdh_train.errors import ConfigError, DataError
 from bdh_train.utils import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+TENSORBOARD_DIR = "tensorboard"
+"""The run directory's TensorBoard event files (`tensorboard --logdir <run>/tensorboard`)."""
+WANDB_MODES = ("offline", "online")
+REPORT_TARGETS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}
+"""Where metrics rows can go -> the package that target needs (None: nothing extra)."""
+
+
+@dataclass
+class MetricsConfig:
+    """Where the metrics rows of a run go. ``metrics.jsonl`` is always written: ``plot`` and
+    resume read it; the other targets get the same rows. Only the main process writes."""
+
+    report_to: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Any of ``jsonl``, ``tensorboard`` (event files in ``<run>/tensorboard``, through
+    ``torch.utils.tensorboard``) and ``wandb`` (the Weights & Biases client, files in
+    ``<run>/wandb``)."""
+    wandb_project: str = "bdh-train"
+    """The W&B project the run is logged to."""
+    wandb_mode: str = "offline"
+    """``offline`` (written to ``<run>/wandb``, no network; ``wandb sync`` uploads it later)
+    or ``online``."""
+
+    def validate(self, prefix: str = "metrics") -> MetricsConfig:
+        if not isinstance(self.report_to, (list, tuple)):
+            raise ConfigError(
+                f"{prefix}.report_to must be a list such as [\"jsonl\", \"tensorboard\"], "
+                f"got {self.report_to!r}"
+            )
+        for target in self.report_to:
+            checks.choice(f"{prefix}.report_to[]", target, tuple(REPORT_TARGETS))
+            package = REPORT_TARGETS[target]
+            if package is not None and importlib.util.find_spec(package) is None:
+                raise ConfigError(
+                    f"{prefix}.report_to names {target!r} but the {package!r} package is not "
+                    f"installed: pip install {package}, or remove {target!r} from the list"
+                )
+        checks.string(f"{prefix}.wandb_project", self.wandb_project)
+        checks.choice(f"{prefix}.wandb_mode", self.wandb_mode, WANDB_MODES)
+        return self
+
+
+class MetricsSink(Protocol):
+    def write(self, row: dict[str, Any]) -> None: ...
+
+    def close(self, failed: bool = False) -> None: ...
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a metrics row other than its step (what scalar backends plot)."""
+    return {
+        key: float(value)
+        for key, value in row.items()
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+        and math.isfinite(value)
+    }
+
+
+class TensorBoardSink:
+    """Every row's numbers as scalars at its step, and the run's config as text. On resume,
+    events past the checkpoint's step are purged, as metrics.jsonl's rows are."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None, config_text: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR), purge_step=purge)
+        if resume_step is None:
+            self.writer.add_text("config", "```toml\n" + config_text + "\n```", 0)
+
+    def write(self, row: dict[str, Any]) -> None:
+        for key, value in scalars(row).items():
+            self.writer.add_scalar(key, value, row["step"])
+
+    def close(self, failed: bool = False) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """Rows logged to one W&B run per run directory (a resumed run continues it); its summary
+    holds each metric's last value."""
+
+    def __init__(self, run_dir: Path, cfg: MetricsConfig, config: dict[str, Any]) -> None:
+        import wandb
+
+        run_dir = Path(run_dir).resolve()
+        self.run = wandb.init(
+            project=cfg.wandb_project,
+            dir=str(run_dir),
+            mode=cfg.wandb_mode,
+            id=hashlib.sha256(str(run_dir).encode()).hexdigest()[:16],
+            resume="allow",
+            name=run_dir.name,
+            config=config,
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.run.log(scalars(row), step=row["step"])
+
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 class MetricsLog:
@@ -39,6 +146,45 @@ class MetricsLog:
             return
         with open(self.path, "a") as handle:
             handle.write(json.dumps(row) + "\n")
+
+    def close(self, failed: bool = False) -> None:
+        pass
+
+
+class MetricsReporter:
+    """metrics.jsonl plus the backends `MetricsConfig.report_to` names, each given every row.
+    Disabled (writes nothing anywhere) on every process but the main one."""
+
+    def __init__(
+        self, run_dir: Path, cfg: MetricsConfig, resume_step: int | None = None,
+        enabled: bool = True, config: dict[str, Any] | None = None, config_text: str = "",
+    ) -> None:
+        self.jsonl = MetricsLog(run_dir, resume_step, enabled)
+        self.sinks: list[MetricsSink] = [self.jsonl]
+        if not enabled:
+            return
+        if "tensorboard" in cfg.report_to:
+            self.sinks.append(TensorBoardSink(Path(run_dir), resume_step, config_text))
+        if "wandb" in cfg.report_to:
+            self.sinks.append(WandbSink(Path(run_dir), cfg, config or {}))
+
+    @property
+    def path(self) -> Path:
+        return self.jsonl.path
+
+    @property
+    def dropped_torn_line(self) -> bool:
+        return self.jsonl.dropped_torn_line
+
+    def write(self, row: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(row)
+
+    def close(self, failed: bool = False) -> None:
+        """Flush and close every backend (once; later calls do nothing)."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close(failed)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ from bdh_train.train.accumulate import (
     normalize_gradients,
 )
 
-__all__ = ["all_reduce_accumulated"]
+__all__ = ["all_reduce_accumulated", "all_reduce_sums"]
 
 _DTYPE_CODES = {torch.float32: 32.0, torch.float64: 64.0}
 
@@ -134,3 +134,15 @@ def all_reduce_accumulated(
             summed[name] = bucket[offset : offset + size].view(param.shape).to(param.device)
         offset += size
     return normalize_gradients(summed, state.loss_scale, global_weight)
+
+
+def all_reduce_sums(
+    values: list[float], group: dist.ProcessGroup | None = None
+) -> list[float]:
+    """The element-wise sums of `values` over the ranks of `group`, in float64 (evaluation's
+    loss sums and counts); the values themselves without an initialized process group."""
+    if not _distributed_active():
+        return list(values)
+    sums = torch.tensor(values, dtype=torch.float64, device=_collective_device(group))
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    return sums.tolist()

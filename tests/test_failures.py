@@ -273,36 +273,48 @@ def test_disk_full_and_read_only_run_dir_keep_the_last_checkpoint(base_run, smal
     assert ckpt.resolve_checkpoint(run).name == "step-0000004"
 
 
-# ------------------------------------------------------------------ a signal to one DDP rank
-def _torchrun(run: Path, *args: str) -> list[str]:
+# ------------------------------------------------------------------ a signal to one rank
+def _torchrun(run: Path, processes: int, *args: str) -> list[str]:
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    return [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "bdh_train", "train",
-            "--run-dir", str(run), *args]
+    return [torchrun, "--standalone", "--nproc-per-node", str(processes), "-m", "bdh_train",
+            "train", "--run-dir", str(run), *args]
+
+
+LAYOUTS = {
+    "ddp-2": (2, []),
+    "mesh-2x2": (4, ["parallel.pipeline_stages=2", "parallel.data_parallel=2",
+                     "parallel.microbatches=2"]),
+}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_sigterm_to_one_ddp_rank_stops_both_with_one_checkpoint(tmp_path):
-    """SIGTERM to rank 1 only: the stop is agreed at the next micro-step, both ranks write
-    one checkpoint together and exit 75; `--resume` continues from it."""
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sigterm_to_one_rank_stops_all_with_one_checkpoint(tmp_path, layout):
+    """SIGTERM to rank 1 only (of 2 data-parallel processes, or of a 2 x 2 data x pipeline
+    mesh): the stop is agreed at the next micro-step, every rank writes one checkpoint
+    together and exits 75; `--resume` continues from it."""
+    processes, layout_sets = LAYOUTS[layout]
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     sets = [*SETS, "--set", "training.max_steps=100000", "--set", "training.checkpoint_every=5",
             "--set", "training.gradient_accumulation_steps=2",
             "--set", "parallel.collective_timeout_s=20"]
+    sets += [a for o in layout_sets for a in ("--set", o)]
     launcher = subprocess.Popen(
-        _torchrun(run, *sets), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        _torchrun(run, processes, *sets), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env,
     )
     try:
         deadline = time.monotonic() + 150
         while not (run / "checkpoints" / "latest").exists():
             assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the two-process run did not start"
+            assert time.monotonic() < deadline, f"the {layout} run did not start"
             time.sleep(0.2)
         workers = subprocess.run(
             ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True
         ).stdout.split()
-        assert len(workers) == 2, workers
+        assert len(workers) == processes, workers
         ranks = {}
         for pid in workers:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -313,9 +325,9 @@ def test_sigterm_to_one_ddp_rank_stops_both_with_one_checkpoint(tmp_path):
     finally:
         launcher.kill()
     exits = re.findall(r"exitcode\s*:\s*(-?\d+)", err)
-    # Both ranks stop together (after the checkpoint's barrier); torchrun treats the first
-    # exit (75, stopped) as a failure and sends SIGTERM to a rank that has not exited yet, so
-    # a second rank may report -15: its checkpoint work was already done (checked below).
+    # All ranks stop together (after the checkpoint's barrier); torchrun treats the first
+    # exit (75, stopped) as a failure and sends SIGTERM to ranks that have not exited yet, so
+    # those may report -15: their checkpoint work was already done (checked below).
     assert launcher.returncode != 0 and "75" in exits and set(exits) <= {"75", "-15"}, err[-3000:]
     stopped = ckpt.resolve_checkpoint(run)
     state = ckpt.read_json(stopped / "trainer.json")
@@ -329,7 +341,8 @@ def test_sigterm_to_one_ddp_rank_stops_both_with_one_checkpoint(tmp_path):
 
     target = state["step"] + 1
     resumed = subprocess.run(
-        _torchrun(run, "--resume", str(run), "--set", f"training.max_steps={target}"),
+        _torchrun(run, processes, "--resume", str(run), "--set",
+                  f"training.max_steps={target}"),
         capture_output=True, text=True, env=env, timeout=150,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from bdh_train.config import RunConfig, dump_toml, save_config
 from bdh_train.data import RandomWindowLoader, StreamingDocumentLoader
-from bdh_train.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer
+from bdh_train.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer
 from bdh_train.distributed.env import DistContext
 from bdh_train.distributed.pipeline import PipelineRunner
 from bdh_train.distributed.planner import build_pipeline_plan
@@ -221,6 +221,8 @@ class Trainer:
         t = cfg.training
         self.run_dir = Path(run_dir)
         self.tokenizer = cfg.data.load_tokenizer()
+        self.tokenizer_named = cfg.data.tokenizer
+        """data.tokenizer as given (the saved config names the run's copy instead)."""
         if isinstance(self.tokenizer, HFTokenizer):  # the run's config names the run's copy
             own_copy = str((self.run_dir / TOKENIZER_FILE).resolve())
             data = dataclasses.replace(cfg.data, tokenizer=own_copy)
@@ -265,6 +267,7 @@ class Trainer:
         )
         self.resume_notes: list[str] = []
         if self.resumed_from is not None:
+            self._check_resumed_tokenizer(self.resumed_from)
             self.checkpointer.load(self.resumed_from, self._checkpoint_parts(loading=True))
             self.resume_notes = self._check_resumed_length(self.resumed_from)
         self.progress = Progress(
@@ -339,6 +342,17 @@ class Trainer:
             if isinstance(self.tokenizer, HFTokenizer):
                 parts[TOKENIZER_FILE] = TokenizerFile(self.tokenizer)
         return parts
+
+    def _check_resumed_tokenizer(self, checkpoint: Path) -> None:
+        """A resume continues with the tokenizer the checkpoint was trained with."""
+        copy = checkpoint / TOKENIZER_FILE
+        if not copy.is_file():
+            return  # a byte run, or one written before runs carried their tokenizer
+        if load_tokenizer(copy).fingerprint() != self.tokenizer.fingerprint():
+            raise ConfigError(
+                f"data.tokenizer '{self.tokenizer_named}' is not the tokenizer the checkpoint "
+                f"{checkpoint} was trained with ({copy}): resume with data.tokenizer = '{copy}'"
+            )
 
     def _check_resumed_length(self, checkpoint: Path) -> list[str]:
         """Refuse a max_steps at or below the checkpoint's step (nothing would train); a

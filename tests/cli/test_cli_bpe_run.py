@@ -110,3 +110,24 @@ def test_a_vocab_size_against_the_tokenizer_is_one_line_and_no_run(tmp_path, cap
     assert "model.vocab_size = 256" in err and f"has {tok.vocab_size} ids" in err
     assert f"set model.vocab_size = {tok.vocab_size}" in err
     assert sorted(p.name for p in run_dir.iterdir()) == ["error.log"]
+
+
+def test_a_resume_with_another_tokenizer_is_refused(bpe_run, tmp_path, capsys):
+    from bdh_train.data.tokenizer import train_bpe
+
+    run_dir, tok, _, _, _ = bpe_run
+    other = train_bpe([BPE_TEXT[::-1]], tok.vocab_size)
+    assert other.vocab_size == tok.vocab_size and other.fingerprint() != tok.fingerprint()
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    code = main(["train", "--resume", str(run), "--set", "training.max_steps=6",
+                 "--set", f"data.tokenizer='{other.save(tmp_path)}'"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is not the tokenizer the checkpoint" in err
+    assert load_fingerprint(run / TOKENIZER_FILE) == tok.fingerprint()  # the run's copy kept
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def load_fingerprint(path) -> str:
+    return bdh_train.inference.load_tokenizer(path).fingerprint()

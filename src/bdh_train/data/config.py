@@ -58,7 +58,8 @@ class DataConfig:
     """A separate validation set (any form ``source`` takes), or None to split ``source``."""
     tokenizer: str = "bytes"
     """``bytes`` (every UTF-8 byte is a token) or the path of a Hugging Face ``tokenizer.json``;
-    ``model.vocab_size`` must equal its vocabulary size."""
+    ``model.vocab_size`` follows its vocabulary size unless a config file or --set gives it
+    (then it must be equal). A run keeps a copy and its saved config names that copy."""
     bin_dtype: str | None = None
     """The id dtype (``uint16`` or ``uint32``) of a headerless ``.bin`` token file (nanoGPT
     style); None requires the ``<file>.json`` header."""

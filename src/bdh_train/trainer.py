@@ -510,12 +510,18 @@ class Trainer:
             layered = f"the run's saved {CONFIG_FILE}"
         else:
             layered = "built directly (no preset)"
+        tokenizer = (
+            [f"tokenizer      {self.tokenizer_named} ({self.tokenizer.vocab_size:,} ids)"]
+            if isinstance(self.tokenizer, HFTokenizer)
+            else []
+        )
         return [
             f"run directory  {self.run_dir.resolve()}",
             f"device         {device}",
             f"model          {params / 1e6:.2f} M parameters ({params:,})",
             f"data           {self.cfg.data.source}: {len(self.train_data):,} train tokens, "
             f"{val}",
+            *tokenizer,
             f"per step       {t.batch_size} x {t.block_size} tokens{accum} = {per_step:,} tokens",
             f"length         {steps} ({t.max_steps * per_step:,} tokens in all)",
             f"config         {layered}",

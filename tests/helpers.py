@@ -196,3 +196,25 @@ def metric_rows(run_dir: Path) -> list[dict]:
         {k: v for k, v in r.items() if k in DETERMINISTIC_METRICS}
         for r in read_metrics(run_dir / "metrics.jsonl")
     ]
+
+
+# ------------------------------------------------------------------ a BPE run's files
+BPE_TEXT = "".join(
+    f"ROMEO {i}: the quick brown fox — ünïcödé 日本 jumps over {i * i} lazy dogs.\n"
+    for i in range(120)
+)
+"""Small generated text for BPE tests: ASCII, multi-byte characters, digits."""
+
+
+def bpe_corpus(directory: Path, vocab_size: int = 300):
+    """A byte-level BPE trained on `BPE_TEXT`, saved as directory/tokenizer.json, and the text
+    encoded with it as directory/text.bin (+ header). Returns (tokenizer, tokenizer.json path,
+    .bin path). The .bin stands in for the text as `data.source` with `data.tokenizer`."""
+    from bdh_train.data import write_token_file
+    from bdh_train.data.tokenizer import train_bpe
+
+    tok = train_bpe([BPE_TEXT], vocab_size)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = tok.save(directory)
+    data = write_token_file(directory / "text.bin", tok.encode(BPE_TEXT), tok.vocab_size)
+    return tok, path, data

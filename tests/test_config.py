@@ -731,3 +731,30 @@ def test_the_documented_optimizer_defaults(tmp_path: Path) -> None:
     assert got == {**OPTIMIZER_DEFAULTS, "lr": 0.002}
     tiny = load_config(preset="tiny").optimizer
     assert load_config([g]).optimizer == type(tiny)(**{**vars(tiny), "lr": 0.002})
+
+
+# --------------------------------------------------------------------------- tokenizer vocab
+
+
+def test_vocab_size_follows_a_tokenizer_unless_a_file_or_set_gives_it(tmp_path: Path) -> None:
+    """A preset's vocab_size gives way to data.tokenizer's size; one a config file or --set
+    gives is checked against it: equal is fine, different is one error naming both."""
+    from helpers import bpe_corpus
+
+    tok, path, _ = bpe_corpus(tmp_path, vocab_size=280)
+    use = f"data.tokenizer='{path}'"
+    assert load_config(overrides=[use]).model.vocab_size == 280
+    on_preset = write(
+        tmp_path / "a.toml", f'extends = "preset:small"\n[data]\ntokenizer = "{path}"\n'
+    )
+    assert load_config([on_preset]).model.vocab_size == 280
+    same = write(tmp_path / "b.toml", "[model]\nvocab_size = 280\n")
+    assert load_config([same], [use]).model.vocab_size == 280
+    other = write(tmp_path / "c.toml", "[model]\nvocab_size = 256\n")
+    for files, overrides in (([other], [use]), ([], [use, "model.vocab_size=512"])):
+        with pytest.raises(ConfigError) as err:
+            load_config(files, overrides)
+        message = str(err.value)
+        size = 256 if files else 512
+        assert f"model.vocab_size = {size}" in message and "has 280 ids" in message
+        assert "set model.vocab_size = 280" in message and "\n" not in message

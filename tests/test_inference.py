@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_close, tiny_model
@@ -120,3 +121,29 @@ def test_chat_keeps_the_state_and_a_turn_costs_only_its_tokens(monkeypatch):
     expected = tok.decode(first) + "\n" + tok.decode(second) + "\n"
     assert out.getvalue() == expected
     assert_state_is_the_whole_sequence(cont, model, None, history + second)
+
+
+def test_a_v0_1_run_still_generates_with_the_byte_tokenizer(capsys):
+    """Runs written before tokenizers travelled with them carry no tokenizer.json: the byte
+    tokenizer is theirs (vocab 256, token head), and generate decodes with it."""
+    from pathlib import Path
+
+    from bdh_train.cli import main
+    from bdh_train.inference import load_run
+
+    fixture = Path(__file__).parent / "fixtures" / "checkpoint_v0_1"
+    _, tok, cfg = load_run(fixture)
+    assert isinstance(tok, ByteTokenizer) and cfg.data.tokenizer == "bytes"
+    greedy = ["--temperature", "0", "--max-new-tokens", "5", "--device", "cpu"]
+    assert main(["generate", "--checkpoint", str(fixture), "--prompt", "ab", *greedy]) == 0
+    assert capsys.readouterr().out.startswith("ab")
+
+
+def test_the_sample_prompt_ends_on_a_whole_character():
+    from bdh_train.trainer import sample_prompt
+
+    tok = ByteTokenizer()
+    ids = np.array(tok.encode("añb"))  # ñ is two bytes: a prompt of 2 cuts it
+    assert sample_prompt(ids[:2], tok).tolist() == tok.encode("a")
+    assert sample_prompt(ids[:3], tok).tolist() == tok.encode("añ")
+    assert sample_prompt(ids[1:2], tok).tolist() == ids[1:2].tolist()  # never empty

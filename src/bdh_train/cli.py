@@ -350,8 +350,8 @@ def _load_for_inference(args: argparse.Namespace, need_text: bool):
     model, tok, cfg = load_run(args.checkpoint, device=args.device)
     if need_text and tok is None:
         raise BDHTrainError(
-            f"{args.command} prints bytes: it needs a byte-level model (vocab_size 256, "
-            "token head)"
+            f"{args.command} prints text: it needs a token-head model with a tokenizer (a "
+            "byte-level model, vocab_size 256, or a run that carries its tokenizer.json)"
         )
     return model, tok, cfg
 
@@ -380,7 +380,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt, args.max_new_tokens, args.temperature, args.top_k, generator,
             summary_events=events,
         )
-        stream_text((int(token) for token in stream), out)
+        stream_text((int(token) for token in stream), out, tok)
         out.write("\n")
         return 0
     cont = Continuation(model, events)
@@ -392,7 +392,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         saved = cont.save(args.save_state)
         print(f"saved the state after {cont.tokens_read} tokens to {saved}", file=sys.stderr)
     out.write(text)
-    stream_text(cont.sample(args.max_new_tokens, args.temperature, args.top_k, generator), out)
+    stream_text(
+        cont.sample(args.max_new_tokens, args.temperature, args.top_k, generator), out, tok
+    )
     out.write("\n")
     return 0
 
@@ -418,6 +420,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from bdh_train.data.config import is_text_of
+    from bdh_train.data.tokenizer import BYTES, ByteTokenizer
     from bdh_train.train.evaluate import evaluate
     from bdh_train.train.step import LanguageTrainModel
 
@@ -430,7 +434,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"{args.checkpoint} is a ternary export, which holds no data settings: pass "
             "--data SOURCE"
         )
-    model, _, cfg = _load_for_inference(args, need_text=False)
+    model, tok, cfg = _load_for_inference(args, need_text=False)
+    exported = Path(args.checkpoint).is_file()
+    source = args.data or cfg.data.val_source or cfg.data.source
+    if exported and tok is not None and tok.kind != BYTES and not source.endswith(".bin"):
+        raise BDHTrainError(
+            f"{args.checkpoint} is an export of a model with its own tokenizer: pass --data "
+            "a .bin token file of that tokenizer, or eval the run directory, which encodes "
+            "text with it"
+        )
     t = cfg.training
     if args.data:
         data = cfg.data.load_source(args.data, cfg.model.vocab_size)
@@ -442,9 +454,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 "the run has no validation split (data.val_fraction = 0); pass --data SOURCE"
             )
     step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
+    tok = tok if tok is not None else ByteTokenizer()  # the ids of a byte run's text are bytes
+    text_of = tok if is_text_of(source, tok.kind == BYTES) else None
     result = evaluate(
         step, data, t.block_size, t.batch_size, args.batches,
         summary_trigger=cfg.data.summary_trigger(), device=model.embed.weight.device,
+        byte_lengths=None if text_of is None else text_of.token_byte_lengths(),
+        head=model.config.language_head,
     )
     print(json.dumps({**result.row(), "tokens": result.tokens}))
     return 0
@@ -541,11 +557,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from bdh_train.data.tokenizer import HFTokenizer
     from bdh_train.export import export_ternary
     from bdh_train.inference import load_run
 
-    model, _, _ = load_run(args.run_dir)
-    print(export_ternary(model, args.out))
+    model, tok, _ = load_run(args.run_dir)
+    tokenizer_json = tok.to_json() if isinstance(tok, HFTokenizer) else None
+    print(export_ternary(model, args.out, tokenizer_json))
     return 0
 
 

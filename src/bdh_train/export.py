@@ -3,7 +3,8 @@
 Targeted projections are stored as their ternary codes, 4 per byte, plus one float32
 scale gamma each: 1/16 of their float32 size. Every other tensor (embedding, head, untargeted
 projections, norm) stays float. The BDHConfig rides along as JSON metadata, so the file alone
-rebuilds the model. Loading gives an inference model that runs the targeted projections as
+rebuilds the model, and so does the run's tokenizer.json (when it has one), so the file alone
+decodes its tokens. Loading gives an inference model that runs the targeted projections as
 integer matmuls on the stored codes, with the same logits as the fake-quant model at lambda = 1
 (the export always uses full quantization, whatever the warm-up step).
 
@@ -29,6 +30,8 @@ from bdh_train.model.quant import PROJECTION_TARGETS, TERNARY_FORMATS, quantize_
 from bdh_train.utils import atomic_write
 
 FORMAT = "bdh-ternary/1"
+TOKENIZER_KEY = "tokenizer"
+"""The metadata key holding the text of the run's tokenizer.json (absent for byte models)."""
 PACKED_SUFFIX = ".ternary"
 SCALE_SUFFIX = ".scale"
 
@@ -62,8 +65,13 @@ def _targeted(config: BDHConfig) -> list[str]:
     return [name for name, paper in PROJECTION_TARGETS.items() if paper in targets]
 
 
-def export_ternary(model: BDH, out_path: str | os.PathLike[str]) -> Path:
+def export_ternary(
+    model: BDH, out_path: str | os.PathLike[str], tokenizer_json: str | None = None
+) -> Path:
     """Write `model` as a packed ternary safetensors file; returns the path.
+
+    `tokenizer_json` (the run's tokenizer.json text) is stored in the metadata, so the export
+    alone decodes (`export_tokenizer_json`); None for the byte tokenizer, which needs no file.
 
     Needs a model configured for ternary QAT (quant.enable with a ternary weight_format);
     exporting a float model would silently destroy it.
@@ -92,10 +100,37 @@ def export_ternary(model: BDH, out_path: str | os.PathLike[str]) -> Path:
         "config": json.dumps(config.to_dict()),
         "ternary": json.dumps(shapes),
     }
+    if tokenizer_json is not None:
+        metadata[TOKENIZER_KEY] = tokenizer_json
     out = Path(out_path)
     with atomic_write(out, "wb") as handle:
         handle.write(safetensors_bytes(tensors, metadata=metadata))
     return out
+
+
+def _read_export(
+    path: Path, with_tensors: bool = True
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of an export, refused unless it is one; tensors only when asked."""
+    if not path.is_file():
+        raise CheckpointError(f"ternary export '{path}' does not exist")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            keys = list(f.keys()) if with_tensors else []
+            tensors = {k: f.get_tensor(k) for k in keys}
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"cannot read ternary export '{path}': {exc}") from exc
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(
+            f"'{path}' is not a {FORMAT} export (format={metadata.get('format')!r})"
+        )
+    return metadata, tensors
+
+
+def export_tokenizer_json(path: str | os.PathLike[str]) -> str | None:
+    """The tokenizer.json text an export carries, or None (a byte model's export)."""
+    return _read_export(Path(path), with_tensors=False)[0].get(TOKENIZER_KEY)
 
 
 def load_ternary(path: str | os.PathLike[str], device: torch.device | str = "cpu") -> BDH:
@@ -105,18 +140,7 @@ def load_ternary(path: str | os.PathLike[str], device: torch.device | str = "cpu
     the dequantized values codes * gamma for inspection only.
     """
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"ternary export '{path}' does not exist")
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            metadata = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-    except Exception as exc:  # safetensors raises its own error types
-        raise CheckpointError(f"cannot read ternary export '{path}': {exc}") from exc
-    if metadata.get("format") != FORMAT:
-        raise CheckpointError(
-            f"'{path}' is not a {FORMAT} export (format={metadata.get('format')!r})"
-        )
+    metadata, tensors = _read_export(path)
     config = BDHConfig.from_dict(json.loads(metadata["config"]))
     shapes = {k: tuple(v) for k, v in json.loads(metadata["ternary"]).items()}
     model = BDH(config).to(tensors["embed.weight"].dtype)

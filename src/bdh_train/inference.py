@@ -23,9 +23,15 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from bdh_train.config import RunConfig, load_config
-from bdh_train.data.tokenizer import ByteTokenizer
+from bdh_train.data.tokenizer import (
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 from bdh_train.errors import BDHTrainError, CheckpointError
-from bdh_train.export import load_ternary
+from bdh_train.export import export_tokenizer_json, load_ternary
 from bdh_train.model import BDH, BDHConfig, ModelState, sample_next_token
 from bdh_train.model.summary import SummaryEvents
 from bdh_train.train import checkpoint as ckpt
@@ -49,19 +55,28 @@ def inference_device(name: str | torch.device) -> torch.device:
 
 def load_run(
     path: str | os.PathLike[str], device: str | torch.device = "cpu"
-) -> tuple[BDH, ByteTokenizer | None, RunConfig]:
+) -> tuple[BDH, Tokenizer | None, RunConfig]:
     """(model in eval mode on `device`, tokenizer, run config) of a finished run.
 
     `path` is a run directory (its latest checkpoint), a checkpoint directory, or a file
-    written by `bdh-train export --ternary`. The tokenizer is the byte tokenizer for a
-    byte-level token model, else None. For an export, which holds only the model, the config
-    is the defaults with the export's model section.
+    written by `bdh-train export --ternary`. The tokenizer is the one the run trained with:
+    the checkpoint's tokenizer.json (an export's copy in its metadata), else the run
+    directory's, else (byte runs, and runs written before tokenizers travelled with them) the
+    byte tokenizer for a byte-level token model, else None. When the checkpoint carries the
+    tokenizer, the config's data.tokenizer names that copy, so the config works wherever the
+    run now is. For an export, which holds only the model and tokenizer, the config is the
+    defaults with the export's model section.
     """
     path = Path(path)
     dev = inference_device(device)
     if path.is_file():
         model = load_ternary(path, dev)
-        return model, tokenizer_for(model.config), RunConfig(model=model.config)
+        text = export_tokenizer_json(path)
+        if text is None:
+            return model, tokenizer_for(model.config), RunConfig(model=model.config)
+        tok = HFTokenizer.from_json(text, f"the export '{path}'")
+        _check_tokenizer_fits(tok, model.config, f"the export '{path}'")
+        return model, tok, RunConfig(model=model.config)
     directory = ckpt.resolve_checkpoint(path)
     with safe_open(str(directory / ckpt.MODEL_FILE), "pt") as handle:
         meta = handle.metadata() or {}
@@ -77,13 +92,36 @@ def load_run(
             f"the bdh_config metadata of {directory / ckpt.MODEL_FILE} is unusable: {exc}"
         ) from None
     ckpt.load_into_model(model, ckpt.load_model_weights(directory), directory)
+    copy = run_tokenizer_file(directory)
+    tok = load_tokenizer(copy) if copy is not None else tokenizer_for(model.config)
+    if copy is not None:
+        _check_tokenizer_fits(tok, model.config, str(copy))
     saved = directory / CONFIG_FILE
+    # The tokenizer the run trained with is the copy found above, wherever the run now is.
+    naming_copy = [] if copy is None else [f"data.tokenizer={json.dumps(str(copy.resolve()))}"]
     cfg = (
-        load_config([saved], default_preset=False)
+        load_config([saved], naming_copy, default_preset=False)
         if saved.is_file()
         else RunConfig(model=model.config)
     )
-    return model.to(dev).eval(), tokenizer_for(model.config), cfg
+    return model.to(dev).eval(), tok, cfg
+
+
+def run_tokenizer_file(checkpoint: Path) -> Path | None:
+    """The tokenizer.json a run carries: the checkpoint's own, else its run directory's
+    (checkpoint = RUN/checkpoints/step-N); None for byte runs and older runs."""
+    candidates = [checkpoint / TOKENIZER_FILE]
+    if checkpoint.parent.name == ckpt.CHECKPOINTS:
+        candidates.append(checkpoint.parent.parent / TOKENIZER_FILE)
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def _check_tokenizer_fits(tok: Tokenizer, config: BDHConfig, where: str) -> None:
+    if tok.vocab_size != config.vocab_size:
+        raise CheckpointError(
+            f"the tokenizer of {where} has {tok.vocab_size} ids but the model's vocab_size is "
+            f"{config.vocab_size}: the tokenizer does not belong to this model"
+        )
 
 
 def tokenizer_for(config: BDHConfig) -> ByteTokenizer | None:
@@ -196,17 +234,19 @@ class Continuation:
         return self
 
 
-def stream_text(tokens: Iterable[int], out: TextIO) -> None:
-    """Write byte tokens to `out` as UTF-8 text as they come (invalid bytes as U+FFFD)."""
+def stream_text(tokens: Iterable[int], out: TextIO, tokenizer: Tokenizer) -> None:
+    """Write tokens to `out` as UTF-8 text as they come: each token's bytes are decoded on
+    top of the ones before, so a character split across tokens prints whole (bytes that are
+    not valid UTF-8 as U+FFFD)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for token in tokens:
-        out.write(decoder.decode(bytes([token])))
+        out.write(decoder.decode(tokenizer.decode_bytes([token])))
         out.flush()
     out.write(decoder.decode(b"", final=True))
 
 
 def chat(
-    continuation: Continuation, tokenizer: ByteTokenizer, lines: Iterable[str], out: TextIO,
+    continuation: Continuation, tokenizer: Tokenizer, lines: Iterable[str], out: TextIO,
     max_new_tokens: int, temperature: float, top_k: int | None, generator: torch.Generator,
     prompt: str = "",
 ) -> int:
@@ -215,7 +255,9 @@ def chat(
     turns = 0
     for line in lines:
         continuation.feed(tokenizer.encode(line))
-        stream_text(continuation.sample(max_new_tokens, temperature, top_k, generator), out)
+        stream_text(
+            continuation.sample(max_new_tokens, temperature, top_k, generator), out, tokenizer
+        )
         out.write("\n")
         out.write(prompt)
         out.flush()

@@ -10,6 +10,7 @@ bit for bit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import shlex
@@ -21,12 +22,13 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from bdh_train.config import RunConfig, dump_toml, save_config
 from bdh_train.data import RandomWindowLoader, StreamingDocumentLoader
-from bdh_train.data.tokenizer import ByteTokenizer
+from bdh_train.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer
 from bdh_train.distributed.env import DistContext, pipeline_mesh
 from bdh_train.distributed.pipeline import PipelineRunner
 from bdh_train.distributed.planner import build_pipeline_plan
@@ -196,6 +198,38 @@ class ConfigText:
         raise NotImplementedError
 
 
+class TokenizerFile:
+    """The run's Hugging Face tokenizer as a checkpoint part: its tokenizer.json text (save
+    only; a resume reads the tokenizer from data.tokenizer)."""
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def state_dict(self) -> str:
+        return self.tokenizer.to_json()
+
+    def load_state_dict(self, state: str) -> None:
+        raise NotImplementedError
+
+
+SAMPLE_PROMPT_TOKENS = 32
+"""The end-of-run sample continues this many tokens of the validation (else train) data."""
+
+
+def sample_prompt(ids: np.ndarray, tokenizer: ByteTokenizer | HFTokenizer) -> np.ndarray:
+    """The longest prefix of `ids` (at least one token) that decodes to whole UTF-8
+    characters, so neither the prompt nor its continuation is printed with a character cut
+    in two."""
+    n = len(ids)
+    while n > 1:
+        try:
+            tokenizer.decode_bytes(ids[:n]).decode("utf-8")
+            break
+        except UnicodeDecodeError:
+            n -= 1
+    return np.asarray(ids[:n], dtype=np.int64)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -230,9 +264,18 @@ class Trainer:
         is written. A fresh run needs an empty run directory unless `overwrite`; a resume
         whose latest checkpoint is damaged continues from the newest intact one only with
         `resume_fallback`."""
-        self.cfg = cfg = cfg.validate().resolved()
+        cfg = cfg.validate().resolved()
         t = cfg.training
         self.run_dir = Path(run_dir)
+        self.tokenizer = cfg.data.load_tokenizer()
+        self.tokenizer_named = cfg.data.tokenizer
+        """data.tokenizer as given (the saved config names the run's copy instead)."""
+        if isinstance(self.tokenizer, HFTokenizer):  # the run's config names the run's copy
+            own_copy = str((self.run_dir / TOKENIZER_FILE).resolve())
+            data = dataclasses.replace(cfg.data, tokenizer=own_copy)
+            layered_on, cfg = cfg.layered_on, dataclasses.replace(cfg, data=data)
+            cfg.layered_on = layered_on
+        self.cfg = cfg
         self.overwrite = overwrite and not resume
         self.dist = dist_ctx or DistContext()
         if not resume:
@@ -273,6 +316,7 @@ class Trainer:
         )
         self.resume_notes: list[str] = []
         if self.resumed_from is not None:
+            self._check_resumed_tokenizer(self.resumed_from)
             self.checkpointer.load(self.resumed_from, self._checkpoint_parts(loading=True))
             self.resume_notes = self._check_resumed_length(self.resumed_from)
         self.progress = Progress(
@@ -340,7 +384,20 @@ class Trainer:
         }
         if not loading:
             parts[CONFIG_FILE] = ConfigText(self.cfg)
+            if isinstance(self.tokenizer, HFTokenizer):
+                parts[TOKENIZER_FILE] = TokenizerFile(self.tokenizer)
         return parts
+
+    def _check_resumed_tokenizer(self, checkpoint: Path) -> None:
+        """A resume continues with the tokenizer the checkpoint was trained with."""
+        copy = checkpoint / TOKENIZER_FILE
+        if not copy.is_file():
+            return  # a byte run, or one written before runs carried their tokenizer
+        if load_tokenizer(copy).fingerprint() != self.tokenizer.fingerprint():
+            raise ConfigError(
+                f"data.tokenizer '{self.tokenizer_named}' is not the tokenizer the checkpoint "
+                f"{checkpoint} was trained with ({copy}): resume with data.tokenizer = '{copy}'"
+            )
 
     def _check_resumed_length(self, checkpoint: Path) -> list[str]:
         """Refuse a max_steps at or below the checkpoint's step (nothing would train); a
@@ -400,6 +457,7 @@ class Trainer:
         if self.dist.is_main:
             if self.overwrite:
                 clear_run_dir(self.run_dir)
+            self.tokenizer.save(self.run_dir)  # before the config that names this copy
             save_config(self.cfg, self.run_dir / CONFIG_FILE)
         resume_step = s.step if self.resumed_from is not None else None
         self.metrics = MetricsReporter(
@@ -508,12 +566,18 @@ class Trainer:
             layered = f"the run's saved {CONFIG_FILE}"
         else:
             layered = "built directly (no preset)"
+        tokenizer = (
+            [f"tokenizer      {self.tokenizer_named} ({self.tokenizer.vocab_size:,} ids)"]
+            if isinstance(self.tokenizer, HFTokenizer)
+            else []
+        )
         return [
             f"run directory  {self.run_dir.resolve()}",
             f"device         {device}",
             f"model          {params / 1e6:.2f} M parameters ({params:,})",
             f"data           {self.cfg.data.source}: {len(self.train_data):,} train tokens, "
             f"{val}",
+            *tokenizer,
             f"per step       {t.batch_size} x {t.block_size} tokens{accum} = {per_step:,} tokens",
             f"length         {steps} ({t.max_steps * per_step:,} tokens in all)",
             f"config         {layered}",
@@ -539,8 +603,7 @@ class Trainer:
             f"train on       bdh-train train --resume {quoted} "
             f"--set training.max_steps={2 * t.max_steps}"
         )
-        model = self.cfg.model
-        if model.language_head.type == "token" and model.vocab_size == 256:
+        if self._writes_text(self.cfg.data.source):
             lines.append(f"generate       bdh-train generate --checkpoint {quoted} --prompt 'The '")
         lines.append(f"evaluate       bdh-train eval --checkpoint {quoted}")
         return lines
@@ -639,15 +702,34 @@ class Trainer:
             )
 
     # ------------------------------------------------------------------ evaluation
+    def _writes_text(self, source: str | None) -> bool:
+        """Whether the model's samples are text of the run's tokenizer: a token head over the
+        tokenizer's whole vocabulary, trained on text of it (`source`)."""
+        model = self.cfg.model
+        return (
+            model.language_head.type == "token"
+            and model.vocab_size == self.tokenizer.vocab_size
+            and self.cfg.data.is_text_of_tokenizer(source)
+        )
+
+    def _text_tokenizer(self) -> ByteTokenizer | HFTokenizer | None:
+        """The run's tokenizer when the validation data is its text, else None."""
+        data = self.cfg.data
+        return self.tokenizer if data.is_text_of_tokenizer(data.val_source) else None
+
     def evaluate(self) -> float | None:
-        """Mean validation loss over counted tokens (and bits per byte for byte data)."""
+        """Mean validation loss over counted tokens (and bits per byte for text data)."""
         if self.val_data is None:
             return None
         t = self.cfg.training
+        text_of = self._text_tokenizer()
         dp = self.data_parallel  # pipeline ranks evaluate every batch together instead
         result = evaluate(
             self.executor, self.val_data, t.block_size, t.batch_size, t.eval_steps, self.device,
-            self.cfg.data.summary_trigger(), part=(dp.rank, dp.world_size),
+            self.cfg.data.summary_trigger(),
+            byte_lengths=None if text_of is None else text_of.token_byte_lengths(),
+            head=self.cfg.model.language_head,
+            part=(dp.rank, dp.world_size),
             add_across_ranks=partial(all_reduce_sums, group=dp.group) if dp.active else None,
         )
         if self.metrics is not None:
@@ -660,13 +742,19 @@ class Trainer:
         return result.val_loss
 
     def sample(self, max_new_tokens: int = 200) -> str | None:
-        """Continue the first 32 validation bytes; only for byte-level token models."""
-        source = self.val_data if self.val_data is not None else self.train_data
-        model = self.cfg.model
-        byte_model = model.language_head.type == "token" and model.vocab_size == 256
-        if not (byte_model and source.byte_level):
+        """Continue the first `SAMPLE_PROMPT_TOKENS` validation (else train) tokens, decoded
+        with the run's tokenizer; only for a token head on text of that tokenizer."""
+        data = self.cfg.data
+        if self.val_data is not None:
+            source, name = self.val_data, data.val_source
+        else:
+            source, name = self.train_data, data.source
+        if not self._writes_text(name):
             return None
-        prompt = torch.as_tensor(source.tokens[:32].astype("int64"), device=self.device)
+        tok = self.tokenizer
+        prompt = torch.as_tensor(
+            sample_prompt(source.tokens[:SAMPLE_PROMPT_TOKENS], tok), device=self.device
+        )
         self.model.eval()
         out = self.model.generate(
             prompt,
@@ -677,10 +765,9 @@ class Trainer:
             summary_events=self.cfg.data.summary_trigger(),
         )
         self.model.train()
-        tok = ByteTokenizer()
-        text = tok.decode(out[32:].tolist())
+        text = tok.decode(out[len(prompt):].tolist())
         self.progress.log(
-            f"--- sample (prompt: {tok.decode(out[:32].tolist())!r}) ---\n{text}\n---"
+            f"--- sample (prompt: {tok.decode(out[:len(prompt)].tolist())!r}) ---\n{text}\n---"
         )
         return text
 

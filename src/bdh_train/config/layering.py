@@ -30,6 +30,7 @@ from typing import Any
 import tomli_w
 
 from bdh_train.config.schema import SECTIONS, RunConfig
+from bdh_train.data.tokenizer import BYTES, load_tokenizer
 from bdh_train.errors import ConfigError
 from bdh_train.utils import atomic_write, dataclass_in, renamed_key, suggest
 
@@ -76,6 +77,8 @@ class _Layerer:
         self.stack: list[str] = []
         self.presets: list[str] = []
         """Every preset layered in, in order (a diamond may list one twice)."""
+        self.file_keys: set[tuple[str, str]] = set()
+        """(section, key) of every value a config file (not a preset) sets."""
 
     def preset(self, name: str, referrer: str | None = None) -> dict[str, Any]:
         try:
@@ -112,6 +115,12 @@ class _Layerer:
         self.stack.append(key)
         try:
             data = _parse_toml(text, key)
+            if base_dir is not None:
+                self.file_keys |= {
+                    (section, name)
+                    for section, table in data.items() if isinstance(table, Mapping)
+                    for name in table
+                }
             parents = data.pop(EXTENDS_KEY, [])
             if isinstance(parents, str):
                 parents = [parents]
@@ -214,11 +223,27 @@ def load_config(
             f"preset {DEFAULT_PRESET} (the default: "
             + ("no config file extends a preset)" if files else "no config file given)")
         )
+    explicit = set(layerer.file_keys)
     for item in overrides:
-        merged = deep_merge(merged, parse_override(item))
+        override = parse_override(item)
+        explicit |= {(section, name) for section, table in override.items() for name in table}
+        merged = deep_merge(merged, override)
+    if ("model", "vocab_size") not in explicit:
+        merged = _vocab_from_tokenizer(merged)
     cfg = RunConfig.from_dict(merged)
     cfg.layered_on = layered_on
     return cfg
+
+
+def _vocab_from_tokenizer(merged: dict[str, Any]) -> dict[str, Any]:
+    """model.vocab_size set to the size of a Hugging Face ``data.tokenizer`` (used when no
+    config file or --set gives model.vocab_size; a preset's value gives way)."""
+    data = merged.get("data")
+    name = data.get("tokenizer", BYTES) if isinstance(data, Mapping) else BYTES
+    if not isinstance(name, str) or name == BYTES:
+        return merged  # a non-string is refused, with its key, by DataConfig.validate
+    size = load_tokenizer(name).vocab_size
+    return deep_merge(merged, {"model": {"vocab_size": size}})
 
 
 # --------------------------------------------------------------------------- writing

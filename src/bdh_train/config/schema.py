@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from bdh_train.data.config import DataConfig
+from bdh_train.data.tokenizer import BYTES
 from bdh_train.distributed.planner import ParallelConfig
 from bdh_train.errors import ConfigError
 from bdh_train.model.config import BDHConfig
@@ -77,7 +78,22 @@ class RunConfig:
                         f"({getattr(self.data.nca, name)}), got {getattr(head, name)}"
                     )
         self.data.check_summary_memory(self.model.summary_memory, self.model.vocab_size)
+        self._check_tokenizer_vocab()
         return self
+
+    def _check_tokenizer_vocab(self) -> None:
+        """A Hugging Face tokenizer fixes the vocabulary: model.vocab_size must equal its
+        size (`load_config` fills it in when no file or --set gives it)."""
+        if self.data.tokenizer == BYTES:
+            return
+        size = self.data.load_tokenizer().vocab_size
+        if self.model.vocab_size != size:
+            raise ConfigError(
+                f"model.vocab_size = {self.model.vocab_size}, but data.tokenizer "
+                f"'{self.data.tokenizer}' has {size} ids: set model.vocab_size = {size}, or "
+                "leave model.vocab_size out of the config files and --set (it then follows "
+                "the tokenizer)"
+            )
 
     def resolved(self) -> RunConfig:
         """A copy whose paths are stored resolved (`DataConfig.resolved_source`), as a run

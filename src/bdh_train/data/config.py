@@ -23,7 +23,7 @@ from bdh_train.data.sources import (
     load_splits,
     load_tokens,
 )
-from bdh_train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from bdh_train.data.tokenizer import BYTES, ByteTokenizer, HFTokenizer, load_tokenizer
 from bdh_train.errors import ConfigError
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.utils import suggest
@@ -32,6 +32,17 @@ GENERATED_SOURCES: dict[str, Callable[[DataConfig], TokenGenerator]] = {
     "nca": lambda cfg: lambda vocab_size: nca_source(cfg.nca, vocab_size),
 }
 """Source names served by a generator built from the data config, instead of a file."""
+
+
+def is_text_of(source: str, byte_tokenizer: bool) -> bool:
+    """Whether the ids of `source` are text of the run's tokenizer, so a loss per token
+    converts to bits per byte and its first tokens decode to a prompt. Generated data is not;
+    with the byte tokenizer, neither is a ``.bin`` of token ids (its ids stand for no
+    declared text); with a Hugging Face tokenizer every other source is (text is encoded with
+    it, token files are declared to be of it)."""
+    if source in GENERATED_SOURCES:
+        return False
+    return not byte_tokenizer or not source.endswith(".bin")
 
 
 @dataclass
@@ -53,7 +64,8 @@ class DataConfig:
     training split, so name ``DIR/val.bin`` for its validation split), or None."""
     tokenizer: str = "bytes"
     """``bytes`` (every UTF-8 byte is a token) or the path of a Hugging Face ``tokenizer.json``;
-    ``model.vocab_size`` must equal its vocabulary size."""
+    ``model.vocab_size`` follows its vocabulary size unless a config file or --set gives it
+    (then it must be equal). A run keeps a copy and its saved config names that copy."""
     bin_dtype: str | None = None
     """The id dtype (``uint16`` or ``uint32``) of a headerless ``.bin`` token file (nanoGPT
     style); None requires the ``<file>.json`` header."""
@@ -163,6 +175,11 @@ class DataConfig:
     def load_tokenizer(self) -> ByteTokenizer | HFTokenizer:
         """The tokenizer ``data.tokenizer`` names (DataError when it cannot be loaded)."""
         return load_tokenizer(self.tokenizer)
+
+    def is_text_of_tokenizer(self, source: str | None = None) -> bool:
+        """Whether `source` (default ``data.source``) is text in ``data.tokenizer``'s ids
+        (`is_text_of`)."""
+        return is_text_of(self.source if source is None else source, self.tokenizer == BYTES)
 
     @property
     def is_generated(self) -> bool:

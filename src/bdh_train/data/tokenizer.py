@@ -173,6 +173,17 @@ class HFTokenizer:
                 f"(e.g. one written by `bdh-train prepare --train-tokenizer bpe`) or 'bytes'"
             ) from None
 
+    @classmethod
+    def from_json(cls, text: str, source: str) -> HFTokenizer:
+        """A tokenizer from the text of a `tokenizer.json` (e.g. the copy an export carries);
+        `source` names where the text came from in errors."""
+        from tokenizers import Tokenizer as _HF
+
+        try:
+            return cls(_HF.from_str(text), source)
+        except Exception as exc:  # the library raises plain Exception on malformed JSON
+            raise DataError(f"the tokenizer of {source} is unusable: {exc}") from None
+
     def _byte_table(self) -> list[bytes] | None:
         """Each id's bytes when every token is written in the byte-level alphabet, else None
         (decoding then goes through the library's decoder)."""

@@ -5,7 +5,8 @@ temporary directory beside it and renamed into place only when every file is on 
 crash (or SIGKILL) during a save leaves the previous checkpoint and pointer untouched.
 
 `Checkpointer` saves and loads a mapping of stateful parts, one file each; the file's suffix
-decides its format (`.json`, `.pt`, `.toml` text, `.safetensors` model weights).
+decides its format (`.json`, `.pt`, `.safetensors` model weights; a part whose state is a
+string is written as that text, e.g. config.toml and tokenizer.json).
 """
 
 from __future__ import annotations
@@ -385,12 +386,12 @@ class ModelWeights:
 
 
 def _write_part(path: Path, state: Any) -> None:
-    if path.suffix == ".json":
+    if isinstance(state, str):  # a part that is its own file's text (config, tokenizer)
+        path.write_text(state, encoding="utf-8")
+    elif path.suffix == ".json":
         write_json(path, state)
     elif path.suffix == ".pt":
         torch.save(state, path)
-    elif path.suffix == ".toml":
-        path.write_text(state)
     elif path.suffix == ".safetensors":
         tensors, metadata = state
         save_file(tensors, str(path), metadata=metadata)

@@ -270,12 +270,14 @@ class Trainer:
         self.tokenizer = cfg.data.load_tokenizer()
         self.tokenizer_named = cfg.data.tokenizer
         """data.tokenizer as given (the saved config names the run's copy instead)."""
-        if isinstance(self.tokenizer, HFTokenizer):  # the run's config names the run's copy
+        self.cfg = cfg
+        self.saved_cfg = cfg
+        """The config the run directory and its checkpoints store: `cfg`, naming the run's
+        own copy of a Hugging Face tokenizer (written before the config)."""
+        if isinstance(self.tokenizer, HFTokenizer):
             own_copy = str((self.run_dir / TOKENIZER_FILE).resolve())
             data = dataclasses.replace(cfg.data, tokenizer=own_copy)
-            layered_on, cfg = cfg.layered_on, dataclasses.replace(cfg, data=data)
-            cfg.layered_on = layered_on
-        self.cfg = cfg
+            self.saved_cfg = dataclasses.replace(cfg, data=data)
         self.overwrite = overwrite and not resume
         self.dist = dist_ctx or DistContext()
         if not resume:
@@ -383,7 +385,7 @@ class Trainer:
             RANKS_FILE: RankStates(self),
         }
         if not loading:
-            parts[CONFIG_FILE] = ConfigText(self.cfg)
+            parts[CONFIG_FILE] = ConfigText(self.saved_cfg)
             if isinstance(self.tokenizer, HFTokenizer):
                 parts[TOKENIZER_FILE] = TokenizerFile(self.tokenizer)
         return parts
@@ -458,11 +460,11 @@ class Trainer:
             if self.overwrite:
                 clear_run_dir(self.run_dir)
             self.tokenizer.save(self.run_dir)  # before the config that names this copy
-            save_config(self.cfg, self.run_dir / CONFIG_FILE)
+            save_config(self.saved_cfg, self.run_dir / CONFIG_FILE)
         resume_step = s.step if self.resumed_from is not None else None
         self.metrics = MetricsReporter(
             self.run_dir, self.cfg.metrics, resume_step, enabled=self.dist.is_main,
-            config=self.cfg.to_dict(), config_text=dump_toml(self.cfg),
+            config=self.saved_cfg.to_dict(), config_text=dump_toml(self.saved_cfg),
         )
         for line in self.banner_lines():
             self.progress.log(line)

@@ -19,9 +19,9 @@ PUBLIC = {
     ],
     "bdh_train.data": [
         "BUILTIN_CORPORA", "ByteTokenizer", "DataConfig", "GENERATED_SOURCES", "NcaConfig",
-        "RandomWindowLoader", "StreamingDocumentLoader", "TOKEN_DTYPES", "TokenData",
-        "TokenGenerator", "TokenSource", "builtin_corpus", "eval_batches", "header_path",
-        "load_splits", "load_tokens", "read_header", "write_token_file",
+        "RandomWindowLoader", "StreamingCorpusLoader", "StreamingDocumentLoader", "TOKEN_DTYPES",
+        "TokenData", "TokenGenerator", "TokenSource", "builtin_corpus", "eval_batches",
+        "header_path", "load_splits", "load_tokens", "read_header", "write_token_file",
     ],
     "bdh_train.train": [
         "CheckpointConfig", "Checkpointer", "EvalResult", "GradientScale", "GradientScaleRamp",

@@ -5,6 +5,7 @@ data) and deterministic, resumable loaders that produce SequenceBatch; `DataConf
 from bdh_train.data.config import GENERATED_SOURCES, DataConfig
 from bdh_train.data.loaders import (
     RandomWindowLoader,
+    StreamingCorpusLoader,
     StreamingDocumentLoader,
     TokenSource,
     eval_batches,
@@ -32,6 +33,7 @@ __all__ = [
     "DataConfig",
     "NcaConfig",
     "RandomWindowLoader",
+    "StreamingCorpusLoader",
     "StreamingDocumentLoader",
     "TokenData",
     "TokenGenerator",

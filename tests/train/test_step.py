@@ -13,6 +13,7 @@ from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.errors import ConfigError
 from bdh_train.model import LanguageHeadConfig, QuantConfig, groups
+from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.train import profile as profile_module
 from bdh_train.train.profile import (
     PROBES,
@@ -356,6 +357,35 @@ def test_streaming_document_resets_equal_each_document_from_a_fresh_state(execut
     assert step.carried_state.position.tolist() == [6, 2]  # each row's last document
     first = SequenceBatch(inputs[:, :DOC_BLOCK], targets[:, :DOC_BLOCK], resets[:, :DOC_BLOCK])
     assert_close(step.valid_step(first).double(), expected[0][0], rtol=1e-6, msg="valid loss")
+
+
+def test_row_resets_are_the_mask_with_only_its_first_column_set():
+    """SequenceBatch.reset_mask is the one conversion of [B] flags; time_slice keeps [B] flags
+    on the first chunk and slices a [B, T] mask; the step gives both forms the same result."""
+    b = batch(b=2, t=5, seed=4)
+    flags = SequenceBatch(b.inputs, b.targets, torch.tensor([False, True]))
+    assert flags.reset_mask.tolist() == [[False] * 5, [True, False, False, False, False]]
+    assert flags.time_slice(0, 2).reset.tolist() == [False, True]
+    assert flags.time_slice(2, 5).reset is None
+    mask = SequenceBatch(b.inputs, b.targets, flags.reset_mask)
+    assert torch.equal(mask.time_slice(2, 5).reset, flags.reset_mask[:, 2:5])
+    losses = []
+    for form in (flags, mask):
+        step = LanguageTrainModel(tiny_model(), tbptt_chunk_size=2, streaming=True)
+        step.train_step(batch(b=2, t=5, seed=5))
+        losses.append(step.train_step(form).loss)
+        assert step.carried_state.position.tolist() == [10, 5]
+    assert torch.equal(losses[0], losses[1])
+    with pytest.raises(ValueError, match=r"reset must have shape \[B\]=\(2,\) or \[B, T\]"):
+        SequenceBatch(b.inputs, b.targets, torch.zeros(2, 4, dtype=torch.bool))
+
+
+def test_summary_memory_refuses_a_reset_inside_a_call():
+    model = tiny_model(summary_memory=SummaryMemoryConfig(enabled=True, chunk_tokens=2))
+    resets = torch.zeros(1, 4, dtype=torch.bool)
+    resets[0, 2] = True
+    with pytest.raises(ValueError, match="summary memory cannot reset a row in the middle"):
+        model.forward_hidden(torch.zeros(1, 4, dtype=torch.long), reset_mask=resets)
 
 
 def test_valid_step_does_not_touch_the_carried_state():

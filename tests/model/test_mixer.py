@@ -195,8 +195,12 @@ RESET_VARIANTS = [("dense", 16), ("chunked", 3), ("chunked", 4), ("recurrent", 1
 @pytest.mark.parametrize(
     ("executor", "chunk_size", "decay", "dtype"),
     [
-        *[(e, c, decay, torch.float64) for e, c in RESET_VARIANTS for decay in (False, True)],
-        ("chunked", 3, True, torch.float32),
+        *(
+            pytest.param(e, c, decay, torch.float64, id=f"{e}-{c}-{'alibi' if decay else 'rope'}")
+            for e, c in RESET_VARIANTS
+            for decay in (False, True)
+        ),
+        pytest.param("chunked", 3, True, torch.float32, id="chunked-3-alibi-fp32"),
     ],
 )
 def test_executor_with_document_resets_matches_separate_documents(

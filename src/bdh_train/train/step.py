@@ -114,6 +114,14 @@ class LanguageTrainModel:
         and its weight in token-weighted accumulation."""
         return count_targets(batch.targets, self.model.config.language_head)
 
+    def _forward_piece(self, piece: SequenceBatch, state: ModelState | None) -> torch.Tensor:
+        """Hidden states of a piece (a TBPTT chunk, or the whole block) continuing `state`,
+        with the piece's summary event and reset masks."""
+        return self.model.forward_hidden(
+            piece.inputs, state,
+            summary_event_mask=piece.summary_event_mask, reset_mask=piece.reset_mask,
+        )
+
     def _piece_loss(self, hidden, targets, normalizer: float) -> torch.Tensor:
         return self.model.loss_from_hidden(hidden, targets, reduction="sum") / normalizer
 
@@ -159,19 +167,14 @@ class LanguageTrainModel:
         needs_state = self.streaming or chunk < batch.block_size
         state = self._load_state(batch) if needs_state else None
         starts = list(range(0, batch.block_size, chunk))
-        resets = batch.reset_mask
         total = torch.zeros((), dtype=torch.float64)
         window_loss: torch.Tensor | None = None
         for i, start in enumerate(starts):
-            end = min(start + chunk, batch.block_size)
+            piece_batch = batch.time_slice(start, min(start + chunk, batch.block_size))
             self.profiler.begin_forward()
             with self.autocast():
-                hidden = self.model.forward_hidden(
-                    batch.inputs[:, start:end], state,
-                    summary_event_mask=_columns(batch.summary_event_mask, start, end),
-                    reset_mask=_columns(resets, start, end),
-                )
-                piece = self._piece_loss(hidden, batch.targets[:, start:end], normalizer)
+                hidden = self._forward_piece(piece_batch, state)
+                piece = self._piece_loss(hidden, piece_batch.targets, normalizer)
             self.profiler.end_forward()
             window_loss = piece if window_loss is None else window_loss + piece
             total += piece.detach().double()
@@ -284,17 +287,12 @@ class LanguageTrainModel:
                 return torch.stack(self._pipeline_losses(batch, normalizer)).sum().float()
             state = self.model.init_state(batch.batch_size)
             chunk = self.effective_chunk_size(batch.block_size) or batch.block_size
-            resets = batch.reset_mask
             total = torch.zeros((), dtype=torch.float64)
             for start in range(0, batch.block_size, chunk):
-                end = min(start + chunk, batch.block_size)
+                piece = batch.time_slice(start, min(start + chunk, batch.block_size))
                 with self.autocast():
-                    hidden = self.model.forward_hidden(
-                        batch.inputs[:, start:end], state,
-                        summary_event_mask=_columns(batch.summary_event_mask, start, end),
-                        reset_mask=_columns(resets, start, end),
-                    )
-                    total += self._piece_loss(hidden, batch.targets[:, start:end], normalizer)
+                    hidden = self._forward_piece(piece, state)
+                    total += self._piece_loss(hidden, piece.targets, normalizer)
             return total.float()
         finally:
             self.model.train(was_training)

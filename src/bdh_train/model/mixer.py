@@ -83,35 +83,38 @@ def dense_attention(
     seq_len = q.shape[2]
     segment = None if reset_mask is None else reset_segments(reset_mask.to(q.device))
     scores = q @ q.transpose(-1, -2)
-    if log_decay is None:
-        scores = scores.tril_(diagonal=-1)
-    else:
+    if log_decay is not None:
         t = torch.arange(seq_len, device=q.device)
         gap = (t.unsqueeze(1) - t.unsqueeze(0)).clamp_min(0)
-        weight = _decay_powers(log_decay, gap, q)  # [H, T, T]
-        scores = scores * weight.tril_(diagonal=-1)
-    if segment is not None:  # token t reads token s only inside its own document
-        other_document = segment.unsqueeze(2) != segment.unsqueeze(1)  # [B, T, T]
-        scores = scores.masked_fill_(other_document.unsqueeze(1), 0)
+        scores = scores * _decay_powers(log_decay, gap, q)  # [H, T, T]
+    if segment is None:
+        scores = scores.tril_(diagonal=-1)
+    else:  # token t reads token s < t only inside its own document: one pass for both rules
+        t = torch.arange(seq_len, device=q.device)
+        later = t.unsqueeze(0) >= t.unsqueeze(1)  # s >= t, [T, T]
+        hidden = later | (segment.unsqueeze(2) != segment.unsqueeze(1))  # [B, T, T]
+        scores = scores.masked_fill_(hidden.unsqueeze(1), 0)
     out = scores @ v
     if rho is not None:
         q_read = q
         if log_decay is not None:
             t = torch.arange(seq_len, device=q.device)
             q_read = q * _decay_powers(log_decay, t, q).unsqueeze(-1)  # d^t, [H, T, 1]
+        from_rho = q_read @ rho
         if segment is not None:  # only the tokens before the row's first reset read rho0
-            q_read = q_read.masked_fill((segment != 0).view(-1, 1, seq_len, 1), 0)
-        out = out + q_read @ rho
+            from_rho = from_rho.masked_fill((segment != 0).view(-1, 1, seq_len, 1), 0)
+        out = out + from_rho
     if not output_final_state:
         return out, None
     q_write = q
     if log_decay is not None:
         s = torch.arange(seq_len, device=q.device)
         q_write = q * _decay_powers(log_decay, seq_len - s, q).unsqueeze(-1)
+    v_write = v
     if segment is not None:  # the final state holds the last document only
         earlier = segment != segment[:, -1:]
-        q_write = q_write.masked_fill(earlier.view(-1, 1, seq_len, 1), 0)
-    new_rho = q_write.transpose(-1, -2) @ v
+        v_write = v.masked_fill(earlier.view(-1, 1, seq_len, 1), 0)  # [B, 1, T, D]: cheaper than q
+    new_rho = q_write.transpose(-1, -2) @ v_write
     if rho is not None:
         carried = rho
         if log_decay is not None:

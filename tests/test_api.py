@@ -19,10 +19,10 @@ PUBLIC = {
     ],
     "bdh_train.data": [
         "BUILTIN_CORPORA", "ByteTokenizer", "DataConfig", "GENERATED_SOURCES", "NcaConfig",
-        "RandomWindowLoader", "StreamingDocumentLoader", "TOKEN_DTYPES", "TokenData",
-        "TokenGenerator", "TokenSource", "builtin_corpus", "eval_batches", "header_path",
-        "iter_documents", "load_prepared", "load_splits", "load_tokens", "prepare_corpus",
-        "read_header", "write_token_file",
+        "RandomWindowLoader", "StreamingCorpusLoader", "StreamingDocumentLoader", "TOKEN_DTYPES",
+        "TokenData", "TokenGenerator", "TokenSource", "builtin_corpus", "eval_batches",
+        "header_path", "iter_documents", "load_prepared", "load_splits", "load_tokens",
+        "prepare_corpus", "read_header", "write_token_file",
     ],
     "bdh_train.train": [
         "CheckpointConfig", "Checkpointer", "EvalResult", "GradientScale", "GradientScaleRamp",

@@ -472,6 +472,18 @@ def test_each_invalid_field_is_named(item: str, message: str) -> None:
             "does not support streamed state",
         ),
         (
+            ["parallel.pipeline_stages=2", "training.stream_documents='corpus'"],
+            "training.stream_documents='fixed'",
+        ),
+        (
+            ["training.stream_documents='corpus'", "training.min_logical_block_size=1024"],
+            "training.min_logical_block_size = 1024 cuts the stream into fixed-length documents",
+        ),
+        (
+            ["training.stream_documents='corpus'", "model.summary_memory.enabled=true"],
+            "training.stream_documents = 'corpus' resets a row's state at the token where",
+        ),
+        (
             ["parallel.pipeline_stages=8", "parallel.virtual_stages_per_rank=1"],
             "model.n_layer must be >= parallel.pipeline_stages * parallel.virtual_stages_per_rank",
         ),

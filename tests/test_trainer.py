@@ -3,6 +3,7 @@ middle of an accumulation window), crash-safe checkpoints, non-finite steps, DDP
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import signal
@@ -12,12 +13,14 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import STREAMING_TBPTT_SETTINGS, assert_close, checkpoint_weights, metric_rows
 from safetensors.torch import load_file
 
 from bdh_train.config import load_config
+from bdh_train.data import DataConfig, StreamingCorpusLoader
 from bdh_train.errors import ConfigError
 from bdh_train.model.groups import interface_surface_params, transferred_backbone_params
 from bdh_train.train import checkpoint as ckpt
@@ -80,6 +83,46 @@ def test_resume_is_bit_exact(tmp_path, overrides, stop_micro):
         assert torch.equal(a[name], b[name]), name
     assert metric_rows(whole) == metric_rows(split)
     assert len(metric_rows(whole)) == 20 + 4  # 20 train rows, evals at 5, 10, 15, 20
+
+
+def _with_documents(monkeypatch) -> None:
+    """The training split cut into documents of 1 to 40 tokens (a seeded index in
+    TokenData.doc_starts, as a prepared corpus carries it)."""
+    load = DataConfig.load_splits
+
+    def load_with_documents(self, vocab_size, block_size):
+        train, val = load(self, vocab_size, block_size)
+        lengths = np.random.default_rng(0).integers(1, 41, size=len(train))
+        starts = np.cumsum(np.concatenate([[0], lengths]))
+        return dataclasses.replace(train, doc_starts=starts[starts < len(train)]), val
+
+    monkeypatch.setattr(DataConfig, "load_splits", load_with_documents)
+
+
+def test_corpus_document_streaming_resume_mid_document_is_bit_exact(tmp_path, monkeypatch):
+    """training.stream_documents = 'corpus': stopped mid-window at step 2 (rows mid-document,
+    the carried state holding only each row's current document) and resumed, the run ends
+    bit-identical to the uninterrupted one."""
+    _with_documents(monkeypatch)
+    monkeypatch.setattr(Trainer, "sample", lambda self, *args, **kwargs: None)  # not under test
+    overrides = [
+        *STREAMING_TBPTT, "training.min_logical_block_size=0",
+        "training.stream_documents='corpus'", "training.max_steps=4",
+        "training.eval_every=2", "training.checkpoint_every=2",
+    ]
+    whole = tmp_path / "whole"
+    Trainer(load_config(overrides=overrides), whole, stream=io.StringIO()).run()
+    split = tmp_path / "split"
+    first = Trainer(load_config(overrides=overrides), split, stream=io.StringIO())
+    assert isinstance(first.loader, StreamingCorpusLoader)
+    first.run(stop_after_micro_steps=2 * 2 + 1)
+    assert (first.state.step, first.state.micro) == (2, 1)
+    rows = first.loader.state_dict()["rows"]
+    assert any(offset > 0 for _, offset in rows)  # some row stopped inside a document
+    Trainer(load_config(overrides=overrides), split, resume=True, stream=io.StringIO()).run()
+    a, b = checkpoint_weights(whole), checkpoint_weights(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert metric_rows(whole) == metric_rows(split)
 
 
 def test_crash_during_checkpoint_leaves_previous_one_loadable(tmp_path):

@@ -18,8 +18,11 @@ class SequenceBatch:
     """One block of token windows.
 
     inputs, targets: LongTensor [B, T]; targets equal to IGNORE_INDEX are not counted.
-    reset: optional BoolTensor [B]; a True row starts a fresh sequence (state zeroed,
-        position 0) when state is streamed across steps; other rows continue.
+    reset: optional BoolTensor, [B] or [B, T]. [B, T] is True where a new document begins
+        at that position: the row's state from before it is dropped (the carried state and
+        every earlier token) and the document's positions restart at 0. [B] is the short form
+        of a mask whose only True entries are in column 0 (a row starting afresh at the
+        block's first token); `reset_mask` converts it. Other rows continue.
     summary_event_mask: optional [B, T], bool or 0/1; nonzero where a summary event ends at
         that input token (what the summary memory's write gate reads; ignored without one).
     """
@@ -35,10 +38,12 @@ class SequenceBatch:
                 f"SequenceBatch needs inputs and targets of the same [B, T] shape, got "
                 f"{tuple(self.inputs.shape)} and {tuple(self.targets.shape)}"
             )
-        if self.reset is not None and self.reset.shape != (self.inputs.shape[0],):
+        if self.reset is not None and self.reset.shape not in (
+            self.inputs.shape[:1], self.inputs.shape
+        ):
             raise ValueError(
-                f"SequenceBatch.reset must have shape [B]=({self.inputs.shape[0]},), "
-                f"got {tuple(self.reset.shape)}"
+                f"SequenceBatch.reset must have shape [B]=({self.inputs.shape[0]},) or "
+                f"[B, T]={tuple(self.inputs.shape)}, got {tuple(self.reset.shape)}"
             )
         mask = self.summary_event_mask
         if mask is not None and mask.shape != self.inputs.shape:
@@ -54,6 +59,15 @@ class SequenceBatch:
     @property
     def block_size(self) -> int:
         return int(self.inputs.shape[1])
+
+    @property
+    def reset_mask(self) -> torch.Tensor | None:
+        """The reset flags as a [B, T] bool mask (a [B] `reset` fills column 0), or None."""
+        if self.reset is None or self.reset.dim() == 2:
+            return None if self.reset is None else self.reset.to(torch.bool)
+        mask = torch.zeros(self.inputs.shape, dtype=torch.bool, device=self.reset.device)
+        mask[:, 0] = self.reset.to(torch.bool)
+        return mask
 
     def to(self, device: torch.device | str) -> SequenceBatch:
         return SequenceBatch(
@@ -73,12 +87,16 @@ class SequenceBatch:
         )
 
     def time_slice(self, start: int, end: int) -> SequenceBatch:
-        """Columns [start, end) (TBPTT chunks), the summary event mask with them; the reset
-        flags go with the first chunk only."""
+        """Columns [start, end) (TBPTT chunks), the summary event and reset masks with them
+        (a [B] reset goes with the first chunk only)."""
+        if self.reset is None or self.reset.dim() == 2:
+            reset = _maybe(self.reset, lambda m: m[:, start:end])
+        else:
+            reset = self.reset if start == 0 else None
         return SequenceBatch(
             self.inputs[:, start:end],
             self.targets[:, start:end],
-            self.reset if start == 0 else None,
+            reset,
             _maybe(self.summary_event_mask, lambda m: m[:, start:end]),
         )
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from bdh_train.config import RunConfig, dump_toml, save_config
-from bdh_train.data import RandomWindowLoader, StreamingDocumentLoader
+from bdh_train.data import RandomWindowLoader, StreamingCorpusLoader, StreamingDocumentLoader
 from bdh_train.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer
 from bdh_train.distributed.env import DistContext, pipeline_mesh
 from bdh_train.distributed.pipeline import PipelineRunner
@@ -360,9 +360,16 @@ class Trainer:
         )
         return step, self.dist
 
-    def _build_loader(self) -> RandomWindowLoader | StreamingDocumentLoader:
+    def _build_loader(
+        self,
+    ) -> RandomWindowLoader | StreamingDocumentLoader | StreamingCorpusLoader:
         """Each data-parallel rank takes its rows of the global batch."""
         t, dp = self.cfg.training, self.data_parallel
+        if t.stream_documents == "corpus":
+            return StreamingCorpusLoader(
+                self.train_data, t.block_size, t.batch_size, t.seed, dp.rank, dp.world_size,
+                summary_trigger=self.cfg.data.summary_trigger(),
+            )
         if t.streaming:
             return StreamingDocumentLoader(
                 self.train_data, t.block_size, t.batch_size, t.logical_block_size, t.seed,

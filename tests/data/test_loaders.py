@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from bdh_train.batch import SequenceBatch
+from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.data import (
     RandomWindowLoader,
+    StreamingCorpusLoader,
     StreamingDocumentLoader,
     TokenData,
     eval_batches,
@@ -249,3 +250,81 @@ def test_random_windows_with_a_single_valid_start() -> None:
         batch = loader.next_batch()
         assert batch.inputs.tolist() == [[0, 1, 2, 3]] * 3
         assert batch.targets.tolist() == [[1, 2, 3, 4]] * 3
+
+
+# ------------------------------------------------------------------ corpus documents
+IGN = IGNORE_INDEX
+
+
+def _identity_order(monkeypatch) -> None:
+    monkeypatch.setattr(
+        StreamingCorpusLoader, "epoch_order", lambda self, epoch: np.arange(self.num_docs)
+    )
+
+
+def test_corpus_loader_deals_documents_as_written_out_by_hand(monkeypatch) -> None:
+    """Documents A=[0,1,2], B=[3], C=[4..8], D=[9,10,11] in their own order, T=4, two rows.
+    Row 0 takes A, B and C's first token; row 1 takes D, then (epoch 1) A. A document's first
+    input is a reset, a target that is a document's first token is ignored, and a window's
+    last token is the next window's first."""
+    _identity_order(monkeypatch)
+    data = TokenData(np.arange(12), 12, "docs", doc_starts=np.array([0, 3, 4, 9]))
+    loader = StreamingCorpusLoader(data, 4, 2, seed=0)
+    first, second = loader.next_batch(), loader.next_batch()
+    assert first.inputs.tolist() == [[0, 1, 2, 3], [9, 10, 11, 0]]
+    assert first.targets.tolist() == [[1, 2, IGN, IGN], [10, 11, IGN, 1]]
+    assert first.reset.tolist() == [[True, False, False, True], [True, False, False, True]]
+    assert second.inputs.tolist() == [[4, 5, 6, 7], [1, 2, 3, 4]]
+    assert second.targets.tolist() == [[5, 6, 7, 8], [2, IGN, IGN, 5]]
+    assert second.reset.tolist() == [[True, False, False, False], [False, False, True, True]]
+    assert loader.state_dict()["rows"] == [[2, 4], [2, 1]]  # (C, token 8), (C, token 5)
+    assert (loader.epoch, loader.position) == (1, 3)
+
+
+def test_corpus_documents_from_end_of_document_tokens(monkeypatch) -> None:
+    """Without doc_starts, a document ends at each end-of-document id (7 here): the same
+    dealing as the explicit starts after every 7."""
+    _identity_order(monkeypatch)
+    tokens = np.array([1, 2, 7, 3, 7, 4, 5, 6, 7, 1, 2])
+    by_eot = StreamingCorpusLoader(TokenData(tokens, 8, "eot", eot_id=7), 3, 1, seed=0)
+    by_starts = StreamingCorpusLoader(
+        TokenData(tokens, 8, "starts", doc_starts=np.array([0, 3, 5, 9])), 3, 1, seed=0
+    )
+    assert by_eot.doc_bounds.tolist() == [0, 3, 5, 9, 11]
+    for _ in range(5):
+        assert _same(by_eot.next_batch(), by_starts.next_batch())
+    with pytest.raises(DataError, match="no document index"):
+        StreamingCorpusLoader(TokenData(tokens, 8, "plain"), 3, 1, seed=0)
+
+
+def _corpus() -> TokenData:
+    starts = np.array([0, 5, 6, 30, 31, 32, 70, 90, 140, 141, 170])
+    return TokenData(np.arange(200), 200, "corpus", doc_starts=starts)
+
+
+@pytest.mark.parametrize("stop", [1, 3])
+def test_corpus_resume_and_rank_slices(stop: int) -> None:
+    """A loader restored from its state_dict (through JSON) continues identically, and the
+    ranks' rows concatenate to the global batch."""
+    ref = StreamingCorpusLoader(_corpus(), 8, 4, seed=3)
+    expected = [ref.next_batch() for _ in range(12)]
+    first = StreamingCorpusLoader(_corpus(), 8, 4, seed=3)
+    for _ in range(stop):
+        first.next_batch()
+    resumed = StreamingCorpusLoader(_corpus(), 8, 4, seed=3)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert all(_same(resumed.next_batch(), e) for e in expected[stop:])
+    ranks = [StreamingCorpusLoader(_corpus(), 8, 4, seed=3, rank=r, world_size=2) for r in (0, 1)]
+    for e in expected[:3]:
+        assert _same(_cat([r.next_batch() for r in ranks]), e)
+
+
+def test_corpus_loader_refuses_bad_state_and_settings() -> None:
+    loader = StreamingCorpusLoader(_corpus(), 8, 2, seed=0)
+    state = loader.state_dict()
+    with pytest.raises(DataError, match="inconsistent"):
+        loader.load_state_dict({**state, "rows": [[1, 1], [0, 0]]})  # document 1 has 1 token
+    with pytest.raises(DataError, match="seed: saved 0, now 1"):
+        StreamingCorpusLoader(_corpus(), 8, 2, seed=1).load_state_dict(state)
+    with pytest.raises(ConfigError, match="summary memory"):
+        StreamingCorpusLoader(_corpus(), 8, 2, seed=0, summary_trigger=object())

@@ -151,3 +151,94 @@ def test_linear_attention_dispatches_by_name(executor):
     name = "dense" if executor == "auto" else executor  # T=8, N=5, D=4: dense is cheaper
     expected = EXECUTOR_FUNCTIONS[name](q, v, **kwargs)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+
+# Row 0: documents start at 3, 4 (a one-token document) and 9, and the row continues rho0
+# until 3; row 1 drops rho0 at once and starts its last document at the final token. With
+# chunk size 3 the starts 3 and 9 fall on a chunk's first token, 4 inside a chunk; with 4
+# it is the other way round.
+RESET_AT = ({3, 4, 9}, {0, 12})
+
+
+def reset_mask_for(seq_len: int) -> torch.Tensor:
+    mask = torch.zeros(B, seq_len, dtype=torch.bool)
+    for row, starts in enumerate(RESET_AT):
+        mask[row, [t for t in starts if t < seq_len]] = True
+    return mask
+
+
+def definition_with_resets(q, v, rho0, log_decay, mask):
+    """Each document of each row by `definition` on its own: the first from rho0 (unless the
+    row resets at token 0), the others from a zero state; the final state is the last one's."""
+    outs, finals = [], []
+    for row in range(q.shape[0]):
+        bounds = [0, *[t for t in range(1, q.shape[2]) if mask[row, t]], q.shape[2]]
+        pieces = []
+        for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            carried = i == 0 and rho0 is not None and not mask[row, 0]
+            out, final = definition(
+                q[row : row + 1, :, start:end],
+                v[row : row + 1, :, start:end],
+                rho0[row : row + 1] if carried else None,
+                log_decay,
+            )
+            pieces.append(out)
+        outs.append(torch.cat(pieces, dim=2))
+        finals.append(final)
+    return torch.cat(outs), torch.cat(finals)
+
+
+RESET_VARIANTS = [("dense", 16), ("chunked", 3), ("chunked", 4), ("recurrent", 16)]
+
+
+@pytest.mark.parametrize(
+    ("executor", "chunk_size", "decay", "dtype"),
+    [
+        *(
+            pytest.param(e, c, decay, torch.float64, id=f"{e}-{c}-{'alibi' if decay else 'rope'}")
+            for e, c in RESET_VARIANTS
+            for decay in (False, True)
+        ),
+        pytest.param("chunked", 3, True, torch.float32, id="chunked-3-alibi-fp32"),
+    ],
+)
+def test_executor_with_document_resets_matches_separate_documents(
+    executor, chunk_size, decay, dtype
+):
+    """A reset drops rho0 and every earlier token: outputs, final state and gradients equal
+    those of running each document from its own fresh state (fp64 1e-10, fp32 1e-5)."""
+    seq_len, log_decay = 13, LOG_DECAY if decay else None
+    rtol = 1e-10 if dtype == torch.float64 else 1e-5
+    mask = reset_mask_for(seq_len)
+    inputs, upstream = make_inputs(seq_len, dtype, True, seed=7 + chunk_size)
+    ref = outputs_and_grads(
+        lambda q, v, r: definition_with_resets(q, v, r, log_decay, mask),
+        [x.detach().double().requires_grad_() for x in inputs],
+        tuple(u.double() for u in upstream),
+    )
+    fn = EXECUTOR_FUNCTIONS[executor]
+    got = outputs_and_grads(
+        lambda q, v, r: fn(
+            q, v, initial_state=r, log_decay=log_decay, chunk_size=chunk_size, reset_mask=mask
+        ),
+        inputs,
+        upstream,
+    )
+    what = f"{executor} C={chunk_size} decay={decay} {dtype}"
+    assert_close(got[0], ref[0], rtol=rtol, msg=f"{what}: out")
+    assert_close(got[1], ref[1], rtol=rtol, msg=f"{what}: final state")
+    for name, g, g_ref in zip(("q", "v", "rho0"), got[2], ref[2], strict=True):
+        assert_close(g, g_ref, rtol=rtol, msg=f"{what}: grad of {name}")
+
+
+def test_an_all_false_reset_mask_changes_nothing():
+    inputs, _ = make_inputs(8, torch.float64, True, seed=3)
+    q, v, rho0 = (x.detach() for x in inputs)
+    for fn in EXECUTOR_FUNCTIONS.values():
+        plain = fn(q, v, initial_state=rho0, log_decay=LOG_DECAY, chunk_size=3)
+        masked = fn(
+            q, v, initial_state=rho0, log_decay=LOG_DECAY, chunk_size=3,
+            reset_mask=torch.zeros(B, 8, dtype=torch.bool),
+        )
+        assert torch.equal(plain[0], masked[0]) and torch.equal(plain[1], masked[1])

@@ -13,6 +13,7 @@ from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.errors import ConfigError
 from bdh_train.model import LanguageHeadConfig, QuantConfig, groups
+from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.train import profile as profile_module
 from bdh_train.train.profile import (
     PROBES,
@@ -285,6 +286,106 @@ def test_streaming_reset_of_whole_batch_matches_fresh_forward():
         _, expected = model(second.inputs, second.targets)
     assert abs(step.train_step(second).loss - expected) < 1e-5
     assert step.carried_state.position.tolist() == [2]
+
+
+# Two rows streamed over two blocks of 8 tokens in TBPTT chunks of 3 (absolute chunk starts
+# 0, 3, 6 | 8, 11, 14). Documents start (at an input) on a chunk's first token (3, 8, 14),
+# inside a chunk (5, 10) and at the stream's start.
+DOC_STARTS = ({0, 3, 10}, {0, 5, 8, 14})
+DOC_BLOCK, DOC_CHUNK = 8, 3
+
+
+def _document_stream(vocab: int = 32):
+    """Inputs [2, 16], targets (a document's first token is never a target) and resets."""
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, vocab, (2, 2 * DOC_BLOCK + 1), generator=g)
+    starts = torch.zeros(2, 2 * DOC_BLOCK + 1, dtype=torch.bool)
+    for row, columns in enumerate(DOC_STARTS):
+        starts[row, sorted(columns)] = True
+    targets = tokens[:, 1:].masked_fill(starts[:, 1:], IGNORE_INDEX)
+    return tokens[:, :-1], targets, starts[:, :-1]
+
+
+def _documents_one_by_one(model, inputs, targets, resets):
+    """The slow twin: every document of every row from its own fresh state, cut where the
+    step cuts (chunk starts, state detached there: one chunk per backward); each piece's loss
+    sum goes to its block. -> per block (mean loss, gradients)."""
+    cuts = {b * DOC_BLOCK + c for b in range(2) for c in range(0, DOC_BLOCK, DOC_CHUNK)}
+    sums = [0.0, 0.0]
+    for row in range(inputs.shape[0]):
+        doc_starts = [t for t in range(inputs.shape[1]) if resets[row, t]]
+        for a, b in zip(doc_starts, [*doc_starts[1:], inputs.shape[1]], strict=True):
+            state = model.init_state(1)
+            edges = sorted({a, b, *(c for c in cuts if a < c < b)})
+            for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+                hidden = model.forward_hidden(inputs[row : row + 1, lo:hi], state)
+                loss = model.loss_from_hidden(hidden, targets[row : row + 1, lo:hi], "sum")
+                sums[lo // DOC_BLOCK] = sums[lo // DOC_BLOCK] + loss
+                state.detach_()
+    params = [p for _, p in model.named_parameters()]
+    out = []
+    for block in range(2):
+        columns = slice(block * DOC_BLOCK, (block + 1) * DOC_BLOCK)
+        loss = sums[block] / (targets[:, columns] != IGNORE_INDEX).sum()
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        named = {n: g for (n, _), g in zip(model.named_parameters(), grads, strict=True)}
+        out.append((loss.detach(), {n: g for n, g in named.items() if g is not None}))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("executor", "position"),
+    [("dense", "rope"), ("chunked", "rope"), ("recurrent", "alibi")],
+)
+def test_streaming_document_resets_equal_each_document_from_a_fresh_state(executor, position):
+    """Blocks whose rows start documents mid-chunk and on chunk boundaries, streamed with
+    TBPTT: each block's loss and gradients equal those of running every document from its
+    own fresh state at position 0 (fp64, 1e-10), so no token sees another document."""
+    model = tiny_model(
+        torch.float64, executor=executor, position=position, chunk_size=2, n_layer=1
+    )
+    inputs, targets, resets = _document_stream()
+    expected = _documents_one_by_one(model, inputs, targets, resets)
+    step = LanguageTrainModel(model, tbptt_chunk_size=DOC_CHUNK, streaming=True)
+    for block, (loss, grads) in enumerate(expected):
+        columns = slice(block * DOC_BLOCK, (block + 1) * DOC_BLOCK)
+        out = step.train_step(
+            SequenceBatch(inputs[:, columns], targets[:, columns], resets[:, columns])
+        )
+        assert_close(out.loss.double(), loss, rtol=1e-6, msg=f"block {block} loss (float)")
+        assert_close(grads_of(model), grads, rtol=1e-10, msg=f"block {block} gradients")
+    assert step.carried_state.position.tolist() == [6, 2]  # each row's last document
+    first = SequenceBatch(inputs[:, :DOC_BLOCK], targets[:, :DOC_BLOCK], resets[:, :DOC_BLOCK])
+    assert_close(step.valid_step(first).double(), expected[0][0], rtol=1e-6, msg="valid loss")
+
+
+def test_row_resets_are_the_mask_with_only_its_first_column_set():
+    """SequenceBatch.reset_mask is the one conversion of [B] flags; time_slice keeps [B] flags
+    on the first chunk and slices a [B, T] mask; the step gives both forms the same result."""
+    b = batch(b=2, t=5, seed=4)
+    flags = SequenceBatch(b.inputs, b.targets, torch.tensor([False, True]))
+    assert flags.reset_mask.tolist() == [[False] * 5, [True, False, False, False, False]]
+    assert flags.time_slice(0, 2).reset.tolist() == [False, True]
+    assert flags.time_slice(2, 5).reset is None
+    mask = SequenceBatch(b.inputs, b.targets, flags.reset_mask)
+    assert torch.equal(mask.time_slice(2, 5).reset, flags.reset_mask[:, 2:5])
+    losses = []
+    for form in (flags, mask):
+        step = LanguageTrainModel(tiny_model(), tbptt_chunk_size=2, streaming=True)
+        step.train_step(batch(b=2, t=5, seed=5))
+        losses.append(step.train_step(form).loss)
+        assert step.carried_state.position.tolist() == [10, 5]
+    assert torch.equal(losses[0], losses[1])
+    with pytest.raises(ValueError, match=r"reset must have shape \[B\]=\(2,\) or \[B, T\]"):
+        SequenceBatch(b.inputs, b.targets, torch.zeros(2, 4, dtype=torch.bool))
+
+
+def test_summary_memory_refuses_a_reset_inside_a_call():
+    model = tiny_model(summary_memory=SummaryMemoryConfig(enabled=True, chunk_tokens=2))
+    resets = torch.zeros(1, 4, dtype=torch.bool)
+    resets[0, 2] = True
+    with pytest.raises(ValueError, match="summary memory cannot reset a row in the middle"):
+        model.forward_hidden(torch.zeros(1, 4, dtype=torch.long), reset_mask=resets)
 
 
 def test_valid_step_does_not_touch_the_carried_state():

@@ -77,6 +77,13 @@ class RunConfig:
                         f"model.language_head.{name} must equal data.nca.{name} "
                         f"({getattr(self.data.nca, name)}), got {getattr(head, name)}"
                     )
+        if tr.stream_documents == "corpus" and self.model.summary_memory.enabled:
+            raise ConfigError(
+                "training.stream_documents = 'corpus' resets a row's state at the token where "
+                "its next document begins, mid-block included, which model.summary_memory "
+                "does not support (its chunks follow positions from the call's start); set "
+                "model.summary_memory.enabled = false or training.stream_documents = 'fixed'"
+            )
         self.data.check_summary_memory(self.model.summary_memory, self.model.vocab_size)
         self._check_tokenizer_vocab()
         return self

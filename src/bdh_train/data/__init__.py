@@ -7,6 +7,7 @@ from bdh_train.data.config import GENERATED_SOURCES, DataConfig
 from bdh_train.data.formats import iter_documents
 from bdh_train.data.loaders import (
     RandomWindowLoader,
+    StreamingCorpusLoader,
     StreamingDocumentLoader,
     TokenSource,
     eval_batches,
@@ -35,6 +36,7 @@ __all__ = [
     "DataConfig",
     "NcaConfig",
     "RandomWindowLoader",
+    "StreamingCorpusLoader",
     "StreamingDocumentLoader",
     "TokenData",
     "TokenGenerator",

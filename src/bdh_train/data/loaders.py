@@ -1,10 +1,13 @@
 """Batch loaders over a flat token stream.
 
-Both training loaders are deterministic functions of their seed and a small cursor, and expose
+The training loaders are deterministic functions of their seed and a small cursor, and expose
 that cursor through `state_dict()` / `load_state_dict()`, so a resumed run draws exactly the
 batches the uninterrupted run would have drawn. Both work on the GLOBAL batch (all ranks'
 rows) and hand each rank its contiguous slice of rows; world_size can therefore change
-between save and resume without changing what any global row sees. Given a summary write
+between save and resume without changing what any global row sees. The streaming loaders
+deal documents to rows: fixed-length slices of the stream (`StreamingDocumentLoader`) or the
+corpus's own documents (`StreamingCorpusLoader`, from `TokenData.doc_starts` or its end-of-
+document tokens). Given a summary write
 trigger, every loader also emits the batch's summary event mask, a function of the tokens
 (`events.py`), so the cursor stays all the state there is.
 """
@@ -18,7 +21,7 @@ import numpy as np
 import torch
 
 from bdh_train import checks
-from bdh_train.batch import SequenceBatch
+from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.data.events import NO_TOKEN, SummaryEventTrigger
 from bdh_train.data.sources import TokenData
 from bdh_train.errors import ConfigError, DataError
@@ -29,6 +32,8 @@ TokenSource = TokenData | np.ndarray | torch.Tensor
 _U64 = (1 << 64) - 1
 _STREAM_PERM_TAG = 0x5D0C
 """Mixed into the epoch-permutation seed so it never coincides with a random-window seed."""
+_SCAN_CHUNK = 1 << 22
+"""Tokens scanned per chunk for end-of-document ids, so a memmap is never read whole."""
 
 
 def _as_tokens(tokens: TokenSource) -> tuple[np.ndarray, str]:
@@ -211,7 +216,35 @@ class RandomWindowLoader(_RankedLoader):
         }
 
 
-class StreamingDocumentLoader(_RankedLoader):
+class _EpochQueueLoader(_RankedLoader):
+    """The streaming loaders' shared document queue: each epoch visits documents
+    0..num_docs-1 in a permutation seeded by (seed, epoch), and rows take their next document
+    from it in row order, so which row reads which document is deterministic."""
+
+    num_docs: int
+
+    def _start_queue(self) -> None:
+        self.epoch = 0
+        self.position = 0  # next index into the current epoch's permutation
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Document order of `epoch`: a permutation of range(num_docs) seeded by (seed, epoch)."""
+        gen = torch.Generator().manual_seed(_seed_from(self.seed, int(epoch), _STREAM_PERM_TAG))
+        return torch.randperm(self.num_docs, generator=gen).numpy()
+
+    def _next_doc(self) -> int:
+        if self.position == self.num_docs:
+            self.epoch, self.position = self.epoch + 1, 0
+        if self._perm_epoch != self.epoch:
+            self._perm, self._perm_epoch = self.epoch_order(self.epoch), self.epoch
+        doc = int(self._perm[self.position])
+        self.position += 1
+        return doc
+
+
+class StreamingDocumentLoader(_EpochQueueLoader):
     """Consecutive windows of documents, for training with state carried across steps.
 
     The stream is cut into documents of `logical_length` L tokens (rounded up to a multiple of
@@ -254,26 +287,9 @@ class StreamingDocumentLoader(_RankedLoader):
                 f"{self.logical_length + 1} needed for one document: use a longer source or a "
                 f"smaller logical_length"
             )
-        self.epoch = 0
-        self.position = 0  # next index into the current epoch's permutation
+        self._start_queue()
         self.row_doc = [-1] * self.batch_size  # -1: the row has no document yet
         self.row_window = [0] * self.batch_size  # next window index to read in row_doc
-        self._perm_epoch = -1
-        self._perm = np.empty(0, dtype=np.int64)
-
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """Document order of `epoch`: a permutation of range(num_docs) seeded by (seed, epoch)."""
-        gen = torch.Generator().manual_seed(_seed_from(self.seed, int(epoch), _STREAM_PERM_TAG))
-        return torch.randperm(self.num_docs, generator=gen).numpy()
-
-    def _next_doc(self) -> int:
-        if self.position == self.num_docs:
-            self.epoch, self.position = self.epoch + 1, 0
-        if self._perm_epoch != self.epoch:
-            self._perm, self._perm_epoch = self.epoch_order(self.epoch), self.epoch
-        doc = int(self._perm[self.position])
-        self.position += 1
-        return doc
 
     def next_batch(self) -> SequenceBatch:
         """This rank's rows of the next global batch; reset marks rows starting a document."""
@@ -343,6 +359,158 @@ class StreamingDocumentLoader(_RankedLoader):
             "block_size": self.block_size,
             "batch_size": self.batch_size,
             "logical_length": self.logical_length,
+            "num_docs": self.num_docs,
+        }
+
+
+def document_starts(data: TokenData) -> np.ndarray:
+    """The start offsets of the documents of `data` (int64, strictly increasing, the first 0,
+    every one < len(data)): its `doc_starts`, else the token after each end-of-document id.
+    Offsets at or beyond the end (a split's tail) are dropped. DataError when `data` has
+    neither index."""
+    n = len(data)
+    if data.doc_starts is not None:
+        starts = np.asarray(data.doc_starts, dtype=np.int64)
+    elif data.eot_id is not None:
+        found = [
+            np.flatnonzero(np.asarray(data.tokens[lo : lo + _SCAN_CHUNK]) == data.eot_id) + lo + 1
+            for lo in range(0, n, _SCAN_CHUNK)
+        ]
+        starts = np.concatenate([np.zeros(1, dtype=np.int64), *found])
+    else:
+        raise DataError(
+            f"{data.source} has no document index (no document starts and no end-of-document "
+            "token id), so training.stream_documents = 'corpus' cannot find its documents; use "
+            "a prepared corpus or a tokenizer with an end-of-document token, or set "
+            "training.stream_documents = 'fixed'"
+        )
+    starts = np.unique(np.concatenate([np.zeros(1, dtype=np.int64), starts]))
+    return starts[(starts >= 0) & (starts < n)]
+
+
+class StreamingCorpusLoader(_EpochQueueLoader):
+    """Consecutive windows over the corpus's own documents, for streaming TBPTT.
+
+    Documents are [starts[i], starts[i + 1]) with the starts of `document_starts`. Global row b
+    reads a stream made of documents dealt to it from the shared epoch queue (rows in order):
+    each call hands it the next T + 1 tokens of that stream, windows overlapping by one token
+    as in `StreamingDocumentLoader`. A document longer than the window continues in the row's
+    next window; one that ends inside a window is followed, in the same window, by the row's
+    next document. The batch's `reset` is a [B, T] mask, True at every input that is a
+    document's first token (the model restarts the row there, position 0, empty state), and a
+    target that is a document's first token is IGNORE_INDEX: no token is predicted from
+    another document. The cursor is each global row's (document, offset of its next window's
+    first token) plus the queue's epoch and position.
+    """
+
+    kind = "streaming_corpus"
+
+    def __init__(
+        self,
+        tokens: TokenData,
+        block_size: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        summary_trigger: SummaryEventTrigger | None = None,
+    ) -> None:
+        if summary_trigger is not None:
+            raise ConfigError(
+                "training.stream_documents = 'corpus' resets rows mid-block, which the summary "
+                "memory (and so its write trigger) does not support; turn off "
+                "model.summary_memory or set training.stream_documents = 'fixed'"
+            )
+        if not isinstance(tokens, TokenData):
+            raise DataError(
+                "the corpus streaming loader needs a TokenData with a document index, got "
+                f"{type(tokens).__name__}"
+            )
+        super().__init__(tokens, block_size, batch_size, seed, rank, world_size)
+        n = int(self.tokens.shape[0])
+        if n < 2:
+            raise DataError(f"{self.source} has {n} token(s): streaming needs at least 2")
+        starts = document_starts(tokens)
+        self.doc_bounds = np.append(starts, n)  # document i is [bounds[i], bounds[i + 1])
+        self.num_docs = int(starts.shape[0])
+        self._start_queue()
+        self.row_doc = [-1] * self.batch_size  # -1: the row has no document yet
+        self.row_offset = [0] * self.batch_size  # next window's first token in row_doc
+
+    def doc_length(self, doc: int) -> int:
+        return int(self.doc_bounds[doc + 1] - self.doc_bounds[doc])
+
+    def _advance_row(self, b: int) -> list[tuple[int, int, bool]]:
+        """Move row b on by one window; its pieces (absolute start, length, starts a
+        document) cover the window's T + 1 tokens in order."""
+        pieces, need = [], self.block_size + 1
+        while need:
+            if self.row_doc[b] < 0 or self.row_offset[b] == self.doc_length(self.row_doc[b]):
+                self.row_doc[b], self.row_offset[b] = self._next_doc(), 0
+            doc, offset = self.row_doc[b], self.row_offset[b]
+            take = min(need, self.doc_length(doc) - offset)
+            pieces.append((int(self.doc_bounds[doc]) + offset, take, offset == 0))
+            self.row_offset[b] += take
+            need -= take
+        self.row_offset[b] -= 1  # the window's last token is the next window's first
+        return pieces
+
+    def next_batch(self) -> SequenceBatch:
+        """This rank's rows of the next global batch, with their [B, T] reset mask."""
+        lo, hi = self.rank * self.rows_per_rank, (self.rank + 1) * self.rows_per_rank
+        width = self.block_size + 1
+        windows = torch.empty((hi - lo, width), dtype=torch.long)
+        starts_doc = torch.zeros((hi - lo, width), dtype=torch.bool)
+        for b in range(self.batch_size):  # every rank replays all rows: the queue is shared
+            pieces = self._advance_row(b)
+            if not lo <= b < hi:
+                continue
+            column = 0
+            for start, length, first in pieces:
+                piece = np.asarray(self.tokens[start : start + length]).astype(np.int64)
+                windows[b - lo, column : column + length] = torch.from_numpy(piece)
+                starts_doc[b - lo, column] = first
+                column += length
+        targets = windows[:, 1:].masked_fill(starts_doc[:, 1:], IGNORE_INDEX)
+        return SequenceBatch(
+            windows[:, :-1].contiguous(), targets.contiguous(), starts_doc[:, :-1].contiguous()
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, queue position and every global row's (doc, offset), as plain ints."""
+        return {
+            "kind": self.kind,
+            "epoch": self.epoch,
+            "position": self.position,
+            "rows": [[d, o] for d, o in zip(self.row_doc, self.row_offset, strict=True)],
+            **self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the cursor; refuses a state saved with a different seed, shape or data."""
+        _check_state(state, self.kind, self._fingerprint())
+        rows = [(int(d), int(o)) for d, o in state["rows"]]
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if (
+            len(rows) != self.batch_size
+            or epoch < 0
+            or not 0 <= position <= self.num_docs
+            or any(
+                not ((d, o) == (-1, 0) or (0 <= d < self.num_docs and 0 <= o < self.doc_length(d)))
+                for d, o in rows
+            )
+        ):
+            raise DataError("corpus streaming loader state is inconsistent with this loader's data")
+        self.epoch, self.position = epoch, position
+        self.row_doc = [d for d, _ in rows]
+        self.row_offset = [o for _, o in rows]
+
+    def _fingerprint(self) -> dict[str, int]:
+        return {
+            "seed": self.seed,
+            "block_size": self.block_size,
+            "batch_size": self.batch_size,
+            "num_tokens": int(self.tokens.shape[0]),
             "num_docs": self.num_docs,
         }
 

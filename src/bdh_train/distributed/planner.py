@@ -208,8 +208,8 @@ class ParallelConfig:
             raise ConfigError(
                 f"pipeline parallelism ({prefix}.pipeline_stages={self.pipeline_stages}) does "
                 "not support streamed state (a stage keeps no state between microbatches or "
-                "steps); set training.tbptt_persist_across_steps=false and "
-                "training.min_logical_block_size=0"
+                "steps); set training.tbptt_persist_across_steps=false, "
+                "training.min_logical_block_size=0 and training.stream_documents='fixed'"
             )
         self.check_fill(prefix)
         if self.emulate:

@@ -116,11 +116,9 @@ class BDH(nn.Module):
         """Token ids [B, T] -> normalized embeddings [B, T, D] (the first layer's input)."""
         return self._norm(self.embed(idx))
 
-    def _position_terms(self, state: ModelState, seq_len: int, dtype: torch.dtype):
-        """What the mixer needs for positions: rope cos/sin or alibi log-decays."""
+    def _position_terms(self, positions: torch.Tensor, dtype: torch.dtype):
+        """What the mixer needs for positions [B, T]: rope cos/sin or alibi log-decays."""
         if self.config.position == "rope":
-            offsets = torch.arange(seq_len, device=state.position.device)
-            positions = state.position.unsqueeze(1) + offsets
             return rope_cos_sin(positions, self.config.n_neurons, dtype), None
         if self.config.position == "alibi_learned":
             return None, learned_alibi_log_decay(self.decay_log_gain)
@@ -135,9 +133,11 @@ class BDH(nn.Module):
         executor: str | None = None,
         need_state: bool = True,
         summary_event_mask: torch.Tensor | None = None,
+        reset_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One application of the shared layer to u [B, 1, T, D]; updates state.rho[layer]
-        (and the layer's summary memory, where it has one)."""
+        (and the layer's summary memory, where it has one). `reset_mask` [B, T] marks where
+        a row's new document begins (the mixer drops the state before it)."""
         if layer_index in self._summary_layers:
             u, carry = summary_branch(
                 u,
@@ -154,6 +154,7 @@ class BDH(nn.Module):
             position_terms,
             executor or self.config.executor,
             need_state,
+            reset_mask,
         )
         if need_state:
             state.rho[layer_index] = new_rho
@@ -166,6 +167,7 @@ class BDH(nn.Module):
         position_terms,
         executor: str,
         need_state: bool,
+        reset_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer as a pure function (u, rho) -> (new u, new rho), for compile_layers."""
         c = self.config
@@ -180,6 +182,7 @@ class BDH(nn.Module):
             log_decay=log_decay,
             chunk_size=c.chunk_size,
             output_final_state=need_state,
+            reset_mask=reset_mask,
         )
         a = self._norm(attn)
         y = x * F.relu(self._project("encoder_v", a, self.encoder_v))
@@ -202,35 +205,59 @@ class BDH(nn.Module):
         layers: range | None = None,
         u: torch.Tensor | None = None,
         summary_event_mask: torch.Tensor | None = None,
+        reset_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [B, T, D]. With a state, continue from it and advance it in place.
 
         `layers` and `u` let a pipeline stage run a contiguous range of layers on the
         previous stage's output; the position advances only after the last layer.
         `summary_event_mask` [B, T] marks summary events for the summary memory's write gate;
-        it has no effect without one.
+        it has no effect without one. `reset_mask` [B, T] (bool) marks where a row's new
+        document begins: from there on the row continues as a fresh state would, at position
+        0 (rho and all earlier tokens dropped), and the state after the call holds only its
+        last document. The summary memory takes resets at the call's first token only.
         """
         batch, seq_len = idx.shape
-        if summary_event_mask is not None and summary_event_mask.shape != idx.shape:
-            raise ValueError(
-                f"summary_event_mask must have the tokens' shape {tuple(idx.shape)}, got "
-                f"{tuple(summary_event_mask.shape)}"
-            )
+        for name, mask in (("summary_event_mask", summary_event_mask), ("reset_mask", reset_mask)):
+            if mask is not None and mask.shape != idx.shape:
+                raise ValueError(
+                    f"{name} must have the tokens' shape {tuple(idx.shape)}, got "
+                    f"{tuple(mask.shape)}"
+                )
         need_state = state is not None
         if state is None:
             state = self.init_state(batch)
         layers = range(self.config.n_layer) if layers is None else layers
+        if reset_mask is not None and self._summary_layers:
+            reset_mask = self._reset_summary_rows(state, reset_mask, layers)
         if u is None:
             u = self.embed_tokens(idx)
         u = u.view(batch, 1, seq_len, self.config.n_embd)
-        terms = self._position_terms(state, seq_len, u.dtype)
+        positions = token_positions(state.position, seq_len, reset_mask)
+        terms = self._position_terms(positions, u.dtype)
         for layer_index in layers:
             u = self.layer(
-                u, layer_index, state, terms, executor, need_state, summary_event_mask
+                u, layer_index, state, terms, executor, need_state, summary_event_mask,
+                reset_mask,
             )
-        if need_state and layers.stop == self.config.n_layer:
-            state.position = state.position + seq_len
+        if need_state and layers.stop == self.config.n_layer and seq_len:
+            state.position = positions[:, -1] + 1
         return u.view(batch, seq_len, self.config.n_embd)
+
+    def _reset_summary_rows(
+        self, state: ModelState, reset_mask: torch.Tensor, layers: range
+    ) -> torch.Tensor | None:
+        """With a summary memory, resets can only be applied at the call's first token (its
+        chunks follow absolute positions from the call's start): those rows' whole state is
+        zeroed here, before the first of `layers` runs, and the mask is consumed."""
+        if bool(reset_mask[:, 1:].any()):
+            raise ValueError(
+                "the summary memory cannot reset a row in the middle of a call: its chunks "
+                "follow absolute positions; cut the call at each document start instead"
+            )
+        if layers.start == 0:
+            state.reset_(reset_mask[:, 0])
+        return None
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """Token logits [..., V]. The NCA head has none, so it cannot sample (generate) either."""
@@ -317,6 +344,20 @@ class BDH(nn.Module):
         )
         out = torch.cat([prompt, torch.stack(new, dim=1)], dim=1) if new else prompt
         return out[0] if squeeze else out
+
+
+def token_positions(
+    start: torch.Tensor, seq_len: int, reset_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Absolute positions [B, T] of a call's tokens: row b continues from start[b], and a
+    token where `reset_mask` [B, T] is True starts a new document at position 0."""
+    offsets = torch.arange(seq_len, device=start.device)
+    positions = start.unsqueeze(1) + offsets
+    if reset_mask is None:
+        return positions
+    reset_mask = reset_mask.to(device=start.device, dtype=torch.bool)
+    last_reset = torch.where(reset_mask, offsets, -1).cummax(dim=1).values
+    return torch.where(last_reset >= 0, offsets - last_reset, positions)
 
 
 def sample_next_token(

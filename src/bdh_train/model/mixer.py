@@ -11,9 +11,18 @@ t and s count from 0 within the call, T is the call's length. Token t reads the 
 writing itself into it (the strict s < t), and the state decays once per token, the last one
 included: a token's contribution has decayed by d by the time the next token reads it.
 
+An optional reset mask [B, T] (bool) marks where a new document begins in a row: at such a
+position the row drops everything before it, the incoming rho0 and every earlier token, as if
+the call had started there from a zero state. With segment(b, t) = the number of resets at or
+before t, token t reads rho0 only while segment(b, t) = 0, reads token s only when
+segment(b, s) = segment(b, t), and the final state holds only the last segment (plus rho0
+when the row has no reset). Decay exponents stay differences of in-call positions, so a reset
+changes nothing else.
+
 Every executor has the same keyword signature,
 
-    fn(q, v, *, initial_state=None, log_decay=None, chunk_size=256, output_final_state=True)
+    fn(q, v, *, initial_state=None, log_decay=None, chunk_size=256, output_final_state=True,
+       reset_mask=None)
         -> (out [B,H,T,D], final state [B,H,N,D] or None)
 
 * dense     - the T x T masked score matrix; O(T^2 (N+D)) work, O(T^2) memory.
@@ -58,41 +67,61 @@ def _decay_powers(log_decay: torch.Tensor, exponents: torch.Tensor, like: torch.
     return powers.to(like.dtype)
 
 
+def reset_segments(reset_mask: Tensor) -> Tensor:
+    """segment(b, t) = resets at or before t in row b ([B, T] long): tokens see each other only
+    within one segment, and segment 0 is the one that continues the incoming state."""
+    return reset_mask.to(torch.long).cumsum(dim=1)
+
+
 def dense_attention(
     q: Tensor, v: Tensor, *, initial_state: Tensor | None = None,
     log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-    output_final_state: bool = True,
+    output_final_state: bool = True, reset_mask: Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole call at once through the masked T x T score matrix (chunk_size unused)."""
     rho = initial_state
     seq_len = q.shape[2]
+    segment = None if reset_mask is None else reset_segments(reset_mask.to(q.device))
     scores = q @ q.transpose(-1, -2)
-    if log_decay is None:
-        scores = scores.tril_(diagonal=-1)
-    else:
+    if log_decay is not None:
         t = torch.arange(seq_len, device=q.device)
         gap = (t.unsqueeze(1) - t.unsqueeze(0)).clamp_min(0)
-        weight = _decay_powers(log_decay, gap, q)  # [H, T, T]
-        scores = scores * weight.tril_(diagonal=-1)
+        scores = scores * _decay_powers(log_decay, gap, q)  # [H, T, T]
+    if segment is None:
+        scores = scores.tril_(diagonal=-1)
+    else:  # token t reads token s < t only inside its own document: one pass for both rules
+        t = torch.arange(seq_len, device=q.device)
+        later = t.unsqueeze(0) >= t.unsqueeze(1)  # s >= t, [T, T]
+        hidden = later | (segment.unsqueeze(2) != segment.unsqueeze(1))  # [B, T, T]
+        scores = scores.masked_fill_(hidden.unsqueeze(1), 0)
     out = scores @ v
     if rho is not None:
         q_read = q
         if log_decay is not None:
             t = torch.arange(seq_len, device=q.device)
             q_read = q * _decay_powers(log_decay, t, q).unsqueeze(-1)  # d^t, [H, T, 1]
-        out = out + q_read @ rho
+        from_rho = q_read @ rho
+        if segment is not None:  # only the tokens before the row's first reset read rho0
+            from_rho = from_rho.masked_fill((segment != 0).view(-1, 1, seq_len, 1), 0)
+        out = out + from_rho
     if not output_final_state:
         return out, None
     q_write = q
     if log_decay is not None:
         s = torch.arange(seq_len, device=q.device)
         q_write = q * _decay_powers(log_decay, seq_len - s, q).unsqueeze(-1)
-    new_rho = q_write.transpose(-1, -2) @ v
+    v_write = v
+    if segment is not None:  # the final state holds the last document only
+        earlier = segment != segment[:, -1:]
+        v_write = v.masked_fill(earlier.view(-1, 1, seq_len, 1), 0)  # [B, 1, T, D]: cheaper than q
+    new_rho = q_write.transpose(-1, -2) @ v_write
     if rho is not None:
         carried = rho
         if log_decay is not None:
             total = torch.tensor([seq_len], device=q.device)
             carried = rho * _decay_powers(log_decay, total, q).view(1, -1, 1, 1)
+        if segment is not None:
+            carried = carried.masked_fill((segment[:, -1] != 0).view(-1, 1, 1, 1), 0)
         new_rho = carried + new_rho
     return out, new_rho
 
@@ -100,9 +129,10 @@ def dense_attention(
 def chunked_attention(
     q: Tensor, v: Tensor, *, initial_state: Tensor | None = None,
     log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-    output_final_state: bool = True,
+    output_final_state: bool = True, reset_mask: Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Dense inside chunks of `chunk_size` tokens; the state carries the past between them."""
+    """Dense inside chunks of `chunk_size` tokens; the state carries the past between them
+    (each chunk applies its columns of the reset mask)."""
     state, outs = initial_state, []
     for start in range(0, q.shape[2], chunk_size):
         end = min(start + chunk_size, q.shape[2])
@@ -112,6 +142,7 @@ def chunked_attention(
             initial_state=state,
             log_decay=log_decay,
             output_final_state=output_final_state or end < q.shape[2],
+            reset_mask=None if reset_mask is None else reset_mask[:, start:end],
         )
         outs.append(out)
     return torch.cat(outs, dim=2), state
@@ -120,9 +151,10 @@ def chunked_attention(
 def recurrent_attention(
     q: Tensor, v: Tensor, *, initial_state: Tensor | None = None,
     log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-    output_final_state: bool = True,
+    output_final_state: bool = True, reset_mask: Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token by token, read before write: the definition itself.
+    """Token by token, read before write: the definition itself. A reset zeroes the state
+    before its token reads it.
 
     chunk_size is unused and the final state is always returned (it is the loop's carry).
     """
@@ -136,6 +168,8 @@ def recurrent_attention(
         step_decay = torch.exp(log_decay.to(q.device)).to(q.dtype).view(1, -1, 1, 1)
     outs = []
     for t in range(seq_len):
+        if reset_mask is not None:
+            rho = rho.masked_fill(reset_mask[:, t].to(q.device).view(-1, 1, 1, 1), 0)
         q_t = q[:, :, t : t + 1]
         outs.append(q_t @ rho)
         rho = rho + q_t.transpose(-1, -2) @ v[:, :, t : t + 1]
@@ -164,6 +198,7 @@ def linear_attention(
     log_decay: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     output_final_state: bool = True,
+    reset_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run one executor by name; 'auto' resolves through `choose_executor`."""
     if executor == "auto":
@@ -178,4 +213,5 @@ def linear_attention(
         log_decay=log_decay,
         chunk_size=chunk_size,
         output_final_state=output_final_state,
+        reset_mask=reset_mask,
     )

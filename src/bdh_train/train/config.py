@@ -16,6 +16,7 @@ from bdh_train.train.schedules import GradientScale, validate_gradient_scales
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
+STREAM_DOCUMENTS = ("fixed", "corpus")
 
 
 @dataclass
@@ -38,7 +39,17 @@ class TrainingConfig:
     """Carry the recurrent state from one optimizer step's block to the next (streaming)."""
     min_logical_block_size: int = 0
     """Logical sequence length streamed over consecutive blocks; 0 = block_size. Documents are
-    whole blocks, so validation rounds it up to a multiple of block_size (saying so)."""
+    whole blocks, so validation rounds it up to a multiple of block_size (saying so). Only for
+    stream_documents = 'fixed'."""
+    stream_documents: str = "fixed"
+    """What a streamed document is. 'fixed': consecutive slices of min_logical_block_size
+    tokens, each starting at a block's first token. 'corpus': the data's own documents (its
+    document starts, or the tokens after each end-of-document id; an error when it has
+    neither): rows read them in a seeded order, one after another, and a row's state is reset
+    exactly at the token where its next document begins, mid-block included, with the target
+    that would predict that token from the previous document ignored. 'corpus' streams
+    (it implies carrying the state) and needs min_logical_block_size = 0, no summary memory and
+    no pipeline."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step (unless target_tokens_per_step derives it)."""
     target_tokens_per_step: int = 0
@@ -92,7 +103,11 @@ class TrainingConfig:
     @property
     def streaming(self) -> bool:
         """Whether recurrent state flows across blocks (persisted or logical > block)."""
-        return self.tbptt_persist_across_steps or self.logical_block_size > self.block_size
+        return (
+            self.tbptt_persist_across_steps
+            or self.logical_block_size > self.block_size
+            or self.stream_documents == "corpus"
+        )
 
     @property
     def accumulation_steps(self) -> int:
@@ -113,6 +128,14 @@ class TrainingConfig:
         checks.positive_int(f"{p}.tbptt_backprop_chunks", self.tbptt_backprop_chunks)
         checks.boolean(f"{p}.tbptt_persist_across_steps", self.tbptt_persist_across_steps)
         checks.nonneg_int(f"{p}.min_logical_block_size", self.min_logical_block_size)
+        checks.choice(f"{p}.stream_documents", self.stream_documents, STREAM_DOCUMENTS)
+        if self.stream_documents == "corpus" and self.min_logical_block_size:
+            raise ConfigError(
+                f"{p}.min_logical_block_size = {self.min_logical_block_size} cuts the stream "
+                f"into fixed-length documents, but {p}.stream_documents = 'corpus' streams the "
+                f"corpus's own documents; set {p}.min_logical_block_size = 0 or "
+                f"{p}.stream_documents = 'fixed'"
+            )
         checks.positive_int(f"{p}.gradient_accumulation_steps", self.gradient_accumulation_steps)
         checks.nonneg_int(f"{p}.target_tokens_per_step", self.target_tokens_per_step)
         checks.positive_int(f"{p}.max_steps", self.max_steps)

@@ -3,12 +3,14 @@
   * TBPTT: the block is cut into chunks along time; every `backprop_chunks` chunks run
     forward then backward together, then the state is detached, so activation memory is that
     of those chunks, not of the block;
-  * streaming: the detached state is carried to the next call; rows flagged `reset` start
-    fresh at position 0 while the others continue;
+  * streaming: the detached state is carried to the next call; the batch's reset mask
+    (`SequenceBatch.reset_mask`, sliced with the tokens per chunk) restarts a row at position 0
+    from a zero state exactly at the token where its next document begins, mid-chunk
+    included, while the other rows continue;
   * pipeline microbatches: the batch is split and each microbatch runs the plan's layer
     ranges in its forward-event order with a fresh state (single-process emulation);
-  * the batch's summary event mask, if any, goes with its tokens into every forward (sliced
-    with them per chunk and per microbatch);
+  * the batch's summary event and reset masks, if any, go with its tokens into every forward
+    (sliced with them per chunk and per microbatch);
   * gradient-scale schedules, applied after backward by `train_step`;
   * profiling hooks that cost nothing when off, and in 'detail' mode timed probes: extra
     passes on the step's batch that leave everything the step computes unchanged.
@@ -73,8 +75,8 @@ class LanguageTrainModel:
         profiler: StepProfiler | NullProfiler | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
-        """`streaming` carries the state from one call to the next (rows flagged `reset`
-        start over); `pipeline_plan` emulates a pipeline's microbatches in this process."""
+        """`streaming` carries the state from one call to the next (the batch's reset mask
+        starts rows over); `pipeline_plan` emulates a pipeline's microbatches in this process."""
         if pipeline_plan is not None and pipeline_plan.n_layer != model.config.n_layer:
             raise ConfigError(
                 f"the pipeline plan covers {pipeline_plan.n_layer} layers but model.n_layer is "
@@ -96,12 +98,11 @@ class LanguageTrainModel:
         return c if 0 < c < block_size else None
 
     def _load_state(self, batch: SequenceBatch) -> ModelState:
-        """The state this step starts from: carried (with per-row resets) or fresh."""
+        """The state this step starts from: carried or fresh. The batch's resets are applied
+        by the forward, token by token."""
         state = self.carried_state if self.streaming else None
         if state is None or state.batch_size != batch.batch_size:
             return self.model.init_state(batch.batch_size)
-        if batch.reset is not None:
-            state.reset_(batch.reset)
         return state
 
     def _store_state(self, state: ModelState) -> None:
@@ -112,6 +113,14 @@ class LanguageTrainModel:
         """The targets of `batch` the model's head counts: the denominator of its mean loss
         and its weight in token-weighted accumulation."""
         return count_targets(batch.targets, self.model.config.language_head)
+
+    def _forward_piece(self, piece: SequenceBatch, state: ModelState | None) -> torch.Tensor:
+        """Hidden states of a piece (a TBPTT chunk, or the whole block) continuing `state`,
+        with the piece's summary event and reset masks."""
+        return self.model.forward_hidden(
+            piece.inputs, state,
+            summary_event_mask=piece.summary_event_mask, reset_mask=piece.reset_mask,
+        )
 
     def _piece_loss(self, hidden, targets, normalizer: float) -> torch.Tensor:
         return self.model.loss_from_hidden(hidden, targets, reduction="sum") / normalizer
@@ -161,14 +170,11 @@ class LanguageTrainModel:
         total = torch.zeros((), dtype=torch.float64)
         window_loss: torch.Tensor | None = None
         for i, start in enumerate(starts):
-            end = min(start + chunk, batch.block_size)
+            piece_batch = batch.time_slice(start, min(start + chunk, batch.block_size))
             self.profiler.begin_forward()
             with self.autocast():
-                hidden = self.model.forward_hidden(
-                    batch.inputs[:, start:end], state,
-                    summary_event_mask=_columns(batch.summary_event_mask, start, end),
-                )
-                piece = self._piece_loss(hidden, batch.targets[:, start:end], normalizer)
+                hidden = self._forward_piece(piece_batch, state)
+                piece = self._piece_loss(hidden, piece_batch.targets, normalizer)
             self.profiler.end_forward()
             window_loss = piece if window_loss is None else window_loss + piece
             total += piece.detach().double()
@@ -204,6 +210,7 @@ class LanguageTrainModel:
                 activations[mb] = self.model.forward_hidden(
                     micro[mb].inputs, states[mb], layers=layers, u=activations[mb],
                     summary_event_mask=micro[mb].summary_event_mask,
+                    reset_mask=micro[mb].reset_mask,
                 )
             losses = [
                 self._piece_loss(activations[mb], micro[mb].targets, normalizer)
@@ -282,13 +289,10 @@ class LanguageTrainModel:
             chunk = self.effective_chunk_size(batch.block_size) or batch.block_size
             total = torch.zeros((), dtype=torch.float64)
             for start in range(0, batch.block_size, chunk):
-                end = min(start + chunk, batch.block_size)
+                piece = batch.time_slice(start, min(start + chunk, batch.block_size))
                 with self.autocast():
-                    hidden = self.model.forward_hidden(
-                        batch.inputs[:, start:end], state,
-                        summary_event_mask=_columns(batch.summary_event_mask, start, end),
-                    )
-                    total += self._piece_loss(hidden, batch.targets[:, start:end], normalizer)
+                    hidden = self._forward_piece(piece, state)
+                    total += self._piece_loss(hidden, piece.targets, normalizer)
             return total.float()
         finally:
             self.model.train(was_training)

@@ -28,7 +28,7 @@ def test_bits_per_byte_of_byte_text_is_the_loss_over_ln_2(text: bool) -> None:
     ids = (np.arange(200) * 7) % 32
     data = TokenData(ids, 32, "test", byte_level=text)
     lengths = ByteTokenizer().token_byte_lengths() if text else None
-    for seed in range(6):  # several sums: a reordered formula differs in the last bit of some
+    for seed in range(6 if text else 1):  # a reordered formula differs in the last bit of some
         step = LanguageTrainModel(tiny_model(vocab_size=32, seed=seed))
         result = evaluate(step, data, block_size=8, batch_size=4, max_batches=None,
                           byte_lengths=lengths)

@@ -23,6 +23,7 @@ from bdh_train.data import (
     load_tokens,
     write_token_file,
 )
+from bdh_train.data.loaders import document_starts
 from bdh_train.errors import ConfigError, DataError
 
 TOKENS = np.arange(5000, dtype=np.int64)
@@ -328,3 +329,6 @@ def test_corpus_loader_refuses_bad_state_and_settings() -> None:
         StreamingCorpusLoader(_corpus(), 8, 2, seed=1).load_state_dict(state)
     with pytest.raises(ConfigError, match="summary memory"):
         StreamingCorpusLoader(_corpus(), 8, 2, seed=0, summary_trigger=object())
+    documents = len(document_starts(_corpus()))
+    with pytest.raises(DataError, match=f"has {documents} document.*fewer than the batch's"):
+        StreamingCorpusLoader(_corpus(), 8, documents + 1, seed=0)

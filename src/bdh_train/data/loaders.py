@@ -433,6 +433,13 @@ class StreamingCorpusLoader(_EpochQueueLoader):
         starts = document_starts(tokens)
         self.doc_bounds = np.append(starts, n)  # document i is [bounds[i], bounds[i + 1])
         self.num_docs = int(starts.shape[0])
+        if self.num_docs < self.batch_size:  # rows would start the same documents together
+            raise DataError(
+                f"{self.source} has {self.num_docs} document(s), fewer than the batch's "
+                f"{self.batch_size} rows, so rows would read the same text side by side: "
+                "stream a corpus of at least batch_size documents, or set "
+                "training.stream_documents = 'fixed'"
+            )
         self._start_queue()
         self.row_doc = [-1] * self.batch_size  # -1: the row has no document yet
         self.row_offset = [0] * self.batch_size  # next window's first token in row_doc

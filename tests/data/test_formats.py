@@ -156,9 +156,12 @@ def test_directory_is_recursive_sorted_and_skips_other_files(tmp_path: Path) -> 
     (tmp_path / ".hidden.txt").write_text("hidden")
     (tmp_path / "notes.md").write_text("markdown")
     (tmp_path / "prepared").mkdir()
-    (tmp_path / "prepared" / "meta.json").write_text("{}")
+    (tmp_path / "prepared" / "meta.json").write_text('{"format": "bdh-train prepared corpus"}')
     (tmp_path / "prepared" / "more.txt").write_text("inside a prepared corpus")
-    assert list(iter_documents([tmp_path])) == ["a", "b/x", "c"]
+    (tmp_path / "site").mkdir()  # some other tool's meta.json: an ordinary folder
+    (tmp_path / "site" / "meta.json").write_text('{"text": "site/meta", "title": "other"}')
+    (tmp_path / "site" / "page.txt").write_text("site/page")
+    assert list(iter_documents([tmp_path])) == ["a", "b/x", "c", "site/meta", "site/page"]
 
 
 def test_binary_file_is_one_clear_line(tmp_path: Path) -> None:

@@ -190,7 +190,19 @@ def test_existing_output_needs_force(tmp_path: Path, capsys) -> None:
     assert main(["prepare", str(source), "--out", str(precious), "--quiet", "--force"]) == 2
     assert "not a prepared corpus" in capsys.readouterr().err
     assert (precious / "keep.txt").read_text() == "mine"
+    (precious / "meta.json").write_text('{"title": "some other tool"}')
+    (precious / "train.bin").write_bytes(b"also mine")
+    assert main(["prepare", str(source), "--out", str(precious), "--quiet", "--force"]) == 2
+    assert "not a prepared corpus (its meta.json is not" in capsys.readouterr().err
+    (out / "notes.md").write_text("a file prepare never writes")  # a real meta.json beside it
+    assert main(["prepare", str(source), "--out", str(out), "--quiet", "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(it also holds 'notes.md')" in err
+    assert (out / "notes.md").read_text() == "a file prepare never writes"
+    assert (precious / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "precious", "prep"]
+    assert main(["prepare", str(out), "--out", str(tmp_path / "again"), "--quiet"]) == 2
+    assert "is a corpus `bdh-train prepare` wrote (tokens, not text)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ compressed parquet file into a temporary file, as parquet needs random access):
 - any other directory: the files of the formats above inside it and its subdirectories
   (recursive; hidden names starting with "." skipped), in sorted order of their relative
   paths. A subdirectory that is a saved Hugging Face dataset is read as one; one written by
-  `bdh-train prepare` (it holds a meta.json) is skipped.
+  `bdh-train prepare` (`prepared.is_prepared`: tokens, not text) is skipped.
 
 Text is checked to be UTF-8 as it streams (a file is never read whole to validate it); a file
 that is not UTF-8 text (or holds NUL bytes) is refused with one DataError naming the file.
@@ -58,7 +58,7 @@ HF_DATASET_MARKERS = (("dataset_info.json", "state.json"), ("dataset_dict.json",
 """Files that make a directory a Hugging Face `save_to_disk` dataset (a Dataset; a
 DatasetDict)."""
 PREPARED_MARKER = "meta.json"
-"""The file of a prepared corpus directory (`prepared.META_FILE`), skipped when listing."""
+"""The meta file of a prepared corpus directory (`prepared.META_FILE`)."""
 READ_BYTES = 1 << 20
 """Bytes read (and UTF-8 checked) per step from a text file."""
 PIECE_CHARS = 1 << 20
@@ -120,6 +120,8 @@ def list_files(directory: Path) -> list[Path]:
     """The corpus files (and saved Hugging Face datasets) under `directory`: recursive, sorted
     by relative path, hidden names and prepared corpus directories skipped, only the formats
     in `DIRECTORY_SUFFIXES`."""
+    from bdh_train.data.prepared import is_prepared
+
     found: list[Path] = []
 
     def walk(folder: Path) -> None:
@@ -133,7 +135,7 @@ def list_files(directory: Path) -> list[Path]:
             if entry.name.startswith("."):
                 continue
             if entry.is_dir():
-                if (entry / PREPARED_MARKER).is_file():
+                if is_prepared(entry):
                     continue  # a `bdh-train prepare` output: tokens, not text
                 if is_hf_dataset(entry):
                     found.append(entry)
@@ -146,22 +148,35 @@ def list_files(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(directory).as_posix())
 
 
+def corpus_files(directory: Path) -> list[Path]:
+    """`list_files(directory)`, or DataError when it finds none."""
+    found = list_files(directory)
+    if not found:
+        raise DataError(
+            f"data directory '{directory}' contains no corpus files (.txt, .jsonl, .json, "
+            f".parquet, .gz/.zst of them, or saved Hugging Face datasets); put the corpus "
+            f"files in it or name a single file"
+        )
+    return found
+
+
 def expand_sources(sources: list[str | os.PathLike[str]]) -> list[Path]:
-    """Every file (or saved dataset) the sources name, in order; DataError for a missing path
-    or a directory without corpus files."""
+    """Every file (or saved dataset) the text sources name, in order; DataError for a missing
+    path, a prepared corpus (tokens, not text) or a directory without corpus files."""
+    from bdh_train.data.prepared import is_prepared
+
     files: list[Path] = []
     for source in sources:
         path = Path(source).expanduser()
         if not path.exists():
             raise DataError(f"source '{source}' does not exist; {FORMATS_HINT}")
+        if is_prepared(path):
+            raise DataError(
+                f"source '{source}' is a corpus `bdh-train prepare` wrote (tokens, not text): "
+                f"train on it with data.source = '{source}', or give the text it came from"
+            )
         if path.is_dir() and not is_hf_dataset(path):
-            inside = list_files(path)
-            if not inside:
-                raise DataError(
-                    f"data directory '{path}' contains no .txt, .jsonl, .json or .parquet "
-                    f"files (nor .gz/.zst of them); put the corpus files in it"
-                )
-            files.extend(inside)
+            files.extend(corpus_files(path))
         else:
             files.append(path)
     return files

@@ -86,9 +86,26 @@ def index_file(split: str) -> str:
     return f"{split}.idx.npy"
 
 
+def layout_names() -> frozenset[str]:
+    """The names a prepared corpus directory holds (and nothing else)."""
+    return frozenset(
+        [META_FILE, TOKENIZER_FILE]
+        + [name for split in SPLITS for name in (tokens_file(split), index_file(split))]
+    )
+
+
 def is_prepared(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a prepared corpus directory (it holds a meta.json)."""
-    return (Path(path) / META_FILE).is_file()
+    """Whether `path` is a prepared corpus directory: its meta.json parses as JSON naming
+    `FORMAT_NAME` (any version; `read_meta` checks the rest). A directory that merely holds
+    some other meta.json is not one."""
+    meta = Path(path) / META_FILE
+    try:
+        if not meta.is_file() or meta.stat().st_size > META_MAX_BYTES:
+            return False
+        parsed = json.loads(meta.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(parsed, dict) and parsed.get("format") == FORMAT_NAME
 
 
 def in_validation(index: int, val_fraction: float) -> bool:
@@ -306,12 +323,23 @@ def _check_output(out: Path, force: bool) -> None:
             f"output '{out}' already exists; pass --force to replace it (or choose another "
             f"--out)"
         )
-    if out.is_dir() and (is_prepared(out) or not any(out.iterdir())):
-        return
+    if out.is_dir() and not out.is_symlink():
+        names = {entry.name for entry in out.iterdir()}
+        if not names:
+            return
+        foreign = sorted(names - layout_names())
+        if is_prepared(out) and not foreign:
+            return
+        why = (
+            f"it also holds {', '.join(map(repr, foreign[:3]))}" if is_prepared(out) and foreign
+            else f"its {META_FILE} is not a {FORMAT_NAME}'s" if META_FILE in names
+            else f"no {META_FILE}"
+        )
+    else:
+        why = "a symbolic link" if out.is_symlink() else "not a directory"
     raise DataError(
-        f"output '{out}' exists and is not a prepared corpus (no {META_FILE}); --force replaces "
-        f"only a prepared corpus or an empty directory: remove it yourself or choose another "
-        f"--out"
+        f"output '{out}' exists and is not a prepared corpus ({why}); --force replaces only a "
+        f"prepared corpus or an empty directory: remove it yourself or choose another --out"
     )
 
 

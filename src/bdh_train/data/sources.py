@@ -319,13 +319,7 @@ def _from_path(
     if path.suffix == ".bin":
         return _from_bin(path, vocab_size, bin_dtype, tokenizer)
     if path.is_dir() and not formats.is_hf_dataset(path):
-        files = formats.list_files(path)
-        if not files:
-            raise DataError(
-                f"data directory '{path}' contains no .txt files (nor .jsonl, .json, .parquet, "
-                f"or .gz/.zst of them); put UTF-8 text files named *.txt in it or point "
-                f"data.source at a single file"
-            )
+        files = formats.corpus_files(path)
         if tokenizer.kind == BYTES and all(_is_plain_text(p) for p in files):
             return _from_directory(path, files, vocab_size)
         what = f"'{path}' ({len(files)} files)"

@@ -245,3 +245,26 @@ def test_builtin_corpus_under_a_tokenizer_is_one_document() -> None:
     data = load_tokens("builtin:pydoc", 257, tokenizer=BytesWithEot())  # type: ignore[arg-type]
     assert data.doc_starts.tolist() == [0] and data.tokens[-1] == 256 and not data.byte_level
     assert bytes(data.tokens[:-1].astype(np.uint8)) == builtin_corpus("pydoc").encode()
+
+
+def test_damaged_and_truncated_zstd_are_one_line(tmp_path: Path) -> None:
+    """Garbage, and a frame cut short (which zstandard's stream_reader ends quietly), are one
+    DataError naming the file; concatenated frames read whole."""
+    raw = jsonl_bytes(DOCS * 40)
+    whole = zstandard.ZstdCompressor().compress(raw)
+    frames = tmp_path / "frames.jsonl.zst"
+    frames.write_bytes(whole + zstandard.ZstdCompressor().compress(raw))
+    assert list(iter_documents([frames])) == DOCS * 80
+    cases = {
+        "garbage.txt.zst": b"this is not zstd data at all" * 10,
+        "cut.txt.zst": zstandard.ZstdCompressor().compress(("Grüße " * 5000).encode())[:-9],
+        "cut.jsonl.zst": whole[: len(whole) // 2],
+    }
+    for name, content in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(DataError) as info:
+            list(iter_documents([path]))
+        message = str(info.value)
+        assert "\n" not in message and name in message, message
+        assert re.search(r"damaged|truncated", message), message

@@ -61,6 +61,8 @@ PREPARED_MARKER = "meta.json"
 """The meta file of a prepared corpus directory (`prepared.META_FILE`)."""
 READ_BYTES = 1 << 20
 """Bytes read (and UTF-8 checked) per step from a text file."""
+ZSTD_FEED_BYTES = 1 << 13
+"""Compressed bytes given to the zstd decompressor per step."""
 PIECE_CHARS = 1 << 20
 """About how many characters a long document's pieces hold."""
 PARQUET_BATCH_ROWS = 1024
@@ -215,6 +217,56 @@ class _CountingReader(io.RawIOBase):
         super().close()
 
 
+class ZstdTruncatedError(EOFError):
+    """A zstd stream that ends inside a frame."""
+
+
+class _ZstdReader(io.RawIOBase):
+    """The decompressed bytes of a zstd file of one or more frames. The library's
+    `stream_reader` ends quietly at a frame cut short; this raises `ZstdTruncatedError`.
+    Compressed input is fed `ZSTD_FEED_BYTES` at a time, which bounds the output held at
+    once (zstd expands a byte to at most about 32 KiB)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        import zstandard
+
+        self._raw = raw
+        self._new = zstandard.ZstdDecompressor().decompressobj
+        self._decompressor = self._new()
+        self._in_frame = False  # bytes of an unfinished frame were fed
+        self._pending = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+        while not self._pending:
+            data = self._raw.read(ZSTD_FEED_BYTES)
+            if not data:
+                if self._in_frame:
+                    raise ZstdTruncatedError("the last zstd frame is incomplete (truncated file)")
+                return 0
+            while data:
+                self._in_frame = True
+                out = self._decompressor.decompress(data)
+                if out:
+                    self._pending = memoryview(bytes(self._pending) + out)
+                if not self._decompressor.eof:
+                    break
+                data = self._decompressor.unused_data  # the next frame starts here
+                self._decompressor, self._in_frame = self._new(), False
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+
+def _zstd_error() -> type[Exception]:
+    import zstandard
+
+    return zstandard.ZstdError
+
+
 @contextmanager
 def open_binary(path: Path) -> Iterator[tuple[BinaryIO, _CountingReader]]:
     """(the decompressed byte stream, the counter of raw bytes read) of a file."""
@@ -227,11 +279,7 @@ def open_binary(path: Path) -> Iterator[tuple[BinaryIO, _CountingReader]]:
         if kind == "gz":
             stream: BinaryIO = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
         elif kind == "zst":
-            import zstandard
-
-            stream = io.BufferedReader(  # type: ignore[assignment]
-                zstandard.ZstdDecompressor().stream_reader(raw), READ_BYTES
-            )
+            stream = io.BufferedReader(_ZstdReader(raw), READ_BYTES)  # type: ignore[assignment]
         else:
             stream = io.BufferedReader(raw, READ_BYTES)  # type: ignore[assignment]
         with stream:
@@ -241,10 +289,10 @@ def open_binary(path: Path) -> Iterator[tuple[BinaryIO, _CountingReader]]:
             f"cannot read '{path}': {exc}; the file is damaged or not {kind or 'readable'} "
             f"compressed data"
         ) from exc
-    except Exception as exc:
-        if type(exc).__module__.startswith("zstd"):
-            raise DataError(f"cannot decompress '{path}': {exc}; the file is damaged") from exc
-        raise
+    except _zstd_error() as exc:
+        raise DataError(
+            f"cannot decompress '{path}': {exc}; the file is damaged or not zstd data"
+        ) from exc
     finally:
         raw.close()
 

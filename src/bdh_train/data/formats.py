@@ -20,12 +20,21 @@ Text is checked to be UTF-8 as it streams (a file is never read whole to validat
 that is not UTF-8 text (or holds NUL bytes) is refused with one DataError naming the file.
 Empty documents are skipped.
 
-A document is yielded as pieces (`Piece`): a long one is cut into pieces of about
-`PIECE_CHARS` characters, only right after a newline that stands alone between two visible
-characters ("a\nb", not "a\n\nb" nor "a \nb"). Pre-tokenizers that split text at whitespace
-runs (the byte-level BPE of `train_bpe`, GPT-2 style) always have a token boundary on both
-sides of such a newline, so encoding the pieces one by one gives the ids of encoding the whole
-document; a line is never cut.
+A document is yielded as pieces (`Piece`) when the tokenizer allows it (`cuts`), so memory
+stays bounded however long a document is:
+
+- `CUT_ANYWHERE` (the byte tokenizer, whose ids do not depend on context): pieces of about
+  `PIECE_CHARS` characters, cut preferably as below, else anywhere;
+- `CUT_AT_WHITESPACE` (a byte-level BPE whose pre-tokenizer splits at whitespace, GPT-2
+  style, without a prefix space or normalizer, as `train_bpe` makes): pieces of about
+  `PIECE_CHARS` characters cut only where that pre-tokenizer has a token boundary whatever
+  comes before or after, so encoding the pieces one by one gives the ids of encoding the
+  whole document: right after a newline standing alone between two visible characters
+  ("a\nb", not "a\n\nb" nor "a \nb"), between the "\r" and "\n" of such a CRLF line
+  end, or where there is none, right before a space between two visible characters (a text
+  file, streamed, looks for one after `MAX_PIECE_CHARS` characters without a line end, and
+  is refused with a DataError when that span has no space either).
+- None (any other tokenizer): whole documents, never cut (memory grows with the longest).
 """
 
 from __future__ import annotations
@@ -65,15 +74,19 @@ ZSTD_FEED_BYTES = 1 << 13
 """Compressed bytes given to the zstd decompressor per step."""
 PIECE_CHARS = 1 << 20
 """About how many characters a long document's pieces hold."""
+MAX_PIECE_CHARS = 8 * PIECE_CHARS
+"""A text file's piece without a newline cut grows to this before a space cut is taken."""
+CUT_ANYWHERE = "anywhere"
+CUT_AT_WHITESPACE = "whitespace"
+"""Where a tokenizer lets documents be cut into pieces (module docstring); None: nowhere."""
 PARQUET_BATCH_ROWS = 1024
 FORMATS_HINT = (
     "give UTF-8 text (.txt), JSON lines (.jsonl/.json), .parquet, any of these as .gz or "
     ".zst, or a saved Hugging Face dataset directory"
 )
-_CUT = re.compile(r"(?<=[!-~\w])\n(?=[!-~\w])")
-"""A safe place to cut a document: right after a newline between two visible characters
-(ASCII or word characters, whitespace in no definition), where a whitespace-splitting
-pre-tokenizer has a token boundary whatever comes before or after."""
+_VISIBLE = re.compile(r"[!-~\w]")
+"""A visible character (ASCII or word characters, whitespace in no definition): on both
+sides of a cut."""
 
 
 @dataclass(frozen=True)
@@ -329,57 +342,126 @@ def check_utf8(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- documents
-def split_text(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
-    """`text` cut into pieces of about `piece_chars` characters, each cut at a `_CUT` place
-    (one piece when there is no such place)."""
-    if len(text) <= piece_chars:
+def _visible(text: str, i: int) -> bool:
+    return 0 <= i < len(text) and _VISIBLE.match(text, i) is not None
+
+
+def newline_cut(text: str, lo: int, hi: int) -> int | None:
+    """The last place in (lo, hi] to cut `text` at a line end (module docstring): after a
+    lone "\n" or between the "\r" and "\n" of a lone CRLF, between visible characters."""
+    end = min(hi, len(text) - 2) + 1  # a newline needs a character after it
+    while (p := text.rfind("\n", lo, end)) >= 0:
+        if _visible(text, p + 1):
+            if p < hi and _visible(text, p - 1):
+                return p + 1
+            if p > lo and text[p - 1] == "\r" and _visible(text, p - 2):
+                return p
+        end = p
+    return None
+
+
+def space_cut(text: str, lo: int, hi: int) -> int | None:
+    """The last place in (lo, hi] to cut `text`: right before a space between two visible
+    characters."""
+    end = min(hi, len(text) - 2) + 1
+    while (p := text.rfind(" ", lo + 1, end)) >= 0:
+        if _visible(text, p - 1) and _visible(text, p + 1):
+            return p
+        end = p
+    return None
+
+
+def split_text(text: str, cuts: str | None, piece_chars: int = PIECE_CHARS) -> list[str]:
+    """`text` cut into pieces of about `piece_chars` characters where `cuts` allows (module
+    docstring): at line ends, else before a space, else (`CUT_ANYWHERE`) anywhere; one piece
+    when `cuts` is None or there is no such place."""
+    if cuts is None or len(text) <= piece_chars:
         return [text]
     pieces: list[str] = []
     start = 0
     while len(text) - start > piece_chars:
         target = start + piece_chars
-        cut = max((m.end() for m in _CUT.finditer(text, start + 1, target + 1)), default=None)
-        if cut is None:  # none before the target: the first one after it
-            match = _CUT.search(text, target)
-            if match is None:
+        cut = newline_cut(text, start, target)
+        if cut is None:
+            cut = space_cut(text, start, target)
+        if cut is None and cuts == CUT_ANYWHERE:
+            cut = target
+        if cut is None:  # none up to the target: the first line end after it
+            cut = _first_newline_cut(text, target)
+            if cut is None:
                 break
-            cut = match.end()
         pieces.append(text[start:cut])
         start = cut
     pieces.append(text[start:])
     return pieces
 
 
-def document_pieces(text: str, consumed: int = 0) -> Iterator[Piece]:
+def _first_newline_cut(text: str, start: int) -> int | None:
+    p = start
+    while (p := text.find("\n", p)) >= 0:
+        cut = newline_cut(text, max(p - 1, 0), p + 1)
+        if cut is not None and cut > start:
+            return cut
+        p += 1
+    return None
+
+
+def document_pieces(text: str, cuts: str | None, consumed: int = 0) -> Iterator[Piece]:
     """One document given as a string, as pieces (`split_text`)."""
-    for i, part in enumerate(split_text(text)):
+    for i, part in enumerate(split_text(text, cuts)):
         yield Piece(part, i == 0, consumed if i == 0 else 0)
 
 
-def _text_file(path: Path) -> Iterator[Piece]:
-    """One document: the file's text, cut only at `_CUT` places."""
-    buffer = ""
+def _text_file(path: Path, cuts: str | None) -> Iterator[Piece]:
+    """One document: the file's text, streamed in pieces where `cuts` allows. Each read is
+    searched once for a line-end cut (with the three characters before it); a piece is
+    joined only when it is given out."""
+    parts: list[str] = []
+    size = 0  # characters in `parts`
+    latest: int | None = None  # the last line-end cut found in `parts`
+    tail = ""  # the last three characters of `parts`
     first = True
     pending = 0
-    scan_from = 1  # the buffer before this holds no cut
     for chunk, consumed in iter_utf8(path):
-        buffer += chunk
         pending += consumed
-        if len(buffer) < PIECE_CHARS:
+        if not chunk:
             continue
-        cut = max((m.end() for m in _CUT.finditer(buffer, scan_from)), default=0)
-        if cut == 0:  # no cut yet (one long line): read on; the last character may start one
-            scan_from = max(len(buffer) - 1, 1)
+        if cuts is not None:
+            window = tail + chunk
+            found = newline_cut(window, 0, len(window))
+            if found is not None and size - len(tail) + found > 0:
+                latest = max(latest or 0, size - len(tail) + found)
+            tail = window[-3:]
+        parts.append(chunk)
+        size += len(chunk)
+        if cuts is None or size < PIECE_CHARS:
             continue
+        cut = latest
+        if cut is None and size >= MAX_PIECE_CHARS:
+            buffer = "".join(parts)
+            parts = [buffer]
+            cut = space_cut(buffer, 0, size)
+            if cut is None and cuts == CUT_ANYWHERE:
+                cut = size
+            if cut is None:
+                raise DataError(
+                    f"'{path}' has {size:,} characters without a newline or a space between "
+                    f"visible characters, where the tokenizer's text may be cut: split the "
+                    f"text into lines or documents (.jsonl), or use the byte tokenizer"
+                )
+        if cut is None or cut == 0:
+            continue
+        buffer = "".join(parts)
         yield Piece(buffer[:cut], first, pending)
-        buffer, first, pending, scan_from = buffer[cut:], False, 0, 1
-    if buffer:
-        yield Piece(buffer, first, pending)
+        rest = buffer[cut:]
+        parts, size, latest, first, pending = [rest] if rest else [], len(rest), None, False, 0
+    if parts:
+        yield Piece("".join(parts), first, pending)
     elif pending and not first:
         yield Piece("", False, pending)
 
 
-def _json_lines(path: Path, text_field: str) -> Iterator[Piece]:
+def _json_lines(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece]:
     with open_binary(path) as (stream, counter):
         seen = 0
         for number, line in enumerate(stream, start=1):  # type: ignore[arg-type]
@@ -414,7 +496,7 @@ def _json_lines(path: Path, text_field: str) -> Iterator[Piece]:
                 raise binary_file_error(path, f"NUL character on line {number}")
             consumed, seen = counter.consumed - seen, counter.consumed
             if text:
-                yield from document_pieces(text, consumed)
+                yield from document_pieces(text, cuts, consumed)
         if counter.consumed > seen:
             yield Piece("", False, counter.consumed - seen)
 
@@ -434,7 +516,7 @@ def _string_column(batch, text_field: str, where: str) -> list[str | None]:  # t
     return column.to_pylist()
 
 
-def _parquet(path: Path, text_field: str) -> Iterator[Piece]:
+def _parquet(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -451,7 +533,7 @@ def _parquet(path: Path, text_field: str) -> Iterator[Piece]:
                 ):
                     for text in _string_column(batch, text_field, f"parquet file '{path}'"):
                         if text:
-                            yield from document_pieces(text)
+                            yield from document_pieces(text, cuts)
                 done = size * (group + 1) // groups
                 yield Piece("", False, done - reported)
                 reported = done
@@ -473,7 +555,7 @@ def contextlib_decompressed(path: Path) -> Iterator[Path]:
         yield local
 
 
-def _hf_dataset(path: Path, text_field: str) -> Iterator[Piece]:
+def _hf_dataset(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece]:
     try:
         import datasets
     except ImportError:
@@ -505,40 +587,34 @@ def _hf_dataset(path: Path, text_field: str) -> Iterator[Piece]:
                     f"{type(text).__name__}, not strings"
                 )
             if text:
-                yield from document_pieces(text, 0)
+                yield from document_pieces(text, cuts)
 
 
-def read_pieces(path: Path, text_field: str = TEXT_FIELD) -> Iterator[Piece]:
-    """The documents of one file (or saved dataset), as pieces."""
+def read_pieces(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece]:
+    """The documents of one file (or saved dataset), as pieces cut where `cuts` allows (a
+    tokenizer's `piece_cuts`)."""
     if path.is_dir():
-        return _hf_dataset(path, text_field)
+        return _hf_dataset(path, text_field, cuts)
     suffix = format_suffix(path)
     if suffix in JSON_LINES_SUFFIXES:
-        return _json_lines(path, text_field)
+        return _json_lines(path, text_field, cuts)
     if suffix in PARQUET_SUFFIXES:
-        return _parquet(path, text_field)
-    return _text_file(path)
-
-
-def iter_pieces(
-    sources: list[str | os.PathLike[str]], text_field: str = TEXT_FIELD
-) -> Iterator[Piece]:
-    """The documents of every source in order, as pieces."""
-    for path in expand_sources(sources):
-        yield from read_pieces(path, text_field)
+        return _parquet(path, text_field, cuts)
+    return _text_file(path, cuts)
 
 
 def iter_documents(
     sources: list[str | os.PathLike[str]], text_field: str = TEXT_FIELD
 ) -> Iterator[str]:
     """The documents of every source in order, whole (for tests and small corpora; use
-    `iter_pieces` to stay within bounded memory)."""
+    `read_pieces` to stay within bounded memory)."""
     parts: list[str] = []
-    for piece in iter_pieces(sources, text_field):
-        if piece.starts_document and parts:
-            yield "".join(parts)
-            parts = []
-        if piece.text:
-            parts.append(piece.text)
+    for path in expand_sources(sources):
+        for piece in read_pieces(path, text_field, CUT_ANYWHERE):
+            if piece.starts_document and parts:
+                yield "".join(parts)
+                parts = []
+            if piece.text:
+                parts.append(piece.text)
     if parts:
         yield "".join(parts)

@@ -60,6 +60,7 @@ from bdh_train.data.tokenizer import (
     TOKENIZER_FILE,
     ByteTokenizer,
     Tokenizer,
+    piece_cuts,
     train_bpe,
 )
 from bdh_train.errors import DataError
@@ -432,10 +433,11 @@ def prepare_corpus(
 
 
 def _training_texts(files: list[Path], text_field: str, val_fraction: float) -> Iterator[str]:
-    """The text pieces of the training documents (those `in_validation` leaves out)."""
+    """The text pieces of the training documents (those `in_validation` leaves out), cut
+    only where `train_bpe`'s pre-tokenizer has a boundary, so it counts the same words."""
     index, keep = -1, True
     for path in files:
-        for piece in formats.read_pieces(path, text_field):
+        for piece in formats.read_pieces(path, text_field, formats.CUT_AT_WHITESPACE):
             if piece.starts_document:
                 index += 1
                 keep = not in_validation(index, val_fraction)
@@ -452,9 +454,11 @@ def _write_corpus(
     val = _open_split(tmp, "val", tokenizer, dtype)
     bar = _Progress(total, progress)
     try:
+        cuts = piece_cuts(tokenizer)
+
         def pieces(paths: list[Path]) -> Iterator[formats.Piece]:
             for path in paths:
-                yield from formats.read_pieces(path, text_field)
+                yield from formats.read_pieces(path, text_field, cuts)
 
         write_pieces(
             pieces(files), tokenizer,

@@ -20,7 +20,7 @@ import numpy as np
 from bdh_train import checks
 from bdh_train.data import formats
 from bdh_train.data.formats import TEXT_FIELD
-from bdh_train.data.tokenizer import BYTES, ByteTokenizer, Tokenizer
+from bdh_train.data.tokenizer import BYTES, ByteTokenizer, Tokenizer, piece_cuts
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.utils import atomic_write, suggest
 
@@ -232,7 +232,8 @@ def load_tokens(
             from bdh_train.data import prepared
 
             data = prepared.encode_in_memory(
-                formats.document_pieces(text), tokenizer, f"'{name}'", vocab_size
+                formats.document_pieces(text, piece_cuts(tokenizer)), tokenizer, f"'{name}'",
+                vocab_size,
             )
     else:
         data = _from_path(Path(name).expanduser(), vocab_size, name, tokenizer, bin_dtype,
@@ -328,7 +329,8 @@ def _from_path(
         if tokenizer.kind == BYTES and _is_plain_text(path):
             return _from_text_file(path, vocab_size)
         what = f"'{path}'"
-    pieces = (piece for p in files for piece in formats.read_pieces(p, text_field))
+    cuts = piece_cuts(tokenizer)
+    pieces = (piece for p in files for piece in formats.read_pieces(p, text_field, cuts))
     return prepared.encode_in_memory(pieces, tokenizer, what, vocab_size)
 
 

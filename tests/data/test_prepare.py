@@ -251,3 +251,41 @@ def test_damaged_index_and_wrong_tokenizer_are_refused(tmp_path: Path) -> None:
     np.save(index, starts)
     with pytest.raises(DataError, match=r"document starts are not increasing"):
         load_prepared(out)
+
+
+def test_documents_that_encode_to_nothing_are_no_documents(tmp_path: Path) -> None:
+    """A document whose text has no ids under the tokenizer (a BPE without an unknown token
+    drops characters outside its vocabulary) gets no start and no end-of-document id, so the
+    corpus prepare writes always loads; a tokenizer with neither an end-of-document id nor
+    ids for a newline is refused."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from bdh_train.data.tokenizer import HFTokenizer
+
+    def bpe(special: list[str], pre=None) -> HFTokenizer:  # type: ignore[no-untyped-def]
+        hf = HF(models.BPE())
+        if pre is not None:
+            hf.pre_tokenizer = pre
+        hf.train_from_iterator(["ab ba\n"] * 4, trainers.BpeTrainer(
+            vocab_size=20, special_tokens=special, show_progress=False))
+        return HFTokenizer(hf)
+
+    source = write_jsonl(tmp_path / "c.jsonl", ["ab ab", "zzz", "ba", "zz"])
+    for i, tok in enumerate((bpe([]), bpe(["</s>"]))):
+        assert tok.encode("zzz") == []
+        out = tmp_path / f"prep{i}"
+        meta = prepare_corpus([source], out, tokenizer=tok, val_fraction=0, progress=False)
+        assert meta["splits"]["train"]["documents"] == 2
+        train, _ = load_prepared(out, tokenizer=tok)
+        first, second = tok.encode("ab ab"), tok.encode("ba")
+        between = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n")
+        end = [tok.eot_id] if tok.eot_id is not None else []
+        assert train.tokens.tolist() == first + between + second + end
+        assert train.doc_starts.tolist() == [0, len(first) + len(between)]
+    no_newline = bpe([], pre_tokenizers.Whitespace())
+    assert no_newline.eot_id is None and no_newline.encode("\n") == []
+    with pytest.raises(DataError, match=r"no end-of-document token .* encodes a newline to "
+                       r"nothing"):
+        prepare_corpus([source], tmp_path / "bad", tokenizer=no_newline, progress=False)
+    assert not (tmp_path / "bad").exists()

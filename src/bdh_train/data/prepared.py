@@ -14,7 +14,9 @@ Layout of DIR (one home for it: this module):
 
 Documents are concatenated in order. A tokenizer with an end-of-document id gets it after
 each document; the byte tokenizer has none, and a newline goes between documents instead (as
-between the files of a directory source). `doc_starts` mark each document's first token.
+between the files of a directory source). `doc_starts` mark each document's first token;
+a document that encodes to no ids is left out (no start, no end-of-document id). A tokenizer
+with neither an end-of-document id nor ids for "\n" is refused.
 Text bytes of a split are the UTF-8 bytes its tokens decode to (separators included, EOT 0).
 
 Validation (`val_fraction` F): document i > 0 goes to validation when a keyed hash of i is
@@ -57,6 +59,7 @@ from bdh_train.data.sources import (
 )
 from bdh_train.data.tokenizer import (
     BYTES,
+    EOT_NAMES,
     TOKENIZER_FILE,
     ByteTokenizer,
     Tokenizer,
@@ -130,7 +133,9 @@ def encode_texts(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]
 
 class SplitWriter:
     """One split's token stream, written as documents arrive: the separator rule of the
-    module docstring, the document starts, and the token and text byte counts."""
+    module docstring, the document starts, and the token and text byte counts. A document
+    starts at its first token: one whose text encodes to no ids is no document (no start,
+    no end-of-document id), so every recorded start is below the token count."""
 
     def __init__(
         self, tokenizer: Tokenizer, dtype: str, tokens: BinaryIO, index: BinaryIO
@@ -142,8 +147,16 @@ class SplitWriter:
         self._between = (
             None if self.eot_id is not None else encode_texts(tokenizer, ["\n"])[0]
         )
+        if self._between is not None and self._between.size == 0:
+            raise DataError(
+                f"tokenizer {getattr(tokenizer, 'source', tokenizer.kind)} has no "
+                f"end-of-document token ({', '.join(EOT_NAMES)}) and encodes a newline to "
+                f"nothing, so documents would run together: add one of those special tokens "
+                f"to it, or use a tokenizer that keeps newlines"
+            )
         self.n_tokens = self.n_documents = self.text_bytes = 0
-        self._open = False
+        self._open = False  # a document has tokens and is not yet ended
+        self._starting = False  # a document began and has no tokens yet
 
     def _write(self, ids: np.ndarray) -> None:
         if ids.size:
@@ -153,21 +166,25 @@ class SplitWriter:
 
     def begin_document(self) -> None:
         self._end_document()
-        if self._between is not None and self.n_documents:
-            self._write(self._between)
-        self._index.write(np.array([self.n_tokens], dtype=INDEX_DTYPE).tobytes())
-        self.n_documents += 1
-        self._open = True
+        self._starting = True
 
     def add(self, ids: np.ndarray) -> None:
-        if not self._open:
+        if not (self._open or self._starting):
             raise AssertionError("SplitWriter.add before begin_document")
+        if not ids.size:
+            return
+        if self._starting:
+            if self._between is not None and self.n_documents:
+                self._write(self._between)
+            self._index.write(np.array([self.n_tokens], dtype=INDEX_DTYPE).tobytes())
+            self.n_documents += 1
+            self._open, self._starting = True, False
         self._write(ids)
 
     def _end_document(self) -> None:
         if self._open and self.eot_id is not None:
             self._write(np.array([self.eot_id], dtype=np.int64))
-        self._open = False
+        self._open = self._starting = False
 
     def close(self) -> None:
         self._end_document()

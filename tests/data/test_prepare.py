@@ -140,25 +140,22 @@ def test_validation_choice_order(tmp_path: Path) -> None:
     assert load_tokens(str(out / "val.bin")).tokens.tolist() == list(other.read_bytes())
 
 
-def test_headerless_bin_trains(tmp_path: Path, capsys) -> None:
+def test_headerless_bin_loads_with_bin_dtype(tmp_path: Path) -> None:
+    """A nanoGPT-style .bin without a header: refused without data.bin_dtype (the message
+    names it); with it, the splits training reads are the file's ids."""
     ids = (np.arange(3000) * 7 % 200).astype(np.uint16)
     path = tmp_path / "train.bin"
     path.write_bytes(ids.tobytes())
-    run = tmp_path / "run"
-    args = ["train", "--run-dir", str(run), "--set", f"data.source='{path}'",
-            "--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "model.n_head=1",
-            "--set", "model.mlp_internal_dim_multiplier=2", "--set", "training.block_size=8",
-            "--set", "training.batch_size=2", "--set", "training.max_steps=2",
-            "--set", "training.eval_every=2", "--set", "training.checkpoint_every=2"]
-    assert main(args) == 2
-    assert "data.bin_dtype" in capsys.readouterr().err
-    assert main([*args, "--set", "data.bin_dtype='uint16'", "--overwrite"]) == 0
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert any(row.get("step") == 2 for row in rows)
-    data = DataConfig(source=str(path), bin_dtype="uint16").load_source(str(path), 256)
+    with pytest.raises(DataError, match=r"no header .*set data.bin_dtype"):
+        DataConfig(source=str(path)).load_splits(256, 8)
+    cfg = DataConfig(source=str(path), bin_dtype="uint16", val_fraction=0.1)
+    train, val = cfg.load_splits(256, 8)
+    assert train.tokens.tolist() + val.tokens.tolist() == ids.tolist()
+    assert len(val) == 300 and not train.byte_level
+    data = cfg.load_source(str(path), 256)
     assert data.tokens.tolist() == ids.tolist() and not data.byte_level
     with pytest.raises(DataError, match=r"token id 154 at position 22 .* >= vocab_size 150"):
-        DataConfig(source=str(path), bin_dtype="uint16").load_source(str(path), 150)
+        cfg.load_source(str(path), 150)
 
 
 def test_binary_source_is_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:

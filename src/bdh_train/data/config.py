@@ -18,6 +18,7 @@ from bdh_train.data.sources import (
     BUILTIN_CORPORA,
     BUILTIN_PREFIX,
     TOKEN_DTYPES,
+    VAL_FRACTION,
     TokenData,
     TokenGenerator,
     load_splits,
@@ -44,7 +45,7 @@ class DataConfig:
     directory, or headerless with ``bin_dtype``); a text file (``.txt`` or any other name,
     UTF-8), ``.jsonl``/``.json`` lines or ``.parquet`` (``text_field`` holds the text), any
     of these ``.gz``/``.zst``; or a directory of such files (recursive, sorted)."""
-    val_fraction: float = 0.1
+    val_fraction: float = VAL_FRACTION
     """The share of the tokens held out for validation, taken from the end (0 = none). Used
     only when neither ``val_source`` is set nor ``source`` is a prepared directory with a
     validation split (those win, in that order)."""

@@ -52,6 +52,7 @@ from bdh_train import checks
 from bdh_train.data import formats
 from bdh_train.data.sources import (
     TOKEN_DTYPES,
+    VAL_FRACTION,
     TokenData,
     split_doc_starts,
     token_dtype_for,
@@ -388,7 +389,7 @@ def prepare_corpus(
     *,
     tokenizer: Tokenizer | None = None,
     train_bpe_vocab: int | None = None,
-    val_fraction: float = 0.1,
+    val_fraction: float = VAL_FRACTION,
     val_sources: Sequence[str | os.PathLike[str]] | None = None,
     text_field: str = formats.TEXT_FIELD,
     force: bool = False,
@@ -406,8 +407,6 @@ def prepare_corpus(
     if not sources:
         raise DataError("prepare needs at least one source")
     checks.number("val_fraction", val_fraction, low=0.0, high=1.0)
-    if val_fraction >= 1:
-        raise DataError(f"val_fraction must be below 1 (some data must train), got {val_fraction}")
     if tokenizer is not None and train_bpe_vocab is not None:
         raise DataError("give a tokenizer or a BPE vocabulary size to train, not both")
     _check_output(out, force)

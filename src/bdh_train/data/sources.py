@@ -25,6 +25,8 @@ from bdh_train.errors import ConfigError, DataError
 from bdh_train.utils import atomic_write, suggest
 
 BUILTIN_PREFIX = "builtin:"
+VAL_FRACTION = 0.1
+"""The default share held out for validation (`data.val_fraction`, `bdh-train prepare`)."""
 TOKEN_DTYPES = ("uint16", "uint32")
 """dtypes a `.bin` token file may hold (named in its JSON header)."""
 _SCAN_CHUNK = 1 << 22

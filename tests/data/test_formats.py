@@ -234,13 +234,19 @@ def test_binary_file_is_one_clear_line(tmp_path: Path) -> None:
         message = str(info.value)
         assert "\n" not in message
         assert re.search(r"weights.dat' is not UTF-8 text .*bdh-train prepare", message)
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(bytes(range(256)))
+    with pytest.raises(DataError, match=r"tokens.bin' is not UTF-8 .*holds token ids, which "
+                       r"`bdh-train prepare` does not read: train on it with data.source"):
+        list(iter_documents([tokens]))
 
 
 @pytest.mark.parametrize(
     ("content", "expected"),
     [
         (b'{"text": "ok"}\nnot json\n', r"line 2 of .*c.jsonl' is not JSON"),
-        (b'{"body": "x"}\n', r"line 1 .* no field 'text' \(it has \['body'\]\).*--text-field"),
+        (b'{"body": "x"}\n',
+         r"line 1 .* no field 'text' \(it has \['body'\]\).*--text-field / data.text_field"),
         (b'{"text": 3}\n', r"field 'text' is a int, not a string"),
         (b'{"text": "\xff"}\n', r"c.jsonl' is not UTF-8 text"),
     ],
@@ -258,7 +264,7 @@ def test_other_text_field_and_parquet_errors(tmp_path: Path) -> None:
     assert list(iter_documents([path], text_field="body")) == DOCS
     table = tmp_path / "t.parquet"
     pq.write_table(pa.table({"n": [1, 2]}), table)
-    with pytest.raises(DataError, match=r"has no column 'text' \(it has \['n'\]\)"):
+    with pytest.raises(DataError, match=r"no column 'text' \(it has \['n'\]\); .*data.text_field"):
         list(iter_documents([table]))
     pq.write_table(pa.table({"text": [1, 2]}), table)
     with pytest.raises(DataError, match=r"column 'text' is int64, not a string column"):

@@ -80,6 +80,7 @@ CUT_ANYWHERE = "anywhere"
 CUT_AT_WHITESPACE = "whitespace"
 """Where a tokenizer lets documents be cut into pieces (module docstring); None: nowhere."""
 PARQUET_BATCH_ROWS = 1024
+FIELD_HINT = "name the field that holds the text with --text-field / data.text_field"
 FORMATS_HINT = (
     "give UTF-8 text (.txt), JSON lines (.jsonl/.json), .parquet, any of these as .gz or "
     ".zst, or a saved Hugging Face dataset directory"
@@ -102,6 +103,11 @@ class Piece:
 
 def binary_file_error(path: Path | str, why: str) -> DataError:
     """The one message for a file that is neither UTF-8 text nor a readable format."""
+    if Path(path).suffix == ".bin":
+        return DataError(
+            f"'{path}' is not UTF-8 text ({why}): a .bin file holds token ids, which "
+            f"`bdh-train prepare` does not read: train on it with data.source = '{path}'"
+        )
     return DataError(
         f"'{path}' is not UTF-8 text ({why}): convert it to UTF-8 text, or store the corpus "
         f"as .jsonl/.json lines or .parquet (also .gz/.zst) and run `bdh-train prepare` on it; "
@@ -482,8 +488,7 @@ def _json_lines(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece
             if not isinstance(record, dict) or text_field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                 raise DataError(
-                    f"{where} has no field '{text_field}' (it has {keys}); name the text "
-                    f"field with --text-field (data sources: the default 'text')"
+                    f"{where} has no field '{text_field}' (it has {keys}); {FIELD_HINT}"
                 )
             text = record[text_field]
             if text is None:
@@ -507,8 +512,7 @@ def _string_column(batch, text_field: str, where: str) -> list[str | None]:  # t
     names = batch.schema.names
     if text_field not in names:
         raise DataError(
-            f"{where} has no column '{text_field}' (it has {names}); name the text column "
-            f"with --text-field"
+            f"{where} has no column '{text_field}' (it has {names}); {FIELD_HINT}"
         )
     column = batch.column(names.index(text_field))
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
@@ -577,7 +581,7 @@ def _hf_dataset(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece
     if text_field not in loaded.column_names:
         raise DataError(
             f"saved dataset '{path}' has no column '{text_field}' (it has "
-            f"{loaded.column_names}); name the text column with --text-field"
+            f"{loaded.column_names}); {FIELD_HINT}"
         )
     for rows in loaded.select_columns([text_field]).iter(batch_size=PARQUET_BATCH_ROWS):
         for text in rows[text_field]:

@@ -286,3 +286,28 @@ def test_documents_that_encode_to_nothing_are_no_documents(tmp_path: Path) -> No
                        r"nothing"):
         prepare_corpus([source], tmp_path / "bad", tokenizer=no_newline, progress=False)
     assert not (tmp_path / "bad").exists()
+
+
+def test_failed_rename_keeps_the_previous_corpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from bdh_train.data import prepared
+
+    source = write_jsonl(tmp_path / "c.jsonl", CORPUS[:5])
+    out = tmp_path / "prep"
+    prepare_corpus([source], out, progress=False)
+    before = files_of(out)
+    rename = os.replace
+
+    def failing(src, dst):  # type: ignore[no-untyped-def]
+        if Path(src).name.startswith(".prep.tmp-"):
+            raise OSError(28, "No space left on device")
+        rename(src, dst)
+
+    monkeypatch.setattr(prepared.os, "replace", failing)
+    with pytest.raises(DataError, match=r"cannot move .*No space left.*previous one is left"):
+        prepare_corpus([source], out, force=True, val_fraction=0.5, progress=False)
+    assert files_of(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "prep"]

@@ -516,12 +516,22 @@ def _write_corpus(
 
 def _replace(tmp: Path, out: Path) -> None:
     """Rename the finished directory into place; an existing `out` (allowed by --force) is
-    moved aside first and deleted after."""
+    moved aside first, deleted after, and moved back when the rename fails."""
     old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-        os.replace(out, old / out.name)
-    os.replace(tmp, out)
+    try:
+        if out.exists() or out.is_symlink():
+            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+            os.replace(out, old / out.name)
+        os.replace(tmp, out)
+    except OSError as exc:
+        if old is not None:
+            if (old / out.name).exists() or (old / out.name).is_symlink():
+                os.replace(old / out.name, out)
+            old.rmdir()
+        raise DataError(
+            f"cannot move the prepared corpus into '{out}': {exc.strerror or exc}"
+            + ("; the previous one is left in place" if old is not None else "")
+        ) from exc
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -138,6 +138,11 @@ def test_validation_choice_order(tmp_path: Path) -> None:
     train, val = cfg.load_splits(256, 8)
     assert val.tokens.tolist() == train.tokens.tolist()
     assert load_tokens(str(out / "val.bin")).tokens.tolist() == list(other.read_bytes())
+    assert DataConfig(source=str(out / "val.bin")).is_byte_text
+    assert DataConfig(source=str(out)).is_byte_text
+    assert not DataConfig(source=str(out / "val.bin"), tokenizer="x.json").is_byte_text
+    (tmp_path / "val.bin").write_bytes((out / "val.bin").read_bytes())
+    assert not DataConfig(source=str(tmp_path / "val.bin")).is_byte_text
 
 
 def test_headerless_bin_loads_with_bin_dtype(tmp_path: Path) -> None:

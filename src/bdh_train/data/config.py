@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bdh_train import checks
 from bdh_train.data.events import SummaryEventTrigger
@@ -21,10 +22,11 @@ from bdh_train.data.sources import (
     VAL_FRACTION,
     TokenData,
     TokenGenerator,
+    is_prepared_split,
     load_splits,
     load_tokens,
 )
-from bdh_train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from bdh_train.data.tokenizer import BYTES, ByteTokenizer, HFTokenizer, load_tokenizer
 from bdh_train.errors import ConfigError
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.utils import suggest
@@ -154,12 +156,13 @@ class DataConfig:
     @property
     def is_byte_text(self) -> bool:
         """Whether the source is text read as bytes (ids 0..255): a builtin corpus, a text
-        source or a prepared directory with ``data.tokenizer = "bytes"``; not a generated
-        source, a ``.bin`` token file or text under another tokenizer."""
-        return (
-            not self.is_generated and not self.source.endswith(".bin")
-            and self.tokenizer == "bytes"
-        )
+        source, a prepared directory or one of its split files (``DIR/train.bin``) with
+        ``data.tokenizer = "bytes"``; not a generated source, another ``.bin`` token file or
+        text under another tokenizer."""
+        if self.is_generated or self.tokenizer != BYTES:
+            return False
+        path = Path(self.source).expanduser()
+        return path.suffix != ".bin" or is_prepared_split(path)
 
     def load_tokenizer(self) -> ByteTokenizer | HFTokenizer:
         """The tokenizer ``data.tokenizer`` names (DataError when it cannot be loaded)."""

@@ -438,6 +438,17 @@ def read_header(path: Path) -> dict[str, object]:
     return header
 
 
+def is_prepared_split(path: Path) -> bool:
+    """Whether token file `path` is a split of the prepared corpus it sits in (`DIR/val.bin`
+    without a `.json` header of its own)."""
+    from bdh_train.data import prepared
+
+    return (
+        path.suffix == ".bin" and path.stem in prepared.SPLITS
+        and not header_path(path).exists() and prepared.is_prepared(path.parent)
+    )
+
+
 def _from_bin(
     path: Path, vocab_size: int, bin_dtype: str | None, tokenizer: Tokenizer
 ) -> TokenData:
@@ -445,9 +456,7 @@ def _from_bin(
     or headerless (nanoGPT style) with `bin_dtype` (ids checked against vocab_size)."""
     from bdh_train.data import prepared
 
-    if not header_path(path).exists() and path.stem in prepared.SPLITS and (
-        prepared.is_prepared(path.parent)
-    ):
+    if is_prepared_split(path):
         return prepared.load_prepared_split(path.parent, path.stem, vocab_size, tokenizer)
     if header_path(path).exists() or bin_dtype is None:
         header = read_header(path)

@@ -138,6 +138,12 @@ def test_validation_choice_order(tmp_path: Path) -> None:
     train, val = cfg.load_splits(256, 8)
     assert val.tokens.tolist() == train.tokens.tolist()
     assert load_tokens(str(out / "val.bin")).tokens.tolist() == list(other.read_bytes())
+    (out / "val.bin").write_bytes(b"damaged")  # unused with a val_source: not read
+    _, val = load_splits(str(out), 256, 8, val_source=str(other))
+    assert val.tokens.tolist() == list(other.read_bytes())
+    with pytest.raises(DataError, match=r"val.bin' has 7 bytes"):
+        load_splits(str(out), 256, 8)
+    (out / "val.bin").write_bytes(other.read_bytes())
     assert DataConfig(source=str(out / "val.bin")).is_byte_text
     assert DataConfig(source=str(out)).is_byte_text
     assert not DataConfig(source=str(out / "val.bin"), tokenizer="x.json").is_byte_text

@@ -272,8 +272,10 @@ def load_splits(
         source not in (generators or {}) and not source.startswith(BUILTIN_PREFIX)
         and prepared.is_prepared(path)
     ):
-        train, val = prepared.load_prepared(path, vocab_size, tokenizer=tokenizer)
-        if val_source is not None:
+        if val_source is None:
+            train, val = prepared.load_prepared(path, vocab_size, tokenizer=tokenizer)
+        else:  # the prepared validation split is not used: not loaded
+            train = prepared.load_prepared_split(path, "train", vocab_size, tokenizer)
             val = None
     else:
         train = load_tokens(source, vocab_size, generators, **options)  # type: ignore[arg-type]

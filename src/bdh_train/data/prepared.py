@@ -22,8 +22,9 @@ Text bytes of a split are the UTF-8 bytes its tokens decode to (separators inclu
 Validation (`val_fraction` F): document i > 0 goes to validation when a keyed hash of i is
 below F (so about F of the documents, spread over the corpus, the same ones every time;
 decided while streaming, so `--train-tokenizer` trains on the training documents only). The
-first document always trains. When the hash picks no document, validation is instead the last F of the training tokens, the cut
-`TokenData.split` makes (`validation_cut`) - then a trained tokenizer has seen that text.
+first document always trains. When the hash picks no document, validation is instead the
+last F of the training tokens, the cut `TokenData.split` makes (`validation_cut`) - then a
+trained tokenizer has seen that text.
 Explicit `val_sources` replace the fraction.
 
 The writer streams: pieces of documents are tokenized in batches (`encode_batch`, on the

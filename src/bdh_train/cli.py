@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from bdh_train import __version__
-from bdh_train.errors import BDHTrainError, CheckpointError
+from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
 
 EXIT_USER_ERROR = 2
 EXIT_STOPPED = 75
@@ -186,17 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument(
         "--val-fraction", type=float, default=None,
         help="about this share of the documents goes to validation, picked by a hash of "
-        "their index (a corpus of too few documents: the last share of its tokens) "
-        "(default: 0.1)",
+        "their index (when that picks none: the last share of the tokens) "
+        "(default: that of data.val_fraction)",
     )
     val.add_argument(
         "--val", nargs="+", default=None, metavar="SOURCE",
         help="validation sources instead of --val-fraction",
     )
     p.add_argument(
-        "--text-field", default="text",
+        "--text-field", default=None,
         help="the field of JSON lines, column of parquet files and saved datasets that holds "
-        "the text",
+        "the text (default: that of data.text_field)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing prepared DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -267,7 +267,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     resume = args.resume is not None
     run_dir = Path(args.resume or args.run_dir or "") if resume else None
     if resume and str(run_dir) in ("", "."):
-        raise BDHTrainError("--resume needs a run directory: --resume DIR or --run-dir DIR")
+        raise ConfigError("--resume needs a run directory: --resume DIR or --run-dir DIR")
     if run_dir is None:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path(args.run_dir or f"runs/{stamp}")
@@ -325,17 +325,17 @@ def _stop_on_signals(request_stop: Callable[[], None]) -> Iterator[None]:
 def _check_inference_args(args: argparse.Namespace) -> None:
     """Refuse bad sampling and thread values before anything is loaded."""
     if getattr(args, "max_new_tokens", 0) < 0:
-        raise BDHTrainError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+        raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     temperature = getattr(args, "temperature", 0.0)
     if not math.isfinite(temperature) or temperature < 0:
-        raise BDHTrainError(
+        raise ConfigError(
             f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
         )
     top_k = getattr(args, "top_k", None)
     if top_k is not None and top_k < 1:
-        raise BDHTrainError(f"--top-k must be a positive integer (or left out), got {top_k}")
+        raise ConfigError(f"--top-k must be a positive integer (or left out), got {top_k}")
     if args.threads < 0:
-        raise BDHTrainError(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
+        raise ConfigError(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
 
 
 def _load_for_inference(args: argparse.Namespace, need_text: bool):
@@ -426,11 +426,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from bdh_train.train.step import LanguageTrainModel
 
     if args.batches is not None and args.batches < 1:
-        raise BDHTrainError(
+        raise ConfigError(
             f"--batches must be >= 1 (or left out for the whole split), got {args.batches}"
         )
     if Path(args.checkpoint).is_file() and not args.data:
-        raise BDHTrainError(
+        raise ConfigError(
             f"{args.checkpoint} is a ternary export, which holds no data settings: pass "
             "--data SOURCE"
         )
@@ -450,7 +450,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         _, data = cfg.data.load_splits(cfg.model.vocab_size, t.block_size)
         if data is None:
-            raise BDHTrainError(
+            raise ConfigError(
                 "the run has no validation split (data.val_fraction = 0); pass --data SOURCE"
             )
     step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
@@ -471,15 +471,18 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from bdh_train.data.tokenizer import load_tokenizer
 
     if (args.train_tokenizer is None) != (args.vocab_size is None):
-        raise BDHTrainError("--train-tokenizer bpe and --vocab-size N go together")
+        raise ConfigError("--train-tokenizer bpe and --vocab-size N go together")
+    given = {  # options left out take prepare_corpus's defaults
+        key: value for key, value in (
+            ("val_fraction", args.val_fraction), ("text_field", args.text_field)
+        ) if value is not None
+    }
     started = time.perf_counter()
     meta = prepare_corpus(
         args.sources, args.out,
         tokenizer=None if args.tokenizer is None else load_tokenizer(args.tokenizer),
-        train_bpe_vocab=args.vocab_size,
-        val_fraction=0.1 if args.val_fraction is None else args.val_fraction,
-        val_sources=args.val, text_field=args.text_field, force=args.force,
-        progress=not args.quiet,
+        train_bpe_vocab=args.vocab_size, val_sources=args.val, force=args.force,
+        progress=not args.quiet, **given,
     )
     splits = ", ".join(
         f"{name} {counts['tokens']:,} tokens ({counts['documents']:,} documents)"
@@ -499,7 +502,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         from bdh_train.config.explain import explain_markdown, explain_text
 
         if args.markdown and args.explain:
-            raise BDHTrainError("--markdown lists every key; drop KEY from --explain")
+            raise ConfigError("--markdown lists every key; drop KEY from --explain")
         print(explain_markdown() if args.markdown else explain_text(args.explain), end="")
         return 0
     from bdh_train.config import dump_toml, load_config

@@ -18,7 +18,7 @@ import zstandard
 from bdh_train.data import formats, load_tokens
 from bdh_train.data.formats import iter_documents, split_text
 from bdh_train.data.prepared import encode_texts
-from bdh_train.data.tokenizer import ByteTokenizer, train_bpe
+from bdh_train.data.tokenizer import ByteTokenizer, piece_cuts, train_bpe
 from bdh_train.errors import DataError
 
 DOCS = [
@@ -102,7 +102,7 @@ def test_utf8_is_checked_as_it_streams(tmp_path: Path, monkeypatch: pytest.Monke
     text = "Grüße\n世界 🐉\nline\nend"
     path = tmp_path / "a.txt"
     path.write_text(text, encoding="utf-8")
-    pieces = list(formats.read_pieces(path))
+    pieces = list(formats.read_pieces(path, "text", formats.CUT_ANYWHERE))
     assert "".join(p.text for p in pieces) == text and len(pieces) > 1
     assert [p.starts_document for p in pieces if p.text] == [True] + [False] * (
         len([p for p in pieces if p.text]) - 1
@@ -111,15 +111,15 @@ def test_utf8_is_checked_as_it_streams(tmp_path: Path, monkeypatch: pytest.Monke
     bad = tmp_path / "bad.txt"
     bad.write_bytes("Grüße".encode() + b"\xff tail")
     with pytest.raises(DataError, match=r"bad.txt' is not UTF-8 text \(invalid UTF-8 at byte 7\)"):
-        list(formats.read_pieces(bad))
+        list(formats.read_pieces(bad, "text", None))
     for content, offset in ((b"ab\xc3\x28cd", 2), (b"abcd\xe2\x82\x28cd", 4)):
         bad.write_bytes(content)  # the invalid sequence starts in an earlier read
         with pytest.raises(DataError, match=rf"invalid UTF-8 at byte {offset}\)"):
-            list(formats.read_pieces(bad))
+            list(formats.read_pieces(bad, "text", None))
     nul = tmp_path / "nul.txt"
     nul.write_bytes(b"abc\x00def")
     with pytest.raises(DataError, match=r"NUL byte at byte 3"):
-        list(formats.read_pieces(nul))
+        list(formats.read_pieces(nul, "text", None))
 
 
 @pytest.mark.parametrize("piece_chars", [1, 4, 9, 30])
@@ -134,7 +134,8 @@ def test_pieces_encode_like_the_whole_document(
         "über\n世界\n🐉\n!\nend \n\nnext  \nword \n\nmore\t\nx \n\n"
     ) * 3  # " \n" is a whole-text pre-token, so a cut after "  \n" would change the ids
     bpe = train_bpe([text], 320)
-    pieces = split_text(text, piece_chars)
+    assert piece_cuts(bpe) == formats.CUT_AT_WHITESPACE
+    pieces = split_text(text, formats.CUT_AT_WHITESPACE, piece_chars)
     assert "".join(pieces) == text
     assert len(pieces) > 1
     joined = [i for ids in bpe.encode_batch(pieces) for i in ids]
@@ -143,9 +144,69 @@ def test_pieces_encode_like_the_whole_document(
     monkeypatch.setattr(formats, "READ_BYTES", 5)
     path = tmp_path / "doc.txt"
     path.write_text(text, encoding="utf-8")
-    assert len([p for p in formats.read_pieces(path) if p.text]) > 1
+    assert len([p for p in formats.read_pieces(path, "text", "whitespace") if p.text]) > 1
     loaded = load_tokens(str(path), 320, tokenizer=bpe)
     assert loaded.tokens.tolist() == [*bpe.encode(text), bpe.eot_id]
+
+
+def test_crlf_text_streams_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CRLF line ends are cut between "\r" and "\n" (a byte-level BPE's boundary), so a CRLF
+    file streams in several pieces whose ids are the whole document's; a line with no line
+    end gets a space cut once it passes MAX_PIECE_CHARS, and one with no space is refused."""
+    text = "".join(f"line {i} has words\r\n" for i in range(40)) + "x  \r\n\r\nend\r\n"
+    bpe = train_bpe([text], 300)
+    monkeypatch.setattr(formats, "PIECE_CHARS", 30)
+    monkeypatch.setattr(formats, "MAX_PIECE_CHARS", 60)
+    monkeypatch.setattr(formats, "READ_BYTES", 7)
+    path = tmp_path / "crlf.txt"
+    path.write_bytes(text.encode())
+    pieces = [p.text for p in formats.read_pieces(path, "text", formats.CUT_AT_WHITESPACE)]
+    assert "".join(pieces) == text and len(pieces) > 10
+    assert max(map(len, pieces)) <= 30 + 7 + 20  # a line and a read past the piece size
+    assert any(p.endswith("\r") for p in pieces)
+    assert [i for ids in bpe.encode_batch(pieces) for i in ids] == bpe.encode(text)
+    assert load_tokens(str(path), 300, tokenizer=bpe).tokens.tolist() == [
+        *bpe.encode(text), bpe.eot_id
+    ]
+    long_line = " ".join(f"w{i}" for i in range(60))
+    path.write_text(long_line)
+    pieces = [p.text for p in formats.read_pieces(path, "text", formats.CUT_AT_WHITESPACE)]
+    assert "".join(pieces) == long_line and 1 < len(pieces) < 10
+    assert [i for ids in bpe.encode_batch(pieces) for i in ids] == bpe.encode(long_line)
+    path.write_text("x" * 200)
+    with pytest.raises(DataError, match=r"crlf.txt' has \d+ characters without a newline"):
+        list(formats.read_pieces(path, "text", formats.CUT_AT_WHITESPACE))
+    assert "".join(p.text for p in formats.read_pieces(path, "text", "anywhere")) == "x" * 200
+
+
+def test_other_tokenizers_get_whole_documents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tokenizer whose ids depend on where a piece starts (Metaspace adds a prefix "▁" to
+    each piece) is given whole documents: its ids are the whole document's."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from bdh_train.data.tokenizer import HFTokenizer
+
+    text = "".join(f"line {i} has words\n" for i in range(40))
+    hf = HF(models.BPE(unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["[UNK]", "</s>"], show_progress=False))
+    metaspace = HFTokenizer(hf)
+    assert piece_cuts(metaspace) is None
+    monkeypatch.setattr(formats, "PIECE_CHARS", 30)
+    monkeypatch.setattr(formats, "READ_BYTES", 7)
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text(json.dumps({"text": text}) + "\n")
+    path = tmp_path / "doc.txt"
+    path.write_text(text)
+    cut = split_text(text, formats.CUT_AT_WHITESPACE, 30)
+    assert [i for ids in metaspace.encode_batch(cut) for i in ids] != metaspace.encode(text)
+    for source in (path, jsonl):
+        loaded = load_tokens(str(source), metaspace.vocab_size, tokenizer=metaspace)
+        assert loaded.tokens.tolist() == [*metaspace.encode(text), metaspace.eot_id]
 
 
 def test_directory_is_recursive_sorted_and_skips_other_files(tmp_path: Path) -> None:
@@ -156,9 +217,12 @@ def test_directory_is_recursive_sorted_and_skips_other_files(tmp_path: Path) -> 
     (tmp_path / ".hidden.txt").write_text("hidden")
     (tmp_path / "notes.md").write_text("markdown")
     (tmp_path / "prepared").mkdir()
-    (tmp_path / "prepared" / "meta.json").write_text("{}")
+    (tmp_path / "prepared" / "meta.json").write_text('{"format": "bdh-train prepared corpus"}')
     (tmp_path / "prepared" / "more.txt").write_text("inside a prepared corpus")
-    assert list(iter_documents([tmp_path])) == ["a", "b/x", "c"]
+    (tmp_path / "site").mkdir()  # some other tool's meta.json: an ordinary folder
+    (tmp_path / "site" / "meta.json").write_text('{"text": "site/meta", "title": "other"}')
+    (tmp_path / "site" / "page.txt").write_text("site/page")
+    assert list(iter_documents([tmp_path])) == ["a", "b/x", "c", "site/meta", "site/page"]
 
 
 def test_binary_file_is_one_clear_line(tmp_path: Path) -> None:
@@ -170,13 +234,19 @@ def test_binary_file_is_one_clear_line(tmp_path: Path) -> None:
         message = str(info.value)
         assert "\n" not in message
         assert re.search(r"weights.dat' is not UTF-8 text .*bdh-train prepare", message)
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(bytes(range(256)))
+    with pytest.raises(DataError, match=r"tokens.bin' is not UTF-8 .*holds token ids, which "
+                       r"`bdh-train prepare` does not read: train on it with data.source"):
+        list(iter_documents([tokens]))
 
 
 @pytest.mark.parametrize(
     ("content", "expected"),
     [
         (b'{"text": "ok"}\nnot json\n', r"line 2 of .*c.jsonl' is not JSON"),
-        (b'{"body": "x"}\n', r"line 1 .* no field 'text' \(it has \['body'\]\).*--text-field"),
+        (b'{"body": "x"}\n',
+         r"line 1 .* no field 'text' \(it has \['body'\]\).*--text-field / data.text_field"),
         (b'{"text": 3}\n', r"field 'text' is a int, not a string"),
         (b'{"text": "\xff"}\n', r"c.jsonl' is not UTF-8 text"),
     ],
@@ -194,7 +264,7 @@ def test_other_text_field_and_parquet_errors(tmp_path: Path) -> None:
     assert list(iter_documents([path], text_field="body")) == DOCS
     table = tmp_path / "t.parquet"
     pq.write_table(pa.table({"n": [1, 2]}), table)
-    with pytest.raises(DataError, match=r"has no column 'text' \(it has \['n'\]\)"):
+    with pytest.raises(DataError, match=r"no column 'text' \(it has \['n'\]\); .*data.text_field"):
         list(iter_documents([table]))
     pq.write_table(pa.table({"text": [1, 2]}), table)
     with pytest.raises(DataError, match=r"column 'text' is int64, not a string column"):
@@ -242,3 +312,26 @@ def test_builtin_corpus_under_a_tokenizer_is_one_document() -> None:
     data = load_tokens("builtin:pydoc", 257, tokenizer=BytesWithEot())  # type: ignore[arg-type]
     assert data.doc_starts.tolist() == [0] and data.tokens[-1] == 256 and not data.byte_level
     assert bytes(data.tokens[:-1].astype(np.uint8)) == builtin_corpus("pydoc").encode()
+
+
+def test_damaged_and_truncated_zstd_are_one_line(tmp_path: Path) -> None:
+    """Garbage, and a frame cut short (which zstandard's stream_reader ends quietly), are one
+    DataError naming the file; concatenated frames read whole."""
+    raw = jsonl_bytes(DOCS * 40)
+    whole = zstandard.ZstdCompressor().compress(raw)
+    frames = tmp_path / "frames.jsonl.zst"
+    frames.write_bytes(whole + zstandard.ZstdCompressor().compress(raw))
+    assert list(iter_documents([frames])) == DOCS * 80
+    cases = {
+        "garbage.txt.zst": b"this is not zstd data at all" * 10,
+        "cut.txt.zst": zstandard.ZstdCompressor().compress(("Grüße " * 5000).encode())[:-9],
+        "cut.jsonl.zst": whole[: len(whole) // 2],
+    }
+    for name, content in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(DataError) as info:
+            list(iter_documents([path]))
+        message = str(info.value)
+        assert "\n" not in message and name in message, message
+        assert re.search(r"damaged|truncated", message), message

@@ -138,27 +138,35 @@ def test_validation_choice_order(tmp_path: Path) -> None:
     train, val = cfg.load_splits(256, 8)
     assert val.tokens.tolist() == train.tokens.tolist()
     assert load_tokens(str(out / "val.bin")).tokens.tolist() == list(other.read_bytes())
+    (out / "val.bin").write_bytes(b"damaged")  # unused with a val_source: not read
+    _, val = load_splits(str(out), 256, 8, val_source=str(other))
+    assert val.tokens.tolist() == list(other.read_bytes())
+    with pytest.raises(DataError, match=r"val.bin' has 7 bytes"):
+        load_splits(str(out), 256, 8)
+    (out / "val.bin").write_bytes(other.read_bytes())
+    assert DataConfig(source=str(out / "val.bin")).is_byte_text
+    assert DataConfig(source=str(out)).is_byte_text
+    assert not DataConfig(source=str(out / "val.bin"), tokenizer="x.json").is_byte_text
+    (tmp_path / "val.bin").write_bytes((out / "val.bin").read_bytes())
+    assert not DataConfig(source=str(tmp_path / "val.bin")).is_byte_text
 
 
-def test_headerless_bin_trains(tmp_path: Path, capsys) -> None:
+def test_headerless_bin_loads_with_bin_dtype(tmp_path: Path) -> None:
+    """A nanoGPT-style .bin without a header: refused without data.bin_dtype (the message
+    names it); with it, the splits training reads are the file's ids."""
     ids = (np.arange(3000) * 7 % 200).astype(np.uint16)
     path = tmp_path / "train.bin"
     path.write_bytes(ids.tobytes())
-    run = tmp_path / "run"
-    args = ["train", "--run-dir", str(run), "--set", f"data.source='{path}'",
-            "--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "model.n_head=1",
-            "--set", "model.mlp_internal_dim_multiplier=2", "--set", "training.block_size=8",
-            "--set", "training.batch_size=2", "--set", "training.max_steps=2",
-            "--set", "training.eval_every=2", "--set", "training.checkpoint_every=2"]
-    assert main(args) == 2
-    assert "data.bin_dtype" in capsys.readouterr().err
-    assert main([*args, "--set", "data.bin_dtype='uint16'", "--overwrite"]) == 0
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert any(row.get("step") == 2 for row in rows)
-    data = DataConfig(source=str(path), bin_dtype="uint16").load_source(str(path), 256)
+    with pytest.raises(DataError, match=r"no header .*set data.bin_dtype"):
+        DataConfig(source=str(path)).load_splits(256, 8)
+    cfg = DataConfig(source=str(path), bin_dtype="uint16", val_fraction=0.1)
+    train, val = cfg.load_splits(256, 8)
+    assert train.tokens.tolist() + val.tokens.tolist() == ids.tolist()
+    assert len(val) == 300 and not train.byte_level
+    data = cfg.load_source(str(path), 256)
     assert data.tokens.tolist() == ids.tolist() and not data.byte_level
     with pytest.raises(DataError, match=r"token id 154 at position 22 .* >= vocab_size 150"):
-        DataConfig(source=str(path), bin_dtype="uint16").load_source(str(path), 150)
+        cfg.load_source(str(path), 150)
 
 
 def test_binary_source_is_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:
@@ -190,7 +198,19 @@ def test_existing_output_needs_force(tmp_path: Path, capsys) -> None:
     assert main(["prepare", str(source), "--out", str(precious), "--quiet", "--force"]) == 2
     assert "not a prepared corpus" in capsys.readouterr().err
     assert (precious / "keep.txt").read_text() == "mine"
+    (precious / "meta.json").write_text('{"title": "some other tool"}')
+    (precious / "train.bin").write_bytes(b"also mine")
+    assert main(["prepare", str(source), "--out", str(precious), "--quiet", "--force"]) == 2
+    assert "not a prepared corpus (its meta.json is not" in capsys.readouterr().err
+    (out / "notes.md").write_text("a file prepare never writes")  # a real meta.json beside it
+    assert main(["prepare", str(source), "--out", str(out), "--quiet", "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(it also holds 'notes.md')" in err
+    assert (out / "notes.md").read_text() == "a file prepare never writes"
+    assert (precious / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "precious", "prep"]
+    assert main(["prepare", str(out), "--out", str(tmp_path / "again"), "--quiet"]) == 2
+    assert "is a corpus `bdh-train prepare` wrote (tokens, not text)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -239,3 +259,66 @@ def test_damaged_index_and_wrong_tokenizer_are_refused(tmp_path: Path) -> None:
     np.save(index, starts)
     with pytest.raises(DataError, match=r"document starts are not increasing"):
         load_prepared(out)
+
+
+def test_documents_that_encode_to_nothing_are_no_documents(tmp_path: Path) -> None:
+    """A document whose text has no ids under the tokenizer (a BPE without an unknown token
+    drops characters outside its vocabulary) gets no start and no end-of-document id, so the
+    corpus prepare writes always loads; a tokenizer with neither an end-of-document id nor
+    ids for a newline is refused."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from bdh_train.data.tokenizer import HFTokenizer
+
+    def bpe(special: list[str], pre=None) -> HFTokenizer:  # type: ignore[no-untyped-def]
+        hf = HF(models.BPE())
+        if pre is not None:
+            hf.pre_tokenizer = pre
+        hf.train_from_iterator(["ab ba\n"] * 4, trainers.BpeTrainer(
+            vocab_size=20, special_tokens=special, show_progress=False))
+        return HFTokenizer(hf)
+
+    source = write_jsonl(tmp_path / "c.jsonl", ["ab ab", "zzz", "ba", "zz"])
+    for i, tok in enumerate((bpe([]), bpe(["</s>"]))):
+        assert tok.encode("zzz") == []
+        out = tmp_path / f"prep{i}"
+        meta = prepare_corpus([source], out, tokenizer=tok, val_fraction=0, progress=False)
+        assert meta["splits"]["train"]["documents"] == 2
+        train, _ = load_prepared(out, tokenizer=tok)
+        first, second = tok.encode("ab ab"), tok.encode("ba")
+        between = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n")
+        end = [tok.eot_id] if tok.eot_id is not None else []
+        assert train.tokens.tolist() == first + between + second + end
+        assert train.doc_starts.tolist() == [0, len(first) + len(between)]
+    no_newline = bpe([], pre_tokenizers.Whitespace())
+    assert no_newline.eot_id is None and no_newline.encode("\n") == []
+    with pytest.raises(DataError, match=r"no end-of-document token .* encodes a newline to "
+                       r"nothing"):
+        prepare_corpus([source], tmp_path / "bad", tokenizer=no_newline, progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_failed_rename_keeps_the_previous_corpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from bdh_train.data import prepared
+
+    source = write_jsonl(tmp_path / "c.jsonl", CORPUS[:5])
+    out = tmp_path / "prep"
+    prepare_corpus([source], out, progress=False)
+    before = files_of(out)
+    rename = os.replace
+
+    def failing(src, dst):  # type: ignore[no-untyped-def]
+        if Path(src).name.startswith(".prep.tmp-"):
+            raise OSError(28, "No space left on device")
+        rename(src, dst)
+
+    monkeypatch.setattr(prepared.os, "replace", failing)
+    with pytest.raises(DataError, match=r"cannot move .*No space left.*previous one is left"):
+        prepare_corpus([source], out, force=True, val_fraction=0.5, progress=False)
+    assert files_of(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "prep"]

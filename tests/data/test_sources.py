@@ -170,7 +170,7 @@ def test_empty_file_and_directory(tmp_path: Path) -> None:
     other.mkdir()
     (other / "notes.md").write_text("x")
     with pytest.raises(
-        DataError, match=rf"data directory '{re.escape(str(other))}' contains no .txt files"
+        DataError, match=rf"data directory '{re.escape(str(other))}' contains no corpus files"
     ):
         load_tokens(str(other))
     with pytest.raises(DataError, match=r"all 1 .txt files are empty"):

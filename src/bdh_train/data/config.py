@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bdh_train import checks
 from bdh_train.data.events import SummaryEventTrigger
@@ -18,8 +19,10 @@ from bdh_train.data.sources import (
     BUILTIN_CORPORA,
     BUILTIN_PREFIX,
     TOKEN_DTYPES,
+    VAL_FRACTION,
     TokenData,
     TokenGenerator,
+    is_prepared_split,
     load_splits,
     load_tokens,
 )
@@ -55,7 +58,7 @@ class DataConfig:
     directory, or headerless with ``bin_dtype``); a text file (``.txt`` or any other name,
     UTF-8), ``.jsonl``/``.json`` lines or ``.parquet`` (``text_field`` holds the text), any
     of these ``.gz``/``.zst``; or a directory of such files (recursive, sorted)."""
-    val_fraction: float = 0.1
+    val_fraction: float = VAL_FRACTION
     """The share of the tokens held out for validation, taken from the end (0 = none). Used
     only when neither ``val_source`` is set nor ``source`` is a prepared directory with a
     validation split (those win, in that order)."""
@@ -165,12 +168,13 @@ class DataConfig:
     @property
     def is_byte_text(self) -> bool:
         """Whether the source is text read as bytes (ids 0..255): a builtin corpus, a text
-        source or a prepared directory with ``data.tokenizer = "bytes"``; not a generated
-        source, a ``.bin`` token file or text under another tokenizer."""
-        return (
-            not self.is_generated and not self.source.endswith(".bin")
-            and self.tokenizer == "bytes"
-        )
+        source, a prepared directory or one of its split files (``DIR/train.bin``) with
+        ``data.tokenizer = "bytes"``; not a generated source, another ``.bin`` token file or
+        text under another tokenizer."""
+        if self.is_generated or self.tokenizer != BYTES:
+            return False
+        path = Path(self.source).expanduser()
+        return path.suffix != ".bin" or is_prepared_split(path)
 
     def load_tokenizer(self) -> ByteTokenizer | HFTokenizer:
         """The tokenizer ``data.tokenizer`` names (DataError when it cannot be loaded)."""

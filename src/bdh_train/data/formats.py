@@ -14,18 +14,27 @@ compressed parquet file into a temporary file, as parquet needs random access):
 - any other directory: the files of the formats above inside it and its subdirectories
   (recursive; hidden names starting with "." skipped), in sorted order of their relative
   paths. A subdirectory that is a saved Hugging Face dataset is read as one; one written by
-  `bdh-train prepare` (it holds a meta.json) is skipped.
+  `bdh-train prepare` (`prepared.is_prepared`: tokens, not text) is skipped.
 
 Text is checked to be UTF-8 as it streams (a file is never read whole to validate it); a file
 that is not UTF-8 text (or holds NUL bytes) is refused with one DataError naming the file.
 Empty documents are skipped.
 
-A document is yielded as pieces (`Piece`): a long one is cut into pieces of about
-`PIECE_CHARS` characters, only right after a newline that stands alone between two visible
-characters ("a\nb", not "a\n\nb" nor "a \nb"). Pre-tokenizers that split text at whitespace
-runs (the byte-level BPE of `train_bpe`, GPT-2 style) always have a token boundary on both
-sides of such a newline, so encoding the pieces one by one gives the ids of encoding the whole
-document; a line is never cut.
+A document is yielded as pieces (`Piece`) when the tokenizer allows it (`cuts`), so memory
+stays bounded however long a document is:
+
+- `CUT_ANYWHERE` (the byte tokenizer, whose ids do not depend on context): pieces of about
+  `PIECE_CHARS` characters, cut preferably as below, else anywhere;
+- `CUT_AT_WHITESPACE` (a byte-level BPE whose pre-tokenizer splits at whitespace, GPT-2
+  style, without a prefix space or normalizer, as `train_bpe` makes): pieces of about
+  `PIECE_CHARS` characters cut only where that pre-tokenizer has a token boundary whatever
+  comes before or after, so encoding the pieces one by one gives the ids of encoding the
+  whole document: right after a newline standing alone between two visible characters
+  ("a\nb", not "a\n\nb" nor "a \nb"), between the "\r" and "\n" of such a CRLF line
+  end, or where there is none, right before a space between two visible characters (a text
+  file, streamed, looks for one after `MAX_PIECE_CHARS` characters without a line end, and
+  is refused with a DataError when that span has no space either).
+- None (any other tokenizer): whole documents, never cut (memory grows with the longest).
 """
 
 from __future__ import annotations
@@ -58,20 +67,27 @@ HF_DATASET_MARKERS = (("dataset_info.json", "state.json"), ("dataset_dict.json",
 """Files that make a directory a Hugging Face `save_to_disk` dataset (a Dataset; a
 DatasetDict)."""
 PREPARED_MARKER = "meta.json"
-"""The file of a prepared corpus directory (`prepared.META_FILE`), skipped when listing."""
+"""The meta file of a prepared corpus directory (`prepared.META_FILE`)."""
 READ_BYTES = 1 << 20
 """Bytes read (and UTF-8 checked) per step from a text file."""
+ZSTD_FEED_BYTES = 1 << 13
+"""Compressed bytes given to the zstd decompressor per step."""
 PIECE_CHARS = 1 << 20
 """About how many characters a long document's pieces hold."""
+MAX_PIECE_CHARS = 8 * PIECE_CHARS
+"""A text file's piece without a newline cut grows to this before a space cut is taken."""
+CUT_ANYWHERE = "anywhere"
+CUT_AT_WHITESPACE = "whitespace"
+"""Where a tokenizer lets documents be cut into pieces (module docstring); None: nowhere."""
 PARQUET_BATCH_ROWS = 1024
+FIELD_HINT = "name the field that holds the text with --text-field / data.text_field"
 FORMATS_HINT = (
     "give UTF-8 text (.txt), JSON lines (.jsonl/.json), .parquet, any of these as .gz or "
     ".zst, or a saved Hugging Face dataset directory"
 )
-_CUT = re.compile(r"(?<=[!-~\w])\n(?=[!-~\w])")
-"""A safe place to cut a document: right after a newline between two visible characters
-(ASCII or word characters, whitespace in no definition), where a whitespace-splitting
-pre-tokenizer has a token boundary whatever comes before or after."""
+_VISIBLE = re.compile(r"[!-~\w]")
+"""A visible character (ASCII or word characters, whitespace in no definition): on both
+sides of a cut."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +103,11 @@ class Piece:
 
 def binary_file_error(path: Path | str, why: str) -> DataError:
     """The one message for a file that is neither UTF-8 text nor a readable format."""
+    if Path(path).suffix == ".bin":
+        return DataError(
+            f"'{path}' is not UTF-8 text ({why}): a .bin file holds token ids, which "
+            f"`bdh-train prepare` does not read: train on it with data.source = '{path}'"
+        )
     return DataError(
         f"'{path}' is not UTF-8 text ({why}): convert it to UTF-8 text, or store the corpus "
         f"as .jsonl/.json lines or .parquet (also .gz/.zst) and run `bdh-train prepare` on it; "
@@ -120,6 +141,8 @@ def list_files(directory: Path) -> list[Path]:
     """The corpus files (and saved Hugging Face datasets) under `directory`: recursive, sorted
     by relative path, hidden names and prepared corpus directories skipped, only the formats
     in `DIRECTORY_SUFFIXES`."""
+    from bdh_train.data.prepared import is_prepared
+
     found: list[Path] = []
 
     def walk(folder: Path) -> None:
@@ -133,7 +156,7 @@ def list_files(directory: Path) -> list[Path]:
             if entry.name.startswith("."):
                 continue
             if entry.is_dir():
-                if (entry / PREPARED_MARKER).is_file():
+                if is_prepared(entry):
                     continue  # a `bdh-train prepare` output: tokens, not text
                 if is_hf_dataset(entry):
                     found.append(entry)
@@ -146,22 +169,35 @@ def list_files(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(directory).as_posix())
 
 
+def corpus_files(directory: Path) -> list[Path]:
+    """`list_files(directory)`, or DataError when it finds none."""
+    found = list_files(directory)
+    if not found:
+        raise DataError(
+            f"data directory '{directory}' contains no corpus files (.txt, .jsonl, .json, "
+            f".parquet, .gz/.zst of them, or saved Hugging Face datasets); put the corpus "
+            f"files in it or name a single file"
+        )
+    return found
+
+
 def expand_sources(sources: list[str | os.PathLike[str]]) -> list[Path]:
-    """Every file (or saved dataset) the sources name, in order; DataError for a missing path
-    or a directory without corpus files."""
+    """Every file (or saved dataset) the text sources name, in order; DataError for a missing
+    path, a prepared corpus (tokens, not text) or a directory without corpus files."""
+    from bdh_train.data.prepared import is_prepared
+
     files: list[Path] = []
     for source in sources:
         path = Path(source).expanduser()
         if not path.exists():
             raise DataError(f"source '{source}' does not exist; {FORMATS_HINT}")
+        if is_prepared(path):
+            raise DataError(
+                f"source '{source}' is a corpus `bdh-train prepare` wrote (tokens, not text): "
+                f"train on it with data.source = '{source}', or give the text it came from"
+            )
         if path.is_dir() and not is_hf_dataset(path):
-            inside = list_files(path)
-            if not inside:
-                raise DataError(
-                    f"data directory '{path}' contains no .txt, .jsonl, .json or .parquet "
-                    f"files (nor .gz/.zst of them); put the corpus files in it"
-                )
-            files.extend(inside)
+            files.extend(corpus_files(path))
         else:
             files.append(path)
     return files
@@ -200,6 +236,56 @@ class _CountingReader(io.RawIOBase):
         super().close()
 
 
+class ZstdTruncatedError(EOFError):
+    """A zstd stream that ends inside a frame."""
+
+
+class _ZstdReader(io.RawIOBase):
+    """The decompressed bytes of a zstd file of one or more frames. The library's
+    `stream_reader` ends quietly at a frame cut short; this raises `ZstdTruncatedError`.
+    Compressed input is fed `ZSTD_FEED_BYTES` at a time, which bounds the output held at
+    once (zstd expands a byte to at most about 32 KiB)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        import zstandard
+
+        self._raw = raw
+        self._new = zstandard.ZstdDecompressor().decompressobj
+        self._decompressor = self._new()
+        self._in_frame = False  # bytes of an unfinished frame were fed
+        self._pending = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+        while not self._pending:
+            data = self._raw.read(ZSTD_FEED_BYTES)
+            if not data:
+                if self._in_frame:
+                    raise ZstdTruncatedError("the last zstd frame is incomplete (truncated file)")
+                return 0
+            while data:
+                self._in_frame = True
+                out = self._decompressor.decompress(data)
+                if out:
+                    self._pending = memoryview(bytes(self._pending) + out)
+                if not self._decompressor.eof:
+                    break
+                data = self._decompressor.unused_data  # the next frame starts here
+                self._decompressor, self._in_frame = self._new(), False
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+
+def _zstd_error() -> type[Exception]:
+    import zstandard
+
+    return zstandard.ZstdError
+
+
 @contextmanager
 def open_binary(path: Path) -> Iterator[tuple[BinaryIO, _CountingReader]]:
     """(the decompressed byte stream, the counter of raw bytes read) of a file."""
@@ -212,11 +298,7 @@ def open_binary(path: Path) -> Iterator[tuple[BinaryIO, _CountingReader]]:
         if kind == "gz":
             stream: BinaryIO = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
         elif kind == "zst":
-            import zstandard
-
-            stream = io.BufferedReader(  # type: ignore[assignment]
-                zstandard.ZstdDecompressor().stream_reader(raw), READ_BYTES
-            )
+            stream = io.BufferedReader(_ZstdReader(raw), READ_BYTES)  # type: ignore[assignment]
         else:
             stream = io.BufferedReader(raw, READ_BYTES)  # type: ignore[assignment]
         with stream:
@@ -226,10 +308,10 @@ def open_binary(path: Path) -> Iterator[tuple[BinaryIO, _CountingReader]]:
             f"cannot read '{path}': {exc}; the file is damaged or not {kind or 'readable'} "
             f"compressed data"
         ) from exc
-    except Exception as exc:
-        if type(exc).__module__.startswith("zstd"):
-            raise DataError(f"cannot decompress '{path}': {exc}; the file is damaged") from exc
-        raise
+    except _zstd_error() as exc:
+        raise DataError(
+            f"cannot decompress '{path}': {exc}; the file is damaged or not zstd data"
+        ) from exc
     finally:
         raw.close()
 
@@ -266,57 +348,126 @@ def check_utf8(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- documents
-def split_text(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
-    """`text` cut into pieces of about `piece_chars` characters, each cut at a `_CUT` place
-    (one piece when there is no such place)."""
-    if len(text) <= piece_chars:
+def _visible(text: str, i: int) -> bool:
+    return 0 <= i < len(text) and _VISIBLE.match(text, i) is not None
+
+
+def newline_cut(text: str, lo: int, hi: int) -> int | None:
+    """The last place in (lo, hi] to cut `text` at a line end (module docstring): after a
+    lone "\n" or between the "\r" and "\n" of a lone CRLF, between visible characters."""
+    end = min(hi, len(text) - 2) + 1  # a newline needs a character after it
+    while (p := text.rfind("\n", lo, end)) >= 0:
+        if _visible(text, p + 1):
+            if p < hi and _visible(text, p - 1):
+                return p + 1
+            if p > lo and text[p - 1] == "\r" and _visible(text, p - 2):
+                return p
+        end = p
+    return None
+
+
+def space_cut(text: str, lo: int, hi: int) -> int | None:
+    """The last place in (lo, hi] to cut `text`: right before a space between two visible
+    characters."""
+    end = min(hi, len(text) - 2) + 1
+    while (p := text.rfind(" ", lo + 1, end)) >= 0:
+        if _visible(text, p - 1) and _visible(text, p + 1):
+            return p
+        end = p
+    return None
+
+
+def split_text(text: str, cuts: str | None, piece_chars: int = PIECE_CHARS) -> list[str]:
+    """`text` cut into pieces of about `piece_chars` characters where `cuts` allows (module
+    docstring): at line ends, else before a space, else (`CUT_ANYWHERE`) anywhere; one piece
+    when `cuts` is None or there is no such place."""
+    if cuts is None or len(text) <= piece_chars:
         return [text]
     pieces: list[str] = []
     start = 0
     while len(text) - start > piece_chars:
         target = start + piece_chars
-        cut = max((m.end() for m in _CUT.finditer(text, start + 1, target + 1)), default=None)
-        if cut is None:  # none before the target: the first one after it
-            match = _CUT.search(text, target)
-            if match is None:
+        cut = newline_cut(text, start, target)
+        if cut is None:
+            cut = space_cut(text, start, target)
+        if cut is None and cuts == CUT_ANYWHERE:
+            cut = target
+        if cut is None:  # none up to the target: the first line end after it
+            cut = _first_newline_cut(text, target)
+            if cut is None:
                 break
-            cut = match.end()
         pieces.append(text[start:cut])
         start = cut
     pieces.append(text[start:])
     return pieces
 
 
-def document_pieces(text: str, consumed: int = 0) -> Iterator[Piece]:
+def _first_newline_cut(text: str, start: int) -> int | None:
+    p = start
+    while (p := text.find("\n", p)) >= 0:
+        cut = newline_cut(text, max(p - 1, 0), p + 1)
+        if cut is not None and cut > start:
+            return cut
+        p += 1
+    return None
+
+
+def document_pieces(text: str, cuts: str | None, consumed: int = 0) -> Iterator[Piece]:
     """One document given as a string, as pieces (`split_text`)."""
-    for i, part in enumerate(split_text(text)):
+    for i, part in enumerate(split_text(text, cuts)):
         yield Piece(part, i == 0, consumed if i == 0 else 0)
 
 
-def _text_file(path: Path) -> Iterator[Piece]:
-    """One document: the file's text, cut only at `_CUT` places."""
-    buffer = ""
+def _text_file(path: Path, cuts: str | None) -> Iterator[Piece]:
+    """One document: the file's text, streamed in pieces where `cuts` allows. Each read is
+    searched once for a line-end cut (with the three characters before it); a piece is
+    joined only when it is given out."""
+    parts: list[str] = []
+    size = 0  # characters in `parts`
+    latest: int | None = None  # the last line-end cut found in `parts`
+    tail = ""  # the last three characters of `parts`
     first = True
     pending = 0
-    scan_from = 1  # the buffer before this holds no cut
     for chunk, consumed in iter_utf8(path):
-        buffer += chunk
         pending += consumed
-        if len(buffer) < PIECE_CHARS:
+        if not chunk:
             continue
-        cut = max((m.end() for m in _CUT.finditer(buffer, scan_from)), default=0)
-        if cut == 0:  # no cut yet (one long line): read on; the last character may start one
-            scan_from = max(len(buffer) - 1, 1)
+        if cuts is not None:
+            window = tail + chunk
+            found = newline_cut(window, 0, len(window))
+            if found is not None and size - len(tail) + found > 0:
+                latest = max(latest or 0, size - len(tail) + found)
+            tail = window[-3:]
+        parts.append(chunk)
+        size += len(chunk)
+        if cuts is None or size < PIECE_CHARS:
             continue
+        cut = latest
+        if cut is None and size >= MAX_PIECE_CHARS:
+            buffer = "".join(parts)
+            parts = [buffer]
+            cut = space_cut(buffer, 0, size)
+            if cut is None and cuts == CUT_ANYWHERE:
+                cut = size
+            if cut is None:
+                raise DataError(
+                    f"'{path}' has {size:,} characters without a newline or a space between "
+                    f"visible characters, where the tokenizer's text may be cut: split the "
+                    f"text into lines or documents (.jsonl), or use the byte tokenizer"
+                )
+        if cut is None or cut == 0:
+            continue
+        buffer = "".join(parts)
         yield Piece(buffer[:cut], first, pending)
-        buffer, first, pending, scan_from = buffer[cut:], False, 0, 1
-    if buffer:
-        yield Piece(buffer, first, pending)
+        rest = buffer[cut:]
+        parts, size, latest, first, pending = [rest] if rest else [], len(rest), None, False, 0
+    if parts:
+        yield Piece("".join(parts), first, pending)
     elif pending and not first:
         yield Piece("", False, pending)
 
 
-def _json_lines(path: Path, text_field: str) -> Iterator[Piece]:
+def _json_lines(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece]:
     with open_binary(path) as (stream, counter):
         seen = 0
         for number, line in enumerate(stream, start=1):  # type: ignore[arg-type]
@@ -337,8 +488,7 @@ def _json_lines(path: Path, text_field: str) -> Iterator[Piece]:
             if not isinstance(record, dict) or text_field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                 raise DataError(
-                    f"{where} has no field '{text_field}' (it has {keys}); name the text "
-                    f"field with --text-field (data sources: the default 'text')"
+                    f"{where} has no field '{text_field}' (it has {keys}); {FIELD_HINT}"
                 )
             text = record[text_field]
             if text is None:
@@ -351,7 +501,7 @@ def _json_lines(path: Path, text_field: str) -> Iterator[Piece]:
                 raise binary_file_error(path, f"NUL character on line {number}")
             consumed, seen = counter.consumed - seen, counter.consumed
             if text:
-                yield from document_pieces(text, consumed)
+                yield from document_pieces(text, cuts, consumed)
         if counter.consumed > seen:
             yield Piece("", False, counter.consumed - seen)
 
@@ -362,8 +512,7 @@ def _string_column(batch, text_field: str, where: str) -> list[str | None]:  # t
     names = batch.schema.names
     if text_field not in names:
         raise DataError(
-            f"{where} has no column '{text_field}' (it has {names}); name the text column "
-            f"with --text-field"
+            f"{where} has no column '{text_field}' (it has {names}); {FIELD_HINT}"
         )
     column = batch.column(names.index(text_field))
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
@@ -371,7 +520,7 @@ def _string_column(batch, text_field: str, where: str) -> list[str | None]:  # t
     return column.to_pylist()
 
 
-def _parquet(path: Path, text_field: str) -> Iterator[Piece]:
+def _parquet(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -388,7 +537,7 @@ def _parquet(path: Path, text_field: str) -> Iterator[Piece]:
                 ):
                     for text in _string_column(batch, text_field, f"parquet file '{path}'"):
                         if text:
-                            yield from document_pieces(text)
+                            yield from document_pieces(text, cuts)
                 done = size * (group + 1) // groups
                 yield Piece("", False, done - reported)
                 reported = done
@@ -410,7 +559,7 @@ def contextlib_decompressed(path: Path) -> Iterator[Path]:
         yield local
 
 
-def _hf_dataset(path: Path, text_field: str) -> Iterator[Piece]:
+def _hf_dataset(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece]:
     try:
         import datasets
     except ImportError:
@@ -432,7 +581,7 @@ def _hf_dataset(path: Path, text_field: str) -> Iterator[Piece]:
     if text_field not in loaded.column_names:
         raise DataError(
             f"saved dataset '{path}' has no column '{text_field}' (it has "
-            f"{loaded.column_names}); name the text column with --text-field"
+            f"{loaded.column_names}); {FIELD_HINT}"
         )
     for rows in loaded.select_columns([text_field]).iter(batch_size=PARQUET_BATCH_ROWS):
         for text in rows[text_field]:
@@ -442,40 +591,34 @@ def _hf_dataset(path: Path, text_field: str) -> Iterator[Piece]:
                     f"{type(text).__name__}, not strings"
                 )
             if text:
-                yield from document_pieces(text, 0)
+                yield from document_pieces(text, cuts)
 
 
-def read_pieces(path: Path, text_field: str = TEXT_FIELD) -> Iterator[Piece]:
-    """The documents of one file (or saved dataset), as pieces."""
+def read_pieces(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece]:
+    """The documents of one file (or saved dataset), as pieces cut where `cuts` allows (a
+    tokenizer's `piece_cuts`)."""
     if path.is_dir():
-        return _hf_dataset(path, text_field)
+        return _hf_dataset(path, text_field, cuts)
     suffix = format_suffix(path)
     if suffix in JSON_LINES_SUFFIXES:
-        return _json_lines(path, text_field)
+        return _json_lines(path, text_field, cuts)
     if suffix in PARQUET_SUFFIXES:
-        return _parquet(path, text_field)
-    return _text_file(path)
-
-
-def iter_pieces(
-    sources: list[str | os.PathLike[str]], text_field: str = TEXT_FIELD
-) -> Iterator[Piece]:
-    """The documents of every source in order, as pieces."""
-    for path in expand_sources(sources):
-        yield from read_pieces(path, text_field)
+        return _parquet(path, text_field, cuts)
+    return _text_file(path, cuts)
 
 
 def iter_documents(
     sources: list[str | os.PathLike[str]], text_field: str = TEXT_FIELD
 ) -> Iterator[str]:
     """The documents of every source in order, whole (for tests and small corpora; use
-    `iter_pieces` to stay within bounded memory)."""
+    `read_pieces` to stay within bounded memory)."""
     parts: list[str] = []
-    for piece in iter_pieces(sources, text_field):
-        if piece.starts_document and parts:
-            yield "".join(parts)
-            parts = []
-        if piece.text:
-            parts.append(piece.text)
+    for path in expand_sources(sources):
+        for piece in read_pieces(path, text_field, CUT_ANYWHERE):
+            if piece.starts_document and parts:
+                yield "".join(parts)
+                parts = []
+            if piece.text:
+                parts.append(piece.text)
     if parts:
         yield "".join(parts)

@@ -14,15 +14,17 @@ Layout of DIR (one home for it: this module):
 
 Documents are concatenated in order. A tokenizer with an end-of-document id gets it after
 each document; the byte tokenizer has none, and a newline goes between documents instead (as
-between the files of a directory source). `doc_starts` mark each document's first token.
+between the files of a directory source). `doc_starts` mark each document's first token;
+a document that encodes to no ids is left out (no start, no end-of-document id). A tokenizer
+with neither an end-of-document id nor ids for "\n" is refused.
 Text bytes of a split are the UTF-8 bytes its tokens decode to (separators included, EOT 0).
 
 Validation (`val_fraction` F): document i > 0 goes to validation when a keyed hash of i is
 below F (so about F of the documents, spread over the corpus, the same ones every time;
 decided while streaming, so `--train-tokenizer` trains on the training documents only). The
-first document always trains. When that picks no document (a corpus of one or a few
-documents), validation is instead the last F of the training tokens, the cut
-`TokenData.split` makes (`validation_cut`) - then a trained tokenizer has seen that text.
+first document always trains. When the hash picks no document, validation is instead the
+last F of the training tokens, the cut `TokenData.split` makes (`validation_cut`) - then a
+trained tokenizer has seen that text.
 Explicit `val_sources` replace the fraction.
 
 The writer streams: pieces of documents are tokenized in batches (`encode_batch`, on the
@@ -50,6 +52,7 @@ from bdh_train import checks
 from bdh_train.data import formats
 from bdh_train.data.sources import (
     TOKEN_DTYPES,
+    VAL_FRACTION,
     TokenData,
     split_doc_starts,
     token_dtype_for,
@@ -57,9 +60,11 @@ from bdh_train.data.sources import (
 )
 from bdh_train.data.tokenizer import (
     BYTES,
+    EOT_NAMES,
     TOKENIZER_FILE,
     ByteTokenizer,
     Tokenizer,
+    piece_cuts,
     train_bpe,
 )
 from bdh_train.errors import DataError
@@ -86,9 +91,26 @@ def index_file(split: str) -> str:
     return f"{split}.idx.npy"
 
 
+def layout_names() -> frozenset[str]:
+    """The names a prepared corpus directory holds (and nothing else)."""
+    return frozenset(
+        [META_FILE, TOKENIZER_FILE]
+        + [name for split in SPLITS for name in (tokens_file(split), index_file(split))]
+    )
+
+
 def is_prepared(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a prepared corpus directory (it holds a meta.json)."""
-    return (Path(path) / META_FILE).is_file()
+    """Whether `path` is a prepared corpus directory: its meta.json parses as JSON naming
+    `FORMAT_NAME` (any version; `read_meta` checks the rest). A directory that merely holds
+    some other meta.json is not one."""
+    meta = Path(path) / META_FILE
+    try:
+        if not meta.is_file() or meta.stat().st_size > META_MAX_BYTES:
+            return False
+        parsed = json.loads(meta.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(parsed, dict) and parsed.get("format") == FORMAT_NAME
 
 
 def in_validation(index: int, val_fraction: float) -> bool:
@@ -112,7 +134,9 @@ def encode_texts(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]
 
 class SplitWriter:
     """One split's token stream, written as documents arrive: the separator rule of the
-    module docstring, the document starts, and the token and text byte counts."""
+    module docstring, the document starts, and the token and text byte counts. A document
+    starts at its first token: one whose text encodes to no ids is no document (no start,
+    no end-of-document id), so every recorded start is below the token count."""
 
     def __init__(
         self, tokenizer: Tokenizer, dtype: str, tokens: BinaryIO, index: BinaryIO
@@ -124,8 +148,16 @@ class SplitWriter:
         self._between = (
             None if self.eot_id is not None else encode_texts(tokenizer, ["\n"])[0]
         )
+        if self._between is not None and self._between.size == 0:
+            raise DataError(
+                f"tokenizer {getattr(tokenizer, 'source', tokenizer.kind)} has no "
+                f"end-of-document token ({', '.join(EOT_NAMES)}) and encodes a newline to "
+                f"nothing, so documents would run together: add one of those special tokens "
+                f"to it, or use a tokenizer that keeps newlines"
+            )
         self.n_tokens = self.n_documents = self.text_bytes = 0
-        self._open = False
+        self._open = False  # a document has tokens and is not yet ended
+        self._starting = False  # a document began and has no tokens yet
 
     def _write(self, ids: np.ndarray) -> None:
         if ids.size:
@@ -135,21 +167,25 @@ class SplitWriter:
 
     def begin_document(self) -> None:
         self._end_document()
-        if self._between is not None and self.n_documents:
-            self._write(self._between)
-        self._index.write(np.array([self.n_tokens], dtype=INDEX_DTYPE).tobytes())
-        self.n_documents += 1
-        self._open = True
+        self._starting = True
 
     def add(self, ids: np.ndarray) -> None:
-        if not self._open:
+        if not (self._open or self._starting):
             raise AssertionError("SplitWriter.add before begin_document")
+        if not ids.size:
+            return
+        if self._starting:
+            if self._between is not None and self.n_documents:
+                self._write(self._between)
+            self._index.write(np.array([self.n_tokens], dtype=INDEX_DTYPE).tobytes())
+            self.n_documents += 1
+            self._open, self._starting = True, False
         self._write(ids)
 
     def _end_document(self) -> None:
         if self._open and self.eot_id is not None:
             self._write(np.array([self.eot_id], dtype=np.int64))
-        self._open = False
+        self._open = self._starting = False
 
     def close(self) -> None:
         self._end_document()
@@ -306,12 +342,23 @@ def _check_output(out: Path, force: bool) -> None:
             f"output '{out}' already exists; pass --force to replace it (or choose another "
             f"--out)"
         )
-    if out.is_dir() and (is_prepared(out) or not any(out.iterdir())):
-        return
+    if out.is_dir() and not out.is_symlink():
+        names = {entry.name for entry in out.iterdir()}
+        if not names:
+            return
+        foreign = sorted(names - layout_names())
+        if is_prepared(out) and not foreign:
+            return
+        why = (
+            f"it also holds {', '.join(map(repr, foreign[:3]))}" if is_prepared(out) and foreign
+            else f"its {META_FILE} is not a {FORMAT_NAME}'s" if META_FILE in names
+            else f"no {META_FILE}"
+        )
+    else:
+        why = "a symbolic link" if out.is_symlink() else "not a directory"
     raise DataError(
-        f"output '{out}' exists and is not a prepared corpus (no {META_FILE}); --force replaces "
-        f"only a prepared corpus or an empty directory: remove it yourself or choose another "
-        f"--out"
+        f"output '{out}' exists and is not a prepared corpus ({why}); --force replaces only a "
+        f"prepared corpus or an empty directory: remove it yourself or choose another --out"
     )
 
 
@@ -342,7 +389,7 @@ def prepare_corpus(
     *,
     tokenizer: Tokenizer | None = None,
     train_bpe_vocab: int | None = None,
-    val_fraction: float = 0.1,
+    val_fraction: float = VAL_FRACTION,
     val_sources: Sequence[str | os.PathLike[str]] | None = None,
     text_field: str = formats.TEXT_FIELD,
     force: bool = False,
@@ -360,8 +407,6 @@ def prepare_corpus(
     if not sources:
         raise DataError("prepare needs at least one source")
     checks.number("val_fraction", val_fraction, low=0.0, high=1.0)
-    if val_fraction >= 1:
-        raise DataError(f"val_fraction must be below 1 (some data must train), got {val_fraction}")
     if tokenizer is not None and train_bpe_vocab is not None:
         raise DataError("give a tokenizer or a BPE vocabulary size to train, not both")
     _check_output(out, force)
@@ -404,10 +449,11 @@ def prepare_corpus(
 
 
 def _training_texts(files: list[Path], text_field: str, val_fraction: float) -> Iterator[str]:
-    """The text pieces of the training documents (those `in_validation` leaves out)."""
+    """The text pieces of the training documents (those `in_validation` leaves out), cut
+    only where `train_bpe`'s pre-tokenizer has a boundary, so it counts the same words."""
     index, keep = -1, True
     for path in files:
-        for piece in formats.read_pieces(path, text_field):
+        for piece in formats.read_pieces(path, text_field, formats.CUT_AT_WHITESPACE):
             if piece.starts_document:
                 index += 1
                 keep = not in_validation(index, val_fraction)
@@ -424,9 +470,11 @@ def _write_corpus(
     val = _open_split(tmp, "val", tokenizer, dtype)
     bar = _Progress(total, progress)
     try:
+        cuts = piece_cuts(tokenizer)
+
         def pieces(paths: list[Path]) -> Iterator[formats.Piece]:
             for path in paths:
-                yield from formats.read_pieces(path, text_field)
+                yield from formats.read_pieces(path, text_field, cuts)
 
         write_pieces(
             pieces(files), tokenizer,
@@ -468,12 +516,22 @@ def _write_corpus(
 
 def _replace(tmp: Path, out: Path) -> None:
     """Rename the finished directory into place; an existing `out` (allowed by --force) is
-    moved aside first and deleted after."""
+    moved aside first, deleted after, and moved back when the rename fails."""
     old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-        os.replace(out, old / out.name)
-    os.replace(tmp, out)
+    try:
+        if out.exists() or out.is_symlink():
+            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+            os.replace(out, old / out.name)
+        os.replace(tmp, out)
+    except OSError as exc:
+        if old is not None:
+            if (old / out.name).exists() or (old / out.name).is_symlink():
+                os.replace(old / out.name, out)
+            old.rmdir()
+        raise DataError(
+            f"cannot move the prepared corpus into '{out}': {exc.strerror or exc}"
+            + ("; the previous one is left in place" if old is not None else "")
+        ) from exc
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -20,11 +20,13 @@ import numpy as np
 from bdh_train import checks
 from bdh_train.data import formats
 from bdh_train.data.formats import TEXT_FIELD
-from bdh_train.data.tokenizer import BYTES, ByteTokenizer, Tokenizer
+from bdh_train.data.tokenizer import BYTES, ByteTokenizer, Tokenizer, piece_cuts
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.utils import atomic_write, suggest
 
 BUILTIN_PREFIX = "builtin:"
+VAL_FRACTION = 0.1
+"""The default share held out for validation (`data.val_fraction`, `bdh-train prepare`)."""
 TOKEN_DTYPES = ("uint16", "uint32")
 """dtypes a `.bin` token file may hold (named in its JSON header)."""
 _SCAN_CHUNK = 1 << 22
@@ -232,7 +234,8 @@ def load_tokens(
             from bdh_train.data import prepared
 
             data = prepared.encode_in_memory(
-                formats.document_pieces(text), tokenizer, f"'{name}'", vocab_size
+                formats.document_pieces(text, piece_cuts(tokenizer)), tokenizer, f"'{name}'",
+                vocab_size,
             )
     else:
         data = _from_path(Path(name).expanduser(), vocab_size, name, tokenizer, bin_dtype,
@@ -269,8 +272,10 @@ def load_splits(
         source not in (generators or {}) and not source.startswith(BUILTIN_PREFIX)
         and prepared.is_prepared(path)
     ):
-        train, val = prepared.load_prepared(path, vocab_size, tokenizer=tokenizer)
-        if val_source is not None:
+        if val_source is None:
+            train, val = prepared.load_prepared(path, vocab_size, tokenizer=tokenizer)
+        else:  # the prepared validation split is not used: not loaded
+            train = prepared.load_prepared_split(path, "train", vocab_size, tokenizer)
             val = None
     else:
         train = load_tokens(source, vocab_size, generators, **options)  # type: ignore[arg-type]
@@ -319,13 +324,7 @@ def _from_path(
     if path.suffix == ".bin":
         return _from_bin(path, vocab_size, bin_dtype, tokenizer)
     if path.is_dir() and not formats.is_hf_dataset(path):
-        files = formats.list_files(path)
-        if not files:
-            raise DataError(
-                f"data directory '{path}' contains no .txt files (nor .jsonl, .json, .parquet, "
-                f"or .gz/.zst of them); put UTF-8 text files named *.txt in it or point "
-                f"data.source at a single file"
-            )
+        files = formats.corpus_files(path)
         if tokenizer.kind == BYTES and all(_is_plain_text(p) for p in files):
             return _from_directory(path, files, vocab_size)
         what = f"'{path}' ({len(files)} files)"
@@ -334,7 +333,8 @@ def _from_path(
         if tokenizer.kind == BYTES and _is_plain_text(path):
             return _from_text_file(path, vocab_size)
         what = f"'{path}'"
-    pieces = (piece for p in files for piece in formats.read_pieces(p, text_field))
+    cuts = piece_cuts(tokenizer)
+    pieces = (piece for p in files for piece in formats.read_pieces(p, text_field, cuts))
     return prepared.encode_in_memory(pieces, tokenizer, what, vocab_size)
 
 
@@ -440,6 +440,17 @@ def read_header(path: Path) -> dict[str, object]:
     return header
 
 
+def is_prepared_split(path: Path) -> bool:
+    """Whether token file `path` is a split of the prepared corpus it sits in (`DIR/val.bin`
+    without a `.json` header of its own)."""
+    from bdh_train.data import prepared
+
+    return (
+        path.suffix == ".bin" and path.stem in prepared.SPLITS
+        and not header_path(path).exists() and prepared.is_prepared(path.parent)
+    )
+
+
 def _from_bin(
     path: Path, vocab_size: int, bin_dtype: str | None, tokenizer: Tokenizer
 ) -> TokenData:
@@ -447,9 +458,7 @@ def _from_bin(
     or headerless (nanoGPT style) with `bin_dtype` (ids checked against vocab_size)."""
     from bdh_train.data import prepared
 
-    if not header_path(path).exists() and path.stem in prepared.SPLITS and (
-        prepared.is_prepared(path.parent)
-    ):
+    if is_prepared_split(path):
         return prepared.load_prepared_split(path.parent, path.stem, vocab_size, tokenizer)
     if header_path(path).exists() or bin_dtype is None:
         header = read_header(path)

@@ -10,6 +10,7 @@ itself into a directory (`save`) so a run carries the tokenizer it was trained w
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from functools import cache
@@ -19,6 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from bdh_train.data.formats import CUT_ANYWHERE, CUT_AT_WHITESPACE
 from bdh_train.errors import DataError
 from bdh_train.utils import atomic_write
 
@@ -237,6 +239,33 @@ class HFTokenizer:
         with atomic_write(path, "w") as fh:
             fh.write(self.to_json())
         return path
+
+
+def piece_cuts(tokenizer: Tokenizer) -> str | None:
+    """Where `tokenizer` lets a long document be cut into pieces that encode, one by one, to
+    the ids of the whole (`formats` module docstring): anywhere for the byte tokenizer; at the
+    whitespace places for a Hugging Face tokenizer whose only text processing is a GPT-2 style
+    ByteLevel pre-tokenizer (regex on, no prefix space, no normalizer) and whose added tokens
+    hold no whitespace and strip none (as `train_bpe` makes); None (whole documents) for any
+    other, whose ids may depend on where a piece starts or ends."""
+    if tokenizer.kind == BYTES:
+        return CUT_ANYWHERE
+    if not isinstance(tokenizer, HFTokenizer):
+        return None
+    spec = json.loads(tokenizer.to_json())
+    pre = spec.get("pre_tokenizer") or {}
+    plain_byte_level = (
+        spec.get("normalizer") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("add_prefix_space") is False
+        and pre.get("use_regex", True) is True
+    )
+    added_safe = all(
+        not any(c.isspace() for c in added.get("content", " "))
+        and not added.get("lstrip") and not added.get("rstrip")
+        for added in spec.get("added_tokens") or []
+    )
+    return CUT_AT_WHITESPACE if plain_byte_level and added_safe else None
 
 
 def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:

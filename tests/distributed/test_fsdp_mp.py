@@ -1,8 +1,9 @@
 """Sharded data parallel (parallel.shard = 'fsdp', FSDP2 over 2 gloo processes): 6 steps
 with accumulation 2 equal one unsharded process (random windows, and streaming TBPTT with two
-backward calls per micro-step); a run stopped mid-window resumes on the same 2 processes; a
-DCP checkpoint written shard by shard by 2 processes resumes on 1 and continues as the
-uninterrupted run; the settings FSDP does not take are refused."""
+backward calls per micro-step), each run stopped once and resumed on the same 2 processes (at
+a step boundary; one micro-step into a window); a DCP checkpoint written shard by shard by 2
+processes resumes on 1 and continues as the uninterrupted run; an unsharded checkpoint and
+the settings FSDP does not take are refused."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from helpers import (
     STREAMING_TBPTT_SETTINGS,
     assert_close,
@@ -60,17 +62,26 @@ def _train(run_dir: Path, overrides: list[str], rank: int = 0, world: int = 1,
     return trainer
 
 
+STOPS = {"random-windows": STOP_AT_STEP * 2, "streaming-tbptt": 2 * 2 + 1}
+"""Micro-steps before each mode's stop: a step boundary; one micro-step into step 3."""
+
+
 def _two_processes(rank: int, world: int, base: str) -> None:
-    """Every mode sharded: uninterrupted; stopped at a step boundary; stopped one micro-step
-    into a window and resumed here on the same 2 processes."""
+    """Every mode sharded, stopped and resumed on the same 2 processes; the step-boundary
+    checkpoint is also copied aside (for the 1-process resume)."""
     for mode, overrides in MODES.items():
-        trainer = _train(Path(base, mode, "whole"), [*overrides, *FSDP], rank, world)
+        run = Path(base, mode, "sharded")
+        trainer = _train(run, [*overrides, *FSDP], rank, world, stop_after=STOPS[mode])
         assert trainer.sharded
-        _train(Path(base, mode, "split"), [*overrides, *FSDP], rank, world,
-               stop_after=STOP_AT_STEP * 2)
-        mid = Path(base, mode, "mid-window")
-        _train(mid, [*overrides, *FSDP], rank, world, stop_after=2 * 2 + 1)
-        _train(mid, [*overrides, *FSDP], rank, world, resume=True)
+        if rank == 0 and STOPS[mode] % 2 == 0:
+            shutil.copytree(run, Path(base, mode, "on-1"))
+        dist.barrier()
+        _train(run, [*overrides, *FSDP], rank, world, resume=True)
+    unsharded = Path(base, "unsharded")
+    _train(unsharded, [*BASE, "training.max_steps=1", "training.eval_every=0"], rank, world)
+    with pytest.raises(CheckpointError, match="without parallel.shard='fsdp'"):
+        Trainer(load_config(overrides=[*BASE, *FSDP]), unsharded, resume=True,
+                dist_ctx=DistContext(rank, world, rank), stream=io.StringIO())
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -81,19 +92,24 @@ def _losses(run_dir: Path) -> list[float]:
 @pytest.mark.timeout(240)
 def test_fsdp_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_path):
     run_multiprocess(_two_processes, tmp_path / "group2", str(tmp_path), world=2, timeout=200)
+    on_one = tmp_path / "random-windows" / "on-1"
+    checkpoint = ckpt.resolve_checkpoint(on_one)
+    assert checkpoint.name == f"step-{STOP_AT_STEP:07d}"
+    shards = sorted(p.name for p in (checkpoint / ckpt.SHARDED_DIR).iterdir())
+    assert "__0_0.distcp" in shards and "__1_0.distcp" in shards  # each rank wrote its own
+    _train(on_one, [*MODES["random-windows"], *FSDP], resume=True)
+    # One process holds the whole model but still writes the sharded layout (DCP + weights).
+    final = ckpt.resolve_checkpoint(on_one)
+    assert (final / ckpt.SHARDED_DIR / ".metadata").is_file()
+    assert not (final / "optimizer.pt").exists()
+    with pytest.raises(CheckpointError, match="does not match its SHA-256"):
+        ckpt.verify_checkpoint(_damaged_copy(final, tmp_path / "damaged"))
     for mode, overrides in MODES.items():
-        split = tmp_path / mode / "split"
-        checkpoint = ckpt.resolve_checkpoint(split)
-        assert checkpoint.name == f"step-{STOP_AT_STEP:07d}"
-        shards = sorted(p.name for p in (checkpoint / ckpt.SHARDED_DIR).iterdir())
-        assert "__0_0.distcp" in shards and "__1_0.distcp" in shards  # each rank wrote its own
-        shutil.copytree(split, tmp_path / mode / "on-1")
-        _train(tmp_path / mode / "on-1", [*overrides, *FSDP], resume=True)
         _train(tmp_path / mode / "reference", overrides)
         reference = tmp_path / mode / "reference"
         expected_weights, expected_losses = checkpoint_weights(reference), _losses(reference)
         assert len(expected_losses) == 6
-        for run in ("whole", "mid-window", "on-1"):
+        for run in ("sharded", "on-1") if mode == "random-windows" else ("sharded",):
             weights = checkpoint_weights(tmp_path / mode / run)
             assert weights.keys() == expected_weights.keys()
             for name, value in expected_weights.items():
@@ -111,23 +127,6 @@ def test_fsdp_refuses_a_pipeline_compile_and_the_detail_profiler():
         load_config(overrides=[*BASE, *FSDP, "training.profile=detail"]).validate()
     with pytest.raises(ConfigError, match=r"parallel.shard"):
         load_config(overrides=[*BASE, "parallel.shard=zero3"]).validate()
-
-
-def test_a_one_process_fsdp_run_writes_dcp_shards_and_resumes_from_them(tmp_path):
-    """One process holds the whole model (nothing to shard) but writes the sharded layout,
-    so the run resumes on any number of sharded processes; an unsharded checkpoint is
-    refused by a sharded trainer with a message (checked in the multi-process test)."""
-    overrides = [*BASE, *FSDP, "training.max_steps=2", "training.eval_every=0"]
-    _train(tmp_path / "run", overrides, stop_after=2)
-    checkpoint = ckpt.resolve_checkpoint(tmp_path / "run")
-    assert (checkpoint / ckpt.SHARDED_DIR / ".metadata").is_file()
-    assert not (checkpoint / "optimizer.pt").exists()
-    _train(tmp_path / "run", overrides, resume=True)
-    _train(tmp_path / "reference", [*BASE, "training.max_steps=2", "training.eval_every=0"])
-    for name, value in checkpoint_weights(tmp_path / "reference").items():
-        assert_close(checkpoint_weights(tmp_path / "run")[name], value, rtol=1e-5, msg=name)
-    with pytest.raises(CheckpointError):
-        ckpt.verify_checkpoint(_damaged_copy(checkpoint, tmp_path / "damaged"))
 
 
 def _damaged_copy(checkpoint: Path, where: Path) -> Path:

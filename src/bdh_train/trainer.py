@@ -46,7 +46,7 @@ from bdh_train.train.metrics import (
     plot_losses,
 )
 from bdh_train.train.profile import ProfileSettings, StepProfile, StepProfiler, profile_row
-from bdh_train.train.reduce import all_reduce_accumulated, all_reduce_sums
+from bdh_train.train.reduce import accumulate_sharded, all_reduce_accumulated, all_reduce_sums
 from bdh_train.train.run_dir import RunDirLock, check_fresh_run_dir, clear_run_dir
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.step import LanguageTrainModel, StepExecutor
@@ -620,23 +620,13 @@ class Trainer:
         s.micro += 1
 
     def _sharded_gradients(self, batch: SequenceBatch) -> StepOutput:
-        """One micro-batch of a sharded run, exactly token-weighted.
-
-        FSDP reduce-scatters (sums) the gradients inside every backward, so each rank's
-        loss must already carry its final weight: one SUM all-reduce of the micro-batch's
-        counted targets gives the global count G, every rank back-propagates its loss SUM / G
-        (all its TBPTT windows), and the summed shard is this rank's part of the gradient of
-        the micro-batch's global mean loss, whatever the ranks' own counts. The accumulator
-        adds these shards with weight G and `finish_mean` divides by the window's total:
-        the single-process token-weighted window gradient, with no further reduction."""
-        s, dp = self.state, self.data_parallel
+        """A sharded micro-batch (`accumulate_sharded`: the loss sum over the micro-batch's
+        global count of targets, reduce-scattered in the backward)."""
         assert isinstance(self.executor, LanguageTrainModel)
-        counted = self.executor.counted_targets(batch)
-        (global_count,) = all_reduce_sums([counted], dp.group)
-        normalizer = max(global_count, 1.0)
-        out = self.executor.compute_gradients(batch, normalizer=normalizer)
-        self.accumulator.accumulate_mean(fsdp.local_gradients(self.model), weight=global_count)
-        s.window_loss += float(out.loss) * normalizer  # this rank's loss sum
+        out, loss_sum = accumulate_sharded(
+            self.executor, batch, self.accumulator, self.data_parallel.group
+        )
+        self.state.window_loss += loss_sum
         return out
 
     def _reduce_window(self) -> tuple[dict[str, torch.Tensor], float, float]:

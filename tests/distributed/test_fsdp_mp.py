@@ -1,5 +1,6 @@
-"""Sharded data parallel (parallel.shard = 'fsdp', FSDP2 over 2 gloo processes): 6 steps
-with accumulation 2 equal one unsharded process (random windows, and streaming TBPTT with two
+"""Sharded data parallel (parallel.shard = 'fsdp', FSDP2 over 2 gloo processes): the window
+gradient of ranks with unequal target counts equals one process; 6 steps with accumulation 2
+equal one unsharded process (random windows with BitNet QAT, and streaming TBPTT with two
 backward calls per micro-step), each run stopped once and resumed on the same 2 processes (at
 a step boundary; one micro-step into a window); a DCP checkpoint written shard by shard by 2
 processes resumes on 1 and continues as the uninterrupted run; an unsharded checkpoint and
@@ -12,19 +13,26 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from helpers import (
     STREAMING_TBPTT_SETTINGS,
     assert_close,
     checkpoint_weights,
     run_multiprocess,
+    tiny_model,
 )
 
+from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.config import load_config
+from bdh_train.distributed import fsdp
 from bdh_train.distributed.env import DistContext
 from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.train import checkpoint as ckpt
+from bdh_train.train.accumulate import WeightedGradientAccumulator
 from bdh_train.train.metrics import read_metrics
+from bdh_train.train.reduce import accumulate_sharded
+from bdh_train.train.step import LanguageTrainModel
 from bdh_train.trainer import Trainer
 
 BASE = [
@@ -43,8 +51,9 @@ BASE = [
     "training.gradient_accumulation_steps=2",
     "optimizer.grad_clip_norm=0.5",
 ]
+QAT = ["model.quant.enable=true", "model.quant.warmup_steps=3"]
 MODES = {
-    "random-windows": BASE,
+    "random-windows": [*BASE, *QAT],
     "streaming-tbptt": [*BASE, *STREAMING_TBPTT_SETTINGS],
 }
 FSDP = ["parallel.shard=fsdp"]
@@ -66,9 +75,52 @@ STOPS = {"random-windows": STOP_AT_STEP * 2, "streaming-tbptt": 2 * 2 + 1}
 """Micro-steps before each mode's stop: a step boundary; one micro-step into step 3."""
 
 
-def _two_processes(rank: int, world: int, base: str) -> None:
-    """Every mode sharded, stopped and resumed on the same 2 processes; the step-boundary
-    checkpoint is also copied aside (for the 1-process resume)."""
+ROWS, BLOCK = 4, 6  # the global micro-batches of the window test; each rank takes 2 rows
+
+
+def _micro_batches() -> list[SequenceBatch]:
+    """Two global micro-batches whose ranks count different numbers of targets (rank 1's
+    rows have most of theirs ignored in the second)."""
+    out = []
+    for micro in range(2):
+        gen = torch.Generator().manual_seed(10 + micro)
+        inputs = torch.randint(0, 32, (ROWS, BLOCK), generator=gen)
+        targets = torch.randint(0, 32, (ROWS, BLOCK), generator=gen)
+        targets[0, :2] = IGNORE_INDEX
+        if micro:
+            targets[2:, 1:] = IGNORE_INDEX
+        out.append(SequenceBatch(inputs, targets))
+    return out
+
+
+def _window_gradients(step: LanguageTrainModel, rows: slice, group_rank: int | None):
+    """The accumulated window gradient of the two micro-batches' `rows` (TBPTT chunks of 4:
+    two backward calls per micro-batch): sharded when `group_rank` is set, whole otherwise."""
+    model = step.model
+    params = fsdp.local_parameters(model) if group_rank is not None else model
+    accumulator = WeightedGradientAccumulator(params, torch.float32)
+    for batch in _micro_batches():
+        mine = SequenceBatch(batch.inputs[rows], batch.targets[rows])
+        model.zero_grad(set_to_none=True)
+        if group_rank is None:
+            out = step.compute_gradients(mine)
+            accumulator.accumulate_mean(None, weight=out.counted)
+        else:
+            accumulate_sharded(step, mine, accumulator)
+    grads = accumulator.finish_mean().gradients
+    if group_rank is None:
+        return grads
+    fsdp.write_local_gradients(grads, model)
+    return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+
+
+def _two_processes(rank: int, world: int, base: str) -> dict[str, torch.Tensor]:
+    """The sharded window gradient of micro-batches with unequal counts per rank; every mode
+    sharded, stopped and resumed on the same 2 processes; the step-boundary checkpoint is
+    also copied aside (for the 1-process resume)."""
+    model = fsdp.shard_model(tiny_model(seed=1), DistContext(rank, world, rank), "cpu")
+    step = LanguageTrainModel(model, tbptt_chunk_size=4)
+    gradients = _window_gradients(step, slice(2 * rank, 2 * rank + 2), rank)
     for mode, overrides in MODES.items():
         run = Path(base, mode, "sharded")
         trainer = _train(run, [*overrides, *FSDP], rank, world, stop_after=STOPS[mode])
@@ -82,16 +134,22 @@ def _two_processes(rank: int, world: int, base: str) -> None:
     with pytest.raises(CheckpointError, match="without parallel.shard='fsdp'"):
         Trainer(load_config(overrides=[*BASE, *FSDP]), unsharded, resume=True,
                 dist_ctx=DistContext(rank, world, rank), stream=io.StringIO())
+    return gradients
 
 
-def _losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+def _metric(run_dir: Path, key: str) -> list[float]:
+    return [r[key] for r in read_metrics(run_dir / "metrics.jsonl") if key in r]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_fsdp_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_path):
-    run_multiprocess(_two_processes, tmp_path / "group2", str(tmp_path), world=2, timeout=200)
+    gradients = run_multiprocess(
+        _two_processes, tmp_path / "group2", str(tmp_path), world=2, timeout=200
+    )
+    expected = _window_gradients(LanguageTrainModel(tiny_model(seed=1), 4), slice(0, ROWS), None)
+    for rank_gradients in gradients:
+        assert_close(rank_gradients, expected, rtol=1e-5, msg="unequal counts")
     on_one = tmp_path / "random-windows" / "on-1"
     checkpoint = ckpt.resolve_checkpoint(on_one)
     assert checkpoint.name == f"step-{STOP_AT_STEP:07d}"
@@ -107,15 +165,18 @@ def test_fsdp_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_p
     for mode, overrides in MODES.items():
         _train(tmp_path / mode / "reference", overrides)
         reference = tmp_path / mode / "reference"
-        expected_weights, expected_losses = checkpoint_weights(reference), _losses(reference)
-        assert len(expected_losses) == 6
+        expected_weights = checkpoint_weights(reference)
+        assert len(_metric(reference, "loss")) == 6
         for run in ("sharded", "on-1") if mode == "random-windows" else ("sharded",):
             weights = checkpoint_weights(tmp_path / mode / run)
             assert weights.keys() == expected_weights.keys()
             for name, value in expected_weights.items():
                 assert_close(weights[name], value, rtol=1e-5, msg=f"{mode} {run} {name}")
-            losses = _losses(tmp_path / mode / run)
-            assert_close(losses, expected_losses, rtol=1e-5, msg=f"{mode} {run} losses")
+            for key in ("loss", "grad_norm", "val_loss"):
+                assert_close(
+                    _metric(tmp_path / mode / run, key), _metric(reference, key), rtol=1e-5,
+                    msg=f"{mode} {run} {key}",
+                )
 
 
 def test_fsdp_refuses_a_pipeline_compile_and_the_detail_profiler():

@@ -1,15 +1,16 @@
 """Sharded data parallel: the model under FSDP2 (`torch.distributed.fsdp.fully_shard`).
 
 BDH applies ONE set of layer weights n_layer times, so the whole model is one FSDP unit: its
-parameters are gathered once per forward call and stay gathered through the backward (FSDP2
-does not reshard its root after forward), then the gradients are reduce-scattered and every
-rank keeps its dim-0 shard of the parameters, their gradients and the optimizer state.
+parameters are gathered once per backward window (the forward calls before one backward:
+one, or a TBPTT window's chunks) and stay gathered through that backward, then the gradients
+are reduce-scattered and every rank keeps its shard (along each parameter's longest
+dimension) of the parameters, their gradients and the optimizer state.
 
 The train step calls `forward_hidden` and `loss_from_hidden` rather than `forward`; both are
 registered as FSDP forward methods, so each call gets FSDP's gather and backward hooks. Every
 backward (one per TBPTT window) reduce-scatters; the reduction SUMS (gradient divide factor
 1, sum-only collectives, which gloo needs: it has no PREMUL_SUM), so the caller decides the
-loss normalisation (see `Trainer._micro_step`: the micro-batch's loss sum over its global
+loss normalisation (`Trainer._sharded_gradients`: the micro-batch's loss sum over its global
 count of targets).
 """
 
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from bdh_train.distributed.env import DistContext
 
@@ -36,7 +37,11 @@ def shard_model(model: nn.Module, data_parallel: DistContext, device_type: str) 
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     mesh = init_device_mesh(device_type, (data_parallel.world_size,), mesh_dim_names=("dp",))
-    fully_shard(model, mesh=mesh)
+    # One unit, kept whole from its forward through its backward (all TBPTT chunks of a
+    # backward window share one gather), resharded after each backward.
+    fully_shard(
+        model, mesh=mesh, reshard_after_forward=False, shard_placement_fn=_largest_dimension
+    )
     for name in FORWARD_METHODS:
         register_fsdp_forward_method(model, name)
     model.set_gradient_divide_factor(1.0)  # type: ignore[operator]
@@ -44,6 +49,15 @@ def shard_model(model: nn.Module, data_parallel: DistContext, device_type: str) 
     # FSDP warns that forward_hidden returns a view; the step never writes into it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     return model
+
+
+def _largest_dimension(param: nn.Parameter) -> Shard | None:
+    """Shard each parameter along its longest dimension (the first of equals): the encoders'
+    first dimension is the head count, often fewer than the processes, which would leave
+    most ranks without a shard; their longest is the neuron dimension."""
+    if param.dim() == 0:
+        return None
+    return Shard(max(range(param.dim()), key=lambda dim: (param.shape[dim], -dim)))
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -26,9 +26,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bdh_train.batch import SequenceBatch, StepOutput
 from bdh_train.config import RunConfig, dump_toml, save_config
 from bdh_train.data import RandomWindowLoader, StreamingCorpusLoader, StreamingDocumentLoader
 from bdh_train.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer
+from bdh_train.distributed import fsdp
 from bdh_train.distributed.env import DistContext, pipeline_mesh
 from bdh_train.distributed.pipeline import PipelineRunner
 from bdh_train.distributed.planner import build_pipeline_plan
@@ -46,7 +48,7 @@ from bdh_train.train.metrics import (
     plot_losses,
 )
 from bdh_train.train.profile import ProfileSettings, StepProfile, StepProfiler, profile_row
-from bdh_train.train.reduce import all_reduce_accumulated, all_reduce_sums
+from bdh_train.train.reduce import accumulate_sharded, all_reduce_accumulated, all_reduce_sums
 from bdh_train.train.run_dir import RunDirLock, check_fresh_run_dir, clear_run_dir
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.step import LanguageTrainModel, StepExecutor
@@ -115,7 +117,8 @@ class TrainerState:
 
 class RankStates:
     """The per-process parts of a checkpoint (RNGs, carried state, the open accumulation
-    window, the gradient-scale counter), gathered from every rank into ranks.pt."""
+    window and its loss sum and count, the gradient-scale counter), gathered from every rank
+    into ranks.pt."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -127,6 +130,7 @@ class RankStates:
             "train_step": t.executor.state_dict(),
             "accumulator": t.accumulator.state_dict(),
             "gradient_scales": t.gradient_scales.state_dict(),
+            "window": [t.state.window_loss, t.state.window_count],
         }
 
     def state_dict(self) -> list[dict[str, Any]]:
@@ -155,6 +159,10 @@ class RankStates:
         scales = payload.get("gradient_scales") or payload["train_step"]["gradient_scales"]
         t.gradient_scales.load_state_dict(scales)
         ckpt.restore_rng_state(payload["rng"])
+        # The open window's loss sum and count are this rank's own (trainer.json holds the
+        # first process's); checkpoints before they were kept here fall back to those.
+        if payload.get("window") is not None:
+            t.state.window_loss, t.state.window_count = map(float, payload["window"])
 
 
 def regroup_rank_payloads(
@@ -182,6 +190,7 @@ def regroup_rank_payloads(
         "train_step": {**payloads[0]["train_step"], "carried_state": carried},
         "accumulator": payloads[0]["accumulator"],
         "gradient_scales": payloads[0].get("gradient_scales"),
+        "window": None,  # a step-boundary checkpoint: the window is empty
     }
 
 
@@ -294,6 +303,10 @@ class Trainer:
             self.fresh_params = init_weights_from(
                 self.model, t.init_transfer, cfg.checkpoint.init_from
             )
+        if cfg.parallel.shard == "fsdp" and self.dist.active:
+            fsdp.shard_model(self.model, self.dist, self.device.type)
+        self.sharded = fsdp.is_sharded(self.model)
+        """The parameters are FSDP shards (parallel.shard = 'fsdp' on several processes)."""
         self.gradient_scales = GradientScaleSchedule(
             self.model, t.gradient_scales, t.init_transfer, t.max_steps
         )
@@ -307,7 +320,9 @@ class Trainer:
         self.executor, self.data_parallel = self._build_executor()
         self.loader = self._build_loader()
         self.optimizer = cfg.optimizer.build(self.model)
-        self.accumulator = WeightedGradientAccumulator(self.model, torch.float32)
+        self.accumulator = WeightedGradientAccumulator(
+            fsdp.local_parameters(self.model) if self.sharded else self.model, torch.float32
+        )
         self.state = TrainerState(world_size=self.dist.world_size)
         self.checkpointer = ckpt.Checkpointer(self.run_dir, t.keep_checkpoints, self.dist.is_main)
         self.window_profiles: list[StepProfile] = []
@@ -319,7 +334,7 @@ class Trainer:
         self.resume_notes: list[str] = []
         if self.resumed_from is not None:
             self._check_resumed_tokenizer(self.resumed_from)
-            self.checkpointer.load(self.resumed_from, self._checkpoint_parts(loading=True))
+            self._load_checkpoint(self.resumed_from)
             self.resume_notes = self._check_resumed_length(self.resumed_from)
         self.progress = Progress(
             t.max_steps, self.state.step, stream, enabled=self.dist.is_main,
@@ -381,16 +396,27 @@ class Trainer:
             summary_trigger=self.cfg.data.summary_trigger(),
         )
 
-    def _checkpoint_parts(self, loading: bool = False) -> dict[str, ckpt.Stateful]:
+    def _checkpoint_parts(
+        self, loading: bool = False, sharded: bool = False
+    ) -> dict[str, ckpt.Stateful]:
         """File -> stateful part; loaded in this order (trainer.json first: it checks the
-        process count before anything else is touched)."""
+        process count before anything else is touched). With `sharded` the model and the
+        optimizer state go through DCP (`ckpt.ShardedState`); model.safetensors is then
+        written as well, for generate, eval, export and init_from, but not loaded."""
+        weights = ckpt.ModelWeights(
+            self.model, self._model_metadata, partial(fsdp.full_weights, self.model)
+        )
         parts: dict[str, ckpt.Stateful] = {
             TRAINER_FILE: self.state,
-            ckpt.MODEL_FILE: ckpt.ModelWeights(self.model, self._model_metadata),
+            ckpt.MODEL_FILE: weights,
             OPTIMIZER_FILE: self.optimizer,
             LOADER_FILE: self.loader,
             RANKS_FILE: RankStates(self),
         }
+        if sharded:
+            del parts[OPTIMIZER_FILE]
+            if loading:
+                del parts[ckpt.MODEL_FILE]
         if not loading:
             parts[CONFIG_FILE] = ConfigText(self.saved_cfg)
             if isinstance(self.tokenizer, HFTokenizer):
@@ -407,6 +433,23 @@ class Trainer:
                 f"data.tokenizer '{self.tokenizer_named}' is not the tokenizer the checkpoint "
                 f"{checkpoint} was trained with ({copy}): resume with data.tokenizer = '{copy}'"
             )
+
+    def _load_checkpoint(self, checkpoint: Path) -> None:
+        """A checkpoint with a sharded/ directory loads through DCP on any number of
+        processes, sharded or not; a sharded model needs one."""
+        sharded = (checkpoint / ckpt.SHARDED_DIR).is_dir()
+        if self.sharded and not sharded:
+            raise CheckpointError(
+                f"checkpoint {checkpoint} was written by a run without parallel.shard='fsdp' "
+                f"(it has no {ckpt.SHARDED_DIR}/ directory), which this sharded run cannot "
+                "load; resume it with parallel.shard='none', or start the sharded run from its "
+                "weights with checkpoint.init_from"
+            )
+        self.checkpointer.load(
+            checkpoint,
+            self._checkpoint_parts(loading=True, sharded=sharded),
+            ckpt.ShardedState(self.model, self.optimizer) if sharded else None,
+        )
 
     def _check_resumed_length(self, checkpoint: Path) -> list[str]:
         """Refuse a max_steps at or below the checkpoint's step (nothing would train); a
@@ -544,7 +587,8 @@ class Trainer:
             self.progress.log(self.profiler.summary())
         if self.dist.is_main and t.log_every:
             plot_losses(self.run_dir)
-        sample = self.sample() if self.dist.is_main else None
+        with fsdp.gathered(self.model):  # every rank gathers a sharded model's weights
+            sample = self.sample() if self.dist.is_main else None
         result = RunResult(s.step, False, checkpoint, last_val, sample)
         for line in self.summary_lines(result):
             self.progress.log(line)
@@ -562,6 +606,8 @@ class Trainer:
             device += f" x {self.dist.world_size} processes"
             if stages > 1:
                 device += f" ({replicas} data-parallel x {stages} pipeline stages)"
+            if self.sharded:
+                device += " (FSDP: parameters, gradients and optimizer state sharded)"
         val = f"{len(self.val_data):,} val tokens" if self.val_data is not None else "no val split"
         per_step = t.batch_size * t.block_size * self.accumulation_steps
         accum = f" x {self.accumulation_steps} micro-steps" if self.accumulation_steps > 1 else ""
@@ -634,13 +680,26 @@ class Trainer:
         batch = self.loader.next_batch().to(self.device)
         self.model.zero_grad(set_to_none=True)
         self.model.set_quant_step(s.step)  # the BitNet warm-up lambda follows the step
-        out = self.executor.compute_gradients(batch)
+        if self.sharded:
+            out = self._sharded_gradients(batch)
+        else:
+            out = self.executor.compute_gradients(batch)
+            self.accumulator.accumulate_mean(None, weight=out.counted)
+            s.window_loss += float(out.loss) * out.counted
         if "profile" in out.stats:
             self.window_profiles.append(out.stats["profile"])
-        self.accumulator.accumulate_mean(None, weight=out.counted)
-        s.window_loss += float(out.loss) * out.counted
         s.window_count += out.counted
         s.micro += 1
+
+    def _sharded_gradients(self, batch: SequenceBatch) -> StepOutput:
+        """A sharded micro-batch (`accumulate_sharded`: the loss sum over the micro-batch's
+        global count of targets, reduce-scattered in the backward)."""
+        assert isinstance(self.executor, LanguageTrainModel)
+        out, loss_sum = accumulate_sharded(
+            self.executor, batch, self.accumulator, self.data_parallel.group
+        )
+        self.state.window_loss += loss_sum
+        return out
 
     def _reduce_window(self) -> tuple[dict[str, torch.Tensor], float, float]:
         """The window's exact token-weighted gradients and (loss sum, count), over every
@@ -649,6 +708,9 @@ class Trainer:
         if not self.data_parallel.active:
             return self.accumulator.finish_mean().gradients, s.window_loss, s.window_count
         group = self.data_parallel.group
+        if self.sharded:  # the shards are already reduced (see _sharded_gradients)
+            loss_sum, count = all_reduce_sums([s.window_loss, s.window_count], group)
+            return self.accumulator.finish_mean().gradients, loss_sum, count
         grads = all_reduce_accumulated(
             self.accumulator.finish_sums(), self.model.named_parameters(), group
         )
@@ -659,10 +721,14 @@ class Trainer:
         """Close the window: reduce, schedule, clip, step (or skip a non-finite step)."""
         s, o = self.state, self.cfg.optimizer
         grads, loss_sum, count = self._reduce_window()
-        write_to_params(grads, self.model)
+        if self.sharded:
+            fsdp.write_local_gradients(grads, self.model)
+        else:
+            write_to_params(grads, self.model)
         self.gradient_scales.apply_(list(self.model.named_parameters()))
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.clip_norm()))
+        # On shards, clip_grad_norm_ computes the global norm and clips every shard by it.
+        grad_norm = fsdp.total_norm(torch.nn.utils.clip_grad_norm_(params, o.clip_norm()))
         loss = loss_sum / max(count, 1.0)
         lr = o.lr_at(s.step, self.cfg.training.max_steps)
         if math.isfinite(loss) and math.isfinite(grad_norm):
@@ -733,14 +799,15 @@ class Trainer:
         t = self.cfg.training
         text_of = self._text_tokenizer()
         dp = self.data_parallel  # pipeline ranks evaluate every batch together instead
-        result = evaluate(
-            self.executor, self.val_data, t.block_size, t.batch_size, t.eval_steps, self.device,
-            self.cfg.data.summary_trigger(),
-            byte_lengths=None if text_of is None else text_of.token_byte_lengths(),
-            head=self.cfg.model.language_head,
-            part=(dp.rank, dp.world_size),
-            add_across_ranks=partial(all_reduce_sums, group=dp.group) if dp.active else None,
-        )
+        with fsdp.gathered(self.model):
+            result = evaluate(
+                self.executor, self.val_data, t.block_size, t.batch_size, t.eval_steps,
+                self.device, self.cfg.data.summary_trigger(),
+                byte_lengths=None if text_of is None else text_of.token_byte_lengths(),
+                head=self.cfg.model.language_head,
+                part=(dp.rank, dp.world_size),
+                add_across_ranks=partial(all_reduce_sums, group=dp.group) if dp.active else None,
+            )
         if self.metrics is not None:
             self.metrics.write({"step": self.state.step, **result.row()})
         bits = result.bits_per_byte
@@ -783,8 +850,10 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, before_rename: Callable[[Path], None] | None = None) -> Path:
         s = self.state
+        sharded = self.cfg.parallel.shard == "fsdp"
         path = self.checkpointer.save(
-            ckpt.checkpoint_name(s.step, s.micro), self._checkpoint_parts(), before_rename
+            ckpt.checkpoint_name(s.step, s.micro), self._checkpoint_parts(sharded=sharded),
+            before_rename, ckpt.ShardedState(self.model, self.optimizer) if sharded else None,
         )
         self.dist.barrier()
         return path if path is not None else self.run_dir / ckpt.CHECKPOINTS

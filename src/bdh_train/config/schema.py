@@ -54,6 +54,7 @@ class RunConfig:
         tr = self.training
         self.parallel.check_model(self.model.n_layer)
         self.parallel.check_training(tr.batch_size, tr.tbptt_chunk_size, tr.streaming)
+        self.parallel.check_shard(tr.compile, tr.profile)
         for i, scale in enumerate(tr.gradient_scales):
             if scale.target == "shared_lowrank_decay" and self.model.position != "alibi_learned":
                 raise ConfigError(

@@ -96,6 +96,8 @@ class PipelinePlan:
 
 MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("gpipe", "interleaved_1f1b")
 """Schedules that run several virtual stages per rank (gpipe as torch's looped BFS)."""
+SHARD_MODES: tuple[str, ...] = ("none", "fsdp")
+"""`parallel.shard`: whole replicas, or FSDP2 parameter sharding over the data-parallel ranks."""
 
 
 @dataclass
@@ -122,6 +124,11 @@ class ParallelConfig:
     data_parallel: int = 0
     """Data-parallel replicas; 0 = the torchrun processes / pipeline_stages.
     Set it to have a wrong process count refused."""
+    shard: str = "none"
+    """'none' (every data-parallel process holds the whole model, gradients all-reduced once
+    per step) or 'fsdp' (FSDP2 fully_shard over the data-parallel processes: each holds 1/W of
+    the parameters, gradients and optimizer state; the model is gathered once per forward and
+    its gradients reduce-scattered every backward; checkpoints are written shard by shard)."""
 
     def validate(self, prefix: str = "parallel") -> ParallelConfig:
         checks.positive_int(f"{prefix}.pipeline_stages", self.pipeline_stages)
@@ -132,6 +139,14 @@ class ParallelConfig:
         checks.positive_int(f"{prefix}.microbatches", self.microbatches)
         checks.nonneg_int(f"{prefix}.data_parallel", self.data_parallel)
         checks.choice(f"{prefix}.schedule", self.schedule, SCHEDULES)
+        checks.choice(f"{prefix}.shard", self.shard, SHARD_MODES)
+        if self.shard == "fsdp" and self.pipeline_stages > 1:
+            raise ConfigError(
+                f"{prefix}.shard='fsdp' shards the model over data-parallel processes and "
+                f"cannot be combined with a pipeline ({prefix}.pipeline_stages="
+                f"{self.pipeline_stages}); set {prefix}.pipeline_stages=1 or "
+                f"{prefix}.shard='none'"
+            )
         checks.boolean(f"{prefix}.emulate", self.emulate)
         checks.number(
             f"{prefix}.collective_timeout_s", self.collective_timeout_s, low=0.0, low_open=True
@@ -163,6 +178,24 @@ class ParallelConfig:
                 "parallel.emulate=true to run the plan's microbatches in one process"
             )
         return world_size // stages, stages
+
+    def check_shard(self, compile_model: bool, profile: str, prefix: str = "parallel") -> None:
+        """What a sharded (FSDP) run cannot do yet: the compiled layers and the detail
+        profiler's probes run the model outside FSDP's gather hooks."""
+        if self.shard != "fsdp":
+            return
+        if compile_model:
+            raise ConfigError(
+                f"{prefix}.shard='fsdp' does not support training.compile=true (the compiled "
+                "layers are not traced through FSDP's parameter gathering); set "
+                f"training.compile=false or {prefix}.shard='none'"
+            )
+        if profile == "detail":
+            raise ConfigError(
+                f"{prefix}.shard='fsdp' does not support training.profile='detail' (its probes "
+                "run parts of the model outside FSDP's parameter gathering); use "
+                f"training.profile='step' or {prefix}.shard='none'"
+            )
 
     def check_fill(self, prefix: str = "parallel") -> None:
         """1F1B schedules fill the pipeline before their steady state."""

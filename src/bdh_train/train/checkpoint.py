@@ -6,7 +6,10 @@ crash (or SIGKILL) during a save leaves the previous checkpoint and pointer unto
 
 `Checkpointer` saves and loads a mapping of stateful parts, one file each; the file's suffix
 decides its format (`.json`, `.pt`, `.safetensors` model weights; a part whose state is a
-string is written as that text, e.g. config.toml and tokenizer.json).
+string is written as that text, e.g. config.toml and tokenizer.json). A sharded (FSDP) run
+adds `sharded/`: the model and optimizer state in `torch.distributed.checkpoint` (DCP)
+format, each rank writing the shards it holds into the shared temporary directory; DCP
+reshards on load, so any number of processes (sharded or not) resumes it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class CheckpointConfig:
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
+SHARDED_DIR = "sharded"
+"""The DCP directory of a sharded run's model and optimizer state."""
 
 
 MANIFEST = "manifest.json"
@@ -87,11 +92,16 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _checkpoint_files(directory: Path) -> list[Path]:
+    """Every file of a checkpoint directory, its subdirectories' (DCP shards) included."""
+    return sorted(p for p in directory.rglob("*") if p.is_file())
+
+
 def _write_manifest(directory: Path) -> None:
     files = {
-        p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST
+        p.relative_to(directory).as_posix(): {"sha256": _sha256(p), "bytes": p.stat().st_size}
+        for p in _checkpoint_files(directory)
+        if p.name != MANIFEST
     }
     write_json(directory / MANIFEST, {"files": files})
 
@@ -143,6 +153,7 @@ def save_checkpoint(
     write: Callable[[Path], None],
     keep: int = 0,
     before_rename: Callable[[Path], None] | None = None,
+    tmp: Path | None = None,
 ) -> Path:
     """Call `write(tmp_dir)` to fill a fresh directory, add its manifest, then publish it.
 
@@ -150,20 +161,22 @@ def save_checkpoint(
     the same name is first set aside and deleted only after the new one is in place, so a
     crash at any point leaves one whole checkpoint of that name (`recover_checkpoints`).
     `before_rename` is a test seam: it runs between the complete temporary write and the
-    rename, which is where a crash must not damage anything.
+    rename, which is where a crash must not damage anything. `tmp` is a temporary directory
+    from `make_temp_dir` that other processes have already written into (DCP shards).
     """
     root = Path(run_dir) / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
     final = root / name
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f"{_TMP_PREFIX}{final.name}-"))
-    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0o700 -> what mkdir would give
+    if tmp is None:
+        tmp = make_temp_dir(run_dir, name)
     old: Path | None = None
     try:
         write(tmp)
         _write_manifest(tmp)
-        for child in tmp.iterdir():
+        for child in _checkpoint_files(tmp):
             with open(child, "rb") as handle:
                 os.fsync(handle.fileno())
+        for sub in (p for p in tmp.rglob("*") if p.is_dir()):
+            _fsync_dir(sub)
         if before_rename is not None:
             before_rename(tmp)
         if final.exists():  # a re-save of the same point (e.g. after resume): swap it
@@ -181,6 +194,15 @@ def save_checkpoint(
     if keep > 0:
         prune_checkpoints(root, keep)
     return final
+
+
+def make_temp_dir(run_dir: Path, name: str) -> Path:
+    """The hidden temporary directory checkpoint `name` is written into before its rename."""
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f"{_TMP_PREFIX}{name}-"))
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0o700 -> what mkdir would give
+    return tmp
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -375,14 +397,66 @@ class ModelWeights:
 
     model: torch.nn.Module
     metadata: Callable[[], dict[str, str]]
+    tensors: Callable[[], dict[str, torch.Tensor]] | None = None
+    """The whole tensors on the main process (a sharded model gathers them); default: the
+    model's state_dict."""
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
+        source = self.tensors() if self.tensors is not None else self.model.state_dict()
+        tensors = {k: v.detach().contiguous().cpu() for k, v in source.items()}
         return tensors, self.metadata()
 
     def load_state_dict(self, state: tuple[dict[str, torch.Tensor], Path]) -> None:
         weights, where = state
         load_into_model(self.model, weights, where)
+
+
+@dataclass
+class ShardedState:
+    """The model and optimizer state as DCP shards (`torch.distributed.checkpoint`).
+
+    Saving is collective: every rank writes the shards it holds (nothing is gathered on one
+    process) and the first writes DCP's metadata. Loading reads, on every rank, the pieces of
+    the saved tensors its own parameters cover, whatever the number of processes that wrote
+    them: a sharded run's checkpoint resumes on another process count, sharded or not."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def _template(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def save(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._template(), checkpoint_id=str(directory), no_dist=_one_process())
+
+    def load(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._template()
+        try:
+            dcp.load(state, checkpoint_id=str(directory), no_dist=_one_process())
+        except Exception as exc:  # DCP wraps what it meets per rank in CheckpointException
+            raise CheckpointError(
+                f"cannot read the sharded state {directory}: {_first_line(exc)}; check that "
+                "[model] matches the run that wrote it, or resume from another checkpoint"
+            ) from exc
+        set_state_dict(
+            self.model, self.optimizer,
+            model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        )
+
+
+def _one_process() -> bool:
+    """No process group: DCP reads and writes every shard itself."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
 
 
 def _write_part(path: Path, state: Any) -> None:
@@ -413,8 +487,11 @@ class Checkpointer:
     """Saves and loads a run's stateful parts as one atomic checkpoint directory.
 
     `save` asks every part for its state on every process (a part may gather across ranks),
-    and only the main process writes. `load` reads the parts in mapping order, so a part that
-    refuses the checkpoint (e.g. the trainer state's world size) is checked before the others.
+    and only the main process writes them. A `ShardedState` is written by every process into
+    the checkpoint's `sharded/` before the main process writes the rest, the manifest, and
+    renames. `load` reads the parts in mapping order, so a part that refuses the checkpoint
+    (e.g. the trainer state's world size) is checked before the others; the sharded state
+    comes last.
     """
 
     def __init__(self, run_dir: str | Path, keep: int = 0, is_main: bool = True) -> None:
@@ -429,8 +506,19 @@ class Checkpointer:
         name: str,
         parts: Mapping[str, Stateful],
         before_rename: Callable[[Path], None] | None = None,
+        sharded: ShardedState | None = None,
     ) -> Path | None:
         states = {file: part.state_dict() for file, part in parts.items()}
+        tmp = None
+        if sharded is not None:
+            tmp = self._shared_temp_dir(name)
+            try:
+                sharded.save(tmp / SHARDED_DIR)
+            except Exception as exc:  # DCP raises on every rank when any rank failed
+                if self.is_main:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                where = self.run_dir / CHECKPOINTS / name / SHARDED_DIR
+                raise CheckpointWriteError(self.run_dir, where, exc) from exc
         if not self.is_main:
             return None
 
@@ -442,9 +530,30 @@ class Checkpointer:
                     where = self.run_dir / CHECKPOINTS / name / file
                     raise CheckpointWriteError(self.run_dir, where, exc) from exc
 
-        return save_checkpoint(self.run_dir, name, write, self.keep, before_rename)
+        return save_checkpoint(self.run_dir, name, write, self.keep, before_rename, tmp)
 
-    def load(self, directory: Path, parts: Mapping[str, Stateful]) -> None:
+    def _shared_temp_dir(self, name: str) -> Path:
+        """The main process makes the temporary directory and tells the others its path."""
+        import torch.distributed as dist
+
+        made: list[Any] = [None]
+        if self.is_main:
+            try:
+                made[0] = make_temp_dir(self.run_dir, name)
+            except OSError as exc:
+                made[0] = exc
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(made, src=0)
+        if isinstance(made[0], BaseException):
+            raise CheckpointWriteError(self.run_dir, self.run_dir / CHECKPOINTS, made[0])
+        return Path(made[0])
+
+    def load(
+        self,
+        directory: Path,
+        parts: Mapping[str, Stateful],
+        sharded: ShardedState | None = None,
+    ) -> None:
         verify_checkpoint(directory)
         for file, part in parts.items():
             state = _read_part(directory / file)
@@ -456,3 +565,5 @@ class Checkpointer:
                 raise CheckpointError(
                     f"checkpoint {directory} does not fit this run ({file}): {exc}"
                 ) from exc
+        if sharded is not None:
+            sharded.load(directory / SHARDED_DIR)

@@ -5,6 +5,9 @@ numbers of tokens (or none). Here every rank contributes its loss-SUM gradients 
 effective weight; one SUM all-reduce adds them, and the result is divided by the loss scale and
 then by the global weight once. Any split of the global batch over ranks and microbatches
 therefore gives the single-process gradient of the global mean loss.
+
+A sharded (FSDP) model reduces inside every backward instead; `accumulate_sharded` puts the
+global weight into the loss before it (see there).
 """
 
 from __future__ import annotations
@@ -14,17 +17,21 @@ import math
 import torch
 import torch.distributed as dist
 
+from bdh_train.batch import SequenceBatch, StepOutput
+from bdh_train.distributed import fsdp
 from bdh_train.train.accumulate import (
     AccumulatedGradients,
     EmptyWeightError,
     GradientError,
     InvalidWeightError,
     NamedParams,
+    WeightedGradientAccumulator,
     named_parameter_dict,
     normalize_gradients,
 )
+from bdh_train.train.step import LanguageTrainModel
 
-__all__ = ["all_reduce_accumulated", "all_reduce_sums"]
+__all__ = ["accumulate_sharded", "all_reduce_accumulated", "all_reduce_sums"]
 
 _DTYPE_CODES = {torch.float32: 32.0, torch.float64: 64.0}
 
@@ -146,3 +153,28 @@ def all_reduce_sums(
     sums = torch.tensor(values, dtype=torch.float64, device=_collective_device(group))
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
     return sums.tolist()
+
+
+def accumulate_sharded(
+    step: LanguageTrainModel,
+    batch: SequenceBatch,
+    accumulator: WeightedGradientAccumulator,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[StepOutput, float]:
+    """One micro-batch of a sharded (FSDP) model, exactly token-weighted; returns the step's
+    output and this rank's loss sum.
+
+    FSDP reduce-scatters (sums, divide factor 1) the gradients inside every backward, before
+    any accumulator sees them, so each rank's loss must already carry its final weight: one
+    SUM all-reduce of the micro-batch's counted targets gives the global count G, every rank
+    back-propagates its loss SUM / G (over all its TBPTT windows), and the summed shard is this
+    rank's part of the gradient of the micro-batch's global mean loss, however the targets
+    fall on the ranks. The accumulator adds the local shards with weight G, so its
+    `finish_mean` is the window's single-process token-weighted gradient shard, with no
+    further reduction. The accumulator must be built over `fsdp.local_parameters`."""
+    counted = step.counted_targets(batch)
+    (global_count,) = all_reduce_sums([counted], group)
+    normalizer = max(global_count, 1.0)
+    out = step.compute_gradients(batch, normalizer=normalizer)
+    accumulator.accumulate_mean(fsdp.local_gradients(step.model), weight=global_count)
+    return out, float(out.loss) * normalizer

@@ -126,11 +126,17 @@ class LanguageTrainModel:
         return self.model.loss_from_hidden(hidden, targets, reduction="sum") / normalizer
 
     # ------------------------------------------------------------ train
-    def compute_gradients(self, batch: SequenceBatch, loss_scale: float = 1.0) -> StepOutput:
+    def compute_gradients(
+        self, batch: SequenceBatch, loss_scale: float = 1.0, normalizer: float | None = None
+    ) -> StepOutput:
         """Forward and backward of one block; gradients of `loss_scale * mean loss` are ADDED
-        to the parameters' .grad. No gradient-scale schedule is applied (see train_step)."""
+        to the parameters' .grad. No gradient-scale schedule is applied (see train_step).
+
+        `normalizer` replaces the block's counted targets as the loss's denominator (a
+        sharded run divides by the count over every data-parallel rank); the returned loss is
+        then the loss sum over `normalizer`."""
         counted = self.counted_targets(batch)
-        normalizer = max(counted, 1.0)
+        normalizer = max(counted, 1.0) if normalizer is None else normalizer
         self.profiler.begin_step()
         self.model.train()
         if self.pipeline_plan is not None:

@@ -103,15 +103,30 @@ def _load_equivalents() -> list[dict[str, str]]:
     return tomllib.loads(EQUIVALENTS.read_text()).get("equivalent", [])
 
 
+_DIFFS = """
+import json, sys
+from mutmut.mutation.diff_apply import find_mutant, get_diff_for_mutant
+print(json.dumps({n: get_diff_for_mutant(n, path=find_mutant(n).path) for n in sys.argv[1:]}))
+"""
+"""Run in a work directory: the diff of each named mutant, as JSON (one process for all)."""
+
+
 def _survivors(workdir: Path, module: str) -> list[Survivor]:
-    listing = _mutmut(workdir, "results")
+    listing = [line.strip().rpartition(": ") for line in _mutmut(workdir, "results").splitlines()]
+    status_of = {name: status for name, _, status in listing if name}
+    if not status_of:
+        return []
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    diffs = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", _DIFFS, *status_of],
+            cwd=workdir, env=env, check=True, capture_output=True, text=True,
+        ).stdout.splitlines()[-1]
+    )
     equivalents = [e for e in _load_equivalents() if e["module"] == module]
     survivors = []
-    for line in listing.splitlines():
-        name, _, status = line.strip().rpartition(": ")
-        if not name:
-            continue
-        diff = _mutmut(workdir, "show", name).splitlines()
+    for name, status in status_of.items():
+        diff = diffs[name].splitlines()
         removed = " / ".join(x[1:].strip() for x in diff if x[:1] == "-" and x[:3] != "---")
         added = " / ".join(x[1:].strip() for x in diff if x[:1] == "+" and x[:3] != "+++")
         survivor = Survivor(name, status, _function_of(name), removed, added)
@@ -139,7 +154,7 @@ def run_module(module: str, max_children: int) -> dict[str, object]:
     equivalent = sum(s.reason is not None for s in survivors)
     not_killed = [s for s in survivors if s.reason is None]
     for s in not_killed:
-        print(f"  NOT KILLED ({s.status}) {s.name}\n    - {s.removed}\n    + {s.added}")
+        print(f"  NOT KILLED ({s.status}) {s.name}\n    - {s.removed}\n    + {s.added}", flush=True)
     total = stats["total"]
     killed = stats["killed"] + stats.get("caught_by_type_check", 0)
     rate = killed / max(total - equivalent, 1)
@@ -166,7 +181,8 @@ def main() -> int:
         return 2
     rows = []
     for module in modules:
-        print(f"mutating src/bdh_train/{module} (tests: {' '.join(MODULE_TESTS[module])})")
+        tests = " ".join(MODULE_TESTS[module])
+        print(f"mutating src/bdh_train/{module} (tests: {tests})", flush=True)
         rows.append(run_module(module, args.max_children))
     print("\n| module | mutants | killed | equivalent | not killed | kill rate | run time |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -17,8 +17,10 @@ from bdh_train.train.accumulate import (
     AccumulatedGradients,
     EmptyWeightError,
     GradientError,
+    InvalidWeightError,
     WeightedAccumulationState,
     WeightedGradientAccumulator,
+    normalize_gradients,
 )
 from bdh_train.train.reduce import (
     all_reduce_accumulated,
@@ -221,3 +223,68 @@ def test_ddp_work_dtype_mismatch_is_refused_on_every_rank(tmp_path: Path) -> Non
             "[4.0, 4.0], dtype code in [32.0, 64.0]"
         ), f"rank {rank}: {message}"
         assert outcome["agreeing_after"] == "passed", f"rank {rank}"
+
+
+# ------------------------------------------------ the bucket path in a one-rank process group
+def _merged_sums(model: nn.Module, dtype: torch.dtype, scale: float) -> AccumulatedGradients:
+    """Both ranks' microbatches of the "unequal" case accumulated on one rank."""
+    acc = WeightedGradientAccumulator(model, dtype=dtype, loss_scale=scale)
+    for rank in range(WORLD):
+        rank_sums = local_sums("unequal", rank, model, scale)
+        grads = {name: g.to(dtype) for name, g in rank_sums.gradients.items()}
+        acc.accumulate_sum(grads, weight=rank_sums.state.total_weight)
+    return acc.finish_sums()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_rank_bucket_is_bit_identical_to_the_single_process_finish(single_process_group, dtype):
+    """Packing into the flat bucket, the identity SUM and unpacking change no bit: the result is
+    the no-group path's, in the work dtype; `unused` (no gradient) stays absent."""
+    model = TinyMLP()
+    merged = _merged_sums(model, dtype, 8.0)
+    want = normalize_gradients(merged.gradients, 8.0, merged.state.total_weight)
+    got = all_reduce_accumulated(merged, model)
+    assert list(got) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    for name, grad in got.items():
+        assert grad.dtype == dtype and grad.shape == model.get_parameter(name).shape, name
+        assert torch.equal(grad, want[name]), name
+    if dtype == torch.float64:
+        assert_close(got, reference("unequal"), rtol=1e-12, msg="one-rank group")
+
+
+def test_one_rank_zero_gradient_stays_present(single_process_group):
+    """The presence mask, not the values, decides which gradients come back: an all-zero
+    gradient is returned (as zeros), a missing one is not."""
+    model = TinyMLP()
+    state = WeightedAccumulationState(torch.float64, 2.0, 4.0, 1)
+    grads = {"unused": torch.zeros(2, dtype=torch.float64),
+             "fc2.bias": torch.tensor([8.0, -4.0, 2.0], dtype=torch.float64)}
+    got = all_reduce_accumulated(AccumulatedGradients(grads, state), model)
+    assert {name: g.tolist() for name, g in got.items()} == {
+        "fc2.bias": [1.0, -0.5, 0.25], "unused": [0.0, 0.0]
+    }
+
+
+@pytest.mark.parametrize(
+    ("total_weight", "error", "detail"),
+    [
+        (0.0, EmptyWeightError, "global weight over all ranks is 0.0"),
+        (float("inf"), InvalidWeightError, "global weight inf in torch.float64"),
+        (float("nan"), InvalidWeightError, "global weight nan in torch.float64"),
+    ],
+)
+def test_one_rank_global_weight_is_checked(single_process_group, total_weight, error, detail):
+    state = WeightedAccumulationState(torch.float64, 1.0, total_weight, 1)
+    grads = {"fc2.bias": torch.ones(3, dtype=torch.float64)}
+    with pytest.raises(error) as info:
+        all_reduce_accumulated(AccumulatedGradients(grads, state), TinyMLP())
+    assert (str(info.value), info.value.detail) == (error.message, detail)
+
+
+def test_one_rank_agrees_with_itself_on_the_window_settings(single_process_group):
+    """The MAX probe of one rank: equal extremes, so no GradientError, whatever the scale."""
+    for dtype, scale in ((torch.float64, 3.0), (torch.float32, 0.5)):
+        state = WeightedAccumulationState(dtype, scale, 2.0, 1)
+        grads = {"fc2.bias": torch.full((3,), 6.0, dtype=dtype)}
+        got = all_reduce_accumulated(AccumulatedGradients(grads, state), TinyMLP())
+        assert got["fc2.bias"].tolist() == [6.0 / scale / 2.0] * 3

@@ -3,6 +3,7 @@ counts must give exactly the single-process gradient of the global mean loss."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -288,3 +289,84 @@ def test_one_rank_agrees_with_itself_on_the_window_settings(single_process_group
         grads = {"fc2.bias": torch.full((3,), 6.0, dtype=dtype)}
         got = all_reduce_accumulated(AccumulatedGradients(grads, state), TinyMLP())
         assert got["fc2.bias"].tolist() == [6.0 / scale / 2.0] * 3
+
+
+# ------------------------------------------- a second rank emulated in the one-rank group
+class EmulatedPeer:
+    """Stands in for `dist.all_reduce` with one more rank: `record` keeps a copy of what this
+    rank sends (and reduces over itself only); `replay` combines each call with the recorded
+    tensor of the same call, by the op asked for (SUM or MAX), as the second rank would."""
+
+    def __init__(self, sent: list[torch.Tensor] | None = None) -> None:
+        self.sent = [] if sent is None else list(sent)
+        self.replaying = sent is not None
+        self.groups: list[Any] = []
+
+    def __call__(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        self.groups.append(group)
+        if not self.replaying:
+            self.sent.append(tensor.clone())
+            return
+        peer = self.sent.pop(0).to(tensor.dtype)
+        if op == dist.ReduceOp.MAX:
+            torch.maximum(tensor, peer, out=tensor)
+        else:
+            assert op == dist.ReduceOp.SUM, op
+            tensor.add_(peer)
+
+
+def _as_two_ranks(monkeypatch, rank1: AccumulatedGradients, rank0: AccumulatedGradients,
+                  group=None):
+    """rank 0's result when rank 1 sends what it sends with `rank1`."""
+    recorder = EmulatedPeer()
+    monkeypatch.setattr(dist, "all_reduce", recorder)
+    with pytest.raises(EmptyWeightError) if rank1.state.total_weight == 0 else nullcontext():
+        all_reduce_accumulated(rank1, TinyMLP(), group)  # an empty rank alone: no weight
+    replay = EmulatedPeer(recorder.sent)
+    monkeypatch.setattr(dist, "all_reduce", replay)
+    try:
+        return all_reduce_accumulated(rank0, TinyMLP(), group)
+    finally:
+        assert replay.groups == recorder.groups == [group, group]
+
+
+@pytest.mark.parametrize("case", ["unequal", "rank1_empty"])
+def test_two_emulated_ranks_give_the_single_process_gradient(
+    single_process_group, monkeypatch, case
+):
+    scale = CASES[case][0]
+    rank0, rank1 = (local_sums(case, rank, TinyMLP(), scale) for rank in range(WORLD))
+    group = dist.new_group([0])
+    out = _as_two_ranks(monkeypatch, rank1, rank0, group)
+    assert list(out) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    assert_close(out, reference(case), rtol=1e-12, msg=case)
+
+
+def test_two_emulated_empty_ranks_refuse_together(single_process_group, monkeypatch):
+    rank0, rank1 = (local_sums("global_empty", rank, TinyMLP(), 1.0) for rank in range(WORLD))
+    with pytest.raises(EmptyWeightError) as info:
+        _as_two_ranks(monkeypatch, rank1, rank0)
+    assert info.value.detail == "global weight over all ranks is 0.0"
+
+
+@pytest.mark.parametrize(
+    ("peer", "message"),
+    [
+        ((torch.float64, 4.0), "loss scale in [4.0, 4.0], dtype code in [32.0, 64.0]"),
+        # a difference float32 cannot hold: the probe is float64
+        ((torch.float32, 4.0 + 2**-40), f"loss scale in [4.0, {4.0 + 2**-40!r}], dtype code "
+                                        "in [32.0, 32.0]"),
+    ],
+)
+def test_an_emulated_rank_with_other_window_settings_is_refused(
+    single_process_group, monkeypatch, peer, message
+):
+    mine = AccumulatedGradients({}, WeightedAccumulationState(torch.float32, 4.0, 1.0, 1))
+    theirs = AccumulatedGradients({}, WeightedAccumulationState(*peer, 1.0, 1))
+    recorder = EmulatedPeer()
+    monkeypatch.setattr(dist, "all_reduce", recorder)
+    all_reduce_accumulated(theirs, TinyMLP())
+    monkeypatch.setattr(dist, "all_reduce", EmulatedPeer(recorder.sent))
+    with pytest.raises(GradientError) as info:
+        all_reduce_accumulated(mine, TinyMLP())
+    assert str(info.value) == f"ranks disagree on the accumulation window: {message}"

@@ -23,7 +23,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,19 +114,20 @@ print(json.dumps({n: get_diff_for_mutant(n, path=find_mutant(n).path) for n in s
 def _survivors(workdir: Path, module: str) -> list[Survivor]:
     listing = [line.strip().rpartition(": ") for line in _mutmut(workdir, "results").splitlines()]
     status_of = {name: status for name, _, status in listing if name}
+    checked = [name for name, status in status_of.items() if status != "not checked"]
     if not status_of:
         return []
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     diffs = json.loads(
         subprocess.run(
-            [sys.executable, "-c", _DIFFS, *status_of],
+            [sys.executable, "-c", _DIFFS, *checked],
             cwd=workdir, env=env, check=True, capture_output=True, text=True,
         ).stdout.splitlines()[-1]
     )
     equivalents = [e for e in _load_equivalents() if e["module"] == module]
     survivors = []
     for name, status in status_of.items():
-        diff = diffs[name].splitlines()
+        diff = diffs.get(name, "").splitlines()  # none for a mutant the run did not reach
         removed = " / ".join(x[1:].strip() for x in diff if x[:1] == "-" and x[:3] != "---")
         added = " / ".join(x[1:].strip() for x in diff if x[:1] == "+" and x[:3] != "+++")
         survivor = Survivor(name, status, _function_of(name), removed, added)
@@ -143,11 +143,13 @@ def _survivors(workdir: Path, module: str) -> list[Survivor]:
     return survivors
 
 
-def run_module(module: str, max_children: int) -> dict[str, object]:
-    workdir = _prepare(module)
-    started = time.monotonic()
-    _mutmut(workdir, "run", "--max-children", str(max_children), log=workdir / "run.log")
-    seconds = time.monotonic() - started
+def run_module(module: str, max_children: int, report_only: bool) -> dict[str, object]:
+    workdir = WORK / _slug(module)
+    if not report_only:
+        _prepare(module)
+        _mutmut(workdir, "run", "--max-children", str(max_children), log=workdir / "run.log")
+    # from writing the work directory's pyproject.toml to mutmut's last progress line
+    seconds = (workdir / "run.log").stat().st_mtime - (workdir / "pyproject.toml").stat().st_mtime
     _mutmut(workdir, "export-cicd-stats")
     stats = json.loads((workdir / "mutants" / "mutmut-cicd-stats.json").read_text())
     survivors = _survivors(workdir, module)
@@ -177,6 +179,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modules", nargs="*", help="modules under src/bdh_train; default: all")
     parser.add_argument("--max-children", type=int, default=2, help="mutants tested at once")
+    parser.add_argument(
+        "--report-only", action="store_true", help="tabulate the last run again, run nothing"
+    )
     args = parser.parse_args()
     modules = args.modules or list(MODULE_TESTS)
     unknown = [m for m in modules if m not in MODULE_TESTS]
@@ -186,8 +191,9 @@ def main() -> int:
     rows = []
     for module in modules:
         tests = " ".join(MODULE_TESTS[module])
-        print(f"mutating src/bdh_train/{module} (tests: {tests})", flush=True)
-        rows.append(run_module(module, args.max_children))
+        doing = "last run of" if args.report_only else "mutating"
+        print(f"{doing} src/bdh_train/{module} (tests: {tests})", flush=True)
+        rows.append(run_module(module, args.max_children, args.report_only))
     print(
         "\n| module | mutants | killed | equivalent | needs CUDA | not killed | kill rate "
         "| run time |"

@@ -370,3 +370,14 @@ def test_an_emulated_rank_with_other_window_settings_is_refused(
     with pytest.raises(GradientError) as info:
         all_reduce_accumulated(mine, TinyMLP())
     assert str(info.value) == f"ranks disagree on the accumulation window: {message}"
+
+
+def test_one_rank_float64_weight_keeps_every_bit(single_process_group):
+    """A float64 window's weight travels in float64: 2**24 + 1 tokens (not a float32 value)
+    divide exactly as in the single-process finish."""
+    weight = float(2**24 + 1)
+    state = WeightedAccumulationState(torch.float64, 1.0, weight, 1)
+    grads = {"fc2.bias": torch.full((3,), 3.0, dtype=torch.float64)}
+    got = all_reduce_accumulated(AccumulatedGradients(grads, state), TinyMLP())
+    assert got["fc2.bias"].tolist() == [3.0 / weight] * 3
+    assert 3.0 / weight != 3.0 / float(torch.tensor(weight, dtype=torch.float32))

@@ -702,3 +702,24 @@ def test_bad_arguments_are_named(make: Callable[[nn.Module], object], message: s
     with pytest.raises(GradientError) as info:
         make(MLP(torch.float32))
     assert str(info.value) == message
+
+
+def test_a_state_of_another_dtype_is_written_by_its_name_and_refused_when_read() -> None:
+    data = WeightedAccumulationState(torch.bfloat16, 1.0).to_dict()
+    assert data == {"dtype": "bfloat16", "loss_scale": 1.0, "total_weight": 0.0, "microbatches": 0}
+    with pytest.raises(InvalidStateError) as info:
+        WeightedAccumulationState.from_dict(data)
+    assert info.value.detail == DTYPE_DETAIL + "'bfloat16'"
+
+
+def test_load_state_dict_copies_the_pending_gradients() -> None:
+    """Changing the loaded snapshot's tensors afterwards does not reach the accumulator."""
+    _, source = primed(torch.float64)
+    snapshot = source.state_dict()
+    _, target = primed(torch.float64, seed=9)
+    target.load_state_dict(snapshot)
+    want = {name: g.clone() for name, g in snapshot["gradients"].items()}
+    for grad in snapshot["gradients"].values():
+        grad.add_(1.0)
+    got = target.state_dict()["gradients"]
+    assert all(torch.equal(got[name], want[name]) for name in want)

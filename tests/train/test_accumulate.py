@@ -723,3 +723,20 @@ def test_load_state_dict_copies_the_pending_gradients() -> None:
         grad.add_(1.0)
     got = target.state_dict()["gradients"]
     assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_float64_finish_divides_by_the_float64_weight() -> None:
+    """2**24 + 1 is not a float32 value: the divisor is the window's float64 weight itself."""
+    model = MLP(torch.float64)
+    acc = WeightedGradientAccumulator(model, dtype=torch.float64, loss_scale=3.0)
+    weight = float(2**24 + 1)
+    acc.accumulate_sum({"fc1.bias": torch.full((HIDDEN,), 6.0, dtype=torch.float64)}, weight=weight)
+    got = acc.finish_mean().gradients["fc1.bias"]
+    assert got.tolist() == [6.0 / 3.0 / weight] * HIDDEN
+    assert 2.0 / weight != 2.0 / float(torch.tensor(weight, dtype=torch.float32))
+
+
+def test_zero_weight_finish_names_the_weight() -> None:
+    acc = WeightedGradientAccumulator(MLP(torch.float64), dtype=torch.float64)
+    err = expect_rejected(acc, acc.finish_mean, EmptyWeightError, EMPTY_MSG)
+    assert err.detail == "total weight is 0.0"

@@ -740,3 +740,29 @@ def test_zero_weight_finish_names_the_weight() -> None:
     acc = WeightedGradientAccumulator(MLP(torch.float64), dtype=torch.float64)
     err = expect_rejected(acc, acc.finish_mean, EmptyWeightError, EMPTY_MSG)
     assert err.detail == "total weight is 0.0"
+
+
+def test_weight_limits_are_inclusive_and_a_one_element_tensor_is_a_weight() -> None:
+    """float32 max is a float32 weight; the counter may reach 2**64 - 1; a one-element tensor
+    weight is its value, a two-element one is refused."""
+    f32_max = torch.finfo(torch.float32).max
+    acc = WeightedGradientAccumulator(MLP(torch.float32), dtype=torch.float32)
+    acc.accumulate_sum({}, weight=f32_max)
+    assert acc.state.total_weight == f32_max
+    acc = WeightedGradientAccumulator(MLP(torch.float64), dtype=torch.float64)
+    state = WeightedAccumulationState(torch.float64, 1.0, 0.0, U64_MAX - 1).to_dict()
+    acc.load_state_dict({"gradients": {}, "state": state})
+    acc.accumulate_sum({}, weight=torch.tensor([3.0]))
+    assert (acc.state.microbatches, acc.state.total_weight) == (U64_MAX, 3.0)
+    with pytest.raises(InvalidWeightError):
+        acc.accumulate_sum({}, weight=torch.tensor([1.0, 2.0]))
+
+
+def test_float64_states_take_values_beyond_float32_and_float32_states_do_not() -> None:
+    WeightedGradientAccumulator(MLP(torch.float64), dtype=torch.float64, loss_scale=1e39)
+    big = {"dtype": "float64", "loss_scale": 1.0, "total_weight": 1e39, "microbatches": 1}
+    assert WeightedAccumulationState.from_dict(big).total_weight == 1e39
+    tiny = {"dtype": "float32", "loss_scale": 1.0, "total_weight": 1e-50, "microbatches": 1}
+    with pytest.raises(InvalidStateError) as info:
+        WeightedAccumulationState.from_dict(tiny)
+    assert info.value.detail == "total_weight 1e-50 is not a valid effective weight"

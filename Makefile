@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint mutate bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +18,18 @@ demo: $(STAMP)
 	$(VENV)/bin/bdh-train train
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks tools
 	$(PY) -m pytest -x -p no:cacheprovider
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks tools
+
+# Mutation testing of the core modules (docs/testing.md); not part of `make test` or CI.
+# One module: make mutate MODULE=train/schedules.py. Installs the pinned `mutate` extra first.
+mutate: $(STAMP)
+	$(PY) -c "import importlib.metadata as m; assert m.version('mutmut') == '3.8.1'" 2>/dev/null \
+		|| $(PY) -m pip install -q -e '.[mutate]'
+	nice -n 19 $(PY) tools/mutate.py $(MODULE)
 
 clean:
 	rm -rf $(VENV) runs

@@ -4,7 +4,6 @@ the optimizer steps of the single-process run, and every rank's replica must sta
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 from typing import Any
 
@@ -198,23 +197,6 @@ def test_runner_needs_a_process_group() -> None:
     assert not dist.is_initialized(), "an earlier test leaked a default process group"
     with pytest.raises(ConfigError, match="process group"):
         PipelineRunner(tiny_model(n_layer=N_LAYER), _plan(), 0)
-
-
-@pytest.fixture
-def single_process_group(tmp_path: Path):
-    """A world-size-1 gloo group in this process, destroyed even when the test fails."""
-    assert not dist.is_initialized(), "an earlier test leaked a default process group"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path / 'store'}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(90)

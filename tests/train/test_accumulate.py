@@ -37,6 +37,11 @@ COUNTER_MSG = "accumulation microbatch counter overflow"
 EMPTY_MSG = "cannot normalize an accumulation window with zero effective weight"
 STATE_MSG = "inconsistent weighted accumulation checkpoint state"
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-6}
+F64_STATE = {"dtype": "float64", "loss_scale": 2.0, "total_weight": 3.0, "microbatches": 1}
+DTYPE_DETAIL = (
+    "weighted accumulation dtype must be 'float32' or 'float64' ('F32' or 'F64' as the Rust "
+    "accumulator writes them), got "
+)
 
 IN, HIDDEN, CLASSES = 4, 8, 3
 
@@ -259,6 +264,8 @@ def test_unused_parameters_stay_absent_and_write_to_params_sets_none() -> None:
     assert model.unused.grad is None
     assert torch.equal(model.fc1.weight.grad, result.gradients["fc1.weight"])
     assert model.fc1.weight.grad is not result.gradients["fc1.weight"]
+    # a copy, also when dtype and device already match: the result's storage is not shared
+    assert model.fc1.weight.grad.data_ptr() != result.gradients["fc1.weight"].data_ptr()
     half = MLP(torch.float32).to(torch.bfloat16)
     write_to_params(result.gradients, half)
     assert half.fc1.weight.grad.dtype == torch.bfloat16
@@ -283,6 +290,9 @@ def test_error_hierarchy() -> None:
     assert issubclass(GradientError, WeightedAccumulationError)
     assert issubclass(WeightedAccumulationError, BDHTrainError)
     assert str(InvalidStateError("why")) == STATE_MSG
+    assert InvalidStateError("why").detail == "why"
+    assert InvalidStateError().detail is None
+    assert (str(GradientError("what")), GradientError("what").detail) == ("what", None)
 
 
 @pytest.mark.parametrize(
@@ -303,9 +313,10 @@ def test_invalid_weight_is_rejected_without_mutation(dtype: torch.dtype, weight:
     model, acc = primed(dtype)
     good = {n: torch.ones_like(p) for n, p in model.named_parameters()}
     for method in (acc.accumulate_sum, acc.accumulate_mean):
-        expect_rejected(
+        err = expect_rejected(
             acc, lambda m=method: m(good, weight=weight), InvalidWeightError, WEIGHT_MSG
         )
+        assert err.detail == f"weight {weight!r} in {str(dtype).removeprefix('torch.')}"
 
 
 def test_weights_unrepresentable_in_float32_are_fine_in_float64() -> None:
@@ -318,14 +329,16 @@ def test_weights_unrepresentable_in_float32_are_fine_in_float64() -> None:
 def test_total_weight_overflow_is_rejected_without_mutation() -> None:
     model, acc = primed(torch.float32)
     acc.accumulate_sum({}, weight=3e38)
-    expect_rejected(
+    err = expect_rejected(
         acc, lambda: acc.accumulate_sum({}, weight=1e38), InvalidWeightError, WEIGHT_MSG
     )
+    assert err.detail == f"new total weight {3.0 + 3e38 + 1e38!r} in float32"
     model64, acc64 = primed(torch.float64)
     acc64.accumulate_sum({}, weight=1.7e308)
-    expect_rejected(
+    err = expect_rejected(
         acc64, lambda: acc64.accumulate_mean({}, weight=1.7e308), InvalidWeightError, WEIGHT_MSG
     )
+    assert err.detail == "new total weight inf in float64"
 
 
 def test_counter_overflow_is_rejected_without_mutation() -> None:
@@ -354,28 +367,52 @@ def _bad_gradients(model: nn.Module) -> list[tuple[str, dict[str, Any], str]]:
         (
             "unknown",
             {"fc1.bias": torch.ones(HIDDEN, dtype=w.dtype), "nope": torch.ones(1)},
-            "'nope'",
+            "gradient for unknown parameter 'nope'",
         ),
-        ("shape", {"fc1.weight": torch.ones(IN, HIDDEN, dtype=w.dtype)}, "'fc1.weight' has shape"),
+        (
+            "shape",
+            {"fc1.weight": torch.ones(IN, HIDDEN, dtype=w.dtype)},
+            "gradient for parameter 'fc1.weight' has shape (4, 8), expected (8, 4)",
+        ),
         (
             "int",
             {"fc1.weight": torch.ones(w.shape, dtype=torch.int64)},
-            "'fc1.weight' has non-float",
+            "gradient for parameter 'fc1.weight' has non-floating dtype torch.int64",
         ),
-        ("device", {"fc1.weight": torch.ones(w.shape, device="meta")}, "'fc1.weight' is on meta"),
-        ("not a tensor", {"fc1.weight": [1.0]}, "'fc1.weight' is not a tensor"),
+        (
+            "device",
+            {"fc1.weight": torch.ones(w.shape, device="meta")},
+            "gradient for parameter 'fc1.weight' is on meta, parameter is on cpu",
+        ),
+        (
+            "not a tensor",
+            {"fc1.weight": [1.0]},
+            "gradient for parameter 'fc1.weight' is not a tensor: <class 'list'>",
+        ),
+        (
+            "sparse",
+            {"fc1.bias": torch.ones(HIDDEN, dtype=w.dtype).to_sparse()},
+            "gradient for parameter 'fc1.bias' has layout torch.sparse_coo",
+        ),
+        (
+            "unnamed",
+            {1: torch.ones(HIDDEN, dtype=w.dtype)},
+            "gradient for unknown parameter 1",
+        ),
     ]
 
 
 @pytest.mark.parametrize("weight", [2.0, 0.0], ids=["positive", "zero"])
-@pytest.mark.parametrize("case", range(5), ids=["unknown", "shape", "int", "device", "notensor"])
+@pytest.mark.parametrize(
+    "case", range(7), ids=["unknown", "shape", "int", "device", "notensor", "sparse", "unnamed"]
+)
 def test_bad_gradient_is_rejected_without_mutation(case: int, weight: float) -> None:
     """Every supplied gradient is validated before anything is added, also at zero weight."""
     model, acc = primed(torch.float64)
     _, grads, message = _bad_gradients(model)[case]
     for method in (acc.accumulate_sum, acc.accumulate_mean):
         err = expect_rejected(
-            acc, lambda m=method: m(grads, weight=weight), GradientError, message, exact=False
+            acc, lambda m=method: m(grads, weight=weight), GradientError, message
         )
         assert isinstance(err, WeightedAccumulationError)
 
@@ -498,35 +535,50 @@ def test_state_with_the_rust_dtype_name_loads(
         assert torch.equal(got, want)
 
 
-def _state_edits() -> list[tuple[str, dict[str, Any], type[Exception], str]]:
+def _state_edits() -> list[tuple[str, dict[str, Any], type[Exception], str, str | None]]:
+    """(case, edit of a stored state of 1 microbatch of weight 3, error, str(error), detail)."""
+    scalar = "invalid scalar: loss scale must be positive, finite and representable in "
     return [
-        ("dtype f16", {"dtype": "float16"}, InvalidStateError, STATE_MSG),
-        ("dtype rust F16", {"dtype": "F16"}, InvalidStateError, STATE_MSG),
-        ("dtype lower f32", {"dtype": "f32"}, InvalidStateError, STATE_MSG),
-        ("dtype torch", {"dtype": "torch.float64"}, InvalidStateError, STATE_MSG),
-        ("dtype int", {"dtype": 64}, InvalidStateError, STATE_MSG),
-        ("negative total", {"total_weight": -1.0}, InvalidStateError, STATE_MSG),
-        ("nan total", {"total_weight": math.nan}, InvalidStateError, STATE_MSG),
-        ("no batches", {"microbatches": 0, "total_weight": 3.0}, InvalidStateError, STATE_MSG),
-        ("counter > u64", {"microbatches": U64_MAX + 1}, InvalidStateError, STATE_MSG),
-        ("counter < 0", {"microbatches": -1}, InvalidStateError, STATE_MSG),
-        ("counter float", {"microbatches": 2.0}, InvalidStateError, STATE_MSG),
-        ("zero weight, pending", {"total_weight": 0.0}, InvalidStateError, STATE_MSG),
-        ("pending dtype", {"dtype": "float32"}, InvalidStateError, STATE_MSG),
-        ("zero scale", {"loss_scale": 0.0}, GradientError, "invalid scalar"),
-        ("f32 scale overflow", {"dtype": "float32", "loss_scale": 1e39}, GradientError, "invalid"),
+        ("dtype f16", {"dtype": "float16"}, InvalidStateError, STATE_MSG,
+         DTYPE_DETAIL + "'float16'"),
+        ("dtype rust F16", {"dtype": "F16"}, InvalidStateError, STATE_MSG, DTYPE_DETAIL + "'F16'"),
+        ("dtype lower f32", {"dtype": "f32"}, InvalidStateError, STATE_MSG,
+         DTYPE_DETAIL + "'f32'"),
+        ("dtype torch", {"dtype": "torch.float64"}, InvalidStateError, STATE_MSG,
+         DTYPE_DETAIL + "'torch.float64'"),
+        ("dtype int", {"dtype": 64}, InvalidStateError, STATE_MSG, DTYPE_DETAIL + "64"),
+        ("negative total", {"total_weight": -1.0}, InvalidStateError, STATE_MSG,
+         "total_weight -1.0 is not a valid effective weight"),
+        ("nan total", {"total_weight": math.nan}, InvalidStateError, STATE_MSG,
+         "total_weight nan is not a valid effective weight"),
+        ("no batches", {"microbatches": 0, "total_weight": 3.0}, InvalidStateError, STATE_MSG,
+         "total_weight 3.0 with zero microbatches"),
+        ("counter > u64", {"microbatches": U64_MAX + 1}, InvalidStateError, STATE_MSG,
+         f"microbatches {U64_MAX + 1} is not an unsigned 64-bit integer"),
+        ("counter < 0", {"microbatches": -1}, InvalidStateError, STATE_MSG,
+         "microbatches -1 is not an unsigned 64-bit integer"),
+        ("counter float", {"microbatches": 2.0}, InvalidStateError, STATE_MSG,
+         "microbatches must be an integer, got 2.0"),
+        ("zero weight, pending", {"total_weight": 0.0}, InvalidStateError, STATE_MSG,
+         "pending gradients in a window with zero total weight"),
+        ("pending dtype", {"dtype": "float32"}, InvalidStateError, STATE_MSG,
+         "pending gradient 'fc1.weight' is torch.float64, work dtype is torch.float32"),
+        ("zero scale", {"loss_scale": 0.0}, GradientError, scalar + "float64, got 0.0", None),
+        ("f32 scale overflow", {"dtype": "float32", "loss_scale": 1e39}, GradientError,
+         scalar + "float32, got 1e+39", None),
     ]
 
 
 @pytest.mark.parametrize("case", range(15))
 def test_inconsistent_checkpoint_state_is_rejected(tmp_path: Path, case: int) -> None:
-    name, edit, error, message = _state_edits()[case]
+    name, edit, error, message, detail = _state_edits()[case]
     model, source = primed(torch.float64)
     _, target = primed(torch.float64, seed=9)
     target.accumulate_sum(weight=0)
     sd = round_trip(source.state_dict(), tmp_path)
     sd["state"] = {**sd["state"], **edit}
-    expect_rejected(target, lambda: target.load_state_dict(sd), error, message, exact=False)
+    err = expect_rejected(target, lambda: target.load_state_dict(sd), error, message)
+    assert err.detail == detail
 
 
 @pytest.mark.parametrize(
@@ -571,3 +623,146 @@ def test_state_dict_is_a_snapshot() -> None:
     assert sd["state"]["dtype"] == "float64"
     acc.accumulate_sum({"fc1.bias": torch.ones(HIDDEN, dtype=torch.float64)}, weight=1)
     assert not torch.equal(acc.state_dict()["gradients"]["fc1.bias"], sd["gradients"]["fc1.bias"])
+
+
+@pytest.mark.parametrize(
+    ("state", "detail"),
+    [
+        ([1], "state must be a mapping, got list"),
+        ({"dtype": "float64"}, "state is missing ['loss_scale', 'microbatches', 'total_weight']"),
+        ({**F64_STATE, "dtype": 64}, DTYPE_DETAIL + "64"),
+        ({**F64_STATE, "dtype": ["float64"]}, DTYPE_DETAIL + "['float64']"),  # unhashable
+        ({**F64_STATE, "loss_scale": "2"}, "loss_scale must be a number, got '2'"),
+        ({**F64_STATE, "total_weight": None}, "total_weight must be a number, got None"),
+        ({**F64_STATE, "microbatches": 2.0}, "microbatches must be an integer, got 2.0"),
+        ({**F64_STATE, "microbatches": True}, "microbatches must be an integer, got True"),
+    ],
+)
+def test_stored_state_errors_name_the_reason(state: Any, detail: str) -> None:
+    with pytest.raises(InvalidStateError) as info:
+        WeightedAccumulationState.from_dict(state)
+    assert (str(info.value), info.value.detail) == (STATE_MSG, detail)
+
+
+def _state_dict_edits() -> list[tuple[Any, type[Exception], str, str | None]]:
+    """(state dict, error, str(error), detail): what load_state_dict refuses, and why."""
+    one = torch.ones(HIDDEN, dtype=torch.float64)
+    entries = "state dict needs 'gradients' and 'state' entries"
+    return [
+        ([], InvalidStateError, STATE_MSG, entries),
+        ({"state": F64_STATE}, InvalidStateError, STATE_MSG, entries),
+        ({"gradients": {}, "state": {}}, InvalidStateError, STATE_MSG,
+         "state is missing ['dtype', 'loss_scale', 'microbatches', 'total_weight']"),
+        ({"gradients": [], "state": F64_STATE}, InvalidStateError, STATE_MSG,
+         "'gradients' must be a mapping name -> tensor"),
+        ({"gradients": {"fc1.bias": one}, "state": {**F64_STATE, "total_weight": 0.0}},
+         InvalidStateError, STATE_MSG, "pending gradients in a window with zero total weight"),
+        ({"gradients": {"fc1.bias": [1.0]}, "state": F64_STATE}, InvalidStateError, STATE_MSG,
+         "pending gradient 'fc1.bias' is <class 'list'>, work dtype is torch.float64"),
+        ({"gradients": {"fc1.bias": one.float()}, "state": F64_STATE}, InvalidStateError,
+         STATE_MSG, "pending gradient 'fc1.bias' is torch.float32, work dtype is torch.float64"),
+        # devices are not checked: a pending gradient is moved to its parameter's device, and
+        # one that cannot be moved (meta holds no data) is refused with the reason
+        ({"gradients": {"fc1.bias": one.to("meta")}, "state": F64_STATE}, GradientError,
+         "pending gradient for parameter 'fc1.bias' cannot be moved to cpu: ", None),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_refused_state_dicts_name_the_reason_and_change_nothing(case: int) -> None:
+    state_dict, error, message, detail = _state_dict_edits()[case]
+    _, acc = primed(torch.float64)
+    err = expect_rejected(acc, lambda: acc.load_state_dict(state_dict), error, message, False)
+    assert str(err).startswith(message)
+    assert err.detail == detail
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda m: WeightedGradientAccumulator(m, dtype=torch.float16),
+         "invalid work dtype torch.float16: weighted accumulation needs torch.float32 or "
+         "torch.float64"),
+        (lambda m: WeightedGradientAccumulator(m, loss_scale=-1.0),
+         "invalid scalar: loss scale must be positive, finite and representable in float32, "
+         "got -1.0"),
+        (lambda m: WeightedGradientAccumulator([("fc1.bias",)]),
+         "expected (name, parameter) pairs, got ('fc1.bias',)"),
+        (lambda m: WeightedGradientAccumulator([("fc1.bias", 1.0)]),
+         "expected (str, Tensor) pairs, got ('fc1.bias', <class 'float'>)"),
+        (lambda m: WeightedGradientAccumulator([(1, m.fc1.bias)]),
+         "expected (str, Tensor) pairs, got (1, <class 'torch.nn.parameter.Parameter'>)"),
+        (lambda m: WeightedGradientAccumulator([("b", m.fc1.bias), ("b", m.fc2.bias)]),
+         "duplicate parameter name 'b'"),
+        (lambda m: WeightedGradientAccumulator(m).accumulate_sum([m.fc1.bias], weight=1),
+         "gradients must be a mapping name -> tensor, got <class 'list'>"),
+    ],
+)
+def test_bad_arguments_are_named(make: Callable[[nn.Module], object], message: str) -> None:
+    with pytest.raises(GradientError) as info:
+        make(MLP(torch.float32))
+    assert str(info.value) == message
+
+
+def test_a_state_of_another_dtype_is_written_by_its_name_and_refused_when_read() -> None:
+    data = WeightedAccumulationState(torch.bfloat16, 1.0).to_dict()
+    assert data == {"dtype": "bfloat16", "loss_scale": 1.0, "total_weight": 0.0, "microbatches": 0}
+    with pytest.raises(InvalidStateError) as info:
+        WeightedAccumulationState.from_dict(data)
+    assert info.value.detail == DTYPE_DETAIL + "'bfloat16'"
+
+
+def test_load_state_dict_copies_the_pending_gradients() -> None:
+    """Changing the loaded snapshot's tensors afterwards does not reach the accumulator."""
+    _, source = primed(torch.float64)
+    snapshot = source.state_dict()
+    _, target = primed(torch.float64, seed=9)
+    target.load_state_dict(snapshot)
+    want = {name: g.clone() for name, g in snapshot["gradients"].items()}
+    for grad in snapshot["gradients"].values():
+        grad.add_(1.0)
+    got = target.state_dict()["gradients"]
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_float64_finish_divides_by_the_float64_weight() -> None:
+    """2**24 + 1 is not a float32 value: the divisor is the window's float64 weight itself."""
+    model = MLP(torch.float64)
+    acc = WeightedGradientAccumulator(model, dtype=torch.float64, loss_scale=3.0)
+    weight = float(2**24 + 1)
+    acc.accumulate_sum({"fc1.bias": torch.full((HIDDEN,), 6.0, dtype=torch.float64)}, weight=weight)
+    got = acc.finish_mean().gradients["fc1.bias"]
+    assert got.tolist() == [6.0 / 3.0 / weight] * HIDDEN
+    assert 2.0 / weight != 2.0 / float(torch.tensor(weight, dtype=torch.float32))
+
+
+def test_zero_weight_finish_names_the_weight() -> None:
+    acc = WeightedGradientAccumulator(MLP(torch.float64), dtype=torch.float64)
+    err = expect_rejected(acc, acc.finish_mean, EmptyWeightError, EMPTY_MSG)
+    assert err.detail == "total weight is 0.0"
+
+
+def test_weight_limits_are_inclusive_and_a_one_element_tensor_is_a_weight() -> None:
+    """float32 max is a float32 weight; the counter may reach 2**64 - 1; a one-element tensor
+    weight is its value, a two-element one is refused."""
+    f32_max = torch.finfo(torch.float32).max
+    acc = WeightedGradientAccumulator(MLP(torch.float32), dtype=torch.float32)
+    acc.accumulate_sum({}, weight=f32_max)
+    assert acc.state.total_weight == f32_max
+    acc = WeightedGradientAccumulator(MLP(torch.float64), dtype=torch.float64)
+    state = WeightedAccumulationState(torch.float64, 1.0, 0.0, U64_MAX - 1).to_dict()
+    acc.load_state_dict({"gradients": {}, "state": state})
+    acc.accumulate_sum({}, weight=torch.tensor([3.0]))
+    assert (acc.state.microbatches, acc.state.total_weight) == (U64_MAX, 3.0)
+    with pytest.raises(InvalidWeightError):
+        acc.accumulate_sum({}, weight=torch.tensor([1.0, 2.0]))
+
+
+def test_float64_states_take_values_beyond_float32_and_float32_states_do_not() -> None:
+    WeightedGradientAccumulator(MLP(torch.float64), dtype=torch.float64, loss_scale=1e39)
+    big = {"dtype": "float64", "loss_scale": 1.0, "total_weight": 1e39, "microbatches": 1}
+    assert WeightedAccumulationState.from_dict(big).total_weight == 1e39
+    tiny = {"dtype": "float32", "loss_scale": 1.0, "total_weight": 1e-50, "microbatches": 1}
+    with pytest.raises(InvalidStateError) as info:
+        WeightedAccumulationState.from_dict(tiny)
+    assert info.value.detail == "total_weight 1e-50 is not a valid effective weight"

@@ -3,6 +3,7 @@ counts must give exactly the single-process gradient of the global mean loss."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,10 @@ from bdh_train.train.accumulate import (
     AccumulatedGradients,
     EmptyWeightError,
     GradientError,
+    InvalidWeightError,
     WeightedAccumulationState,
     WeightedGradientAccumulator,
+    normalize_gradients,
 )
 from bdh_train.train.reduce import (
     all_reduce_accumulated,
@@ -221,3 +224,160 @@ def test_ddp_work_dtype_mismatch_is_refused_on_every_rank(tmp_path: Path) -> Non
             "[4.0, 4.0], dtype code in [32.0, 64.0]"
         ), f"rank {rank}: {message}"
         assert outcome["agreeing_after"] == "passed", f"rank {rank}"
+
+
+# ------------------------------------------------ the bucket path in a one-rank process group
+def _merged_sums(model: nn.Module, dtype: torch.dtype, scale: float) -> AccumulatedGradients:
+    """Both ranks' microbatches of the "unequal" case accumulated on one rank."""
+    acc = WeightedGradientAccumulator(model, dtype=dtype, loss_scale=scale)
+    for rank in range(WORLD):
+        rank_sums = local_sums("unequal", rank, model, scale)
+        grads = {name: g.to(dtype) for name, g in rank_sums.gradients.items()}
+        acc.accumulate_sum(grads, weight=rank_sums.state.total_weight)
+    return acc.finish_sums()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_rank_bucket_is_bit_identical_to_the_single_process_finish(single_process_group, dtype):
+    """Packing into the flat bucket, the identity SUM and unpacking change no bit: the result is
+    the no-group path's, in the work dtype; `unused` (no gradient) stays absent."""
+    model = TinyMLP()
+    merged = _merged_sums(model, dtype, 8.0)
+    want = normalize_gradients(merged.gradients, 8.0, merged.state.total_weight)
+    got = all_reduce_accumulated(merged, model)
+    assert list(got) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    for name, grad in got.items():
+        assert grad.dtype == dtype and grad.shape == model.get_parameter(name).shape, name
+        assert torch.equal(grad, want[name]), name
+    if dtype == torch.float64:
+        assert_close(got, reference("unequal"), rtol=1e-12, msg="one-rank group")
+
+
+def test_one_rank_zero_gradient_stays_present(single_process_group):
+    """The presence mask, not the values, decides which gradients come back: an all-zero
+    gradient is returned (as zeros), a missing one is not."""
+    model = TinyMLP()
+    state = WeightedAccumulationState(torch.float64, 2.0, 4.0, 1)
+    grads = {"unused": torch.zeros(2, dtype=torch.float64),
+             "fc2.bias": torch.tensor([8.0, -4.0, 2.0], dtype=torch.float64)}
+    got = all_reduce_accumulated(AccumulatedGradients(grads, state), model)
+    assert {name: g.tolist() for name, g in got.items()} == {
+        "fc2.bias": [1.0, -0.5, 0.25], "unused": [0.0, 0.0]
+    }
+
+
+@pytest.mark.parametrize(
+    ("total_weight", "error", "detail"),
+    [
+        (0.0, EmptyWeightError, "global weight over all ranks is 0.0"),
+        (float("inf"), InvalidWeightError, "global weight inf in torch.float64"),
+        (float("nan"), InvalidWeightError, "global weight nan in torch.float64"),
+    ],
+)
+def test_one_rank_global_weight_is_checked(single_process_group, total_weight, error, detail):
+    state = WeightedAccumulationState(torch.float64, 1.0, total_weight, 1)
+    grads = {"fc2.bias": torch.ones(3, dtype=torch.float64)}
+    with pytest.raises(error) as info:
+        all_reduce_accumulated(AccumulatedGradients(grads, state), TinyMLP())
+    assert (str(info.value), info.value.detail) == (error.message, detail)
+
+
+def test_one_rank_agrees_with_itself_on_the_window_settings(single_process_group):
+    """The MAX probe of one rank: equal extremes, so no GradientError, whatever the scale."""
+    for dtype, scale in ((torch.float64, 3.0), (torch.float32, 0.5)):
+        state = WeightedAccumulationState(dtype, scale, 2.0, 1)
+        grads = {"fc2.bias": torch.full((3,), 6.0, dtype=dtype)}
+        got = all_reduce_accumulated(AccumulatedGradients(grads, state), TinyMLP())
+        assert got["fc2.bias"].tolist() == [6.0 / scale / 2.0] * 3
+
+
+# ------------------------------------------- a second rank emulated in the one-rank group
+class EmulatedPeer:
+    """Stands in for `dist.all_reduce` with one more rank: `record` keeps a copy of what this
+    rank sends (and reduces over itself only); `replay` combines each call with the recorded
+    tensor of the same call, by the op asked for (SUM or MAX), as the second rank would."""
+
+    def __init__(self, sent: list[torch.Tensor] | None = None) -> None:
+        self.sent = [] if sent is None else list(sent)
+        self.replaying = sent is not None
+        self.groups: list[Any] = []
+
+    def __call__(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        self.groups.append(group)
+        if not self.replaying:
+            self.sent.append(tensor.clone())
+            return
+        peer = self.sent.pop(0).to(tensor.dtype)
+        if op == dist.ReduceOp.MAX:
+            torch.maximum(tensor, peer, out=tensor)
+        else:
+            assert op == dist.ReduceOp.SUM, op
+            tensor.add_(peer)
+
+
+def _as_two_ranks(monkeypatch, rank1: AccumulatedGradients, rank0: AccumulatedGradients,
+                  group=None):
+    """rank 0's result when rank 1 sends what it sends with `rank1`."""
+    recorder = EmulatedPeer()
+    monkeypatch.setattr(dist, "all_reduce", recorder)
+    with pytest.raises(EmptyWeightError) if rank1.state.total_weight == 0 else nullcontext():
+        all_reduce_accumulated(rank1, TinyMLP(), group)  # an empty rank alone: no weight
+    replay = EmulatedPeer(recorder.sent)
+    monkeypatch.setattr(dist, "all_reduce", replay)
+    try:
+        return all_reduce_accumulated(rank0, TinyMLP(), group)
+    finally:
+        assert replay.groups == recorder.groups == [group, group]
+
+
+@pytest.mark.parametrize("case", ["unequal", "rank1_empty"])
+def test_two_emulated_ranks_give_the_single_process_gradient(
+    single_process_group, monkeypatch, case
+):
+    scale = CASES[case][0]
+    rank0, rank1 = (local_sums(case, rank, TinyMLP(), scale) for rank in range(WORLD))
+    group = dist.new_group([0])
+    out = _as_two_ranks(monkeypatch, rank1, rank0, group)
+    assert list(out) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    assert_close(out, reference(case), rtol=1e-12, msg=case)
+
+
+def test_two_emulated_empty_ranks_refuse_together(single_process_group, monkeypatch):
+    rank0, rank1 = (local_sums("global_empty", rank, TinyMLP(), 1.0) for rank in range(WORLD))
+    with pytest.raises(EmptyWeightError) as info:
+        _as_two_ranks(monkeypatch, rank1, rank0)
+    assert info.value.detail == "global weight over all ranks is 0.0"
+
+
+@pytest.mark.parametrize(
+    ("peer", "message"),
+    [
+        ((torch.float64, 4.0), "loss scale in [4.0, 4.0], dtype code in [32.0, 64.0]"),
+        # a difference float32 cannot hold: the probe is float64
+        ((torch.float32, 4.0 + 2**-40), f"loss scale in [4.0, {4.0 + 2**-40!r}], dtype code "
+                                        "in [32.0, 32.0]"),
+    ],
+)
+def test_an_emulated_rank_with_other_window_settings_is_refused(
+    single_process_group, monkeypatch, peer, message
+):
+    mine = AccumulatedGradients({}, WeightedAccumulationState(torch.float32, 4.0, 1.0, 1))
+    theirs = AccumulatedGradients({}, WeightedAccumulationState(*peer, 1.0, 1))
+    recorder = EmulatedPeer()
+    monkeypatch.setattr(dist, "all_reduce", recorder)
+    all_reduce_accumulated(theirs, TinyMLP())
+    monkeypatch.setattr(dist, "all_reduce", EmulatedPeer(recorder.sent))
+    with pytest.raises(GradientError) as info:
+        all_reduce_accumulated(mine, TinyMLP())
+    assert str(info.value) == f"ranks disagree on the accumulation window: {message}"
+
+
+def test_one_rank_float64_weight_keeps_every_bit(single_process_group):
+    """A float64 window's weight travels in float64: 2**24 + 1 tokens (not a float32 value)
+    divide exactly as in the single-process finish."""
+    weight = float(2**24 + 1)
+    state = WeightedAccumulationState(torch.float64, 1.0, weight, 1)
+    grads = {"fc2.bias": torch.full((3,), 3.0, dtype=torch.float64)}
+    got = all_reduce_accumulated(AccumulatedGradients(grads, state), TinyMLP())
+    assert got["fc2.bias"].tolist() == [3.0 / weight] * 3
+    assert 3.0 / weight != 3.0 / float(torch.tensor(weight, dtype=torch.float32))

@@ -51,15 +51,18 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_default_train_then_generate_and_eval(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli("train", "--run-dir", str(run_dir), "--set", "training.max_steps=30")
+    proc = run_cli(
+        "train", "--run-dir", str(run_dir), "--set", "training.max_steps=10",
+        "--set", "training.log_every=2",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "--- sample" in proc.stdout
     for name in ("config.toml", "metrics.jsonl", "loss.png", "checkpoints/latest"):
         assert (run_dir / name).is_file(), name
-    assert (run_dir / "checkpoints/step-0000030/model.safetensors").is_file()
+    assert (run_dir / "checkpoints/step-0000010/model.safetensors").is_file()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
-    assert train_rows[-1]["step"] == 30
+    assert train_rows[-1]["step"] == 10
     assert set(train_rows[0]) == {
         "step",
         "tokens",

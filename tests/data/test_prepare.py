@@ -3,6 +3,7 @@ validation rule, atomic refusal of bad input, and a reader that trusts no size i
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from test_formats import DOCS, write_all_formats
 
 from bdh_train.cli import main
+from bdh_train.config import load_config
 from bdh_train.data import DataConfig, load_splits, load_tokens
 from bdh_train.data.prepared import (
     META_FILE,
@@ -20,6 +22,7 @@ from bdh_train.data.prepared import (
 )
 from bdh_train.data.tokenizer import load_tokenizer, train_bpe
 from bdh_train.errors import DataError
+from bdh_train.trainer import Trainer
 
 CORPUS = [
     f"Document {i}: {' '.join(['the quick brown fox', 'jumps over', 'the lazy dog'][: i % 3 + 1])}"
@@ -167,6 +170,13 @@ def test_headerless_bin_loads_with_bin_dtype(tmp_path: Path) -> None:
     assert data.tokens.tolist() == ids.tolist() and not data.byte_level
     with pytest.raises(DataError, match=r"token id 154 at position 22 .* >= vocab_size 150"):
         cfg.load_source(str(path), 150)
+    # and it trains: one step of a tiny model on it, no sidecar written
+    settings = ["model.n_layer=1", "model.n_embd=16", "model.n_head=2",
+                "model.mlp_internal_dim_multiplier=2", "training.block_size=8",
+                "training.batch_size=2", "training.max_steps=1", "training.eval_every=0",
+                f"data.source='{path}'", "data.bin_dtype='uint16'"]
+    result = Trainer(load_config(overrides=settings), tmp_path / "run", stream=io.StringIO()).run()
+    assert result.step == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["run", "train.bin"]
 
 
 def test_binary_source_is_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:

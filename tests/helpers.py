@@ -218,3 +218,60 @@ def bpe_corpus(directory: Path, vocab_size: int = 300):
     path = tok.save(directory)
     data = write_token_file(directory / "text.bin", tok.encode(BPE_TEXT), tok.vocab_size)
     return tok, path, data
+
+
+# ------------------------------------------------------------------ multi-process training
+DISTRIBUTED_RUN = [
+    "model.n_layer=2",
+    "model.n_embd=16",
+    "model.n_head=2",
+    "model.mlp_internal_dim_multiplier=4",
+    "model.dropout=0.0",
+    "training.block_size=8",
+    "training.batch_size=4",
+    "training.log_every=1",
+    "training.eval_every=3",
+    "training.eval_steps=3",
+    "training.checkpoint_every=0",
+    "training.max_steps=6",
+    "training.gradient_accumulation_steps=2",
+]
+"""--set overrides of the trainer runs the multi-process tests compare with one process: a
+2-layer model without dropout, 4 rows of 8 tokens, accumulation 2, 6 steps, validation at 3
+and 6."""
+
+
+def train_in_group(run_dir: Path, overrides: list[str], rank: int = 0, world: int = 1,
+                   resume: bool = False, stop_after: int | None = None):
+    """Run a Trainer on `overrides` as rank `rank` of a `world`-process group (already joined,
+    as `run_multiprocess` does; world 1 is one plain process), quietly; returns it."""
+    import io
+
+    from bdh_train.config import load_config
+    from bdh_train.distributed.env import DistContext
+    from bdh_train.trainer import Trainer
+
+    ctx = DistContext(rank, world, rank) if world > 1 else None
+    trainer = Trainer(
+        load_config(overrides=overrides), run_dir, resume=resume, stream=io.StringIO(),
+        dist_ctx=ctx,
+    )
+    trainer.run(stop_after)
+    return trainer
+
+
+def unequal_count_micro_batches(rows: int = 4, block: int = 6):
+    """Two global micro-batches of ids < 32 in which the second half of the rows (the second
+    rank's or replica's) counts far fewer targets than the first in the second micro-batch."""
+    from bdh_train.batch import IGNORE_INDEX, SequenceBatch
+
+    out = []
+    for micro in range(2):
+        gen = torch.Generator().manual_seed(10 + micro)
+        inputs = torch.randint(0, 32, (rows, block), generator=gen)
+        targets = torch.randint(0, 32, (rows, block), generator=gen)
+        targets[0, :2] = IGNORE_INDEX
+        if micro:
+            targets[rows // 2 :, 1:] = IGNORE_INDEX
+        out.append(SequenceBatch(inputs, targets))
+    return out

@@ -5,59 +5,33 @@ depend on how many processes hold them. Evaluation split over the ranks equals o
 from __future__ import annotations
 
 import dataclasses
-import io
 import shutil
 from pathlib import Path
 
 import pytest
 from helpers import (
+    DISTRIBUTED_RUN,
     STREAMING_TBPTT_SETTINGS,
     assert_close,
     checkpoint_weights,
     run_multiprocess,
     tiny_model,
+    train_in_group,
 )
 
-from bdh_train.config import load_config
 from bdh_train.data import RandomWindowLoader, load_tokens
-from bdh_train.distributed.env import DistContext
 from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.train.evaluate import evaluate
 from bdh_train.train.metrics import read_metrics
 from bdh_train.train.reduce import all_reduce_sums
 from bdh_train.train.step import LanguageTrainModel
-from bdh_train.trainer import Trainer, TrainerState, regroup_rank_payloads
+from bdh_train.trainer import TrainerState, regroup_rank_payloads
 
-BASE = [
-    "model.n_layer=2",
-    "model.n_embd=16",
-    "model.n_head=2",
-    "model.mlp_internal_dim_multiplier=4",
-    "model.dropout=0.0",
-    "training.block_size=8",
-    "training.batch_size=4",
-    "training.log_every=1",
-    "training.eval_every=3",
-    "training.eval_steps=3",
-    "training.checkpoint_every=0",
-    "training.max_steps=6",
-    "training.gradient_accumulation_steps=2",
-]
 MODES = {
-    "random-windows": BASE,
-    "streaming-tbptt": [*BASE, *STREAMING_TBPTT_SETTINGS],
+    "random-windows": DISTRIBUTED_RUN,
+    "streaming-tbptt": [*DISTRIBUTED_RUN, *STREAMING_TBPTT_SETTINGS],
 }
 STOP_AT_STEP = 3
-
-
-def _train(run_dir: Path, overrides: list[str], rank: int = 0, world: int = 1,
-           resume: bool = False, stop_after: int | None = None) -> None:
-    ctx = DistContext(rank, world, rank) if world > 1 else None
-    trainer = Trainer(
-        load_config(overrides=overrides), run_dir, resume=resume, stream=io.StringIO(),
-        dist_ctx=ctx,
-    )
-    trainer.run(stop_after)
 
 
 class _CountingEval:
@@ -86,16 +60,16 @@ def _two_processes(rank: int, world: int, base: str) -> tuple[float, int, int]:
     """Every mode's uninterrupted run and its run stopped after STOP_AT_STEP steps; and the
     evaluation of a fixed model split over the two processes."""
     for mode, overrides in MODES.items():
-        _train(Path(base, mode, "whole"), overrides, rank, world)
+        train_in_group(Path(base, mode, "whole"), overrides, rank, world)
         accumulation = 2
-        _train(Path(base, mode, "split"), overrides, rank, world,
+        train_in_group(Path(base, mode, "split"), overrides, rank, world,
                stop_after=STOP_AT_STEP * accumulation)
     return _evaluate(rank, world)
 
 
 def _resume_four(rank: int, world: int, base: str) -> None:
     for mode, overrides in MODES.items():
-        _train(Path(base, mode, "on-4"), overrides, rank, world, resume=True)
+        train_in_group(Path(base, mode, "on-4"), overrides, rank, world, resume=True)
 
 
 def _losses(run_dir: Path, key: str = "loss") -> list[float]:
@@ -115,7 +89,7 @@ def test_a_two_process_run_resumes_on_one_and_on_four_processes_and_evaluates_sp
     for mode in MODES:
         for copy in ("on-1", "on-4"):
             shutil.copytree(tmp_path / mode / "split", tmp_path / mode / copy)
-        _train(tmp_path / mode / "on-1", MODES[mode], resume=True)
+        train_in_group(tmp_path / mode / "on-1", MODES[mode], resume=True)
     run_multiprocess(_resume_four, tmp_path / "group4", str(tmp_path), world=4, timeout=180)
     for mode in MODES:
         whole = tmp_path / mode / "whole"

@@ -173,7 +173,7 @@ def test_streaming_resume_continues_identically(stop: int) -> None:
     for _ in range(stop):
         ref.next_batch()
     state = json.loads(json.dumps(ref.state_dict()))
-    assert state["rows"] == [[d, w] for d, w in zip(ref.row_doc, ref.row_window, strict=True)]
+    assert state["rows"] == [[d, w] for d, w in zip(ref.row_doc, ref.row_next, strict=True)]
     resumed = StreamingDocumentLoader(STREAM, T, B, L, seed=9)
     resumed.load_state_dict(state)
     for _ in range(12):

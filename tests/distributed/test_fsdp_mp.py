@@ -16,14 +16,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import (
+    DISTRIBUTED_RUN,
     STREAMING_TBPTT_SETTINGS,
     assert_close,
     checkpoint_weights,
     run_multiprocess,
     tiny_model,
+    train_in_group,
+    unequal_count_micro_batches,
 )
 
-from bdh_train.batch import IGNORE_INDEX, SequenceBatch
+from bdh_train.batch import SequenceBatch
 from bdh_train.config import load_config
 from bdh_train.distributed import fsdp
 from bdh_train.distributed.env import DistContext
@@ -37,22 +40,7 @@ from bdh_train.train.reduce import accumulate_sharded
 from bdh_train.train.step import LanguageTrainModel
 from bdh_train.trainer import Trainer
 
-BASE = [
-    "model.n_layer=2",
-    "model.n_embd=16",
-    "model.n_head=2",
-    "model.mlp_internal_dim_multiplier=4",
-    "model.dropout=0.0",
-    "training.block_size=8",
-    "training.batch_size=4",
-    "training.log_every=1",
-    "training.eval_every=3",
-    "training.eval_steps=3",
-    "training.checkpoint_every=0",
-    "training.max_steps=6",
-    "training.gradient_accumulation_steps=2",
-    "optimizer.grad_clip_norm=0.5",
-]
+BASE = [*DISTRIBUTED_RUN, "optimizer.grad_clip_norm=0.5"]
 MODES = {
     "random-windows": BASE,
     "streaming-tbptt": [*BASE, *STREAMING_TBPTT_SETTINGS],
@@ -61,37 +49,11 @@ FSDP = ["parallel.shard=fsdp"]
 STOP_AT_STEP = 3
 
 
-def _train(run_dir: Path, overrides: list[str], rank: int = 0, world: int = 1,
-           resume: bool = False, stop_after: int | None = None) -> Trainer:
-    ctx = DistContext(rank, world, rank) if world > 1 else None
-    trainer = Trainer(
-        load_config(overrides=overrides), run_dir, resume=resume, stream=io.StringIO(),
-        dist_ctx=ctx,
-    )
-    trainer.run(stop_after)
-    return trainer
-
-
 STOPS = {"random-windows": STOP_AT_STEP * 2, "streaming-tbptt": 2 * 2 + 1}
 """Micro-steps before each mode's stop: a step boundary; one micro-step into step 3."""
 
 
 ROWS, BLOCK = 4, 6  # the global micro-batches of the window test; each rank takes 2 rows
-
-
-def _micro_batches() -> list[SequenceBatch]:
-    """Two global micro-batches whose ranks count different numbers of targets (rank 1's
-    rows have most of theirs ignored in the second)."""
-    out = []
-    for micro in range(2):
-        gen = torch.Generator().manual_seed(10 + micro)
-        inputs = torch.randint(0, 32, (ROWS, BLOCK), generator=gen)
-        targets = torch.randint(0, 32, (ROWS, BLOCK), generator=gen)
-        targets[0, :2] = IGNORE_INDEX
-        if micro:
-            targets[2:, 1:] = IGNORE_INDEX
-        out.append(SequenceBatch(inputs, targets))
-    return out
 
 
 def _qat_model():
@@ -105,7 +67,7 @@ def _window_gradients(step: LanguageTrainModel, rows: slice, group_rank: int | N
     model = step.model
     params = fsdp.local_parameters(model) if group_rank is not None else model
     accumulator = WeightedGradientAccumulator(params, torch.float32)
-    for batch in _micro_batches():
+    for batch in unequal_count_micro_batches(ROWS, BLOCK):
         mine = SequenceBatch(batch.inputs[rows], batch.targets[rows])
         model.zero_grad(set_to_none=True)
         if group_rank is None:
@@ -129,14 +91,14 @@ def _two_processes(rank: int, world: int, base: str) -> dict[str, torch.Tensor]:
     gradients = _window_gradients(step, slice(2 * rank, 2 * rank + 2), rank)
     for mode, overrides in MODES.items():
         run = Path(base, mode, "sharded")
-        trainer = _train(run, [*overrides, *FSDP], rank, world, stop_after=STOPS[mode])
+        trainer = train_in_group(run, [*overrides, *FSDP], rank, world, stop_after=STOPS[mode])
         assert trainer.sharded
         if rank == 0 and STOPS[mode] % 2 == 0:
             shutil.copytree(run, Path(base, mode, "on-1"))
         dist.barrier()
-        _train(run, [*overrides, *FSDP], rank, world, resume=True)
+        train_in_group(run, [*overrides, *FSDP], rank, world, resume=True)
     unsharded = Path(base, "unsharded")
-    _train(unsharded, [*BASE, "training.max_steps=1", "training.eval_every=0"], rank, world)
+    train_in_group(unsharded, [*BASE, "training.max_steps=1", "training.eval_every=0"], rank, world)
     with pytest.raises(CheckpointError, match="without parallel.shard='fsdp'"):
         Trainer(load_config(overrides=[*BASE, *FSDP]), unsharded, resume=True,
                 dist_ctx=DistContext(rank, world, rank), stream=io.StringIO())
@@ -161,7 +123,7 @@ def test_fsdp_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_p
     assert checkpoint.name == f"step-{STOP_AT_STEP:07d}"
     shards = sorted(p.name for p in (checkpoint / ckpt.SHARDED_DIR).iterdir())
     assert "__0_0.distcp" in shards and "__1_0.distcp" in shards  # each rank wrote its own
-    _train(on_one, [*MODES["random-windows"], *FSDP], resume=True)
+    train_in_group(on_one, [*MODES["random-windows"], *FSDP], resume=True)
     # One process holds the whole model but still writes the sharded layout (DCP + weights).
     final = ckpt.resolve_checkpoint(on_one)
     assert (final / ckpt.SHARDED_DIR / ".metadata").is_file()
@@ -172,7 +134,7 @@ def test_fsdp_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_p
     model, _, _ = load_run(tmp_path / "streaming-tbptt" / "sharded")
     assert not fsdp.is_sharded(model)
     for mode, overrides in MODES.items():
-        _train(tmp_path / mode / "reference", overrides)
+        train_in_group(tmp_path / mode / "reference", overrides)
         reference = tmp_path / mode / "reference"
         expected_weights = checkpoint_weights(reference)
         assert len(_metric(reference, "loss")) == 6

@@ -1,15 +1,22 @@
 """Data parallel x pipeline parallel on a 2 x 2 device mesh (4 gloo processes): the
-token-weighted gradient of replicas with unequal token counts, and 5 trainer steps with
+token-weighted gradient of replicas with unequal token counts, and 6 trainer steps with
 accumulation 2, equal one process."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close, checkpoint_weights, run_multiprocess, tiny_model
+from helpers import (
+    DISTRIBUTED_RUN,
+    assert_close,
+    checkpoint_weights,
+    run_multiprocess,
+    tiny_model,
+    train_in_group,
+    unequal_count_micro_batches,
+)
 
 from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.config import load_config
@@ -20,25 +27,9 @@ from bdh_train.errors import ConfigError
 from bdh_train.train.accumulate import WeightedGradientAccumulator
 from bdh_train.train.metrics import read_metrics
 from bdh_train.train.reduce import all_reduce_accumulated
-from bdh_train.trainer import Trainer
 
 REPLICAS, STAGES = 2, 2
 ROWS, BLOCK = 4, 6  # the global batch; each replica takes 2 rows
-
-
-def _micro_batches() -> list[SequenceBatch]:
-    """Two global micro-batches whose replicas count different numbers of targets (replica
-    1's rows have most of theirs ignored in the second)."""
-    out = []
-    for micro in range(2):
-        gen = torch.Generator().manual_seed(10 + micro)
-        inputs = torch.randint(0, 32, (ROWS, BLOCK), generator=gen)
-        targets = torch.randint(0, 32, (ROWS, BLOCK), generator=gen)
-        targets[0, :2] = IGNORE_INDEX
-        if micro:
-            targets[2:, 1:] = IGNORE_INDEX
-        out.append(SequenceBatch(inputs, targets))
-    return out
 
 
 def _mesh_gradients(rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -48,7 +39,7 @@ def _mesh_gradients(rank: int, world: int) -> dict[str, torch.Tensor]:
     runner = PipelineRunner(model, plan, mesh.stage, mesh.stage_group)
     accumulator = WeightedGradientAccumulator(model, torch.float32)
     rows = slice(mesh.data.rank * 2, mesh.data.rank * 2 + 2)
-    for batch in _micro_batches():
+    for batch in unequal_count_micro_batches(ROWS, BLOCK):
         mine = SequenceBatch(batch.inputs[rows], batch.targets[rows])
         model.zero_grad(set_to_none=True)
         out = runner.compute_gradients(mine)
@@ -58,27 +49,12 @@ def _mesh_gradients(rank: int, world: int) -> dict[str, torch.Tensor]:
     )
 
 
-TRAIN = [
-    "model.n_layer=2",
-    "model.n_embd=16",
-    "model.n_head=2",
-    "model.mlp_internal_dim_multiplier=4",
-    "model.dropout=0.0",
-    "training.block_size=8",
-    "training.batch_size=4",
-    "training.gradient_accumulation_steps=2",
-    "training.max_steps=5",
-    "training.log_every=1",
-    "training.eval_every=5",
-    "training.eval_steps=3",
-]
+TRAIN = DISTRIBUTED_RUN
 MESH = ["parallel.pipeline_stages=2", "parallel.data_parallel=2", "parallel.microbatches=2"]
 
 
 def _mesh_worker(rank: int, world: int, base: str) -> dict[str, torch.Tensor]:
-    cfg = load_config(overrides=[*TRAIN, *MESH])
-    ctx = DistContext(rank, world, rank)
-    Trainer(cfg, Path(base, "mesh"), stream=io.StringIO(), dist_ctx=ctx).run()
+    train_in_group(Path(base, "mesh"), [*TRAIN, *MESH], rank, world)
     return _mesh_gradients(rank, world)
 
 
@@ -90,7 +66,7 @@ def test_two_by_two_mesh_equals_one_process(tmp_path):
     )
     # the exact token-weighted gradient: the mean over every counted target of both windows
     model = tiny_model(seed=1)
-    batches = _micro_batches()
+    batches = unequal_count_micro_batches(ROWS, BLOCK)
     loss_sum = sum(
         model.loss_from_hidden(model.forward_hidden(b.inputs), b.targets, reduction="sum")
         for b in batches
@@ -100,9 +76,9 @@ def test_two_by_two_mesh_equals_one_process(tmp_path):
     for rank, grads in enumerate(results):
         for name, param in model.named_parameters():
             assert_close(grads[name], param.grad, rtol=1e-5, msg=f"rank {rank} {name}")
-    # the trainer on the mesh: parameters and validation loss after 5 steps
+    # the trainer on the mesh: parameters and validation loss after 6 steps
     one = tmp_path / "one"
-    Trainer(load_config(overrides=TRAIN), one, stream=io.StringIO()).run()
+    train_in_group(one, TRAIN)
     expected, got = checkpoint_weights(one), checkpoint_weights(tmp_path / "mesh")
     for name, value in expected.items():
         assert_close(got[name], value, rtol=1e-5, msg=name)

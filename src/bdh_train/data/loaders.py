@@ -243,6 +243,40 @@ class _EpochQueueLoader(_RankedLoader):
         self.position += 1
         return doc
 
+    def _row_cursor_ok(self, doc: int, at: int) -> bool:
+        """Whether (doc, at) is a row cursor this loader's data allows (-1: no document)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, queue position and every global row's (document, where it reads next), as
+        plain ints, plus the settings that must match for them to mean the same windows."""
+        return {
+            "kind": self.kind,
+            "epoch": self.epoch,
+            "position": self.position,
+            "rows": [[d, n] for d, n in zip(self.row_doc, self.row_next, strict=True)],
+            **self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the cursor; refuses a state saved with a different seed, shape or data."""
+        _check_state(state, self.kind, self._fingerprint())
+        rows = [(int(d), int(n)) for d, n in state["rows"]]
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if (
+            len(rows) != self.batch_size
+            or epoch < 0
+            or not 0 <= position <= self.num_docs
+            or not all(self._row_cursor_ok(d, n) for d, n in rows)
+        ):
+            raise DataError(f"{self.kind} loader state is inconsistent with this loader's data")
+        self.epoch, self.position = epoch, position
+        self.row_doc = [d for d, _ in rows]
+        self.row_next = [n for _, n in rows]
+
+    def _fingerprint(self) -> dict[str, int]:
+        raise NotImplementedError
+
 
 class StreamingDocumentLoader(_EpochQueueLoader):
     """Consecutive windows of documents, for training with state carried across steps.
@@ -289,20 +323,20 @@ class StreamingDocumentLoader(_EpochQueueLoader):
             )
         self._start_queue()
         self.row_doc = [-1] * self.batch_size  # -1: the row has no document yet
-        self.row_window = [0] * self.batch_size  # next window index to read in row_doc
+        self.row_next = [0] * self.batch_size  # next window index to read in row_doc
 
     def next_batch(self) -> SequenceBatch:
         """This rank's rows of the next global batch; reset marks rows starting a document."""
         starts: list[int] = []
         reset: list[bool] = []
         for b in range(self.batch_size):  # every rank replays all rows: the queue is shared
-            if self.row_doc[b] < 0 or self.row_window[b] == self.windows_per_doc:
-                self.row_doc[b], self.row_window[b] = self._next_doc(), 0
+            if self.row_doc[b] < 0 or self.row_next[b] == self.windows_per_doc:
+                self.row_doc[b], self.row_next[b] = self._next_doc(), 0
             starts.append(
-                self.row_doc[b] * self.logical_length + self.row_window[b] * self.block_size
+                self.row_doc[b] * self.logical_length + self.row_next[b] * self.block_size
             )
-            reset.append(self.row_window[b] == 0)
-            self.row_window[b] += 1
+            reset.append(self.row_next[b] == 0)
+            self.row_next[b] += 1
         lo, hi = self.rank * self.rows_per_rank, (self.rank + 1) * self.rows_per_rank
         windows = _gather(self.tokens, starts[lo:hi], self.block_size + 1)
         history = self._history(starts[lo:hi])
@@ -325,33 +359,8 @@ class StreamingDocumentLoader(_EpochQueueLoader):
                 )
         return history
 
-    def state_dict(self) -> dict[str, Any]:
-        """Epoch, queue position and every global row's (doc, next window), as plain ints."""
-        return {
-            "kind": self.kind,
-            "epoch": self.epoch,
-            "position": self.position,
-            "rows": [[d, w] for d, w in zip(self.row_doc, self.row_window, strict=True)],
-            **self._fingerprint(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the cursor; refuses a state saved with a different seed, shape or data."""
-        _check_state(state, self.kind, self._fingerprint())
-        rows = [(int(d), int(w)) for d, w in state["rows"]]
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if (
-            len(rows) != self.batch_size
-            or epoch < 0
-            or not 0 <= position <= self.num_docs
-            or any(
-                not (-1 <= d < self.num_docs and 0 <= w <= self.windows_per_doc) for d, w in rows
-            )
-        ):
-            raise DataError("streaming loader state is inconsistent with this loader's data")
-        self.epoch, self.position = epoch, position
-        self.row_doc = [d for d, _ in rows]
-        self.row_window = [w for _, w in rows]
+    def _row_cursor_ok(self, doc: int, window: int) -> bool:
+        return -1 <= doc < self.num_docs and 0 <= window <= self.windows_per_doc
 
     def _fingerprint(self) -> dict[str, int]:
         return {
@@ -442,7 +451,7 @@ class StreamingCorpusLoader(_EpochQueueLoader):
             )
         self._start_queue()
         self.row_doc = [-1] * self.batch_size  # -1: the row has no document yet
-        self.row_offset = [0] * self.batch_size  # next window's first token in row_doc
+        self.row_next = [0] * self.batch_size  # next window's first token in row_doc
 
     def doc_length(self, doc: int) -> int:
         return int(self.doc_bounds[doc + 1] - self.doc_bounds[doc])
@@ -452,14 +461,14 @@ class StreamingCorpusLoader(_EpochQueueLoader):
         document) cover the window's T + 1 tokens in order."""
         pieces, need = [], self.block_size + 1
         while need:
-            if self.row_doc[b] < 0 or self.row_offset[b] == self.doc_length(self.row_doc[b]):
-                self.row_doc[b], self.row_offset[b] = self._next_doc(), 0
-            doc, offset = self.row_doc[b], self.row_offset[b]
+            if self.row_doc[b] < 0 or self.row_next[b] == self.doc_length(self.row_doc[b]):
+                self.row_doc[b], self.row_next[b] = self._next_doc(), 0
+            doc, offset = self.row_doc[b], self.row_next[b]
             take = min(need, self.doc_length(doc) - offset)
             pieces.append((int(self.doc_bounds[doc]) + offset, take, offset == 0))
-            self.row_offset[b] += take
+            self.row_next[b] += take
             need -= take
-        self.row_offset[b] -= 1  # the window's last token is the next window's first
+        self.row_next[b] -= 1  # the window's last token is the next window's first
         return pieces
 
     def next_batch(self) -> SequenceBatch:
@@ -483,34 +492,10 @@ class StreamingCorpusLoader(_EpochQueueLoader):
             windows[:, :-1].contiguous(), targets.contiguous(), starts_doc[:, :-1].contiguous()
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        """Epoch, queue position and every global row's (doc, offset), as plain ints."""
-        return {
-            "kind": self.kind,
-            "epoch": self.epoch,
-            "position": self.position,
-            "rows": [[d, o] for d, o in zip(self.row_doc, self.row_offset, strict=True)],
-            **self._fingerprint(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the cursor; refuses a state saved with a different seed, shape or data."""
-        _check_state(state, self.kind, self._fingerprint())
-        rows = [(int(d), int(o)) for d, o in state["rows"]]
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if (
-            len(rows) != self.batch_size
-            or epoch < 0
-            or not 0 <= position <= self.num_docs
-            or any(
-                not ((d, o) == (-1, 0) or (0 <= d < self.num_docs and 0 <= o < self.doc_length(d)))
-                for d, o in rows
-            )
-        ):
-            raise DataError("corpus streaming loader state is inconsistent with this loader's data")
-        self.epoch, self.position = epoch, position
-        self.row_doc = [d for d, _ in rows]
-        self.row_offset = [o for _, o in rows]
+    def _row_cursor_ok(self, doc: int, offset: int) -> bool:
+        if (doc, offset) == (-1, 0):
+            return True
+        return 0 <= doc < self.num_docs and 0 <= offset < self.doc_length(doc)
 
     def _fingerprint(self) -> dict[str, int]:
         return {

@@ -188,6 +188,13 @@ def checkpoint_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(ckpt.resolve_checkpoint(run_dir) / ckpt.MODEL_FILE))
 
 
+def metric_column(run_dir: Path, key: str) -> list[float]:
+    """Every value of `key` in metrics.jsonl, in order (rows without it left out)."""
+    from bdh_train.train.metrics import read_metrics
+
+    return [r[key] for r in read_metrics(run_dir / "metrics.jsonl") if key in r]
+
+
 def metric_rows(run_dir: Path) -> list[dict]:
     """metrics.jsonl rows with only the deterministic fields."""
     from bdh_train.train.metrics import read_metrics

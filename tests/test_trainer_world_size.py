@@ -14,6 +14,7 @@ from helpers import (
     STREAMING_TBPTT_SETTINGS,
     assert_close,
     checkpoint_weights,
+    metric_column,
     run_multiprocess,
     tiny_model,
     train_in_group,
@@ -22,7 +23,6 @@ from helpers import (
 from bdh_train.data import RandomWindowLoader, load_tokens
 from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.train.evaluate import evaluate
-from bdh_train.train.metrics import read_metrics
 from bdh_train.train.reduce import all_reduce_sums
 from bdh_train.train.step import LanguageTrainModel
 from bdh_train.trainer import TrainerState, regroup_rank_payloads
@@ -72,10 +72,6 @@ def _resume_four(rank: int, world: int, base: str) -> None:
         train_in_group(Path(base, mode, "on-4"), overrides, rank, world, resume=True)
 
 
-def _losses(run_dir: Path, key: str = "loss") -> list[float]:
-    return [r[key] for r in read_metrics(run_dir / "metrics.jsonl") if key in r]
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_a_two_process_run_resumes_on_one_and_on_four_processes_and_evaluates_split(tmp_path):
@@ -93,7 +89,7 @@ def test_a_two_process_run_resumes_on_one_and_on_four_processes_and_evaluates_sp
     run_multiprocess(_resume_four, tmp_path / "group4", str(tmp_path), world=4, timeout=180)
     for mode in MODES:
         whole = tmp_path / mode / "whole"
-        expected_weights, expected_losses = checkpoint_weights(whole), _losses(whole)
+        expected_weights, expected_losses = checkpoint_weights(whole), metric_column(whole, "loss")
         assert len(expected_losses) == 6
         for copy in ("on-1", "on-4"):
             run = tmp_path / mode / copy
@@ -102,11 +98,11 @@ def test_a_two_process_run_resumes_on_one_and_on_four_processes_and_evaluates_sp
             for name, value in expected_weights.items():
                 assert_close(weights[name], value, rtol=1e-5, msg=f"{mode} {copy} {name}")
             assert_close(
-                _losses(run), expected_losses, rtol=1e-5, msg=f"{mode} {copy} losses"
+                metric_column(run, "loss"), expected_losses, rtol=1e-5, msg=f"{mode} {copy} losses"
             )
             # step 6's validation: split over 2 ranks in `whole`, over 1 or 4 here
             assert_close(
-                _losses(run, "val_loss")[-1], _losses(whole, "val_loss")[-1], rtol=1e-5,
+                metric_column(run, "val_loss")[-1], metric_column(whole, "val_loss")[-1], rtol=1e-5,
                 msg=f"{mode} {copy} val_loss",
             )
 

@@ -20,6 +20,7 @@ from helpers import (
     STREAMING_TBPTT_SETTINGS,
     assert_close,
     checkpoint_weights,
+    metric_column,
     run_multiprocess,
     tiny_model,
     train_in_group,
@@ -35,7 +36,6 @@ from bdh_train.inference import load_run
 from bdh_train.model import QuantConfig
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.accumulate import WeightedGradientAccumulator
-from bdh_train.train.metrics import read_metrics
 from bdh_train.train.reduce import accumulate_sharded
 from bdh_train.train.step import LanguageTrainModel
 from bdh_train.trainer import Trainer
@@ -105,10 +105,6 @@ def _two_processes(rank: int, world: int, base: str) -> dict[str, torch.Tensor]:
     return gradients
 
 
-def _metric(run_dir: Path, key: str) -> list[float]:
-    return [r[key] for r in read_metrics(run_dir / "metrics.jsonl") if key in r]
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_fsdp_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_path):
@@ -137,7 +133,7 @@ def test_fsdp_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_p
         train_in_group(tmp_path / mode / "reference", overrides)
         reference = tmp_path / mode / "reference"
         expected_weights = checkpoint_weights(reference)
-        assert len(_metric(reference, "loss")) == 6
+        assert len(metric_column(reference, "loss")) == 6
         for run in ("sharded", "on-1") if mode == "random-windows" else ("sharded",):
             weights = checkpoint_weights(tmp_path / mode / run)
             assert weights.keys() == expected_weights.keys()
@@ -145,8 +141,8 @@ def test_fsdp_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_p
                 assert_close(weights[name], value, rtol=1e-5, msg=f"{mode} {run} {name}")
             for key in ("loss", "grad_norm", "val_loss"):
                 assert_close(
-                    _metric(tmp_path / mode / run, key), _metric(reference, key), rtol=1e-5,
-                    msg=f"{mode} {run} {key}",
+                    metric_column(tmp_path / mode / run, key), metric_column(reference, key),
+                    rtol=1e-5, msg=f"{mode} {run} {key}",
                 )
 
 

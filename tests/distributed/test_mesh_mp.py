@@ -12,6 +12,7 @@ from helpers import (
     DISTRIBUTED_RUN,
     assert_close,
     checkpoint_weights,
+    metric_column,
     run_multiprocess,
     tiny_model,
     train_in_group,
@@ -25,7 +26,6 @@ from bdh_train.distributed.pipeline import PipelineRunner
 from bdh_train.distributed.planner import ParallelConfig, build_pipeline_plan
 from bdh_train.errors import ConfigError
 from bdh_train.train.accumulate import WeightedGradientAccumulator
-from bdh_train.train.metrics import read_metrics
 from bdh_train.train.reduce import all_reduce_accumulated
 
 REPLICAS, STAGES = 2, 2
@@ -82,11 +82,10 @@ def test_two_by_two_mesh_equals_one_process(tmp_path):
     expected, got = checkpoint_weights(one), checkpoint_weights(tmp_path / "mesh")
     for name, value in expected.items():
         assert_close(got[name], value, rtol=1e-5, msg=name)
-
-    def val_loss(run: Path) -> float:
-        return [r for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r][-1]["val_loss"]
-
-    assert_close(val_loss(tmp_path / "mesh"), val_loss(one), rtol=1e-5, msg="val_loss")
+    assert_close(
+        metric_column(tmp_path / "mesh", "val_loss")[-1], metric_column(one, "val_loss")[-1],
+        rtol=1e-5, msg="val_loss",
+    )
 
 
 def test_mesh_shape_follows_the_process_count():

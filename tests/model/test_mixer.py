@@ -328,3 +328,20 @@ def test_linear_attention_rejects_an_unknown_executor():
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         linear_attention(q, v, executor="flash")
+
+
+@pytest.mark.parametrize(("executor", "chunk_size"), [("dense", 16), ("chunked", 4)])
+def test_float32_log_decay_is_raised_to_its_powers_in_float64(executor, chunk_size):
+    """A float32 log-decay (a learned one kept in float32) with float64 activations: d^e is
+    exp(log d * e) in float64, so dense and chunked match the float64 definition to 1e-10
+    (powers taken in float32 are off by about 1e-7). The recurrent executor takes exp of the
+    float32 log-decay and is not held to this."""
+    inputs, _ = make_inputs(13, torch.float64, True, seed=11)
+    q, v, rho0 = (x.detach() for x in inputs)
+    log_decay = LOG_DECAY.float()
+    expected = definition(q, v, rho0, log_decay.double())
+    got = EXECUTOR_FUNCTIONS[executor](
+        q, v, initial_state=rho0, log_decay=log_decay, chunk_size=chunk_size
+    )
+    assert_close(got[0], expected[0], rtol=1e-10, msg="out")
+    assert_close(got[1], expected[1], rtol=1e-10, msg="final state")

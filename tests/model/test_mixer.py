@@ -14,11 +14,19 @@ q; an "alibi" model is the negative per-head log-decay case.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import assert_close
 
-from bdh_train.model.mixer import EXECUTOR_FUNCTIONS, EXECUTORS, linear_attention
+from bdh_train.model import mixer
+from bdh_train.model.mixer import (
+    EXECUTOR_FUNCTIONS,
+    EXECUTORS,
+    choose_executor,
+    linear_attention,
+)
 
 B, H, N, D = 2, 3, 5, 4
 LOG_DECAY = torch.tensor([-1.0, -0.3, -0.05], dtype=torch.float64)  # alibi-like, per head
@@ -242,3 +250,98 @@ def test_an_all_false_reset_mask_changes_nothing():
             reset_mask=torch.zeros(B, 8, dtype=torch.bool),
         )
         assert torch.equal(plain[0], masked[0]) and torch.equal(plain[1], masked[1])
+
+
+# choose_executor at its exact thresholds. With N = 2, D = 1, C = 2: dense costs 3 T
+# multiply-adds per token and head, chunked 2 * 3 + 2 * 2 * 1 = 10, and chunked needs
+# 1.5 * 10 = 15 < 3 T: T = 5 is the tie (dense), T = 6 the first length where chunked wins.
+@pytest.mark.parametrize(
+    ("seq_len", "n_neurons", "n_embd", "chunk_size", "expected"),
+    [
+        (1, 2, 1, 2, "dense"),  # shorter than one chunk
+        (2, 2, 1, 2, "dense"),  # exactly one chunk
+        (5, 2, 1, 2, "dense"),  # 1.5 * 10 = 15 = 3 * 5: a tie is not a win
+        (6, 2, 1, 2, "chunked"),  # 15 < 18
+        (100, 2, 1, 2, "chunked"),
+        # N = 8, D = 4, C = 4: chunked 4 * 12 + 2 * 32 = 112, 1.5 * 112 = 168 = 12 * 14.
+        (14, 8, 4, 4, "dense"),
+        (15, 8, 4, 4, "chunked"),
+        # The state term dominates: 1.5 * (1 * 101 + 2 * 100) = 451.5 < 101 T from T = 5.
+        (4, 100, 1, 1, "dense"),
+        (5, 100, 1, 1, "chunked"),
+    ],
+)
+def test_choose_executor_thresholds(seq_len, n_neurons, n_embd, chunk_size, expected):
+    assert choose_executor(seq_len, n_neurons, n_embd, chunk_size) == expected
+
+
+def test_linear_attention_passes_every_argument_to_the_named_executor(monkeypatch):
+    """Dispatch by name ('auto' through choose_executor on T, N, D and chunk_size), every
+    keyword passed through unchanged, the executor's result returned as it is."""
+    calls = []
+
+    def spy(name):
+        def executor(q, v, **kwargs):
+            calls.append((name, q, v, kwargs))
+            return name, kwargs
+
+        return executor
+
+    monkeypatch.setattr(
+        mixer, "EXECUTOR_FUNCTIONS", {name: spy(name) for name in EXECUTORS}
+    )
+    # T = 6, N = 2, D = 1, C = 2: chunked (test_choose_executor_thresholds); T = 5: dense.
+    q, v = torch.zeros(1, 1, 6, 2), torch.zeros(1, 1, 6, 1)
+    state, log_decay, mask = torch.ones(1, 1, 2, 1), torch.zeros(1), torch.ones(1, 6).bool()
+    kwargs = dict(
+        initial_state=state, log_decay=log_decay, chunk_size=2, output_final_state=False,
+        reset_mask=mask,
+    )
+    for executor, expected in [
+        ("auto", "chunked"),
+        ("dense", "dense"),
+        ("chunked", "chunked"),
+        ("recurrent", "recurrent"),
+    ]:
+        calls.clear()
+        result = linear_attention(q, v, executor=executor, **kwargs)
+        assert result == (expected, kwargs)
+        assert len(calls) == 1 and calls[0][0] == expected
+        assert calls[0][1] is q and calls[0][2] is v and calls[0][3] == kwargs
+        for key in ("initial_state", "log_decay", "reset_mask"):
+            assert calls[0][3][key] is kwargs[key]
+    q5, v5 = q[:, :, :5], v[:, :, :5]
+    assert linear_attention(q5, v5, executor="auto", chunk_size=2)[0] == "dense"
+    # The defaults: no state, no decay, chunk size 256, the final state, no resets.
+    calls.clear()
+    linear_attention(q5, v5, executor="dense")
+    assert calls[0][3] == dict(
+        initial_state=None, log_decay=None, chunk_size=256, output_final_state=True,
+        reset_mask=None,
+    )
+
+
+def test_linear_attention_rejects_an_unknown_executor():
+    q, v = torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 1)
+    message = (
+        "unknown executor 'flash'; expected one of ('dense', 'chunked', 'recurrent') or 'auto'"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        linear_attention(q, v, executor="flash")
+
+
+@pytest.mark.parametrize(("executor", "chunk_size"), [("dense", 16), ("chunked", 4)])
+def test_float32_log_decay_is_raised_to_its_powers_in_float64(executor, chunk_size):
+    """A float32 log-decay (a learned one kept in float32) with float64 activations: d^e is
+    exp(log d * e) in float64, so dense and chunked match the float64 definition to 1e-10
+    (powers taken in float32 are off by about 1e-7). The recurrent executor takes exp of the
+    float32 log-decay and is not held to this."""
+    inputs, _ = make_inputs(13, torch.float64, True, seed=11)
+    q, v, rho0 = (x.detach() for x in inputs)
+    log_decay = LOG_DECAY.float()
+    expected = definition(q, v, rho0, log_decay.double())
+    got = EXECUTOR_FUNCTIONS[executor](
+        q, v, initial_state=rho0, log_decay=log_decay, chunk_size=chunk_size
+    )
+    assert_close(got[0], expected[0], rtol=1e-10, msg="out")
+    assert_close(got[1], expected[1], rtol=1e-10, msg="final state")

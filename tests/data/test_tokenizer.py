@@ -105,3 +105,12 @@ def test_load_tokenizer_errors_are_one_clear_line(tmp_path) -> None:
         _bpe().decode([400])
     with pytest.raises(DataError, match="vocab_size >= 257"):
         train_bpe(_CORPUS, 256)
+
+
+def test_a_rewritten_tokenizer_file_is_read_again(tmp_path) -> None:
+    first = _bpe()
+    first.save(tmp_path)
+    assert load_tokenizer(tmp_path) is load_tokenizer(tmp_path / "tokenizer.json")  # one parse
+    second = _bpe(300)
+    second.save(tmp_path)
+    assert load_tokenizer(tmp_path).fingerprint() == second.fingerprint() != first.fingerprint()

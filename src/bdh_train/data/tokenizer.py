@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Protocol
 
@@ -281,6 +281,15 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
             f"tokenizer '{spec}' not found: data.tokenizer is 'bytes' or the path of a "
             f"Hugging Face {TOKENIZER_FILE} (or a directory holding one)"
         )
+    stat = path.stat()
+    return _load_tokenizer_file(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=8)
+def _load_tokenizer_file(path: str, mtime_ns: int, size: int) -> HFTokenizer:
+    """One parse per version of a tokenizer file: a run's start reads `data.tokenizer` in the
+    config layering, in each validation, in the trainer and in the data loading. The file's
+    modification time and size are part of the key, so a rewritten file is read again."""
     return HFTokenizer.from_file(path)
 
 

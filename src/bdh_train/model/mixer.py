@@ -132,17 +132,28 @@ def chunked_attention(
     output_final_state: bool = True, reset_mask: Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dense inside chunks of `chunk_size` tokens; the state carries the past between them
-    (each chunk applies its columns of the reset mask)."""
-    state, outs = initial_state, []
-    for start in range(0, q.shape[2], chunk_size):
-        end = min(start + chunk_size, q.shape[2])
+    (each chunk applies its columns of the reset mask).
+
+    The chunks are cut with torch.split: slicing each chunk out of q would make backward
+    build one zero-filled gradient of the whole q per chunk (O(T^2 / C) memory traffic);
+    split's backward concatenates the chunk gradients once.
+    """
+    seq_len = q.shape[2]
+    q_chunks = torch.split(q, chunk_size, dim=2)  # views whose backward concatenates once
+    v_chunks = torch.split(v, chunk_size, dim=2)
+    mask_chunks = (
+        [None] * len(q_chunks) if reset_mask is None else torch.split(reset_mask, chunk_size, 1)
+    )
+    state, outs, end = initial_state, [], 0
+    for q_chunk, v_chunk, mask_chunk in zip(q_chunks, v_chunks, mask_chunks, strict=True):
+        end += q_chunk.shape[2]
         out, state = dense_attention(
-            q[:, :, start:end],
-            v[:, :, start:end],
+            q_chunk,
+            v_chunk,
             initial_state=state,
             log_decay=log_decay,
-            output_final_state=output_final_state or end < q.shape[2],
-            reset_mask=None if reset_mask is None else reset_mask[:, start:end],
+            output_final_state=output_final_state or end < seq_len,
+            reset_mask=mask_chunk,
         )
         outs.append(out)
     return torch.cat(outs, dim=2), state

@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 DEFAULT_CHUNK_SIZE = 256
@@ -131,8 +132,79 @@ def chunked_attention(
     log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
     output_final_state: bool = True, reset_mask: Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Dense inside chunks of `chunk_size` tokens; the state carries the past between them
-    (each chunk applies its columns of the reset mask).
+    """Dense inside chunks of `chunk_size` tokens; the state carries the past between them.
+
+    All chunks at once, with no loop over them: the sequence is zero-padded to K whole chunks
+    of C tokens (a zero query and value add nothing to scores or states) and viewed as
+    [B, H, K, C, .]. Then, with chunk k covering positions kC .. kC + C - 1:
+
+        W_k = sum_{s in k} d^(kC + C - s) q_s^T v_s          what chunk k writes
+        S_k = d^(kC) rho0 + sum_{j<k} d^(C (k-1-j)) W_j       the state chunk k reads
+        out_t = d^(t - kC) q_t.S_k + the chunk's own dense part
+
+    S is one [K, K] matrix product over the chunks' writes, so a call costs a fixed number of
+    batched products whatever T is, and its shapes follow T symbolically under torch.compile.
+    The final state continues from the last chunk's S with that chunk's real tokens only.
+    With a reset mask the chunks run one after another (`_chunk_by_chunk`).
+    """
+    if reset_mask is not None:
+        return _chunk_by_chunk(
+            q, v, initial_state=initial_state, log_decay=log_decay, chunk_size=chunk_size,
+            output_final_state=output_final_state, reset_mask=reset_mask,
+        )
+    batch, heads, seq_len, n = q.shape
+    d, c = v.shape[-1], chunk_size
+    n_chunks = -(-seq_len // c)
+    pad = n_chunks * c - seq_len
+    qc = F.pad(q, (0, 0, 0, pad)).view(batch, heads, n_chunks, c, n)
+    vc = F.pad(v, (0, 0, 0, pad)).view(batch, v.shape[1], n_chunks, c, d)
+    local = torch.arange(c, device=q.device)
+    chunk_index = torch.arange(n_chunks, device=q.device)
+
+    scores = qc @ qc.transpose(-1, -2)  # [B, H, K, C, C]
+    if log_decay is not None:
+        gap = (local.unsqueeze(1) - local.unsqueeze(0)).clamp_min(0)
+        scores = scores * _decay_powers(log_decay, gap, q).unsqueeze(1)  # [H, 1, C, C]
+    out = scores.tril_(diagonal=-1) @ vc
+
+    q_write = qc if log_decay is None else qc * _decay_powers(log_decay, c - local, q).view(
+        -1, 1, c, 1
+    )
+    writes = (q_write.transpose(-1, -2) @ vc).flatten(-2)  # W_k, [B, H, K, N*D]
+    later = chunk_index.unsqueeze(1) - 1 - chunk_index.unsqueeze(0)  # k-1-j, [K, K]
+    if log_decay is None:
+        carry = (later >= 0).to(q.dtype)
+    else:
+        carry = _decay_powers(log_decay, c * later.clamp_min(0), q) * (later >= 0)
+    states = (carry @ writes).view(batch, heads, n_chunks, n, d)  # S_k without rho0
+    if initial_state is not None:
+        rho = initial_state.unsqueeze(2)  # [B, H, 1, N, D]
+        if log_decay is not None:
+            rho = rho * _decay_powers(log_decay, c * chunk_index, q).view(-1, n_chunks, 1, 1)
+        states = states + rho
+    q_read = qc if log_decay is None else qc * _decay_powers(log_decay, local, q).view(
+        -1, 1, c, 1
+    )
+    out = (out + q_read @ states).view(batch, heads, n_chunks * c, d)[:, :, :seq_len]
+    if not output_final_state:
+        return out, None
+    last = seq_len - (n_chunks - 1) * c  # real tokens in the last chunk
+    _, final = dense_attention(
+        q[:, :, seq_len - last :],
+        v[:, :, seq_len - last :],
+        initial_state=states[:, :, -1],
+        log_decay=log_decay,
+    )
+    return out, final
+
+
+def _chunk_by_chunk(
+    q: Tensor, v: Tensor, *, initial_state: Tensor | None = None,
+    log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+    output_final_state: bool = True, reset_mask: Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """chunked_attention as a loop of dense_attention calls, the state carried from one
+    chunk to the next (each applying its columns of the reset mask).
 
     The chunks are cut with torch.split: slicing each chunk out of q would make backward
     build one zero-filled gradient of the whole q per chunk (O(T^2 / C) memory traffic);

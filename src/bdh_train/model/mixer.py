@@ -39,6 +39,7 @@ return None for it. `linear_attention` dispatches by name through EXECUTOR_FUNCT
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,18 +48,45 @@ from torch import Tensor
 DEFAULT_CHUNK_SIZE = 256
 
 
-def choose_executor(seq_len: int, n_neurons: int, n_embd: int, chunk_size: int) -> str:
+@dataclass(frozen=True)
+class ExecutorCalibration:
+    """How 'auto' runs on one kind of device, from measured train steps."""
+
+    chunk_size: int
+    """The chunk length chunked runs with when the model's chunk_size is 0."""
+    chunked_margin: float
+    """How much cheaper (in multiply-adds) chunked must count to be chosen over dense."""
+
+
+# CPU: config L4 D128 H4 N512, fp32, 2 threads, batch 8, train steps alternating in one
+# process: C=128 was the fastest chunk at T=512, 1024, 2048 and 4096 (C=64 and 256 3-12%
+# slower), and the cost model with a x1.5 margin picks dense at T=256 (dense 1.02x C=128)
+# and chunked from T=512 on (1.19x dense); on L6 D256 H4 N2048 it keeps dense at T=256
+# (1.12x C=128). Other devices have not been measured: they keep the previous default.
+EXECUTOR_CALIBRATION: dict[str, ExecutorCalibration] = {
+    "cpu": ExecutorCalibration(chunk_size=128, chunked_margin=1.5),
+}
+UNMEASURED_DEVICE = ExecutorCalibration(chunk_size=DEFAULT_CHUNK_SIZE, chunked_margin=1.5)
+
+
+def calibration_for(device_type: str) -> ExecutorCalibration:
+    return EXECUTOR_CALIBRATION.get(device_type, UNMEASURED_DEVICE)
+
+
+def choose_executor(
+    seq_len: int, n_neurons: int, n_embd: int, chunk_size: int, margin: float = 1.5
+) -> str:
     """Pick dense or chunked by counting multiply-adds per token and head.
 
     dense costs T (N + D) per token (score row + weighted sum); chunked costs C (N + D) for its
-    chunk plus 2 N D for reading and writing the state. Chunking also loops in Python and
-    saves one state per chunk for backward, so it must win by a margin (x1.5) to be chosen.
+    chunk plus 2 N D for reading and writing the state. Chunking must win by `margin` (its
+    extra passes over the chunk states are not in the count) to be chosen.
     """
     if seq_len <= chunk_size:
         return "dense"
     dense_cost = seq_len * (n_neurons + n_embd)
     chunked_cost = chunk_size * (n_neurons + n_embd) + 2 * n_neurons * n_embd
-    return "chunked" if 1.5 * chunked_cost < dense_cost else "dense"
+    return "chunked" if margin * chunked_cost < dense_cost else "dense"
 
 
 def _decay_powers(log_decay: torch.Tensor, exponents: torch.Tensor, like: torch.Tensor):
@@ -279,13 +307,18 @@ def linear_attention(
     executor: str,
     initial_state: torch.Tensor | None = None,
     log_decay: torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int = 0,
     output_final_state: bool = True,
     reset_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run one executor by name; 'auto' resolves through `choose_executor`."""
+    """Run one executor by name; 'auto' resolves through `choose_executor`. A chunk_size of 0
+    takes the calibrated chunk of q's device type (EXECUTOR_CALIBRATION)."""
+    calibration = calibration_for(q.device.type)
+    chunk_size = chunk_size or calibration.chunk_size
     if executor == "auto":
-        executor = choose_executor(q.shape[2], q.shape[3], v.shape[3], chunk_size)
+        executor = choose_executor(
+            q.shape[2], q.shape[3], v.shape[3], chunk_size, calibration.chunked_margin
+        )
     fn = EXECUTOR_FUNCTIONS.get(executor)
     if fn is None:
         raise ValueError(f"unknown executor {executor!r}; expected one of {EXECUTORS} or 'auto'")

@@ -14,7 +14,11 @@ take the tensors instead, so the count leaves out what the checkpoints hold: eac
 inputs ('layer': u [B, 1, T, D], 8 MiB per layer at T=2048, B=8; 'mixer': x and u, which
 the layer keeps anyway).
 
+With --memory-only each case runs the warm-up step alone (its peak is the timed steps' too:
+the same work), for a machine too busy for timings; tokens/s then comes from that one step.
+
 Run: .venv/bin/python benchmarks/bench_recompute.py [--seq-lens 512 2048] [--batch 8]
+     [--memory-only] [--wait-quiet S]
 """
 
 from __future__ import annotations
@@ -75,11 +79,14 @@ def worker(spec: dict[str, Any]) -> None:
 
     step(batch.time_slice(0, PRIMER_TOKENS))
     base = settle_baseline()
-    warm = step()
     counters = cpu_counters()
-    timed = [step()]
-    while len(timed) < 2 or (sum(timed) < MIN_TIMED_S and len(timed) < MAX_TIMED_STEPS):
+    warm = step()
+    timed = []
+    if not spec["memory_only"]:  # the timed steps repeat the warm-up's work: same peak
+        counters = cpu_counters()
         timed.append(step())
+        while len(timed) < 2 or (sum(timed) < MIN_TIMED_S and len(timed) < MAX_TIMED_STEPS):
+            timed.append(step())
     others = others_cpu_share(counters, cpu_counters())
     peak = peak_rss_mib()
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -122,6 +129,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout-s", type=float, default=900.0)
     ap.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="one step per case, no timed steps: memory figures only (on a busy machine)",
+    )
+    ap.add_argument(
         "--wait-quiet",
         type=float,
         default=0.0,
@@ -137,15 +149,26 @@ def main() -> None:
             if args.wait_quiet > 0:
                 wait_for_quiet(args.wait_quiet)
             load = load_average()
-            spec = {"seq_len": seq_len, "mode": mode, "batch": args.batch, "threads": args.threads}
+            spec = {
+                "seq_len": seq_len,
+                "mode": mode,
+                "batch": args.batch,
+                "threads": args.threads,
+                "memory_only": args.memory_only,
+            }
             r = run_worker(os.path.abspath(__file__), spec, timeout_s=args.timeout_s)
             if "error" in r:
                 rows.append((seq_len, mode, r["error"], "", "", "", "", "", "", "", "", ""))
                 print(f"T={seq_len} {mode}: {r['error']}", flush=True)
                 continue
             delta = r["peak_mib"] - r["base_mib"]
-            tok_s = args.batch * seq_len / min(r["step_s"])
-            tok_med = args.batch * seq_len / statistics.median(r["step_s"])
+            tokens = args.batch * seq_len
+            if r["step_s"]:
+                tok_s = tokens / min(r["step_s"])
+                speed = f"{tok_s:.0f} ({tokens / statistics.median(r['step_s']):.0f})"
+            else:
+                tok_s = tokens / r["warmup_s"]
+                speed = f"- ({tok_s:.0f})"
             if mode == "none":
                 reference = {"tok_s": tok_s, "delta": delta, "saved": r["saved_mib"]}
             steps = ", ".join(f"{x:.2f}" for x in [r["warmup_s"], *r["step_s"]])
@@ -155,7 +178,7 @@ def main() -> None:
                     seq_len,
                     mode,
                     r["executor"],
-                    f"{tok_s:.0f} ({tok_med:.0f})",
+                    speed,
                     _ratio(tok_s, reference, "tok_s"),
                     f"{r['peak_mib']:.0f}",
                     f"{delta:.0f}",
@@ -168,11 +191,12 @@ def main() -> None:
             )
     print_table(
         f"recompute, config (a), batch {args.batch}, fp32, {args.threads} threads, full "
-        "backprop, executor auto. tokens/s from the fastest timed step (median in brackets); "
+        "backprop, executor auto. tokens/s from the fastest timed step (median in brackets; "
+        "with --memory-only only the warm-up step's, in brackets); others %: over the timed "
+        "steps (the warm-up with --memory-only); "
         "delta = peak RSS - RSS after setup; saved = bytes autograd keeps for backward outside "
         "recomputed regions in one forward (weights excluded); 'vs none' ratios at the same T; "
-        "others %: CPU capacity other processes used during the timed steps; load: 1-min load "
-        "average at the start",
+        "others %: CPU capacity other processes used; load: 1-min load average at the start",
         (
             "T",
             "recompute",

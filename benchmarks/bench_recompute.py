@@ -192,11 +192,11 @@ def main() -> None:
     print_table(
         f"recompute, config (a), batch {args.batch}, fp32, {args.threads} threads, full "
         "backprop, executor auto. tokens/s from the fastest timed step (median in brackets; "
-        "with --memory-only only the warm-up step's, in brackets); others %: over the timed "
-        "steps (the warm-up with --memory-only); "
+        "with --memory-only only the warm-up step's, in brackets); "
         "delta = peak RSS - RSS after setup; saved = bytes autograd keeps for backward outside "
         "recomputed regions in one forward (weights excluded); 'vs none' ratios at the same T; "
-        "others %: CPU capacity other processes used; load: 1-min load average at the start",
+        "others %: CPU capacity other processes used during the timed steps (the warm-up with "
+        "--memory-only); load: 1-min load average at the start",
         (
             "T",
             "recompute",

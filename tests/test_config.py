@@ -215,6 +215,7 @@ def test_deep_merge_does_not_mutate() -> None:
         ("optimizer.lr=5e-3", lambda c: c.optimizer.lr, 5e-3),
         ("optimizer.weight_decay = 0.5", lambda c: c.optimizer.weight_decay, 0.5),
         ("training.compile=true", lambda c: c.training.compile, True),
+        ("training.recompute='layer'", lambda c: c.training.recompute, "layer"),
         ('model.position="alibi"', lambda c: c.model.position, "alibi"),
         ("model.position=alibi", lambda c: c.model.position, "alibi"),
         ("data.source=/tmp/some text.txt", lambda c: c.data.source, "/tmp/some text.txt"),
@@ -327,6 +328,8 @@ BAD_VALUES = [
     ("training.device=gpu", "training.device must be one of 'auto', 'cpu', 'cuda', got 'gpu'"),
     ("training.dtype=float16", "training.dtype must be one of 'float32', 'bfloat16'"),
     ('training.compile="yes"', "training.compile must be true or false, got 'yes'"),
+    ("training.recompute='layers'", "training.recompute must be one of 'none', 'layer', "
+     "'mixer', got 'layers' (did you mean 'layer'?)"),
     ("training.profile=0", "training.profile must be one of 'off', 'step', 'detail', got 0"),
     ("training.profile='details'", "training.profile must be one of 'off', 'step', 'detail', got "
      "'details' (did you mean 'detail'?)"),

@@ -357,6 +357,28 @@ def test_compiled_layers_train_like_eager_and_compile_once(tmp_path, monkeypatch
         assert_close(p, eager[name], rtol=1e-5, msg=name)
 
 
+def test_layer_recompute_trains_like_keeping_everything(tmp_path):
+    """training.recompute = 'layer' on a streaming TBPTT run with dropout: the same metrics
+    (losses, gradient norms, validation) as 'none', to fp32 rounding."""
+    rows = {}
+    for mode in ("none", "layer"):
+        cfg = load_config(
+            overrides=[
+                *STREAMING_TBPTT,
+                "training.max_steps=2",
+                "training.eval_every=2",
+                "training.checkpoint_every=0",
+                f"training.recompute='{mode}'",
+            ]
+        )
+        trainer = Trainer(cfg, tmp_path / mode, stream=io.StringIO())
+        assert trainer.model.recompute == mode
+        trainer.run()
+        rows[mode] = metric_rows(tmp_path / mode)
+    assert len(rows["none"]) == 3 and rows["none"][-1]["val_loss"] > 0  # 2 steps, 1 eval
+    assert rows["layer"] == [pytest.approx(row, rel=1e-6) for row in rows["none"]]
+
+
 def test_bfloat16_autocast_trains_with_float32_master_weights(tmp_path):
     rows, params = _first_loss_and_params(tmp_path, ["training.dtype='bfloat16'"])
     fp32_rows, _ = _first_loss_and_params(tmp_path / "fp32", [])

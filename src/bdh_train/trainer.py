@@ -254,6 +254,7 @@ def build_model(cfg: RunConfig, device: torch.device) -> BDH:
     """A freshly initialised model from the run's seed."""
     torch.manual_seed(cfg.training.seed)
     model = BDH(cfg.model).to(device)
+    model.set_recompute(cfg.training.recompute)
     if cfg.training.compile:
         model.compile_layers()
     return model

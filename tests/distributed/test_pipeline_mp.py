@@ -20,6 +20,7 @@ from bdh_train.distributed.pipeline import (
 from bdh_train.distributed.planner import ParallelConfig, PipelinePlan, build_pipeline_plan
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.model import LanguageHeadConfig
+from bdh_train.model.bdh import RECOMPUTE_MODES
 from bdh_train.model.heads import count_targets
 
 WORLD = 2
@@ -206,10 +207,13 @@ def test_runner_refuses_group_size_mismatch(single_process_group: None) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_single_stage_runner(single_process_group: None) -> None:
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
+def test_single_stage_runner(single_process_group: None, recompute: str) -> None:
     """One stage: the schedule degenerates to microbatched accumulation and must equal the
-    full-batch mean-loss gradient; an indivisible batch is refused before any traffic."""
+    full-batch mean-loss gradient (of a model that keeps every activation, whatever the
+    runner's model recomputes); an indivisible batch is refused before any traffic."""
     model = tiny_model(torch.float64, seed=0, n_layer=N_LAYER)
+    model.set_recompute(recompute)
     reference = tiny_model(torch.float64, seed=0, n_layer=N_LAYER)
     runner = PipelineRunner(model, build_pipeline_plan(N_LAYER, 1, 1, MICROBATCHES, "gpipe"), 0)
     batch = _batch(0)

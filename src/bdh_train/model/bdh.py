@@ -10,6 +10,11 @@ repeat n_layer times with THE SAME weights:
 logits = u @ lm_head                   (or the NCA factorized head's loss)
 
 Quantization-aware training hooks in at `_project`; the head loss lives in heads.py.
+
+Recomputation (`set_recompute`, one of RECOMPUTE_MODES) trades one extra forward for the
+activations backward would otherwise keep: 'layer' keeps only each layer's inputs (u, rho)
+and re-runs the whole layer in backward; 'mixer' re-runs only the linear attention (`mix`).
+It is active only while gradients are recorded in training mode.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from bdh_train.model.config import BDHConfig
 from bdh_train.model.heads import (
@@ -40,6 +46,9 @@ from bdh_train.model.state import ModelState
 from bdh_train.model.summary import SummaryEvents, summary_branch
 
 LN_EPS = 1e-5
+
+RECOMPUTE_MODES = ("none", "layer", "mixer")
+"""What backward recomputes instead of keeping: nothing, the whole shared layer, or its mixer."""
 
 
 def _check_fits_in_memory(config: BDHConfig) -> None:
@@ -71,7 +80,8 @@ class BDH(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.empty(shape)))
         self.norm = nn.LayerNorm(d, eps=LN_EPS) if c.norm == "layernorm_affine" else None
         self.quantizer = LowBitQuantizer(c.quant) if c.quant.enable else None
-        self._compiled_layer = None  # the training twin of layer_step, from compile_layers()
+        self.recompute = "none"
+        self._compiled_layer = None  # the training twin of layer_call, from compile_layers()
         self._summary_layers = frozenset(c.summary_memory.layers(c.n_layer))
         self.reset_parameters()
 
@@ -108,6 +118,25 @@ class BDH(nn.Module):
         """
         if self.quantizer is not None:
             self.quantizer.set_step(step)
+
+    def set_recompute(self, mode: str) -> None:
+        """Choose what backward recomputes (one of RECOMPUTE_MODES); 'none' keeps everything.
+
+        'layer': every layer call keeps only its inputs u [B, 1, T, D] and rho [B, H, N, D]
+        and runs the layer again in backward (about one more forward per step); 'mixer': only
+        `mix` runs again, so the T x T (or chunk) score matrices, the rotated queries and the
+        attention output are not kept. Either way the gradients are those of 'none': the
+        recomputation restores the random generators' state (dropout draws the same mask)
+        and every other input of the layer is deterministic. Active only when gradients are
+        recorded in training mode, so evaluation and generation pay nothing.
+        """
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"unknown recompute mode {mode!r}; expected one of {RECOMPUTE_MODES}")
+        self.recompute = mode
+
+    def _recomputing(self, mode: str) -> bool:
+        """Whether `mode` is set and this forward records gradients in training mode."""
+        return self.recompute == mode and self.training and torch.is_grad_enabled()
 
     def init_state(self, batch_size: int) -> ModelState:
         return ModelState(self.config.n_layer, batch_size, self.embed.weight.device)
@@ -156,6 +185,21 @@ class BDH(nn.Module):
             state.rho[layer_index] = new_rho
         return u
 
+    def layer_call(
+        self,
+        u: torch.Tensor,
+        rho: torch.Tensor | None,
+        position_terms,
+        executor: str,
+        need_state: bool,
+        reset_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`layer_step`, under activation checkpointing when recompute is 'layer'."""
+        args = (u, rho, position_terms, executor, need_state, reset_mask)
+        if self._recomputing("layer"):
+            return checkpoint(self.layer_step, *args, use_reentrant=False, preserve_rng_state=True)
+        return self.layer_step(*args)
+
     def layer_step(
         self,
         u: torch.Tensor,
@@ -166,9 +210,38 @@ class BDH(nn.Module):
         reset_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer as a pure function (u, rho) -> (new u, new rho), for compile_layers."""
-        c = self.config
-        rope, log_decay = position_terms
         x = F.relu(self._project("encoder", u, self.encoder))  # [B, H, T, N]
+        mix_args = (x, u, rho, position_terms, executor, need_state, reset_mask)
+        if self._recomputing("mixer"):
+            a, new_rho = checkpoint(
+                self.mix, *mix_args, use_reentrant=False, preserve_rng_state=True
+            )
+        else:
+            a, new_rho = self.mix(*mix_args)
+        y = x * F.relu(self._project("encoder_v", a, self.encoder_v))
+        y = F.dropout(y, self.config.dropout, self.training)
+        batch, heads, seq_len, n = y.shape
+        y = y.transpose(1, 2).reshape(batch, 1, seq_len, heads * n)
+        m = self._norm(self._project("decoder", y, self.decoder))
+        return self._norm(u + m), new_rho
+
+    def mix(
+        self,
+        x: torch.Tensor,
+        u: torch.Tensor,
+        rho: torch.Tensor | None,
+        position_terms,
+        executor: str,
+        need_state: bool,
+        reset_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's mixer: neurons x [B, H, T, N] (rotated into queries under rope) read
+        and write the state over values u [B, 1, T, D]; -> (norm of the attention output
+        [B, H, T, D], new rho). Recompute 'mixer' re-runs exactly this in backward (rope, the
+        executor's score matrices and the norm; no projection and no random draw), keeping
+        only its inputs: x, u, rho and the position terms (the projections keep x and u
+        anyway)."""
+        rope, log_decay = position_terms
         q = x if rope is None else apply_rope(x, *rope)
         attn, new_rho = linear_attention(
             q,
@@ -176,21 +249,16 @@ class BDH(nn.Module):
             executor=executor,
             initial_state=rho,
             log_decay=log_decay,
-            chunk_size=c.chunk_size,
+            chunk_size=self.config.chunk_size,
             output_final_state=need_state,
             reset_mask=reset_mask,
         )
-        a = self._norm(attn)
-        y = x * F.relu(self._project("encoder_v", a, self.encoder_v))
-        y = F.dropout(y, c.dropout, self.training)
-        batch, heads, seq_len, n = y.shape
-        y = y.transpose(1, 2).reshape(batch, 1, seq_len, heads * n)
-        m = self._norm(self._project("decoder", y, self.decoder))
-        return self._norm(u + m), new_rho
+        return self._norm(attn), new_rho
 
     def compile_layers(self, **options) -> None:
         """torch.compile the layer for training: one graph, shared by every layer (the weights
-        are shared) and every step, built on the first call with gradients.
+        are shared) and every step, recomputation included, built on the first call with
+        gradients.
 
         The graph is specialised to that call: its batch and length, whether it computes a
         final state and whether it applies resets inside the call; the state is always a
@@ -198,18 +266,18 @@ class BDH(nn.Module):
         TBPTT block match. Calls that differ (a shorter TBPTT tail, a block with a reset
         mid-call) and calls without gradients (evaluation, generation) run the eager layer,
         so nothing is ever compiled twice."""
-        self._compiled_layer = torch.compile(self.layer_step, dynamic=False, **options)
+        self._compiled_layer = torch.compile(self.layer_call, dynamic=False, **options)
         self._compiled_signature = None
 
     def _layer_fn_for(self, u: torch.Tensor, rho, need_state: bool, reset_mask) -> tuple:
         """(layer function, state) for one call: the compiled layer where its graph fits."""
         if self._compiled_layer is None or not torch.is_grad_enabled():
-            return self.layer_step, rho
+            return self.layer_call, rho
         signature = (tuple(u.shape), need_state, reset_mask is None)
         if self._compiled_signature is None:
             self._compiled_signature = signature
         if signature != self._compiled_signature:
-            return self.layer_step, rho
+            return self.layer_call, rho
         if rho is None:
             c = self.config
             rho = u.new_zeros(u.shape[0], c.n_head, c.n_neurons, c.n_embd)

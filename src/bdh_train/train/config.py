@@ -10,6 +10,7 @@ from typing import ClassVar
 from bdh_train import checks
 from bdh_train.data.loaders import logical_length_for
 from bdh_train.errors import ConfigError
+from bdh_train.model.bdh import RECOMPUTE_MODES
 from bdh_train.train.allocator import HOST_ALLOCATORS
 from bdh_train.train.init_from import InitTransferConfig
 from bdh_train.train.profile import PROFILE_MODES
@@ -84,6 +85,12 @@ class TrainingConfig:
     """'float32', or 'bfloat16' autocast."""
     compile: bool = False
     """torch.compile the shared layer."""
+    recompute: str = "none"
+    """What backward recomputes instead of keeping (activation checkpointing): 'none';
+    'layer': each layer call keeps only its input and state and runs again in backward (about
+    one more forward per step, the least activation memory); 'mixer': only the linear
+    attention runs again (its score matrices are not kept). Gradients are unchanged, dropout
+    included; evaluation and generation are not affected."""
     max_consecutive_skips: int = 5
     """Abort after this many consecutive steps skipped for non-finite loss/gradients."""
     profile: str = "off"
@@ -156,6 +163,7 @@ class TrainingConfig:
         checks.choice(f"{p}.host_allocator", self.host_allocator, HOST_ALLOCATORS)
         checks.choice(f"{p}.dtype", self.dtype, DTYPES)
         checks.boolean(f"{p}.compile", self.compile)
+        checks.choice(f"{p}.recompute", self.recompute, RECOMPUTE_MODES)
         checks.nonneg_int(f"{p}.max_consecutive_skips", self.max_consecutive_skips)
         if isinstance(self.profile, bool):
             self.profile = "step" if self.profile else "off"

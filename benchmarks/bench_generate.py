@@ -16,7 +16,7 @@ run stops there and the 1024 figure is EXTRAPOLATED (a + b * prefix per-token fi
 marked so. Per-token times: median over the first 64 and the last 64 tokens of the 1024 run
 (token 1 includes the prompt and is left out).
 
-Run: .venv/bin/python benchmarks/bench_generate.py [--max-rerun-s 300]
+Run: .venv/bin/python benchmarks/bench_generate.py [--max-rerun-s 300] [--device cuda]
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-rerun-s", type=float, default=300.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument(
         "--wait-quiet",
         type=float,
@@ -108,8 +109,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {machine_line()}")
-    model = build_model()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch sees no CUDA device")
+    model = build_model().to(args.device)
     prompt = torch.randint(0, 256, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(args.device)
     recurrent_run(model, prompt, 8)  # warm-up
     model.forward_hidden(prompt)
 

@@ -25,8 +25,9 @@ the built-in baseline is off by more than 1e-4 (fp32): the two must compute one 
 Memory: one fresh subprocess per side (see _common.py for the method: a primed process's
 lifetime peak RSS minus its RSS after setup, i.e. what one train step adds; on CUDA
 torch.cuda.max_memory_allocated minus the allocated bytes after setup). Measured at the
-largest T*B of each config's grid (--memory all: every point; none: skip) for the baseline,
-bdh-train, and bdh-train with `model.set_recompute("layer")` where the model has it.
+largest T*B of each config's grid (--memory all: every point; none: skip; or a list of TxB
+points) for the baseline, bdh-train, and bdh-train with `model.set_recompute("layer")` where
+the model has it (BDH.set_recompute; "n/a" in the table where it does not exist).
 
 Matmul ceiling and the share of it reached: the fp32 (or bf16) matmul rate of this machine is
 measured once (a 2048^3 product on CPU, 8192^3 on CUDA). A train step's floating-point work
@@ -388,6 +389,17 @@ def parse_grid(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(points)
 
 
+def memory_grid(option: str, grid: tuple[tuple[int, int], ...]) -> set[tuple[int, int]]:
+    """The (T, B) points of `grid` whose memory --memory asks for."""
+    if option == "none":
+        return set()
+    if option == "all":
+        return set(grid)
+    if option == "largest":
+        return {max(grid, key=lambda p: p[0] * p[1])}
+    return set(parse_grid(option)) & set(grid)
+
+
 def run_point(args, config: str, seq_len: int, batch_size: int, official, device) -> dict[str, Any]:
     """Alternating timed steps of both sides at one (T, B); each side's step times."""
     torch.manual_seed(0)
@@ -452,9 +464,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--memory",
-        choices=("largest", "all", "none"),
         default="largest",
-        help="where to measure memory: each config's largest T*B point, every point, nowhere",
+        help="where to measure memory: 'largest' (each config's largest T*B point), 'all', "
+        "'none', or a comma list of TxB points",
     )
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per memory subprocess")
     args = ap.parse_args()
@@ -486,7 +498,7 @@ def main() -> None:
     rows = []
     for config in configs:
         grid = parse_grid(args.grid) if args.grid else DEFAULT_GRID[config]
-        largest = max(grid, key=lambda p: p[0] * p[1])
+        memory_points = memory_grid(args.memory, grid)
         for seq_len, batch_size in grid:
             r = run_point(args, config, seq_len, batch_size, official, device)
             tokens = seq_len * batch_size
@@ -499,9 +511,7 @@ def main() -> None:
                 * rate["bdh-train"],
             }
             memory = {"baseline": None, "bdh-train": None, "layer": None}
-            if args.memory == "all" or (
-                args.memory == "largest" and (seq_len, batch_size) == largest
-            ):
+            if (seq_len, batch_size) in memory_points:
                 memory["baseline"] = measure_memory(
                     args, config, seq_len, batch_size, "baseline", "none"
                 )
@@ -521,6 +531,8 @@ def main() -> None:
                 return f"{m['delta_mib']:.0f}" if "delta_mib" in m else m["error"][:48]
 
             executor = "dense" if r["chunk"] is None else f"chunked/{r['chunk']}"
+            if r["chunk"] is None and args.executor == "chunked":
+                executor = "chunked (1 chunk)"
             rows.append(
                 (
                     config,

@@ -310,7 +310,7 @@ def train_flops_per_token(shape: dict[str, int], seq_len: int, chunk: int | None
 
 
 def matmul_ceiling_gflops(device: torch.device, dtype: str, threads: int) -> float:
-    """The machine's dense matmul rate in the benchmark's dtype (best of 3)."""
+    """The machine's dense matmul rate (best of 3): fp32 on CPU, the benchmark's dtype on CUDA."""
     if device.type != "cuda":
         return matmul_gflops(threads)
     size = 8192
@@ -488,8 +488,9 @@ def main() -> None:
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}")
     ceiling = matmul_ceiling_gflops(device, args.dtype, args.threads)
+    ceiling_dtype = args.dtype if device.type == "cuda" else "fp32"
     print(
-        f"matmul ceiling ({args.dtype}, {args.device}, {args.threads} threads): "
+        f"matmul ceiling ({ceiling_dtype}, {args.device}, {args.threads} threads): "
         f"{ceiling:.0f} GFLOP/s"
     )
     self_check(official, device, configs)
@@ -568,9 +569,9 @@ def main() -> None:
         f"{', compiled' if args.compile else ''}, {args.threads} threads, executor "
         f"{args.executor}; steps alternate, 1 warm-up + {args.steps} timed each. tokens/s: "
         "fastest step (median); ratio = bdh-train / baseline (fastest); % peak: share of the "
-        f"{ceiling:.0f} GFLOP/s matmul ceiling (FLOPs of each side's executed form); memory: "
-        "MiB a train step adds (fresh process each; '-' not measured, 'n/a' no set_recompute); "
-        "load: 1-min load average"
+        f"{ceiling:.0f} GFLOP/s {ceiling_dtype} matmul ceiling (FLOPs of each side's executed "
+        "form); memory: MiB a train step adds (fresh process each; '-' not measured, 'n/a' "
+        "no set_recompute); load: 1-min load average"
     )
     headers = (
         "cfg",

@@ -100,6 +100,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument(
+        "--lengths",
+        default=",".join(map(str, LENGTHS)),
+        help="comma list of new-token counts (the largest is the rerun's length)",
+    )
+    ap.add_argument(
         "--wait-quiet",
         type=float,
         default=0.0,
@@ -107,6 +112,7 @@ def main() -> None:
         help="before each path wait up to S seconds for other processes to leave the CPUs",
     )
     args = ap.parse_args()
+    lengths = tuple(sorted(int(x) for x in args.lengths.split(",")))
     torch.set_num_threads(args.threads)
     print(f"machine: {machine_line()}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -123,7 +129,7 @@ def main() -> None:
     others: dict[str, float] = {}
     if args.wait_quiet > 0:
         wait_for_quiet(args.wait_quiet)
-    for n in LENGTHS:
+    for n in lengths:
         loads[f"rec{n}"] = load_average()
         before = cpu_counters()
         rec[n] = recurrent_run(model, prompt, n)
@@ -132,10 +138,10 @@ def main() -> None:
         wait_for_quiet(args.wait_quiet)
     loads["rerun"] = load_average()
     before = cpu_counters()
-    rr = rerun(model, prompt, max(LENGTHS), args.max_rerun_s)
+    rr = rerun(model, prompt, max(lengths), args.max_rerun_s)
     others["rerun"] = others_cpu_share(before, cpu_counters())
     measured = len(rr["per_token"])
-    for n in LENGTHS:
+    for n in lengths:
         rec_s = rec[n][0]
         if n <= measured:
             rerun_s, how = sum(rr["per_token"][:n]), "measured"
@@ -175,9 +181,9 @@ def main() -> None:
         rows,
     )
 
-    rec_tokens = rec[max(LENGTHS)][1][1:]  # token 1 carries the prompt
+    rec_tokens = rec[max(lengths)][1][1:]  # token 1 carries the prompt
     per = [("recurrent", rec_tokens)]
-    if measured == max(LENGTHS):
+    if measured == max(lengths):
         per.append(("rerun", rr["per_token"][1:]))
     trows = []
     for label, times in per:
@@ -185,7 +191,7 @@ def main() -> None:
         end = statistics.median(times[-WINDOW:]) * 1e3
         trows.append((label, f"{start:.2f}", f"{end:.2f}", f"{end / start:.2f}"))
     print_table(
-        f"time per token in the {max(LENGTHS)}-token run: median of tokens 2-{WINDOW + 1} "
+        f"time per token in the {max(lengths)}-token run: median of tokens 2-{WINDOW + 1} "
         f"(start) and of the last {WINDOW} (end)",
         ("path", "start ms/token", "end ms/token", "end / start"),
         trows,

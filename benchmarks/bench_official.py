@@ -413,10 +413,17 @@ def run_point(args, config: str, seq_len: int, batch_size: int, official, device
     batch = random_batch(seq_len, batch_size, device)
     times: dict[str, list[float]] = {name: [] for name in steps}
     warm = {name: timed(step, batch, device) for name, step in steps.items()}
+    print(f"  T={seq_len} B={batch_size} warm-up (s): {warm}", file=sys.stderr, flush=True)
     load = load_average()
-    for _ in range(args.steps):
+    for i in range(args.steps):
         for name, step in steps.items():
             times[name].append(timed(step, batch, device))
+            print(
+                f"  T={seq_len} B={batch_size} timed step {i + 1} {name}: "
+                f"{times[name][-1]:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     return {"warm": warm, "times": times, "load": load, "chunk": ours_chunk(ours, seq_len)}
 
 

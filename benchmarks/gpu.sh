@@ -45,7 +45,7 @@ if [ "$smoke" = 1 ]; then
     device=cpu
     grid=(--configs a --grid 64x2 --steps 1)
     compile_grid=()
-    gen=(--device cpu --max-rerun-s 1)
+    gen=(--device cpu --max-rerun-s 1 --lengths 8,16)
     part_s=240
 else
     if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then

@@ -198,8 +198,8 @@ def build_baseline(shape: dict[str, int], official: ModuleType | None) -> nn.Mod
 
 
 def ours_from_baseline(baseline: nn.Module, executor: str) -> BDH:
-    """bdh-train's BDH holding the baseline's weights (dropout 0)."""
-    state = baseline.state_dict()
+    """bdh-train's BDH holding the baseline's weights (dropout 0), on the CPU."""
+    state = {k: v.detach().cpu() for k, v in baseline.state_dict().items()}
     model = load_official_state_dict(state, n_layer=baseline_layers(baseline))
     model.config.executor = executor
     return model

@@ -54,22 +54,22 @@ def test_baseline_fp32_logits_close_to_bdh_train():
     assert bench_official.max_logit_difference(baseline, ours, CPU) < 1e-5
 
 
-@pytest.mark.parametrize(("executor", "seq_len"), [("dense", 24), ("chunked", 30)])
-def test_train_flops_formula_counts_what_runs(executor, seq_len):
-    """train_flops_per_token equals torch's count of one step's matmuls (fwd + bwd), for the
-    baseline's masked dense form and bdh-train's executors (chunk 8; 30 leaves a short last
-    chunk)."""
-    baseline, ours = _pair(executor)
+def test_train_flops_formula_counts_what_runs():
+    """train_flops_per_token equals torch's count of one train step's matmuls (forward and
+    backward) for the baseline's masked dense form and bdh-train's dense and chunked
+    executors (chunk 8 over T=30: a short last chunk)."""
+    seq_len = 30
     batch = bench_official.random_batch(seq_len, 2, CPU)
     tokens = batch.inputs.numel()
+    baseline, _ = _pair("dense")
     with FlopCounterMode(display=False) as counter:
         baseline(batch.inputs, batch.targets)[1].backward()
-    assert counter.get_total_flops() == tokens * bench_official.train_flops_per_token(
-        SHAPE, seq_len, None
-    )
-    chunk = bench_official.ours_chunk(ours, seq_len)
-    assert chunk == (8 if executor == "chunked" else None)
-    with FlopCounterMode(display=False) as counter:
-        LanguageTrainModel(ours).train_step(batch)
-    expected = tokens * bench_official.train_flops_per_token(SHAPE, seq_len, chunk)
-    assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12)
+    dense = tokens * bench_official.train_flops_per_token(SHAPE, seq_len, None)
+    assert counter.get_total_flops() == pytest.approx(dense, rel=1e-12)
+    for executor, chunk in (("dense", None), ("chunked", 8)):
+        _, ours = _pair(executor)
+        assert bench_official.ours_chunk(ours, seq_len) == chunk
+        with FlopCounterMode(display=False) as counter:
+            LanguageTrainModel(ours).train_step(batch)
+        expected = tokens * bench_official.train_flops_per_token(SHAPE, seq_len, chunk)
+        assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12)

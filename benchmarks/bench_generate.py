@@ -16,7 +16,7 @@ run stops there and the 1024 figure is EXTRAPOLATED (a + b * prefix per-token fi
 marked so. Per-token times: median over the first 64 and the last 64 tokens of the 1024 run
 (token 1 includes the prompt and is left out).
 
-Run: .venv/bin/python benchmarks/bench_generate.py [--max-rerun-s 300]
+Run: .venv/bin/python benchmarks/bench_generate.py [--max-rerun-s 300] [--device cuda]
 """
 
 from __future__ import annotations
@@ -98,6 +98,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-rerun-s", type=float, default=300.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument(
+        "--lengths",
+        default=",".join(map(str, LENGTHS)),
+        help="comma list of new-token counts (the largest is the rerun's length)",
+    )
     ap.add_argument(
         "--wait-quiet",
         type=float,
@@ -106,10 +112,14 @@ def main() -> None:
         help="before each path wait up to S seconds for other processes to leave the CPUs",
     )
     args = ap.parse_args()
+    lengths = tuple(sorted(int(x) for x in args.lengths.split(",")))
     torch.set_num_threads(args.threads)
     print(f"machine: {machine_line()}")
-    model = build_model()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch sees no CUDA device")
+    model = build_model().to(args.device)
     prompt = torch.randint(0, 256, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(args.device)
     recurrent_run(model, prompt, 8)  # warm-up
     model.forward_hidden(prompt)
 
@@ -119,7 +129,7 @@ def main() -> None:
     others: dict[str, float] = {}
     if args.wait_quiet > 0:
         wait_for_quiet(args.wait_quiet)
-    for n in LENGTHS:
+    for n in lengths:
         loads[f"rec{n}"] = load_average()
         before = cpu_counters()
         rec[n] = recurrent_run(model, prompt, n)
@@ -128,10 +138,10 @@ def main() -> None:
         wait_for_quiet(args.wait_quiet)
     loads["rerun"] = load_average()
     before = cpu_counters()
-    rr = rerun(model, prompt, max(LENGTHS), args.max_rerun_s)
+    rr = rerun(model, prompt, max(lengths), args.max_rerun_s)
     others["rerun"] = others_cpu_share(before, cpu_counters())
     measured = len(rr["per_token"])
-    for n in LENGTHS:
+    for n in lengths:
         rec_s = rec[n][0]
         if n <= measured:
             rerun_s, how = sum(rr["per_token"][:n]), "measured"
@@ -171,9 +181,9 @@ def main() -> None:
         rows,
     )
 
-    rec_tokens = rec[max(LENGTHS)][1][1:]  # token 1 carries the prompt
+    rec_tokens = rec[max(lengths)][1][1:]  # token 1 carries the prompt
     per = [("recurrent", rec_tokens)]
-    if measured == max(LENGTHS):
+    if measured == max(lengths):
         per.append(("rerun", rr["per_token"][1:]))
     trows = []
     for label, times in per:
@@ -181,7 +191,7 @@ def main() -> None:
         end = statistics.median(times[-WINDOW:]) * 1e3
         trows.append((label, f"{start:.2f}", f"{end:.2f}", f"{end / start:.2f}"))
     print_table(
-        f"time per token in the {max(LENGTHS)}-token run: median of tokens 2-{WINDOW + 1} "
+        f"time per token in the {max(lengths)}-token run: median of tokens 2-{WINDOW + 1} "
         f"(start) and of the last {WINDOW} (end)",
         ("path", "start ms/token", "end ms/token", "end / start"),
         trows,

@@ -1,0 +1,607 @@
+"""bdh-train's train step against the official BDH implementation, same weights, same batch.
+
+For each config ((a) L4 D128 H4 x16, (b) L6 D256 H4 x32; vocab 256, dropout 0) and each
+(T, B) of the grid, ONE process builds the baseline, copies its weights into bdh-train's
+BDH (bdh_train.interop.load_official_state_dict: the parameter names coincide), gives each
+its own AdamW (lr 1e-3) and draws one random batch. After a warm-up step of each side the
+steps ALTERNATE (baseline, bdh-train, baseline, bdh-train, ...; --steps timed steps each), so
+a change in the machine's load slows both sides alike and their ratio stays meaningful.
+tokens/s = B*T / step time, from the fastest timed step (the median in brackets).
+
+The baseline's train step is the official train.py's: `logits, loss = model(x, y)`,
+`loss.backward()`, `optimizer.step()`, `optimizer.zero_grad()`. bdh-train's is
+`LanguageTrainModel.train_step(batch)` + `optimizer.step()` (what the trainer runs).
+
+Baseline model: by default `OfficialBaseline` below, a re-implementation of the official
+`bdh.py` forward written out the way it is (rope with float32 phases, scores =
+(QR @ QR^T).tril(diagonal=-1), scores @ V over the full T x T matrix, its parameter-free
+layernorms, relu, dropout, lm_head, cross-entropy) and with its state_dict keys. With
+`--official PATH` the official file itself (a copy of pathwaycom/bdh's `bdh.py`; it is not
+part of this repository) is imported and timed: its `BDH(BDHConfig(...))` is built and its
+own weights are copied into bdh-train's model. At start the script prints the largest logit
+difference between the baseline and bdh-train on the same weights (T=64, B=2) and stops if
+the built-in baseline is off by more than 1e-4 (fp32): the two must compute one function.
+
+Memory: one fresh subprocess per side (see _common.py for the method: a primed process's
+lifetime peak RSS minus its RSS after setup, i.e. what one train step adds; on CUDA
+torch.cuda.max_memory_allocated minus the allocated bytes after setup). Measured at the
+largest T*B of each config's grid (--memory all: every point; none: skip; or a list of TxB
+points) for the baseline, bdh-train, and bdh-train with `model.set_recompute("layer")` where
+the model has it (BDH.set_recompute; "n/a" in the table where it does not exist).
+
+Matmul ceiling and the share of it reached: the fp32 (or bf16) matmul rate of this machine is
+measured once (a 2048^3 product on CPU, 8192^3 on CUDA). A train step's floating-point work
+is counted from the multiply-adds of each side's executed form, per token:
+
+    forward MACs/token = L * (3*H*D*N + H*C*(N + D) + 2*H*N*D*(1 - C/T)) + D*V
+    train FLOPs/token  = 2 (flops per MAC) * 3 (forward + backward = 3 forwards) * forward MACs
+
+3*H*D*N: the encoder, encoder_v and decoder projections; H*C*(N + D): the C x C score block of
+each chunk (C*N per token) and its product with the values (C*D); 2*H*N*D: reading the
+carried state (q @ rho) and writing it (q^T @ v), in every chunk but the first (read) and
+the last (write); D*V: lm_head (C | T assumed in the formula; the code counts exactly). For
+bdh-train C is its chunk size when its executor is chunked (C = T and no state term when
+dense); for the baseline's masked dense form C = T and the state term is 0. The masked half of
+each score block is counted, because it is computed. "% peak" = FLOPs/token * tokens/s /
+ceiling.
+
+Run:  .venv/bin/python benchmarks/bench_official.py                  # the default grid, CPU
+      .venv/bin/python benchmarks/bench_official.py --configs a --grid 512x8 --steps 3
+      .venv/bin/python benchmarks/bench_official.py --official /tmp/official_bdh/bdh.py
+      .venv/bin/python benchmarks/bench_official.py --device cuda --dtype bf16 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from _common import (
+    CONFIGS,
+    emit,
+    load_average,
+    machine_line,
+    matmul_gflops,
+    peak_rss_mib,
+    print_table,
+    run_worker,
+    settle_baseline,
+    worker_spec,
+)
+from torch import nn
+
+from bdh_train.batch import SequenceBatch
+from bdh_train.interop import load_official_state_dict
+from bdh_train.model import BDH
+from bdh_train.model.mixer import choose_executor
+from bdh_train.train.step import LanguageTrainModel
+
+VOCAB = 256
+LR = 1e-3
+TRAIN_EXECUTORS = ("auto", "dense", "chunked")  # the recurrent executor is for generation
+CHECK_T, CHECK_B = 64, 2
+CHECK_TOLERANCE = 1e-4  # fp32 logits, built-in baseline against bdh-train
+DEFAULT_GRID: dict[str, tuple[tuple[int, int], ...]] = {
+    "a": ((512, 8), (2048, 2), (2048, 8)),
+    "b": ((512, 4),),
+}
+"""(T, B) per config: the default grid."""
+
+
+# --------------------------------------------------------------------- the baseline
+class _OfficialAttention(nn.Module):
+    """The official Attention: rope with float32 phases, then the masked dense product."""
+
+    def __init__(self, n_neurons: int):
+        super().__init__()
+        i = torch.arange(0, n_neurons, 1, dtype=torch.float32)
+        quantized = (i / 2).floor() * 2
+        theta = 2**16
+        freqs = 1.0 / (theta ** (quantized / n_neurons)) / (2 * math.pi)
+        self.register_buffer("freqs", freqs.view(1, 1, 1, n_neurons))
+
+    @staticmethod
+    def rope(phases: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        v_rot = torch.stack((-v[..., 1::2], v[..., ::2]), dim=-1).view(*v.size())
+        phases = (phases % 1) * (2 * math.pi)
+        return (v * torch.cos(phases)).to(v.dtype) + (v_rot * torch.sin(phases)).to(v.dtype)
+
+    def forward(self, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seq_len = q.size(2)
+        positions = torch.arange(0, seq_len, device=self.freqs.device, dtype=self.freqs.dtype)
+        qr = self.rope(positions.view(1, 1, -1, 1) * self.freqs, q)
+        scores = (qr @ qr.mT).tril(diagonal=-1)
+        return scores @ v
+
+
+class OfficialBaseline(nn.Module):
+    """The official pathwaycom/bdh model's forward, step for step, with its state_dict keys
+    (decoder, encoder, encoder_v, embed.weight, lm_head, attn.freqs) and its init."""
+
+    def __init__(
+        self,
+        n_layer: int,
+        n_embd: int,
+        n_head: int,
+        mlp_internal_dim_multiplier: int,
+        vocab_size: int = VOCAB,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.n_layer, self.n_embd, self.n_head = n_layer, n_embd, n_head
+        self.n_neurons = mlp_internal_dim_multiplier * n_embd // n_head
+        h, d, n = n_head, n_embd, self.n_neurons
+        self.decoder = nn.Parameter(torch.zeros((h * n, d)).normal_(std=0.02))
+        self.encoder = nn.Parameter(torch.zeros((h, d, n)).normal_(std=0.02))
+        self.attn = _OfficialAttention(n)
+        self.ln = nn.LayerNorm(d, elementwise_affine=False, bias=False)
+        self.embed = nn.Embedding(vocab_size, d)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.drop = nn.Dropout(dropout)
+        self.encoder_v = nn.Parameter(torch.zeros((h, d, n)).normal_(std=0.02))
+        self.lm_head = nn.Parameter(torch.zeros((d, vocab_size)).normal_(std=0.02))
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, seq_len = idx.size()
+        d, h, n = self.n_embd, self.n_head, self.n_neurons
+        x = self.ln(self.embed(idx).unsqueeze(1))  # [B, 1, T, D]
+        for _ in range(self.n_layer):
+            x_sparse = F.relu(x @ self.encoder)  # [B, H, T, N]
+            y_kv = self.ln(self.attn(x_sparse, x))
+            y_sparse = F.relu(y_kv @ self.encoder_v)
+            xy_sparse = self.drop(x_sparse * y_sparse)
+            y_mlp = xy_sparse.transpose(1, 2).reshape(batch, 1, seq_len, n * h) @ self.decoder
+            x = self.ln(x + self.ln(y_mlp))
+        logits = x.view(batch, seq_len, d) @ self.lm_head
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+
+def load_official_module(path: str) -> ModuleType:
+    """Import a copy of the official bdh.py from `path` (it needs only torch)."""
+    file = Path(path)
+    if not file.is_file():
+        raise SystemExit(
+            f"error: --official {path}: no such file (a copy of pathwaycom/bdh's bdh.py)"
+        )
+    spec = importlib.util.spec_from_file_location("official_bdh", file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ("BDH", "BDHConfig"):
+        if not hasattr(module, name):
+            raise SystemExit(f"error: --official {path} defines no {name}: not the official bdh.py")
+    return module
+
+
+def build_baseline(shape: dict[str, int], official: ModuleType | None) -> nn.Module:
+    """The baseline model of a config shape (CONFIGS' fields; official init, dropout 0)."""
+    if official is None:
+        return OfficialBaseline(**shape, vocab_size=VOCAB, dropout=0.0)
+    return official.BDH(official.BDHConfig(**shape, vocab_size=VOCAB, dropout=0.0))
+
+
+def ours_from_baseline(baseline: nn.Module, executor: str) -> BDH:
+    """bdh-train's BDH holding the baseline's weights (dropout 0), on the CPU."""
+    state = {k: v.detach().cpu() for k, v in baseline.state_dict().items()}
+    model = load_official_state_dict(state, n_layer=baseline_layers(baseline))
+    model.config.executor = executor
+    return model
+
+
+def baseline_layers(baseline: nn.Module) -> int:
+    return baseline.n_layer if isinstance(baseline, OfficialBaseline) else baseline.config.n_layer
+
+
+def max_logit_difference(baseline: nn.Module, ours: BDH, device: torch.device) -> float:
+    """max |logits_baseline - logits_ours| on a random (CHECK_B, CHECK_T) batch, fp32, eval."""
+    g = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, VOCAB, (CHECK_B, CHECK_T), generator=g).to(device)
+    was = baseline.training, ours.training
+    baseline.eval()
+    ours.eval()
+    with torch.no_grad():
+        theirs, _ = baseline(idx)
+        mine, _ = ours(idx)
+    baseline.train(was[0])
+    ours.train(was[1])
+    return (theirs.float() - mine.float()).abs().max().item()
+
+
+# --------------------------------------------------------------------- steps
+def random_batch(seq_len: int, batch: int, device: torch.device) -> SequenceBatch:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (batch, seq_len + 1), generator=g).to(device)
+    return SequenceBatch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def autocast_factory(
+    device: torch.device, dtype: str
+) -> Callable[[], contextlib.AbstractContextManager]:
+    if dtype == "bf16":
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def baseline_stepper(model: nn.Module, autocast, compile_model: bool):
+    """The official train.py's step: forward with targets, backward, AdamW step, zero_grad."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    forward = torch.compile(model) if compile_model else model
+    model.train()
+
+    def step(batch: SequenceBatch) -> None:
+        with autocast():
+            _, loss = forward(batch.inputs, batch.targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def ours_stepper(model: BDH, autocast, compile_model: bool, recompute: str = "none"):
+    """bdh-train's step: LanguageTrainModel.train_step (zero_grad, forward, backward) + AdamW."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    if compile_model:
+        model.compile_layers()
+    if recompute != "none":
+        model.set_recompute(recompute)
+    train = LanguageTrainModel(model, autocast=autocast)
+
+    def step(batch: SequenceBatch) -> None:
+        train.train_step(batch)
+        optimizer.step()
+
+    return step
+
+
+def timed(
+    step: Callable[[SequenceBatch], None], batch: SequenceBatch, device: torch.device
+) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    step(batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+# --------------------------------------------------------------------- work counts
+def ours_chunk(model: BDH, seq_len: int) -> int | None:
+    """The chunk length bdh-train's executor runs at T (None: dense, no state term)."""
+    c = model.config
+    executor = c.executor
+    if executor == "auto":
+        executor = choose_executor(seq_len, c.n_neurons, c.n_embd, c.chunk_size)
+    if executor == "chunked" and c.chunk_size < seq_len:
+        return c.chunk_size
+    return None
+
+
+def train_flops_per_token(shape: dict[str, int], seq_len: int, chunk: int | None) -> float:
+    """2 * 3 * forward MACs per token (formula in the module docstring); chunk None = dense."""
+    layers, d, h = shape["n_layer"], shape["n_embd"], shape["n_head"]
+    n = shape["mlp_internal_dim_multiplier"] * d // h
+    block, state = float(seq_len), 0.0
+    if chunk is not None:
+        sizes = [min(chunk, seq_len - start) for start in range(0, seq_len, chunk)]
+        block = sum(c * c for c in sizes) / seq_len  # a c x c score block per chunk
+        # every chunk but the first reads the state, every chunk but the last writes it
+        state = h * n * d * ((seq_len - sizes[0]) + (seq_len - sizes[-1])) / seq_len
+    forward = layers * (3 * h * d * n + h * block * (n + d) + state) + d * VOCAB
+    return 2 * 3 * forward
+
+
+def matmul_ceiling_gflops(device: torch.device, dtype: str, threads: int) -> float:
+    """The machine's dense matmul rate (best of 3): fp32 on CPU, the benchmark's dtype on CUDA."""
+    if device.type != "cuda":
+        return matmul_gflops(threads)
+    size = 8192
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=tdtype)
+    b = torch.randn(size, size, device=device, dtype=tdtype)
+    a @ b
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best / 1e9
+
+
+# --------------------------------------------------------------------- memory worker
+def memory_worker(spec: dict[str, Any]) -> None:
+    """One side's train step in a fresh process: the memory it adds over a primed process."""
+    device = torch.device(spec["device"])
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    official = load_official_module(spec["official"]) if spec["official"] else None
+    baseline = build_baseline(CONFIGS[spec["config"]], official).to(device)
+    autocast = autocast_factory(device, spec["dtype"])
+    if spec["side"] == "baseline":
+        step = baseline_stepper(baseline, autocast, spec["compile"])
+    else:
+        ours = ours_from_baseline(baseline, spec["executor"]).to(device)
+        del baseline
+        step = ours_stepper(ours, autocast, spec["compile"], spec["recompute"])
+    batch = random_batch(spec["seq_len"], spec["batch"], device)
+    step(random_batch(16, spec["batch"], device))  # thread pools, gradients, AdamW state
+    if device.type == "cuda":
+        step(batch)  # compile/caches for the full shape, then measure a second full step
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device) / 2**20
+        step(batch)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        base = settle_baseline()
+        step(batch)
+        peak = peak_rss_mib()
+    emit({"base_mib": base, "peak_mib": peak, "delta_mib": peak - base})
+
+
+def measure_memory(args, config: str, seq_len: int, batch: int, side: str, recompute: str):
+    spec = {
+        "config": config,
+        "seq_len": seq_len,
+        "batch": batch,
+        "side": side,
+        "recompute": recompute,
+        "device": args.device,
+        "dtype": args.dtype,
+        "compile": args.compile,
+        "executor": args.executor,
+        "threads": args.threads,
+        "official": args.official,
+    }
+    return run_worker(os.path.abspath(__file__), spec, timeout_s=args.timeout_s)
+
+
+# --------------------------------------------------------------------- parent
+def parse_grid(text: str) -> tuple[tuple[int, int], ...]:
+    """'512x8,2048x2' -> ((512, 8), (2048, 2))."""
+    points = []
+    for item in text.split(","):
+        t, _, b = item.strip().partition("x")
+        if not (t.isdigit() and b.isdigit()) or int(t) < 1 or int(b) < 1:
+            raise SystemExit(f"error: --grid item {item!r} is not TxB (e.g. 512x8)")
+        points.append((int(t), int(b)))
+    return tuple(points)
+
+
+def memory_grid(option: str, grid: tuple[tuple[int, int], ...]) -> set[tuple[int, int]]:
+    """The (T, B) points of `grid` whose memory --memory asks for."""
+    if option == "none":
+        return set()
+    if option == "all":
+        return set(grid)
+    if option == "largest":
+        return {max(grid, key=lambda p: p[0] * p[1])}
+    return set(parse_grid(option)) & set(grid)
+
+
+def run_point(args, config: str, seq_len: int, batch_size: int, official, device) -> dict[str, Any]:
+    """Alternating timed steps of both sides at one (T, B); each side's step times."""
+    torch.manual_seed(0)
+    baseline = build_baseline(CONFIGS[config], official).to(device)
+    ours = ours_from_baseline(baseline, args.executor).to(device)
+    autocast = autocast_factory(device, args.dtype)
+    steps = {
+        "baseline": baseline_stepper(baseline, autocast, args.compile),
+        "bdh-train": ours_stepper(ours, autocast, args.compile),
+    }
+    batch = random_batch(seq_len, batch_size, device)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    warm = {name: timed(step, batch, device) for name, step in steps.items()}
+    print(f"  T={seq_len} B={batch_size} warm-up (s): {warm}", file=sys.stderr, flush=True)
+    load = load_average()
+    for i in range(args.steps):
+        for name, step in steps.items():
+            times[name].append(timed(step, batch, device))
+            print(
+                f"  T={seq_len} B={batch_size} timed step {i + 1} {name}: "
+                f"{times[name][-1]:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    return {"warm": warm, "times": times, "load": load, "chunk": ours_chunk(ours, seq_len)}
+
+
+def self_check(official, device, configs) -> None:
+    """Baseline and bdh-train compute one function: logits on the same weights."""
+    for config in configs:
+        torch.manual_seed(0)
+        baseline = build_baseline(CONFIGS[config], official).to(device)
+        ours = ours_from_baseline(baseline, "auto").to(device)
+        diff = max_logit_difference(baseline, ours, device)
+        which = "official bdh.py" if official is not None else "built-in baseline"
+        print(f"check ({config}): max |logits {which} - bdh-train| = {diff:.2e} (T={CHECK_T})")
+        if official is None and not diff <= CHECK_TOLERANCE:
+            raise SystemExit(
+                f"error: the built-in baseline differs from bdh-train by {diff:.2e} > "
+                f"{CHECK_TOLERANCE}: it no longer computes the official model"
+            )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="a,b", help="comma list of a,b")
+    ap.add_argument(
+        "--grid",
+        default=None,
+        help="comma list of TxB for every config (default: a: 512x8,2048x2,2048x8; b: 512x4)",
+    )
+    ap.add_argument("--steps", type=int, default=3, help="timed steps of each side (>= 1)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="bdh-train: model.compile_layers(); baseline: torch.compile(model), as train.py",
+    )
+    ap.add_argument(
+        "--executor",
+        choices=TRAIN_EXECUTORS,
+        default="auto",
+        help="bdh-train's executor (auto: dense or chunked by mixer.choose_executor)",
+    )
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default 2 on CPU)")
+    ap.add_argument(
+        "--official", default=None, metavar="PATH", help="a copy of the official bdh.py"
+    )
+    ap.add_argument(
+        "--memory",
+        default="largest",
+        help="where to measure memory: 'largest' (each config's largest T*B point), 'all', "
+        "'none', or a comma list of TxB points",
+    )
+    ap.add_argument("--timeout-s", type=float, default=900.0, help="per memory subprocess")
+    args = ap.parse_args()
+    if args.steps < 1:
+        raise SystemExit("error: --steps must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch sees no CUDA device")
+    args.threads = args.threads or (2 if args.device == "cpu" else torch.get_num_threads())
+    torch.set_num_threads(args.threads)
+    if args.official:
+        args.official = os.path.abspath(args.official)
+    official = load_official_module(args.official) if args.official else None
+    configs = [c.strip() for c in args.configs.split(",")]
+    for c in configs:
+        if c not in CONFIGS:
+            raise SystemExit(f"error: --configs {c!r}: known configs are {', '.join(CONFIGS)}")
+    device = torch.device(args.device)
+    print(f"machine: {machine_line()}")
+    if device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(device)}")
+    ceiling = matmul_ceiling_gflops(device, args.dtype, args.threads)
+    ceiling_dtype = args.dtype if device.type == "cuda" else "fp32"
+    print(
+        f"matmul ceiling ({ceiling_dtype}, {args.device}, {args.threads} threads): "
+        f"{ceiling:.0f} GFLOP/s"
+    )
+    self_check(official, device, configs)
+    has_recompute = hasattr(BDH, "set_recompute")
+    started = time.perf_counter()
+    rows = []
+    for config in configs:
+        grid = parse_grid(args.grid) if args.grid else DEFAULT_GRID[config]
+        memory_points = memory_grid(args.memory, grid)
+        for seq_len, batch_size in grid:
+            r = run_point(args, config, seq_len, batch_size, official, device)
+            tokens = seq_len * batch_size
+            rate = {k: tokens / min(v) for k, v in r["times"].items()}
+            median = {k: tokens / statistics.median(v) for k, v in r["times"].items()}
+            share = {
+                "baseline": train_flops_per_token(CONFIGS[config], seq_len, None)
+                * rate["baseline"],
+                "bdh-train": train_flops_per_token(CONFIGS[config], seq_len, r["chunk"])
+                * rate["bdh-train"],
+            }
+            memory = {"baseline": None, "bdh-train": None, "layer": None}
+            if (seq_len, batch_size) in memory_points:
+                memory["baseline"] = measure_memory(
+                    args, config, seq_len, batch_size, "baseline", "none"
+                )
+                memory["bdh-train"] = measure_memory(
+                    args, config, seq_len, batch_size, "ours", "none"
+                )
+                if has_recompute:
+                    memory["layer"] = measure_memory(
+                        args, config, seq_len, batch_size, "ours", "layer"
+                    )
+
+            def mib(m: dict[str, Any] | None, available: bool = True) -> str:
+                if not available:
+                    return "n/a"
+                if m is None:
+                    return "-"
+                return f"{m['delta_mib']:.0f}" if "delta_mib" in m else m["error"][:48]
+
+            executor = "dense" if r["chunk"] is None else f"chunked/{r['chunk']}"
+            if r["chunk"] is None and args.executor == "chunked":
+                executor = "chunked (1 chunk)"
+            rows.append(
+                (
+                    config,
+                    seq_len,
+                    batch_size,
+                    executor,
+                    f"{rate['baseline']:.0f} ({median['baseline']:.0f})",
+                    f"{rate['bdh-train']:.0f} ({median['bdh-train']:.0f})",
+                    f"{rate['bdh-train'] / rate['baseline']:.2f}x",
+                    f"{100 * share['baseline'] / (ceiling * 1e9):.0f}",
+                    f"{100 * share['bdh-train'] / (ceiling * 1e9):.0f}",
+                    mib(memory["baseline"]),
+                    mib(memory["bdh-train"]),
+                    mib(memory["layer"], has_recompute or memory["baseline"] is None),
+                    f"{r['load']:.1f}",
+                )
+            )
+            print(
+                f"[{time.perf_counter() - started:6.0f} s] ({config}) T={seq_len} B={batch_size}: "
+                f"warm-up {r['warm']['baseline']:.2f}/{r['warm']['bdh-train']:.2f} s, steps "
+                f"baseline {', '.join(f'{x:.2f}' for x in r['times']['baseline'])} s, bdh-train "
+                f"{', '.join(f'{x:.2f}' for x in r['times']['bdh-train'])} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    which = (
+        "official bdh.py (--official)"
+        if official is not None
+        else "built-in official re-implementation"
+    )
+    title = (
+        f"bdh-train vs {which}: {args.device}, {args.dtype}"
+        f"{', compiled' if args.compile else ''}, {args.threads} threads, executor "
+        f"{args.executor}; steps alternate, 1 warm-up + {args.steps} timed each. tokens/s: "
+        "fastest step (median); ratio = bdh-train / baseline (fastest); % peak: share of the "
+        f"{ceiling:.0f} GFLOP/s {ceiling_dtype} matmul ceiling (FLOPs of each side's executed "
+        "form); memory: MiB a train step adds (fresh process each; '-' not measured, 'n/a' "
+        "no set_recompute); load: 1-min load average"
+    )
+    headers = (
+        "cfg",
+        "T",
+        "B",
+        "bdh-train executor",
+        "baseline tok/s",
+        "bdh-train tok/s",
+        "ratio",
+        "baseline % peak",
+        "bdh-train % peak",
+        "baseline MiB",
+        "bdh-train MiB",
+        "recompute=layer MiB",
+        "load",
+    )
+    print_table(title, headers, rows)
+    print(f"\ntotal wall time {(time.perf_counter() - started) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    _spec = worker_spec()
+    if _spec is not None:
+        memory_worker(_spec)
+    else:
+        main()

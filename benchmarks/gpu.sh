@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The GPU benchmarks in one go (under 8 minutes on one CUDA device), each part time-boxed:
+#   (i)   bdh-train vs the official model's masked dense form per executor (bench_official.py)
+#   (ii)  compiled (compile_layers / torch.compile) vs eager
+#   (iii) bf16 autocast
+#   (iv)  generation: recurrent vs re-running the prefix (bench_generate.py)
+# Usage: benchmarks/gpu.sh OUT_DIR         (or OUT=DIR benchmarks/gpu.sh)
+#        benchmarks/gpu.sh --smoke OUT_DIR   (or BDH_GPU_SMOKE=1): tiny sizes on the CPU, to
+#        check the script end to end on a machine without a GPU.
+# Needs only the repository's environment: .venv/bin/python if present (else python3) with
+# torch and the package's dependencies (`pip install -e .`); src/ is put on PYTHONPATH.
+# The tables go to stdout and to OUT_DIR/gpu-bench-<UTC time>.txt.
+set -u -o pipefail
+
+smoke=${BDH_GPU_SMOKE:-0}
+out_dir=${OUT:-}
+for arg in "$@"; do
+    case "$arg" in
+        --smoke) smoke=1 ;;
+        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+        -*) echo "error: unknown option $arg (expected --smoke or an output directory)" >&2; exit 2 ;;
+        *) out_dir=$arg ;;
+    esac
+done
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo" || exit 2
+if [ -z "$out_dir" ]; then
+    echo "error: no output directory: give it as the first argument or in \$OUT" >&2
+    exit 2
+fi
+python=${PYTHON:-}
+if [ -z "$python" ]; then
+    if [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python3; fi
+fi
+export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"
+
+if ! mkdir -p "$out_dir"; then
+    echo "error: cannot create the output directory $out_dir" >&2
+    exit 2
+fi
+out_file="$out_dir/gpu-bench-$(date -u +%Y%m%dT%H%M%SZ).txt"
+
+if [ "$smoke" = 1 ]; then
+    device=cpu
+    grid=(--configs a --grid 64x2 --steps 1)
+    compile_grid=()
+    gen=(--device cpu --max-rerun-s 1 --lengths 8,16)
+    part_s=240
+else
+    if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+        echo "error: no CUDA device: torch.cuda.is_available() is False on this machine" \
+            "(torch $("$python" -c 'import torch; print(torch.__version__)' 2>/dev/null))." \
+            "Run benchmarks/gpu.sh --smoke (or BDH_GPU_SMOKE=1) for a tiny CPU run." >&2
+        exit 2
+    fi
+    device=cuda
+    grid=(--configs a,b --grid 2048x8,8192x4 --steps 3)
+    compile_grid=(--grid 2048x8)  # one shape: each new shape compiles again
+    gen=(--device cuda --max-rerun-s 60)
+    part_s=0  # each part's own limit below
+fi
+
+failures=0
+# part TITLE SECONDS COMMAND...: run COMMAND under `timeout`, its output to stdout and the file
+part() {
+    local title=$1 limit=$2
+    shift 2
+    [ "$part_s" -gt 0 ] && limit=$part_s
+    {
+        echo
+        echo "=== $title (limit ${limit} s): $*"
+    } | tee -a "$out_file"
+    local started=$SECONDS
+    timeout --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$out_file"
+    local rc=${PIPESTATUS[0]}
+    local took=$((SECONDS - started))
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        echo "=== $title: TIMED OUT after ${limit} s" | tee -a "$out_file"
+        failures=$((failures + 1))
+    elif [ "$rc" != 0 ]; then
+        echo "=== $title: FAILED (exit $rc) after ${took} s" | tee -a "$out_file"
+        failures=$((failures + 1))
+    else
+        echo "=== $title: done in ${took} s" | tee -a "$out_file"
+    fi
+}
+
+bench=(benchmarks/bench_official.py --device "$device" "${grid[@]}")
+{
+    echo "benchmarks/gpu.sh $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    [ "$smoke" = 1 ] && echo "SMOKE RUN: tiny sizes on the CPU; the figures mean nothing"
+} | tee "$out_file"
+
+# limits add up to 435 s; memory (fresh processes) only in the first part, at (a) T=2048 B=8
+part "(i) executors: auto" 100 "$python" "${bench[@]}" --executor auto --memory 2048x8,64x2
+part "(i) executors: dense" 45 "$python" "${bench[@]}" --executor dense --memory none
+part "(i) executors: chunked" 45 "$python" "${bench[@]}" --executor chunked --memory none
+part "(ii) compiled" 150 "$python" "${bench[@]}" --configs a "${compile_grid[@]}" --compile \
+    --memory none
+part "(iii) bf16 autocast" 45 "$python" "${bench[@]}" --dtype bf16 --memory none
+part "(iv) generation" 50 "$python" benchmarks/bench_generate.py "${gen[@]}"
+
+echo | tee -a "$out_file"
+echo "gpu.sh: $failures part(s) failed or timed out; output in $out_file" | tee -a "$out_file"
+[ "$failures" = 0 ]

@@ -85,7 +85,8 @@ from torch import nn
 from bdh_train.batch import SequenceBatch
 from bdh_train.interop import load_official_state_dict
 from bdh_train.model import BDH
-from bdh_train.model.mixer import choose_executor
+from bdh_train.model.mixer import calibration_for, choose_executor
+from bdh_train.train.allocator import HOST_ALLOCATORS, configure_host_allocator
 from bdh_train.train.step import LanguageTrainModel
 
 VOCAB = 256
@@ -287,11 +288,15 @@ def timed(
 def ours_chunk(model: BDH, seq_len: int) -> int | None:
     """The chunk length bdh-train's executor runs at T (None: dense, no state term)."""
     c = model.config
+    calibration = calibration_for(model.embed.weight.device.type)
+    chunk_size = c.chunk_size or calibration.chunk_size
     executor = c.executor
     if executor == "auto":
-        executor = choose_executor(seq_len, c.n_neurons, c.n_embd, c.chunk_size)
-    if executor == "chunked" and c.chunk_size < seq_len:
-        return c.chunk_size
+        executor = choose_executor(
+            seq_len, c.n_neurons, c.n_embd, chunk_size, calibration.chunked_margin
+        )
+    if executor == "chunked" and chunk_size < seq_len:
+        return chunk_size
     return None
 
 
@@ -333,6 +338,7 @@ def memory_worker(spec: dict[str, Any]) -> None:
     """One side's train step in a fresh process: the memory it adds over a primed process."""
     device = torch.device(spec["device"])
     torch.set_num_threads(spec["threads"])
+    configure_host_allocator(spec["host_allocator"], device)
     torch.manual_seed(0)
     official = load_official_module(spec["official"]) if spec["official"] else None
     baseline = build_baseline(CONFIGS[spec["config"]], official).to(device)
@@ -372,6 +378,7 @@ def measure_memory(args, config: str, seq_len: int, batch: int, side: str, recom
         "compile": args.compile,
         "executor": args.executor,
         "threads": args.threads,
+        "host_allocator": args.host_allocator,
         "official": args.official,
     }
     return run_worker(os.path.abspath(__file__), spec, timeout_s=args.timeout_s)
@@ -476,6 +483,13 @@ def main() -> None:
         "'none', or a comma list of TxB points",
     )
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per memory subprocess")
+    ap.add_argument(
+        "--host-allocator",
+        choices=HOST_ALLOCATORS,
+        default="auto",
+        help="the process's malloc policy, for both sides (training.host_allocator; default "
+        "auto, what the trainer uses)",
+    )
     args = ap.parse_args()
     if args.steps < 1:
         raise SystemExit("error: --steps must be >= 1")
@@ -491,7 +505,9 @@ def main() -> None:
         if c not in CONFIGS:
             raise SystemExit(f"error: --configs {c!r}: known configs are {', '.join(CONFIGS)}")
     device = torch.device(args.device)
+    allocator = configure_host_allocator(args.host_allocator, device)
     print(f"machine: {machine_line()}")
+    print(f"host allocator (both sides, this process): {allocator}")
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}")
     ceiling = matmul_ceiling_gflops(device, args.dtype, args.threads)

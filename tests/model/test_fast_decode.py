@@ -40,14 +40,16 @@ def test_fast_step_logits_equal_generic_step_and_full_forward(
     monkeypatch, dtype, position, overrides
 ):
     """Teacher-forced: rows at different positions (prompts of 5 and 2 tokens read alone),
-    then 9 steps; the rope table moves on every 3 positions."""
+    then 9 steps; the pending tokens are folded every 4 steps and the rope table moves on
+    every 3 positions. After a flush, the states agree too."""
     monkeypatch.setattr(generation, "ROPE_TABLE_TOKENS", 3)
+    monkeypatch.setattr(generation, "FOLD_TOKENS", 4)
     model = _model(dtype, position, **overrides)
     seq = torch.randint(0, 32, (2, 14), generator=torch.Generator().manual_seed(1))
     starts = (5, 2)
     with torch.no_grad():
         full = [model(seq[b : b + 1])[0][0] for b in range(2)]  # [T, V] per row, no state
-        got = {}
+        got, rho = {}, {}
         for name, build in (("fast", FastDecoder), ("generic", GenericDecoder)):
             states = []
             for b, start in enumerate(starts):
@@ -61,10 +63,15 @@ def test_fast_step_logits_equal_generic_step_and_full_forward(
                 logits.append(model.logits_from_hidden(decoder.step(tokens)))
             got[name] = torch.stack(logits, dim=1)  # [B, 9, V]
             assert decoder.state.position.tolist() == [start + 9 for start in starts]
+            if isinstance(decoder, FastDecoder):
+                assert decoder.pending == 1
+                decoder.flush()
+            rho[name] = torch.stack(decoder.state.rho)
     for b, start in enumerate(starts):
         want = full[b][start : start + 9]
         assert_close(got["fast"][b], want, rtol=TOLERANCE[dtype], msg=f"fast, row {b}")
         assert_close(got["fast"][b], got["generic"][b], rtol=TOLERANCE[dtype], msg=f"row {b}")
+    assert_close(rho["fast"], rho["generic"], rtol=TOLERANCE[dtype], msg="state after a flush")
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi", "alibi_learned"])

@@ -258,8 +258,8 @@ def test_greedy_generation_equals_full_prefix_rerun(position):
 def test_generation_marks_the_events_of_the_tokens_it_produces(monkeypatch):
     """With the write gate, generation finds events in its own tokens (a 3-token trigger,
     also spanning the prompt's end): the masks its calls pass, put together, are the mask of
-    the whole sequence but its last token, and it continues exactly as the full forward over the whole prefix
-    with the prefix's mask. Four symbols, sampled: the trigger occurs often."""
+    the whole sequence but its last token, and it continues exactly as the full forward over
+    the whole prefix with the prefix's mask. Four symbols, sampled: the trigger occurs often."""
     trigger = SummaryEventTrigger(sequence=(2, 3, 0))
     sm = summary(chunk_tokens=4, write_gate=True, residual_scale=1.0)
     model = tiny_model(torch.float64, vocab_size=4, summary_memory=sm).eval()

@@ -39,6 +39,11 @@ DECODERS = ("auto", "fast", "generic")
 """How a generation takes its per-token steps: the fast decoder where it applies ('auto'),
 always the fast one ('fast': ValueError where it does not apply) or the generic one."""
 
+FOLD_TOKENS = 32
+"""Tokens the fast decoder keeps pending before folding them into the state: a token's step
+reads the state once (instead of reading it and writing it), and every FOLD_TOKENS tokens one
+GEMM per layer writes them all."""
+
 ROPE_TABLE_TOKENS = 4096
 """Positions of rope phases computed at once; the table moves on when the rows pass its end."""
 
@@ -114,9 +119,10 @@ def fast_decoder_unsupported(model: BDH) -> str | None:
 class FastDecoder:
     """The generic step's arithmetic with the per-generation constants folded once.
 
-    It takes over `state`: the rho of every layer moves into one [L, B, H, N, D] buffer that
-    each step updates in place (state.rho[l] are views of it), and state.position advances by
-    one per step. Build it after the prompt is read; call `step` under torch.no_grad or
+    It takes over `state`: the rho of every layer moves into one [L, B, H, N, D] buffer
+    (state.rho[l] are views of it) that is updated in place every FOLD_TOKENS steps, and
+    state.position advances by one per step; state.rho includes every token read after
+    `flush()`. Build it after the prompt is read; call `step` under torch.no_grad or
     torch.inference_mode. The weights are read when it is built: rebuild it after changing them.
     """
 
@@ -142,14 +148,24 @@ class FastDecoder:
         self.state = state
         state.rho = list(self.rho.unbind(0))
         state.position = state.position.clone()
-        self.decay = None  # per-head factor the state is multiplied by after each token
+        # The last tokens' keys (q) and values (u) wait here, pending, until FOLD_TOKENS of them
+        # are folded into rho with one GEMM per layer.
+        k = self.fold_tokens = FOLD_TOKENS
+        self.pending_q = weight.new_zeros(len(self.rho), batch, h, k, n)
+        self.pending_v = weight.new_zeros(len(self.rho), batch, k, d)
+        self.pending = 0
+        self.decay_powers = None  # [H, K + 1]: d_h^m for m = 0..K
+        self.decay_powers_reversed = None  # [H, K + 1]: d_h^(K - i) for i = 0..K
         if c.position != "rope":
             log_decay = (
                 learned_alibi_log_decay(model.decay_log_gain.detach())
                 if c.position == "alibi_learned"
                 else alibi_log_decay(h)
             )
-            self.decay = torch.exp(log_decay.to(weight.device)).to(weight.dtype).view(1, h, 1, 1)
+            exponents = torch.arange(k + 1, dtype=torch.float64, device=weight.device)
+            powers = torch.exp(log_decay.to(weight.device).unsqueeze(1) * exponents)
+            self.decay_powers = powers.to(weight.dtype)
+            self.decay_powers_reversed = self.decay_powers.flip(1).contiguous()
         self.rope_table: torch.Tensor | None = None  # rotations [positions, 1, N/2], complex
         self.table_start = 0
         self._positions_known = False
@@ -187,34 +203,71 @@ class FastDecoder:
         return F.layer_norm(x, (self.dim,), self.norm_weight, self.norm_bias, self.norm_eps)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Read tokens [B] (one per row); return their last-layer hidden states [B, D]."""
+        """Read tokens [B] (one per row); return their last-layer hidden states [B, D].
+
+        Token t at offset k of the pending tokens (the state rho0 folded k tokens ago) reads
+        d^k q_t.rho0 + sum_(j < k) d^(k - j) (q_t.q_j) v_j, the generic step's
+        q_t.rho_t written out (d = 1 without decay); then it joins the pending tokens.
+        """
         b, h, n, d = tokens.shape[0], self.heads, self.neurons, self.dim
-        rotation = self._rope_rotation() if self.decay is None else None
+        k, powers = self.pending, self.decay_powers
+        rotation = self._rope_rotation() if powers is None else None
         u = self._norm(F.embedding(tokens, self.embed))  # [B, D]
-        v = u.view(b, 1, 1, d)
-        for rho in self.rho:  # [B, H, N, D], one per layer
+        for layer, rho in enumerate(self.rho):  # [B, H, N, D]
             x = torch.mm(u, self.encoder).relu_().view(b, h, n)
             q = x
             if rotation is not None:  # apply_rope: one complex multiply per (2k, 2k+1) pair
                 pairs = torch.view_as_complex(x.view(b, h, n // 2, 2))
                 q = torch.view_as_real(pairs * rotation).view(b, h, n)
             attn = torch.bmm(q.view(b * h, 1, n), rho.view(b * h, n, d)).view(b, h, d)
-            rho.addcmul_(q.view(b, h, n, 1), v)  # read before write: token t sees s < t
-            if self.decay is not None:
-                rho.mul_(self.decay)
+            pending_q, pending_v = self.pending_q[layer], self.pending_v[layer]
+            if k:
+                keys = pending_q[:, :, :k].reshape(b * h, k, n)
+                scores = torch.bmm(keys, q.view(b * h, n, 1)).view(b, h, k)
+                if powers is not None:
+                    attn = attn * powers[:, k].view(1, h, 1)
+                    reversed_powers = self.decay_powers_reversed
+                    assert reversed_powers is not None
+                    scores = scores * reversed_powers[:, self.fold_tokens - k : self.fold_tokens]
+                attn = torch.baddbmm(attn, scores, pending_v[:, :k])  # values shared by heads
+            pending_q[:, :, k].copy_(q)
+            pending_v[:, k].copy_(u)
             a = self._norm(attn)
             gate = torch.bmm(a.transpose(0, 1), self.encoder_v).relu_()  # [H, B, N]
             y = (x * gate.transpose(0, 1)).view(b, h * n)
             u = self._norm(u + self._norm(torch.mm(y, self.decoder)))
-            v = u.view(b, 1, 1, d)
+        self.pending += 1
+        if self.pending == self.fold_tokens:
+            self.flush()
         self.state.position.add_(1)
         self.first_position += 1
         self.last_position += 1
         return u
 
+    def flush(self) -> None:
+        """Fold the pending tokens into rho: state.rho is then the generic step's state."""
+        k = self.pending
+        if not k:
+            return
+        b, h, n, d = self.rho.shape[1:]
+        for layer, rho in enumerate(self.rho):
+            keys = self.pending_q[layer][:, :, :k]  # [B, H, k, N]
+            values = self.pending_v[layer][:, :k].unsqueeze(1).expand(b, h, k, d)
+            if self.decay_powers is not None:  # rho_k = d^k rho_0 + sum_j d^(k - j) q_j^T v_j
+                assert self.decay_powers_reversed is not None
+                rho.mul_(self.decay_powers[:, k].view(1, h, 1, 1))
+                weights = self.decay_powers_reversed[:, self.fold_tokens - k : self.fold_tokens]
+                keys = keys * weights.view(1, h, k, 1)
+            rho.view(b * h, n, d).baddbmm_(
+                keys.reshape(b * h, k, n).transpose(1, 2), values.reshape(b * h, k, d)
+            )
+        self.pending = 0
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop every row not listed in `rows` (long indices, in the order kept)."""
         self.rho = self.rho.index_select(1, rows)
+        self.pending_q = self.pending_q.index_select(1, rows)
+        self.pending_v = self.pending_v.index_select(1, rows)
         self.state.rho = list(self.rho.unbind(0))
         self.state.position = self.state.position.index_select(0, rows)
         self._positions_known = False

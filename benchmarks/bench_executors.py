@@ -67,11 +67,12 @@ from _common import (
 )
 
 from bdh_train.model import BDHConfig
+from bdh_train.model.mixer import calibration_for
 
 CHUNKS = (64, 128, 256, 512)
 BATCH = 8
 THREADS = 2
-AUTO_CHUNK = BDHConfig().chunk_size  # the default chunk_size: what "auto" chunks with
+AUTO_CHUNK = BDHConfig().chunk_size or calibration_for("cpu").chunk_size  # what "auto" chunks with
 WARMUP_LONG_S = 60.0  # a warm-up step longer than this leaves one timed step
 PRIMER_TOKENS = 16  # a setup step this long precedes the RSS baseline
 DISTURBED = 0.10  # others' CPU share above which a run counts as disturbed (--retry-disturbed)

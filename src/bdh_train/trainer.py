@@ -38,6 +38,7 @@ from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
 from bdh_train.model import BDH
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.accumulate import WeightedGradientAccumulator, write_to_params
+from bdh_train.train.allocator import configure_host_allocator
 from bdh_train.train.evaluate import evaluate
 from bdh_train.train.init_from import init_weights_from
 from bdh_train.train.metrics import (
@@ -295,6 +296,7 @@ class Trainer:
         self.device = self.dist.device(resolve_device(t.device).type)
         if t.threads:
             torch.set_num_threads(t.threads)
+        self.host_allocator = configure_host_allocator(t.host_allocator, self.device)
         self.accumulation_steps = t.accumulation_steps
         self.train_data, self.val_data = cfg.data.load_splits(cfg.model.vocab_size, t.block_size)
         self.model = build_model(cfg, self.device)

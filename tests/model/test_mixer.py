@@ -241,15 +241,21 @@ def test_executor_with_document_resets_matches_separate_documents(
 
 
 def test_an_all_false_reset_mask_changes_nothing():
+    """Bit for bit where the mask only adds masking; chunked runs a mask chunk by chunk and
+    no mask all chunks at once, two summation orders that agree to fp64 1e-12."""
     inputs, _ = make_inputs(8, torch.float64, True, seed=3)
     q, v, rho0 = (x.detach() for x in inputs)
-    for fn in EXECUTOR_FUNCTIONS.values():
+    for name, fn in EXECUTOR_FUNCTIONS.items():
         plain = fn(q, v, initial_state=rho0, log_decay=LOG_DECAY, chunk_size=3)
         masked = fn(
             q, v, initial_state=rho0, log_decay=LOG_DECAY, chunk_size=3,
             reset_mask=torch.zeros(B, 8, dtype=torch.bool),
         )
-        assert torch.equal(plain[0], masked[0]) and torch.equal(plain[1], masked[1])
+        if name == "chunked":
+            assert_close(masked[0], plain[0], rtol=1e-12, msg="out")
+            assert_close(masked[1], plain[1], rtol=1e-12, msg="final state")
+        else:
+            assert torch.equal(plain[0], masked[0]) and torch.equal(plain[1], masked[1])
 
 
 # choose_executor at its exact thresholds. With N = 2, D = 1, C = 2: dense costs 3 T
@@ -312,13 +318,34 @@ def test_linear_attention_passes_every_argument_to_the_named_executor(monkeypatc
             assert calls[0][3][key] is kwargs[key]
     q5, v5 = q[:, :, :5], v[:, :, :5]
     assert linear_attention(q5, v5, executor="auto", chunk_size=2)[0] == "dense"
-    # The defaults: no state, no decay, chunk size 256, the final state, no resets.
+    # The defaults: no state, no decay, the CPU's calibrated chunk (128), the final state,
+    # no resets.
     calls.clear()
     linear_attention(q5, v5, executor="dense")
     assert calls[0][3] == dict(
-        initial_state=None, log_decay=None, chunk_size=256, output_final_state=True,
+        initial_state=None, log_decay=None, chunk_size=128, output_final_state=True,
         reset_mask=None,
     )
+
+
+def test_a_zero_chunk_size_takes_the_device_calibration(monkeypatch):
+    """chunk_size 0 runs with the calibrated chunk of q's device type, and 'auto' weighs the
+    two executors with that device's margin."""
+    chosen = []
+
+    def record(name):
+        return lambda q, v, **kwargs: chosen.append((name, kwargs["chunk_size"]))
+
+    monkeypatch.setattr(mixer, "EXECUTOR_FUNCTIONS", {name: record(name) for name in EXECUTORS})
+    # N = 8, D = 4: dense costs 12 T; chunked with C = 4 costs 112 (thresholds test above).
+    q, v = torch.zeros(1, 1, 14, 8), torch.zeros(1, 1, 14, 4)
+    monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", mixer.ExecutorCalibration(4, 1.5))
+    linear_attention(q, v, executor="auto", chunk_size=0)  # 1.5 * 112 = 168 = 12 * 14
+    monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", mixer.ExecutorCalibration(4, 1.4))
+    linear_attention(q, v, executor="auto", chunk_size=0)  # 1.4 * 112 < 168
+    linear_attention(q, v, executor="chunked", chunk_size=3)
+    assert chosen == [("dense", 4), ("chunked", 4), ("chunked", 3)]
+    assert mixer.calibration_for("cuda") == mixer.UNMEASURED_DEVICE
 
 
 def test_linear_attention_rejects_an_unknown_executor():

@@ -24,7 +24,7 @@ CASES = [
     ({"position": "learned"}, "model.position must be one of 'rope', 'alibi'"),
     ({"norm": "rms"}, "model.norm must be one of 'layernorm', 'layernorm_affine'"),
     ({"executor": "flash"}, "model.executor must be one of"),
-    ({"chunk_size": 0}, "model.chunk_size must be a positive integer"),
+    ({"chunk_size": -1}, "model.chunk_size must be a non-negative integer"),
     ({"n_layer": True}, "model.n_layer must be a positive integer"),
 ]
 

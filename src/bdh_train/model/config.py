@@ -208,8 +208,9 @@ class BDHConfig:
     executor: str = "auto"
     """How the linear attention runs: 'dense' (T x T matrix), 'chunked' (blocks of chunk_size),
     'recurrent' (token by token), or 'auto' (chosen by length); all give the same numbers."""
-    chunk_size: int = 256
-    """Tokens per chunk of the chunked executor (measured best on CPU: docs/benchmarks.md)."""
+    chunk_size: int = 0
+    """Tokens per chunk of the chunked executor; 0 = calibrated for the device the model runs
+    on (128 on CPU, measured: docs/benchmarks.md; 256 elsewhere)."""
     quant: QuantConfig = field(default_factory=QuantConfig)
     """BitNet b1.58 quantization-aware training of the three shared projections."""
     language_head: LanguageHeadConfig = field(default_factory=LanguageHeadConfig)
@@ -260,9 +261,9 @@ class BDHConfig:
             "n_head",
             "mlp_internal_dim_multiplier",
             "vocab_size",
-            "chunk_size",
         ):
             checks.positive_int(f"{prefix}.{name}", getattr(self, name))
+        checks.nonneg_int(f"{prefix}.chunk_size", self.chunk_size)
         if (self.mlp_internal_dim_multiplier * self.n_embd) % self.n_head:
             raise ConfigError(
                 f"{prefix}.mlp_internal_dim_multiplier * {prefix}.n_embd must be divisible by "

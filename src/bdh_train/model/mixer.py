@@ -39,25 +39,54 @@ return None for it. `linear_attention` dispatches by name through EXECUTOR_FUNCT
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 DEFAULT_CHUNK_SIZE = 256
 
 
-def choose_executor(seq_len: int, n_neurons: int, n_embd: int, chunk_size: int) -> str:
+@dataclass(frozen=True)
+class ExecutorCalibration:
+    """How 'auto' runs on one kind of device, from measured train steps."""
+
+    chunk_size: int
+    """The chunk length chunked runs with when the model's chunk_size is 0."""
+    chunked_margin: float
+    """How much cheaper (in multiply-adds) chunked must count to be chosen over dense."""
+
+
+# CPU: config L4 D128 H4 N512, fp32, 2 threads, batch 8, train steps alternating in one
+# process: C=128 was the fastest chunk at T=512, 1024, 2048 and 4096 (C=64 and 256 3-12%
+# slower), and the cost model with a x1.5 margin picks dense at T=256 (dense 1.02x C=128)
+# and chunked from T=512 on (1.19x dense); on L6 D256 H4 N2048 it keeps dense at T=256
+# (1.12x C=128). Other devices have not been measured: they keep the previous default.
+EXECUTOR_CALIBRATION: dict[str, ExecutorCalibration] = {
+    "cpu": ExecutorCalibration(chunk_size=128, chunked_margin=1.5),
+}
+UNMEASURED_DEVICE = ExecutorCalibration(chunk_size=DEFAULT_CHUNK_SIZE, chunked_margin=1.5)
+
+
+def calibration_for(device_type: str) -> ExecutorCalibration:
+    return EXECUTOR_CALIBRATION.get(device_type, UNMEASURED_DEVICE)
+
+
+def choose_executor(
+    seq_len: int, n_neurons: int, n_embd: int, chunk_size: int, margin: float = 1.5
+) -> str:
     """Pick dense or chunked by counting multiply-adds per token and head.
 
     dense costs T (N + D) per token (score row + weighted sum); chunked costs C (N + D) for its
-    chunk plus 2 N D for reading and writing the state. Chunking also loops in Python and
-    saves one state per chunk for backward, so it must win by a margin (x1.5) to be chosen.
+    chunk plus 2 N D for reading and writing the state. Chunking must win by `margin` (its
+    extra passes over the chunk states are not in the count) to be chosen.
     """
     if seq_len <= chunk_size:
         return "dense"
     dense_cost = seq_len * (n_neurons + n_embd)
     chunked_cost = chunk_size * (n_neurons + n_embd) + 2 * n_neurons * n_embd
-    return "chunked" if 1.5 * chunked_cost < dense_cost else "dense"
+    return "chunked" if margin * chunked_cost < dense_cost else "dense"
 
 
 def _decay_powers(log_decay: torch.Tensor, exponents: torch.Tensor, like: torch.Tensor):
@@ -131,18 +160,100 @@ def chunked_attention(
     log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
     output_final_state: bool = True, reset_mask: Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Dense inside chunks of `chunk_size` tokens; the state carries the past between them
-    (each chunk applies its columns of the reset mask)."""
-    state, outs = initial_state, []
-    for start in range(0, q.shape[2], chunk_size):
-        end = min(start + chunk_size, q.shape[2])
+    """Dense inside chunks of `chunk_size` tokens; the state carries the past between them.
+
+    All chunks at once, with no loop over them: the sequence is zero-padded to K whole chunks
+    of C tokens (a zero query and value add nothing to scores or states) and viewed as
+    [B, H, K, C, .]. Then, with chunk k covering positions kC .. kC + C - 1:
+
+        W_k = sum_{s in k} d^(kC + C - s) q_s^T v_s          what chunk k writes
+        S_k = d^(kC) rho0 + sum_{j<k} d^(C (k-1-j)) W_j       the state chunk k reads
+        out_t = d^(t - kC) q_t.S_k + the chunk's own dense part
+
+    S is one [K, K] matrix product over the chunks' writes, so a call costs a fixed number of
+    batched products whatever T is, and its shapes follow T symbolically under torch.compile.
+    The final state continues from the last chunk's S with that chunk's real tokens only.
+    With a reset mask the chunks run one after another (`_chunk_by_chunk`).
+    """
+    if reset_mask is not None:
+        return _chunk_by_chunk(
+            q, v, initial_state=initial_state, log_decay=log_decay, chunk_size=chunk_size,
+            output_final_state=output_final_state, reset_mask=reset_mask,
+        )
+    batch, heads, seq_len, n = q.shape
+    d, c = v.shape[-1], chunk_size
+    n_chunks = -(-seq_len // c)
+    pad = n_chunks * c - seq_len
+    qc = F.pad(q, (0, 0, 0, pad)).view(batch, heads, n_chunks, c, n)
+    vc = F.pad(v, (0, 0, 0, pad)).view(batch, v.shape[1], n_chunks, c, d)
+    local = torch.arange(c, device=q.device)
+    chunk_index = torch.arange(n_chunks, device=q.device)
+
+    scores = qc @ qc.transpose(-1, -2)  # [B, H, K, C, C]
+    if log_decay is not None:
+        gap = (local.unsqueeze(1) - local.unsqueeze(0)).clamp_min(0)
+        scores = scores * _decay_powers(log_decay, gap, q).unsqueeze(1)  # [H, 1, C, C]
+    out = scores.tril_(diagonal=-1) @ vc
+
+    q_write = qc if log_decay is None else qc * _decay_powers(log_decay, c - local, q).view(
+        -1, 1, c, 1
+    )
+    writes = (q_write.transpose(-1, -2) @ vc).flatten(-2)  # W_k, [B, H, K, N*D]
+    later = chunk_index.unsqueeze(1) - 1 - chunk_index.unsqueeze(0)  # k-1-j, [K, K]
+    if log_decay is None:
+        carry = (later >= 0).to(q.dtype)
+    else:
+        carry = _decay_powers(log_decay, c * later.clamp_min(0), q) * (later >= 0)
+    states = (carry @ writes).view(batch, heads, n_chunks, n, d)  # S_k without rho0
+    if initial_state is not None:
+        rho = initial_state.unsqueeze(2)  # [B, H, 1, N, D]
+        if log_decay is not None:
+            rho = rho * _decay_powers(log_decay, c * chunk_index, q).view(-1, n_chunks, 1, 1)
+        states = states + rho
+    q_read = qc if log_decay is None else qc * _decay_powers(log_decay, local, q).view(
+        -1, 1, c, 1
+    )
+    out = (out + q_read @ states).view(batch, heads, n_chunks * c, d)[:, :, :seq_len]
+    if not output_final_state:
+        return out, None
+    last = seq_len - (n_chunks - 1) * c  # real tokens in the last chunk
+    _, final = dense_attention(
+        q[:, :, seq_len - last :],
+        v[:, :, seq_len - last :],
+        initial_state=states[:, :, -1],
+        log_decay=log_decay,
+    )
+    return out, final
+
+
+def _chunk_by_chunk(
+    q: Tensor, v: Tensor, *, initial_state: Tensor | None = None,
+    log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+    output_final_state: bool = True, reset_mask: Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """chunked_attention as a loop of dense_attention calls, the state carried from one
+    chunk to the next (each applying its columns of the reset mask).
+
+    The chunks are cut with torch.split: slicing each chunk out of q would make backward
+    build one zero-filled gradient of the whole q per chunk (O(T^2 / C) memory traffic);
+    split's backward concatenates the chunk gradients once.
+    """
+    seq_len = q.shape[2]
+    q_chunks = torch.split(q, chunk_size, dim=2)  # views whose backward concatenates once
+    v_chunks = torch.split(v, chunk_size, dim=2)
+    mask_chunks = (
+        [None] * len(q_chunks) if reset_mask is None else torch.split(reset_mask, chunk_size, 1)
+    )
+    state, outs, end = initial_state, [], 0
+    for q_chunk, v_chunk, mask_chunk in zip(q_chunks, v_chunks, mask_chunks, strict=True):
+        end += q_chunk.shape[2]
         out, state = dense_attention(
-            q[:, :, start:end],
-            v[:, :, start:end],
+            q_chunk,
+            v_chunk,
             initial_state=state,
             log_decay=log_decay,
-            output_final_state=output_final_state or end < q.shape[2],
-            reset_mask=None if reset_mask is None else reset_mask[:, start:end],
+            output_final_state=output_final_state or end < seq_len,
+            reset_mask=mask_chunk,
         )
         outs.append(out)
     return torch.cat(outs, dim=2), state
@@ -196,13 +307,18 @@ def linear_attention(
     executor: str,
     initial_state: torch.Tensor | None = None,
     log_decay: torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int = 0,
     output_final_state: bool = True,
     reset_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run one executor by name; 'auto' resolves through `choose_executor`."""
+    """Run one executor by name; 'auto' resolves through `choose_executor`. A chunk_size of 0
+    takes the calibrated chunk of q's device type (EXECUTOR_CALIBRATION)."""
+    calibration = calibration_for(q.device.type)
+    chunk_size = chunk_size or calibration.chunk_size
     if executor == "auto":
-        executor = choose_executor(q.shape[2], q.shape[3], v.shape[3], chunk_size)
+        executor = choose_executor(
+            q.shape[2], q.shape[3], v.shape[3], chunk_size, calibration.chunked_margin
+        )
     fn = EXECUTOR_FUNCTIONS.get(executor)
     if fn is None:
         raise ValueError(f"unknown executor {executor!r}; expected one of {EXECUTORS} or 'auto'")

@@ -10,6 +10,7 @@ from typing import ClassVar
 from bdh_train import checks
 from bdh_train.data.loaders import logical_length_for
 from bdh_train.errors import ConfigError
+from bdh_train.train.allocator import HOST_ALLOCATORS
 from bdh_train.train.init_from import InitTransferConfig
 from bdh_train.train.profile import PROFILE_MODES
 from bdh_train.train.schedules import GradientScale, validate_gradient_scales
@@ -73,6 +74,12 @@ class TrainingConfig:
     threads: int = 0
     """CPU threads torch uses (torch.set_num_threads at the start of the run); 0 = torch's
     default (one per core). On a busy machine fewer threads can be much faster."""
+    host_allocator: str = "auto"
+    """Host memory policy: 'retain' keeps freed memory in malloc's heap for the next step
+    instead of unmapping it (glibc; CPU training ran 1.65-1.8x faster without re-faulting
+    activation pages each step, at a resident set that stays at its peak); 'system' leaves
+    malloc as it is; 'auto' = 'retain' for CPU training under glibc, else 'system'. It applies
+    to the whole training process."""
     dtype: str = "float32"
     """'float32', or 'bfloat16' autocast."""
     compile: bool = False
@@ -146,6 +153,7 @@ class TrainingConfig:
         checks.nonneg_int(f"{p}.keep_checkpoints", self.keep_checkpoints)
         checks.choice(f"{p}.device", self.device, DEVICES)
         checks.nonneg_int(f"{p}.threads", self.threads)
+        checks.choice(f"{p}.host_allocator", self.host_allocator, HOST_ALLOCATORS)
         checks.choice(f"{p}.dtype", self.dtype, DTYPES)
         checks.boolean(f"{p}.compile", self.compile)
         checks.nonneg_int(f"{p}.max_consecutive_skips", self.max_consecutive_skips)

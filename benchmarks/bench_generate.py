@@ -17,7 +17,8 @@ sampling). Reported: the median over 64-token windows starting at tokens 2, 1024
 last 64 (token 1 carries the prompt and is left out); the generic decoder runs --generic-tokens.
 Batch 16: 16 prompts of 16 tokens, `stream_generate_batch` for --batch-tokens new tokens per
 row; tokens/s = 16 * new tokens / wall time of the decoding (prompt reading excluded; it is
-listed apart).
+listed apart). CPU columns divide by the process's CPU time instead of wall time: with
+--threads 1 on a shared machine they estimate what the run would take alone.
 
 Run: .venv/bin/python benchmarks/bench_generate.py [--wait-quiet 300] [--rerun]
 """
@@ -53,9 +54,15 @@ def build_model() -> BDH:
     return model.eval()
 
 
+CPU_SECONDS: list[float] = []
+"""Process CPU seconds of each `timed_stream` (all threads): on a shared machine, with one
+thread, close to the wall time the stream would take alone."""
+
+
 def timed_stream(stream) -> tuple[list[float], list[torch.Tensor]]:
     """Seconds before each yielded item (the first includes the prompt) and the items."""
     per_item, items = [], []
+    cpu = time.process_time()
     last = time.perf_counter()
     for item in stream:
         int(item[0])  # the token is on the host, as a caller printing it needs
@@ -63,6 +70,7 @@ def timed_stream(stream) -> tuple[list[float], list[torch.Tensor]]:
         per_item.append(now - last)
         items.append(item)
         last = now
+    CPU_SECONDS.append(time.process_time() - cpu)
     return per_item, items
 
 
@@ -137,14 +145,15 @@ def main() -> None:
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         flat = "-" if w["end"] is None or w["~1"] is None else f"{w['end'] / w['~1']:.2f}"
         rows.append((label, n, fmt(w["~1"]), fmt(w["~1024"]), fmt(w["end"]), flat,
-                     f"{n / sum(per_token):.0f}", others, load))
+                     f"{n / sum(per_token):.0f}", f"{CPU_SECONDS[-1] / n * 1e3:.3f}", others,
+                     load))
     if args.rerun:
         per_token, others, load = measure("rerun", lambda: rerun(model, prompt, args.rerun))
         w = windows(per_token)
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         flat = "-" if w["end"] is None or w["~1"] is None else f"{w['end'] / w['~1']:.2f}"
         rows.append(("rerun", args.rerun, fmt(w["~1"]), fmt(w["~1024"]), fmt(w["end"]), flat,
-                     f"{args.rerun / sum(per_token):.0f}", others, load))
+                     f"{args.rerun / sum(per_token):.0f}", "-", others, load))
     common = min(len(tokens_by["fast"]), len(tokens_by["generic"]))
     same = tokens_by["fast"][:common] == tokens_by["generic"][:common]
     print_table(
@@ -154,7 +163,7 @@ def main() -> None:
         f"agree: {'yes' if same else 'NO'} (first {common}); others %: CPU capacity other "
         "processes used meanwhile",
         ("decoder", "new tokens", "ms ~1", "ms ~1024", "ms end", "end / ~1", "tok/s",
-         "others %", "load"),
+         "CPU ms/token", "others %", "load"),
         rows,
     )
 
@@ -173,12 +182,13 @@ def main() -> None:
         steps = len(per_step)
         brows.append((decoder, BATCH, args.batch_tokens, f"{prompt_s * 1e3:.1f}",
                       f"{statistics.median(per_step) * 1e3:.3f}",
-                      f"{BATCH * steps / decode_s:.0f}", others, load))
+                      f"{BATCH * steps / decode_s:.0f}",
+                      f"{BATCH * steps / CPU_SECONDS[-1]:.0f}", others, load))
     print_table(
         f"batch {BATCH}, config (a), {PROMPT_TOKENS}-token prompts, greedy: tokens/s = "
         f"{BATCH} x new tokens after the first / wall time of those steps",
         ("decoder", "batch", "new tokens", "prompts ms", "ms per step", "tokens/s",
-         "others %", "load"),
+         "tokens per CPU s", "others %", "load"),
         brows,
     )
 

@@ -123,6 +123,9 @@ def test_stop_tokens_end_rows_and_stopped_rows_leave_the_batch(monkeypatch):
     # step k (k = 1..) reads the tokens drawn at step k-1 of the rows still going
     assert stepped_rows == [sum(n > k for n in lengths) for k in range(1, max(lengths))]
 
+    generic = model.generate_batch(prompts, 12, 0.0, stop_tokens=sorted(stops), decoder="generic")
+    assert all(torch.equal(g, f) for g, f in zip(generic, out, strict=True)), "generic decoder"
+
     stream = list(
         model.stream_generate_batch(prompts, 12, 0.0, stop_tokens=sorted(stops), pad_id=-7)
     )
@@ -162,3 +165,18 @@ def test_bad_batch_prompts_are_refused():
         model.generate_batch([], 2)
     with pytest.raises(ValueError, match="unknown decoder"):
         model.generate(torch.tensor([1]), 2, decoder="turbo")
+
+
+def test_batch_rows_with_a_summary_memory_generate_what_they_generate_alone():
+    """The generic decoder's batch: summary carries joined per row, rows at different places
+    in their chunks; a stop token drops a row's carry."""
+    config = SummaryMemoryConfig(enabled=True, chunk_tokens=2)
+    model = tiny_model(torch.float64, summary_memory=config).eval()
+    prompts = [[3, 1, 4], [1], [5, 9, 2, 6]]
+    alone = [model.generate(torch.tensor(p), 6, temperature=0) for p in prompts]
+    stop = int(alone[1][2])  # row 1's 2nd new token
+    batch = model.generate_batch(prompts, 6, temperature=0, stop_tokens=[stop])
+    for row, (prompt, tokens) in enumerate(zip(prompts, alone, strict=True)):
+        new = tokens[len(prompt) :].tolist()
+        cut = new[: new.index(stop) + 1] if stop in new else new
+        assert batch[row].tolist() == prompt + cut, f"row {row}"

@@ -75,7 +75,7 @@ class BDH(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.empty(shape)))
         self.norm = nn.LayerNorm(d, eps=LN_EPS) if c.norm == "layernorm_affine" else None
         self.quantizer = LowBitQuantizer(c.quant) if c.quant.enable else None
-        self._layer_fn = self.layer_step  # replaced by a compiled twin in compile_layers()
+        self._compiled_layer = None  # the training twin of layer_step, from compile_layers()
         self._summary_layers = frozenset(c.summary_memory.layers(c.n_layer))
         self.reset_parameters()
 
@@ -152,13 +152,9 @@ class BDH(nn.Module):
             )
             if need_state:
                 state.summary[layer_index] = carry
-        u, new_rho = self._layer_fn(
-            u,
-            state.rho[layer_index],
-            position_terms,
-            executor or self.config.executor,
-            need_state,
-            reset_mask,
+        layer_fn, rho = self._layer_fn_for(u, state.rho[layer_index], need_state, reset_mask)
+        u, new_rho = layer_fn(
+            u, rho, position_terms, executor or self.config.executor, need_state, reset_mask
         )
         if need_state:
             state.rho[layer_index] = new_rho
@@ -197,8 +193,31 @@ class BDH(nn.Module):
         return self._norm(u + m), new_rho
 
     def compile_layers(self, **options) -> None:
-        """torch.compile the layer (one graph shared by every layer, weights being shared)."""
-        self._layer_fn = torch.compile(self.layer_step, **options)
+        """torch.compile the layer for training: one graph, shared by every layer (the weights
+        are shared) and every step, built on the first call with gradients.
+
+        The graph is specialised to that call: its batch and length, whether it computes a
+        final state and whether it applies resets inside the call; the state is always a
+        tensor (zeros stand in for a fresh one), so the first chunk and the later ones of a
+        TBPTT block match. Calls that differ (a shorter TBPTT tail, a block with a reset
+        mid-call) and calls without gradients (evaluation, generation) run the eager layer,
+        so nothing is ever compiled twice."""
+        self._compiled_layer = torch.compile(self.layer_step, dynamic=False, **options)
+        self._compiled_signature = None
+
+    def _layer_fn_for(self, u: torch.Tensor, rho, need_state: bool, reset_mask) -> tuple:
+        """(layer function, state) for one call: the compiled layer where its graph fits."""
+        if self._compiled_layer is None or not torch.is_grad_enabled():
+            return self.layer_step, rho
+        signature = (tuple(u.shape), need_state, reset_mask is None)
+        if self._compiled_signature is None:
+            self._compiled_signature = signature
+        if signature != self._compiled_signature:
+            return self.layer_step, rho
+        if rho is None:
+            c = self.config
+            rho = u.new_zeros(u.shape[0], c.n_head, c.n_neurons, c.n_embd)
+        return self._compiled_layer, rho
 
     # ---------------------------------------------------------------- entry points
     def forward_hidden(
@@ -232,12 +251,12 @@ class BDH(nn.Module):
         if state is None:
             state = self.init_state(batch)
         layers = range(self.config.n_layer) if layers is None else layers
-        if reset_mask is not None and self._summary_layers:
-            reset_mask = self._reset_summary_rows(state, reset_mask, layers)
+        positions = token_positions(state.position, seq_len, reset_mask)
+        if reset_mask is not None:
+            reset_mask = self._resets_inside_the_call(state, reset_mask, layers)
         if u is None:
             u = self.embed_tokens(idx)
         u = u.view(batch, 1, seq_len, self.config.n_embd)
-        positions = token_positions(state.position, seq_len, reset_mask)
         terms = self._position_terms(positions, u.dtype)
         for layer_index in layers:
             u = self.layer(
@@ -248,17 +267,26 @@ class BDH(nn.Module):
             state.position = positions[:, -1] + 1
         return u.view(batch, seq_len, self.config.n_embd)
 
-    def _reset_summary_rows(
+    def _resets_inside_the_call(
         self, state: ModelState, reset_mask: torch.Tensor, layers: range
     ) -> torch.Tensor | None:
-        """With a summary memory, resets can only be applied at the call's first token (its
-        chunks follow absolute positions from the call's start): those rows' whole state is
-        zeroed here, before the first of `layers` runs, and the mask is consumed."""
-        if bool(reset_mask[:, 1:].any()):
+        """The part of `reset_mask` the mixer must apply: None when every reset is at the
+        call's first token. Such resets zero those rows' whole state before the first of
+        `layers` runs (the mixer would drop the same state token by token), which lets the
+        mixer run all its chunks at once.
+
+        With a summary memory, resets can only be applied at the first token (its chunks
+        follow absolute positions from the call's start): a later one is refused. Without
+        one, a call that covers only some layers (a pipeline stage) keeps its mask."""
+        later = bool(reset_mask[:, 1:].any())
+        if later and self._summary_layers:
             raise ValueError(
                 "the summary memory cannot reset a row in the middle of a call: its chunks "
                 "follow absolute positions; cut the call at each document start instead"
             )
+        whole_model = layers.start == 0 and layers.stop == self.config.n_layer
+        if later or not (whole_model or self._summary_layers):
+            return reset_mask
         if layers.start == 0:
             state.reset_(reset_mask[:, 0])
         return None

@@ -1,22 +1,26 @@
-"""Generation speed: the recurrent O(1)-per-token path against re-running the whole prefix.
+"""Generation speed: the fast decoder against the generic recurrent step (and, with --rerun,
+against re-running the whole prefix).
 
-Config (a) (L4 D128 H4 multiplier 16, N=512, vocab 256, dropout 0), batch 1, fp32, 2 threads,
-greedy decoding (temperature 0) from a 16-token random prompt, untrained weights.
+Config (a) (L4 D128 H4 multiplier 16, N=512, vocab 256, dropout 0), fp32, 2 threads, greedy
+decoding (temperature 0), untrained weights, random 16-token prompts.
 
-* recurrent: `model.generate` / `model.stream_generate`: the prompt is consumed once, then
-  every new token is one recurrent step on the carried state (executor "recurrent").
-* rerun: no state; for every new token `forward_hidden` runs over the whole prefix (prompt +
-  tokens so far) with the config's executor ("auto": dense up to ~400 tokens, then chunked)
-  and the last position's logits pick the token. Its cost per token grows with the prefix.
+* fast: `model.stream_generate(..., decoder="fast")`: the prompt is read once, then each new
+  token is one `FastDecoder.step` (weights folded once, state updated in place).
+* generic: the same with `decoder="generic"`: each new token is
+  `forward_hidden(token, state, executor="recurrent")`, the model's own layer code.
+* rerun (--rerun): no state; for every new token `forward_hidden` runs over the whole prefix
+  (executor "auto") and the last position's logits pick the token; grows with the prefix.
 
-Recurrent runs are separate for 64, 256 and 1024 new tokens. The rerun is one 1024-token run
-whose cumulative time is read after 64, 256 and 1024 tokens (the same work, in the same order,
-as separate runs). If after 256 tokens the projected time to 1024 exceeds --max-rerun-s, the
-run stops there and the 1024 figure is EXTRAPOLATED (a + b * prefix per-token fit), and is
-marked so. Per-token times: median over the first 64 and the last 64 tokens of the 1024 run
-(token 1 includes the prompt and is left out).
+Batch 1: one run of --tokens new tokens per decoder; the time of each token is the wall time
+between two yielded tokens (the step that reads the previous token, the head and the
+sampling). Reported: the median over 64-token windows starting at tokens 2, 1024 and the
+last 64 (token 1 carries the prompt and is left out); the generic decoder runs --generic-tokens.
+Batch 16: 16 prompts of 16 tokens, `stream_generate_batch` for --batch-tokens new tokens per
+row; tokens/s = 16 * new tokens / wall time of the decoding (prompt reading excluded; it is
+listed apart). CPU columns divide by the process's CPU time instead of wall time: with
+--threads 1 on a shared machine they estimate what the run would take alone.
 
-Run: .venv/bin/python benchmarks/bench_generate.py [--max-rerun-s 300] [--device cuda]
+Run: .venv/bin/python benchmarks/bench_generate.py [--wait-quiet 300] [--rerun]
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ from bdh_train.model import BDH, BDHConfig
 
 CONFIG_A = CONFIGS["a"]
 PROMPT_TOKENS = 16
-LENGTHS = (64, 256, 1024)
-WINDOW = 64  # tokens averaged for "start" and "end" per-token times
+WINDOW = 64  # tokens per median window
+BATCH = 16
 
 
 def build_model() -> BDH:
@@ -50,151 +54,148 @@ def build_model() -> BDH:
     return model.eval()
 
 
-def recurrent_run(model: BDH, prompt: torch.Tensor, n: int) -> tuple[float, list[float], list]:
-    """Total seconds, per-token seconds and tokens of stream_generate for n new tokens."""
-    per_token, tokens = [], []
-    started = last = time.perf_counter()
-    for token in model.stream_generate(prompt, n, temperature=0.0):
+CPU_SECONDS: list[float] = []
+"""Process CPU seconds of each `timed_stream` (all threads): on a shared machine, with one
+thread, close to the wall time the stream would take alone."""
+
+
+def timed_stream(stream) -> tuple[list[float], list[torch.Tensor]]:
+    """Seconds before each yielded item (the first includes the prompt) and the items."""
+    per_item, items = [], []
+    cpu = time.process_time()
+    last = time.perf_counter()
+    for item in stream:
+        int(item[0])  # the token is on the host, as a caller printing it needs
         now = time.perf_counter()
-        per_token.append(now - last)
-        tokens.append(int(token))
+        per_item.append(now - last)
+        items.append(item)
         last = now
-    return time.perf_counter() - started, per_token, tokens
+    CPU_SECONDS.append(time.process_time() - cpu)
+    return per_item, items
+
+
+def windows(per_token: list[float]) -> dict[str, float | None]:
+    """Median ms per token over tokens 2-65, 1024-1087 and the last 64 (1-based)."""
+    n = len(per_token)
+    out: dict[str, float | None] = {
+        "~1": statistics.median(per_token[1 : 1 + WINDOW]) * 1e3 if n > WINDOW else None,
+        "~1024": None,
+        "end": statistics.median(per_token[-WINDOW:]) * 1e3 if n > WINDOW else None,
+    }
+    if n >= 1023 + WINDOW:
+        out["~1024"] = statistics.median(per_token[1023 : 1023 + WINDOW]) * 1e3
+    return out
 
 
 @torch.no_grad()
-def rerun(model: BDH, prompt: torch.Tensor, n: int, budget_s: float) -> dict:
-    """Greedy tokens by re-running the whole prefix for each; stops early if over budget."""
-    seq = prompt
-    per_token, tokens = [], []
-    started = time.perf_counter()
-    for i in range(n):
+def rerun(model: BDH, prompt: torch.Tensor, n: int) -> list[float]:
+    """Seconds per greedy token when every token re-runs the whole prefix."""
+    seq, per_token = prompt, []
+    for _ in range(n):
         t0 = time.perf_counter()
         hidden = model.forward_hidden(seq)
         token = model.logits_from_hidden(hidden[:, -1]).argmax(dim=-1)
         seq = torch.cat([seq, token.view(1, 1)], dim=1)
         per_token.append(time.perf_counter() - t0)
-        tokens.append(int(token))
-        if i + 1 == 256 and n > 256:
-            projected = project_total(per_token, n)
-            if projected > budget_s:
-                return {"per_token": per_token, "tokens": tokens, "projected_s": projected}
-    return {"per_token": per_token, "tokens": tokens, "total_s": time.perf_counter() - started}
-
-
-def project_total(per_token: list[float], n: int) -> float:
-    """Least-squares a + b*i over the measured tokens (skipping the first), summed to n."""
-    xs = list(range(1, len(per_token)))
-    ys = per_token[1:]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mx) ** 2 for x in xs
-    )
-    a = my - b * mx
-    return sum(per_token) + sum(a + b * i for i in range(len(per_token), n))
+    return per_token
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--max-rerun-s", type=float, default=300.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--tokens", type=int, default=4096, help="batch-1 fast run, new tokens")
+    ap.add_argument("--generic-tokens", type=int, default=1088)
+    ap.add_argument("--batch-tokens", type=int, default=512, help="batch-16 new tokens per row")
+    ap.add_argument("--rerun", type=int, default=0, metavar="N",
+                    help="also re-run the whole prefix for N new tokens (slow: ~76 s for 1024)")
     ap.add_argument(
-        "--lengths",
-        default=",".join(map(str, LENGTHS)),
-        help="comma list of new-token counts (the largest is the rerun's length)",
-    )
-    ap.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="before each path wait up to S seconds for other processes to leave the CPUs",
+        "--wait-quiet", type=float, default=0.0, metavar="S",
+        help="before each run wait up to S seconds for other processes to leave the CPUs",
     )
     args = ap.parse_args()
-    lengths = tuple(sorted(int(x) for x in args.lengths.split(",")))
     torch.set_num_threads(args.threads)
     print(f"machine: {machine_line()}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but torch sees no CUDA device")
-    model = build_model().to(args.device)
-    prompt = torch.randint(0, 256, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
-    prompt = prompt.to(args.device)
-    recurrent_run(model, prompt, 8)  # warm-up
-    model.forward_hidden(prompt)
+    device = torch.device(args.device)
+    model = build_model().to(device)
+    seeds = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (1, PROMPT_TOKENS), generator=seeds).to(device)
+    prompts = [
+        torch.randint(0, 256, (PROMPT_TOKENS,), generator=seeds).to(device) for _ in range(BATCH)
+    ]
+    for decoder in ("fast", "generic"):  # warm-up
+        list(model.stream_generate(prompt, 16, 0.0, decoder=decoder))
+        list(model.stream_generate_batch(prompts, 16, 0.0, decoder=decoder))
 
-    rows = []
-    rec: dict[int, tuple[float, list[float], list]] = {}
-    loads: dict[str, float] = {}
-    others: dict[str, float] = {}
-    if args.wait_quiet > 0:
-        wait_for_quiet(args.wait_quiet)
-    for n in lengths:
-        loads[f"rec{n}"] = load_average()
-        before = cpu_counters()
-        rec[n] = recurrent_run(model, prompt, n)
-        others[f"rec{n}"] = others_cpu_share(before, cpu_counters())
-    if args.wait_quiet > 0:
-        wait_for_quiet(args.wait_quiet)
-    loads["rerun"] = load_average()
-    before = cpu_counters()
-    rr = rerun(model, prompt, max(lengths), args.max_rerun_s)
-    others["rerun"] = others_cpu_share(before, cpu_counters())
-    measured = len(rr["per_token"])
-    for n in lengths:
-        rec_s = rec[n][0]
-        if n <= measured:
-            rerun_s, how = sum(rr["per_token"][:n]), "measured"
-        else:
-            rerun_s, how = rr["projected_s"], "EXTRAPOLATED"
-        same = rec[n][2][: min(n, measured)] == rr["tokens"][: min(n, measured)]
-        rows.append(
-            (
-                n,
-                f"{n / rec_s:.1f}",
-                f"{rec_s:.2f}",
-                f"{n / rerun_s:.1f}",
-                f"{rerun_s:.1f}",
-                how,
-                f"{rerun_s / rec_s:.0f}x",
-                "yes" if same else "no",
-                f"{100 * others[f'rec{n}']:.0f} / {100 * others['rerun']:.0f}",
-                f"{loads[f'rec{n}']:.2f} / {loads['rerun']:.2f}",
-            )
+    def measure(label: str, fn):
+        if args.wait_quiet > 0:
+            wait_for_quiet(args.wait_quiet)
+        load, before = load_average(), cpu_counters()
+        result = fn()
+        return result, f"{100 * others_cpu_share(before, cpu_counters()):.0f}", f"{load:.2f}"
+
+    runs = {
+        "fast": (args.tokens, "fast"),
+        "generic": (args.generic_tokens, "generic"),
+    }
+    rows, tokens_by = [], {}
+    for label, (n, decoder) in runs.items():
+        (per_token, items), others, load = measure(
+            label, lambda n=n, d=decoder: timed_stream(model.stream_generate(prompt, n, 0.0,
+                                                                              decoder=d))
         )
+        tokens_by[label] = [int(t[0]) for t in items]
+        w = windows(per_token)
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        flat = "-" if w["end"] is None or w["~1"] is None else f"{w['end'] / w['~1']:.2f}"
+        rows.append((label, n, fmt(w["~1"]), fmt(w["~1024"]), fmt(w["end"]), flat,
+                     f"{n / sum(per_token):.0f}", f"{CPU_SECONDS[-1] / n * 1e3:.3f}", others,
+                     load))
+    if args.rerun:
+        per_token, others, load = measure("rerun", lambda: rerun(model, prompt, args.rerun))
+        w = windows(per_token)
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        flat = "-" if w["end"] is None or w["~1"] is None else f"{w['end'] / w['~1']:.2f}"
+        rows.append(("rerun", args.rerun, fmt(w["~1"]), fmt(w["~1024"]), fmt(w["end"]), flat,
+                     f"{args.rerun / sum(per_token):.0f}", "-", others, load))
+    common = min(len(tokens_by["fast"]), len(tokens_by["generic"]))
+    same = tokens_by["fast"][:common] == tokens_by["generic"][:common]
     print_table(
-        "generation, config (a), batch 1, 16-token prompt, greedy; tokens/s = new tokens / "
-        "wall time (prompt included); same tokens: the two paths' greedy tokens agree; others %: "
-        "CPU capacity other processes used meanwhile",
-        (
-            "new tokens",
-            "recurrent tok/s",
-            "recurrent s",
-            "rerun tok/s",
-            "rerun s",
-            "rerun",
-            "speed-up",
-            "same tokens",
-            "others % (rec / rerun)",
-            "load (rec / rerun)",
-        ),
+        f"batch 1, config (a), {PROMPT_TOKENS}-token prompt, greedy: ms per token, median over "
+        f"{WINDOW}-token windows starting at token 2 (~1), 1024 (~1024) and the last {WINDOW} "
+        f"(end); tok/s = new tokens / wall time (prompt included); fast and generic tokens "
+        f"agree: {'yes' if same else 'NO'} (first {common}); others %: CPU capacity other "
+        "processes used meanwhile",
+        ("decoder", "new tokens", "ms ~1", "ms ~1024", "ms end", "end / ~1", "tok/s",
+         "CPU ms/token", "others %", "load"),
         rows,
     )
 
-    rec_tokens = rec[max(lengths)][1][1:]  # token 1 carries the prompt
-    per = [("recurrent", rec_tokens)]
-    if measured == max(lengths):
-        per.append(("rerun", rr["per_token"][1:]))
-    trows = []
-    for label, times in per:
-        start = statistics.median(times[:WINDOW]) * 1e3
-        end = statistics.median(times[-WINDOW:]) * 1e3
-        trows.append((label, f"{start:.2f}", f"{end:.2f}", f"{end / start:.2f}"))
+    brows = []
+    for decoder in ("fast", "generic"):
+        def run(d=decoder):
+            t0 = time.perf_counter()
+            stream = model.stream_generate_batch(prompts, args.batch_tokens, 0.0, decoder=d)
+            first = next(stream)  # the prompts are read before the first token
+            prompt_s = time.perf_counter() - t0
+            per_step, _ = timed_stream(stream)
+            return prompt_s, per_step, first
+
+        (prompt_s, per_step, _), others, load = measure(decoder, run)
+        decode_s = sum(per_step)
+        steps = len(per_step)
+        brows.append((decoder, BATCH, args.batch_tokens, f"{prompt_s * 1e3:.1f}",
+                      f"{statistics.median(per_step) * 1e3:.3f}",
+                      f"{BATCH * steps / decode_s:.0f}",
+                      f"{BATCH * steps / CPU_SECONDS[-1]:.0f}", others, load))
     print_table(
-        f"time per token in the {max(lengths)}-token run: median of tokens 2-{WINDOW + 1} "
-        f"(start) and of the last {WINDOW} (end)",
-        ("path", "start ms/token", "end ms/token", "end / start"),
-        trows,
+        f"batch {BATCH}, config (a), {PROMPT_TOKENS}-token prompts, greedy: tokens/s = "
+        f"{BATCH} x new tokens after the first / wall time of those steps",
+        ("decoder", "batch", "new tokens", "prompts ms", "ms per step", "tokens/s",
+         "tokens per CPU s", "others %", "load"),
+        brows,
     )
 
 

@@ -3,7 +3,7 @@
 #   (i)   bdh-train vs the official model's masked dense form per executor (bench_official.py)
 #   (ii)  compiled (compile_layers / torch.compile) vs eager
 #   (iii) bf16 autocast
-#   (iv)  generation: recurrent vs re-running the prefix (bench_generate.py)
+#   (iv)  generation: the fast decoder vs the generic recurrent step (bench_generate.py)
 # Usage: benchmarks/gpu.sh OUT_DIR         (or OUT=DIR benchmarks/gpu.sh)
 #        benchmarks/gpu.sh --smoke OUT_DIR   (or BDH_GPU_SMOKE=1): tiny sizes on the CPU, to
 #        check the script end to end on a machine without a GPU.
@@ -45,7 +45,7 @@ if [ "$smoke" = 1 ]; then
     device=cpu
     grid=(--configs a --grid 64x2 --steps 1)
     compile_grid=()
-    gen=(--device cpu --max-rerun-s 1 --lengths 8,16)
+    gen=(--device cpu --tokens 80 --generic-tokens 80 --batch-tokens 8)
     part_s=240
 else
     if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
@@ -57,7 +57,7 @@ else
     device=cuda
     grid=(--configs a,b --grid 2048x8,8192x4 --steps 3)
     compile_grid=(--grid 2048x8)  # one shape: each new shape compiles again
-    gen=(--device cuda --max-rerun-s 60)
+    gen=(--device cuda --generic-tokens 1088 --batch-tokens 512)
     part_s=0  # each part's own limit below
 fi
 

@@ -110,9 +110,12 @@ def test_chat_keeps_the_state_and_a_turn_costs_only_its_tokens(monkeypatch):
     out = io.StringIO()
     cont = Continuation(model)
     chat(cont, tok, lines[:1], out, n, 0.0, None, torch.Generator())
-    before = len(fed)
+    before, read_before = len(fed), cont.tokens_read
     chat(cont, tok, lines[1:], out, n, 0.0, None, torch.Generator())
-    assert sum(fed[before:]) == len(tok.encode(lines[1])) + n  # not the history again
+    # the line goes through forward_hidden, the sampled tokens through the fast decoder's
+    # steps; not the history again
+    assert sum(fed[before:]) == len(tok.encode(lines[1]))
+    assert cont.tokens_read - read_before == len(tok.encode(lines[1])) + n
     monkeypatch.undo()
 
     first = one_call(model, None, tok.encode(lines[0]), n, 0.0, 0)

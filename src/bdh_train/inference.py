@@ -33,6 +33,7 @@ from bdh_train.data.tokenizer import (
 from bdh_train.errors import BDHTrainError, CheckpointError
 from bdh_train.export import export_tokenizer_json, load_ternary
 from bdh_train.model import BDH, BDHConfig, ModelState, sample_next_token
+from bdh_train.model.generate import FastDecoder, GenericDecoder, make_decoder
 from bdh_train.model.summary import SummaryEvents
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.trainer import CONFIG_FILE, resolve_device
@@ -185,14 +186,22 @@ class Continuation:
         self, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
         generator: torch.Generator | None = None,
     ) -> Iterator[int]:
-        """Draw tokens one at a time, each read back in before the next is drawn."""
+        """Draw tokens one at a time, each read back in before the next is drawn (one
+        recurrent step each, by the fast decoder where it applies: model/generate.py)."""
         if self.hidden is None:
             raise BDHTrainError("nothing has been read yet: give a prompt")
-        for _ in range(max_new_tokens):
-            logits = self.model.logits_from_hidden(self.hidden)[:, -1].float()
-            token = sample_next_token(logits, temperature, top_k, generator)
-            yield int(token[0])
-            self.feed(token.reshape(1, 1), executor="recurrent")
+        decoder = make_decoder(self.model, self.state, "auto", self.events, self.recent)
+        try:
+            for _ in range(max_new_tokens):
+                logits = self.model.logits_from_hidden(self.hidden)[:, -1].float()
+                token = sample_next_token(logits, temperature, top_k, generator)
+                yield int(token[0])
+                self.hidden = decoder.step(token).unsqueeze(1)
+                if isinstance(decoder, GenericDecoder) and decoder.recent is not None:
+                    self.recent = decoder.recent
+        finally:  # the state holds every token read, also when the caller stops early
+            if isinstance(decoder, FastDecoder):
+                decoder.flush()
 
     # ------------------------------------------------------------------ state files
     def save(self, path: str | os.PathLike[str]) -> Path:

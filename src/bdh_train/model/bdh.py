@@ -20,13 +20,14 @@ It is active only while gradients are recorded in training mode.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from bdh_train.model import generate as generation
 from bdh_train.model.config import BDHConfig
 from bdh_train.model.heads import (
     head_parameter_shapes,
@@ -63,6 +64,9 @@ def _check_fits_in_memory(config: BDHConfig) -> None:
 
 
 class BDH(nn.Module):
+    norm_eps: float = LN_EPS
+    """eps of every layer norm."""
+
     def __init__(self, config: BDHConfig):
         super().__init__()
         self.config = config.validate()
@@ -391,55 +395,54 @@ class BDH(nn.Module):
         return logits, loss
 
     # ---------------------------------------------------------------- generation
-    @torch.no_grad()
     def stream_generate(
         self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
         top_k: int | None = None, generator: torch.Generator | None = None,
-        summary_events: SummaryEvents | None = None,
+        summary_events: SummaryEvents | None = None, decoder: str = "auto",
     ) -> Iterator[torch.Tensor]:
-        """Yield new tokens [B] one at a time.
-
-        The prompt is consumed once; then each token costs one recurrent step on the carried
-        state, independent of how many tokens came before. temperature 0 means greedy.
-        `summary_events` marks the summary events of the prompt and of each new token (for a
-        summary memory with a write gate; without it such a memory is never written).
-        """
-        if prompt_ids.dim() == 1:
-            prompt_ids = prompt_ids.unsqueeze(0)
-        if prompt_ids.shape[1] == 0:
-            raise ValueError("generate needs a prompt of at least one token")
-        state = self.init_state(prompt_ids.shape[0])
-        events = None if summary_events is None else summary_events.mask(prompt_ids)
-        hidden = self.forward_hidden(prompt_ids, state, summary_event_mask=events)[:, -1:]
-        keep = 0 if summary_events is None else summary_events.history_len
-        recent = F.pad(prompt_ids, (keep, 0), value=-1)[:, prompt_ids.shape[1] :]  # last keep
-        for _ in range(max_new_tokens):
-            logits = self.logits_from_hidden(hidden)[:, -1].float()
-            token = sample_next_token(logits, temperature, top_k, generator)
-            yield token
-            token = token.unsqueeze(1)
-            if summary_events is not None:
-                events = summary_events.mask(token, recent if keep else None)
-                recent = torch.cat([recent, token], dim=1)[:, 1:]
-            hidden = self.forward_hidden(
-                token, state, executor="recurrent", summary_event_mask=events
-            )
+        """Yield new tokens [B] one at a time: `generate.stream_generate`."""
+        return generation.stream_generate(
+            self, prompt_ids, max_new_tokens, temperature, top_k, generator, summary_events,
+            decoder,
+        )
 
     def generate(
         self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
         top_k: int | None = None, generator: torch.Generator | None = None,
-        summary_events: SummaryEvents | None = None,
+        summary_events: SummaryEvents | None = None, decoder: str = "auto",
     ) -> torch.Tensor:
-        """Prompt followed by `max_new_tokens` sampled tokens ([B, T + new])."""
-        squeeze = prompt_ids.dim() == 1
-        prompt = prompt_ids.unsqueeze(0) if squeeze else prompt_ids
-        new = list(
-            self.stream_generate(
-                prompt, max_new_tokens, temperature, top_k, generator, summary_events
-            )
+        """Prompt followed by `max_new_tokens` sampled tokens ([B, T + new]):
+        `generate.generate`."""
+        return generation.generate(
+            self, prompt_ids, max_new_tokens, temperature, top_k, generator, summary_events,
+            decoder,
         )
-        out = torch.cat([prompt, torch.stack(new, dim=1)], dim=1) if new else prompt
-        return out[0] if squeeze else out
+
+    def stream_generate_batch(
+        self, prompts: Sequence[torch.Tensor | Sequence[int]], max_new_tokens: int,
+        temperature: float = 1.0, top_k: int | None = None,
+        generator: torch.Generator | None = None, stop_tokens: Sequence[int] = (),
+        pad_id: int = 0, summary_events: SummaryEvents | None = None, decoder: str = "auto",
+    ) -> Iterator[torch.Tensor]:
+        """New tokens [B] per step for prompts of any lengths, with stop tokens:
+        `generate.stream_generate_batch`."""
+        return generation.stream_generate_batch(
+            self, prompts, max_new_tokens, temperature, top_k, generator, stop_tokens, pad_id,
+            summary_events, decoder,
+        )
+
+    def generate_batch(
+        self, prompts: Sequence[torch.Tensor | Sequence[int]], max_new_tokens: int,
+        temperature: float = 1.0, top_k: int | None = None,
+        generator: torch.Generator | None = None, stop_tokens: Sequence[int] = (),
+        summary_events: SummaryEvents | None = None, decoder: str = "auto",
+    ) -> list[torch.Tensor]:
+        """Per prompt, the prompt and its new tokens through its stop token:
+        `generate.generate_batch`."""
+        return generation.generate_batch(
+            self, prompts, max_new_tokens, temperature, top_k, generator, stop_tokens,
+            summary_events, decoder,
+        )
 
 
 def token_positions(
@@ -454,20 +457,3 @@ def token_positions(
     reset_mask = reset_mask.to(device=start.device, dtype=torch.bool)
     last_reset = torch.where(reset_mask, offsets, -1).cummax(dim=1).values
     return torch.where(last_reset >= 0, offsets - last_reset, positions)
-
-
-def sample_next_token(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """One token per row from logits [B, V]: greedy at temperature 0, else top-k sampling."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)

@@ -74,6 +74,30 @@ class ModelState:
         other.position = self.position.clone()
         return other
 
+    @classmethod
+    def concat(cls, states: list[ModelState]) -> ModelState:
+        """One batch holding the rows of `states` in order (each fully written: every rho and
+        summary carry set, as after a forward call with the state)."""
+        first = states[0]
+        out = cls(first.n_layer, 0, first.position.device)
+        out.rho = [
+            None if first.rho[i] is None else torch.cat([s.rho[i] for s in states])
+            for i in range(first.n_layer)
+        ]
+        for i, carry in enumerate(first.summary):
+            if carry is not None:
+                fields = zip(*(s.summary[i] for s in states), strict=True)
+                out.summary[i] = SummaryCarry(*(torch.cat(parts) for parts in fields))
+        out.position = torch.cat([s.position for s in states])
+        return out
+
+    def select_rows_(self, rows: torch.Tensor) -> ModelState:
+        """Keep only the rows at the indices `rows` (long [B'], in that order)."""
+        self.rho = [None if r is None else r.index_select(0, rows) for r in self.rho]
+        self.summary = [_map_carry(c, lambda t: t.index_select(0, rows)) for c in self.summary]
+        self.position = self.position.index_select(0, rows)
+        return self
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat tensor dict (safetensors-friendly): 'position', 'rho.<layer>' and, for layers
         with a summary memory, 'summary_memory.<layer>', 'summary_chunk_sum.<layer>' and

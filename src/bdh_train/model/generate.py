@@ -1,0 +1,437 @@
+"""Generation: a prompt is read once, then every new token is one recurrent step on the
+carried state, so a token costs the same whatever came before it.
+
+Two decoders take the step, and agree (tests/model/test_fast_decode.py):
+
+* `GenericDecoder`: `BDH.forward_hidden(token, state, executor="recurrent")`, the model's own
+  layer code; every model feature works (summary memory, quantized projections, dropout in
+  train mode). The slow, obviously-correct twin.
+* `FastDecoder`: the same arithmetic with what does not change during a generation folded
+  once (the encoder as one [D, H*N] matrix, rope rotations from a table of phases computed by
+  `rope_cos_sin` itself, alibi decay factors) and each layer a handful of torch ops writing
+  the state in place. It covers float32/float64 models in eval mode (or without dropout)
+  with a token head; a summary memory, a quantizer (QAT or ternary export) or dropout in
+  train mode fall back to the generic decoder (`fast_decoder_unsupported` names the reason).
+
+Batched generation (`stream_generate_batch`, `generate_batch`) takes prompts of different
+lengths: each prompt is read on its own (exactly as when it is generated alone), then the rows
+step together, each at its own position. A row that samples one of `stop_tokens` ends there:
+it is removed from the batch (its state rows are dropped, so it costs nothing afterwards) and
+the stream yields `pad_id` for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from bdh_train.model.positions import alibi_log_decay, learned_alibi_log_decay, rope_cos_sin
+from bdh_train.model.state import ModelState
+from bdh_train.model.summary import SummaryEvents
+
+if TYPE_CHECKING:
+    from bdh_train.model.bdh import BDH
+
+DECODERS = ("auto", "fast", "generic")
+"""How a generation takes its per-token steps: the fast decoder where it applies ('auto'),
+always the fast one ('fast': ValueError where it does not apply) or the generic one."""
+
+FOLD_TOKENS = 32
+"""Tokens the fast decoder keeps pending before folding them into the state: a token's step
+reads the state once (instead of reading it and writing it), and every FOLD_TOKENS tokens one
+GEMM per layer writes them all."""
+
+ROPE_TABLE_TOKENS = 4096
+"""Positions of rope phases computed at once; the table moves on when the rows pass its end."""
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row from logits [B, V]: greedy at temperature 0, else top-k sampling."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+# ---------------------------------------------------------------------------- decoders
+class GenericDecoder:
+    """One token per row through `forward_hidden(..., executor="recurrent")` on `state`.
+
+    `summary_events` marks the summary events of each new token; `recent` [B, history_len]
+    holds the tokens read before it (-1 before the start)."""
+
+    def __init__(
+        self, model: BDH, state: ModelState, summary_events: SummaryEvents | None = None,
+        recent: torch.Tensor | None = None,
+    ) -> None:
+        self.model, self.state, self.events = model, state, summary_events
+        self.recent = recent
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Read tokens [B] (one per row); return their last-layer hidden states [B, D]."""
+        token = tokens.view(-1, 1)
+        events = None
+        if self.events is not None:
+            keep = self.recent is not None and self.recent.shape[1] > 0
+            events = self.events.mask(token, self.recent if keep else None)
+            if keep:
+                self.recent = torch.cat([self.recent, token], dim=1)[:, 1:]
+        hidden = self.model.forward_hidden(
+            token, self.state, executor="recurrent", summary_event_mask=events
+        )
+        return hidden[:, -1]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop every row not listed in `rows` (long indices, in the order kept)."""
+        self.state.select_rows_(rows)
+        if self.recent is not None:
+            self.recent = self.recent.index_select(0, rows)
+
+
+def fast_decoder_unsupported(model: BDH) -> str | None:
+    """Why `FastDecoder` cannot step this model (None when it can)."""
+    c = model.config
+    if c.summary_memory.enabled:
+        return "the summary memory"
+    if model.quantizer is not None:
+        return "a quantized model"
+    if model.training and c.dropout > 0:
+        return "dropout in train mode"
+    if model.embed.weight.dtype not in (torch.float32, torch.float64):
+        return f"dtype {model.embed.weight.dtype}"
+    if c.language_head.type != "token":
+        return f"the {c.language_head.type!r} head"
+    return None
+
+
+class FastDecoder:
+    """The generic step's arithmetic with the per-generation constants folded once.
+
+    It takes over `state`: the rho of every layer moves into one [L, B, H, N, D] buffer
+    (state.rho[l] are views of it) that is updated in place every FOLD_TOKENS steps, and
+    state.position advances by one per step; state.rho includes every token read after
+    `flush()`. Build it after the prompt is read; call `step` under torch.no_grad or
+    torch.inference_mode. The weights are read when it is built: rebuild it after changing them.
+    """
+
+    def __init__(self, model: BDH, state: ModelState) -> None:
+        reason = fast_decoder_unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the fast decoder does not support {reason}; use the generic one")
+        c = model.config
+        self.heads, self.dim, self.neurons = h, d, n = c.n_head, c.n_embd, c.n_neurons
+        self.model = model
+        weight = model.embed.weight
+        self.embed = weight.detach()
+        self.encoder = model.encoder.detach().permute(1, 0, 2).reshape(d, h * n).contiguous()
+        self.encoder_v = model.encoder_v.detach().contiguous()  # [H, D, N]
+        self.decoder = model.decoder.detach().contiguous()  # [H*N, D]
+        norm = model.norm
+        self.norm_weight = None if norm is None else norm.weight.detach()
+        self.norm_bias = None if norm is None else norm.bias.detach()
+        self.norm_eps = model.norm_eps
+        batch = state.batch_size
+        zeros = weight.new_zeros(batch, h, n, d)
+        self.rho = torch.stack([zeros if r is None else r.detach() for r in state.rho])
+        self.state = state
+        state.rho = list(self.rho.unbind(0))
+        state.position = state.position.clone()
+        # The last tokens' keys (q) and values (u) wait here, pending, until FOLD_TOKENS of them
+        # are folded into rho with one GEMM per layer.
+        k = self.fold_tokens = FOLD_TOKENS
+        self.pending_q = weight.new_zeros(len(self.rho), batch, h, k, n)
+        self.pending_v = weight.new_zeros(len(self.rho), batch, k, d)
+        self.pending = 0
+        self.decay_powers = None  # [H, K + 1]: d_h^m for m = 0..K
+        self.decay_powers_reversed = None  # [H, K + 1]: d_h^(K - i) for i = 0..K
+        if c.position != "rope":
+            log_decay = (
+                learned_alibi_log_decay(model.decay_log_gain.detach())
+                if c.position == "alibi_learned"
+                else alibi_log_decay(h)
+            )
+            exponents = torch.arange(k + 1, dtype=torch.float64, device=weight.device)
+            powers = torch.exp(log_decay.to(weight.device).unsqueeze(1) * exponents)
+            self.decay_powers = powers.to(weight.dtype)
+            self.decay_powers_reversed = self.decay_powers.flip(1).contiguous()
+        self.rope_table: torch.Tensor | None = None  # rotations [positions, 1, N/2], complex
+        self.table_start = 0
+        self._positions_known = False
+        self.first_position = self.last_position = 0  # min and max of state.position
+
+    def _rope_rotation(self) -> torch.Tensor:
+        """This step's rope rotation per row, broadcastable over [B, H, N/2] (complex)."""
+        if not self._positions_known:  # one host sync after the rows change
+            self.first_position = int(self.state.position.min())
+            self.last_position = int(self.state.position.max())
+            self._positions_known = True
+        table = self.rope_table
+        if (
+            table is None
+            or self.first_position < self.table_start
+            or self.last_position >= self.table_start + table.shape[0]
+        ):
+            table = self._fill_rope_table()
+        if self.state.batch_size == 1:
+            return table[self.first_position - self.table_start]
+        return table.index_select(0, self.state.position - self.table_start)
+
+    def _fill_rope_table(self) -> torch.Tensor:
+        """Rotations for positions [first, last + ROPE_TABLE_TOKENS): `apply_rope`'s complex
+        form of the phases `rope_cos_sin` gives (so bit-identical ones)."""
+        start, end = self.first_position, self.last_position + ROPE_TABLE_TOKENS
+        positions = torch.arange(start, end, device=self.embed.device).view(1, -1)
+        cos, sin = rope_cos_sin(positions, self.neurons, self.embed.dtype)  # [1, 1, P, N]
+        turn = torch.complex(cos[0, 0, :, ::2], sin[0, 0, :, ::2])  # [P, N/2]
+        self.rope_table = turn.unsqueeze(1).contiguous()  # [P, 1, N/2]
+        self.table_start = start
+        return self.rope_table
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.dim,), self.norm_weight, self.norm_bias, self.norm_eps)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Read tokens [B] (one per row); return their last-layer hidden states [B, D].
+
+        Token t at offset k of the pending tokens (the state rho0 folded k tokens ago) reads
+        d^k q_t.rho0 + sum_(j < k) d^(k - j) (q_t.q_j) v_j, the generic step's
+        q_t.rho_t written out (d = 1 without decay); then it joins the pending tokens.
+        """
+        b, h, n, d = tokens.shape[0], self.heads, self.neurons, self.dim
+        k, powers = self.pending, self.decay_powers
+        rotation = self._rope_rotation() if powers is None else None
+        u = self._norm(F.embedding(tokens, self.embed))  # [B, D]
+        for layer, rho in enumerate(self.rho):  # [B, H, N, D]
+            x = torch.mm(u, self.encoder).relu_().view(b, h, n)
+            q = x
+            if rotation is not None:  # apply_rope: one complex multiply per (2k, 2k+1) pair
+                pairs = torch.view_as_complex(x.view(b, h, n // 2, 2))
+                q = torch.view_as_real(pairs * rotation).view(b, h, n)
+            attn = torch.bmm(q.view(b * h, 1, n), rho.view(b * h, n, d)).view(b, h, d)
+            pending_q, pending_v = self.pending_q[layer], self.pending_v[layer]
+            if k:
+                keys = pending_q[:, :, :k].reshape(b * h, k, n)
+                scores = torch.bmm(keys, q.view(b * h, n, 1)).view(b, h, k)
+                if powers is not None:
+                    attn = attn * powers[:, k].view(1, h, 1)
+                    reversed_powers = self.decay_powers_reversed
+                    assert reversed_powers is not None
+                    scores = scores * reversed_powers[:, self.fold_tokens - k : self.fold_tokens]
+                attn = torch.baddbmm(attn, scores, pending_v[:, :k])  # values shared by heads
+            pending_q[:, :, k].copy_(q)
+            pending_v[:, k].copy_(u)
+            a = self._norm(attn)
+            gate = torch.bmm(a.transpose(0, 1), self.encoder_v).relu_()  # [H, B, N]
+            y = (x * gate.transpose(0, 1)).view(b, h * n)
+            u = self._norm(u + self._norm(torch.mm(y, self.decoder)))
+        self.pending += 1
+        if self.pending == self.fold_tokens:
+            self.flush()
+        self.state.position.add_(1)
+        self.first_position += 1
+        self.last_position += 1
+        return u
+
+    def flush(self) -> None:
+        """Fold the pending tokens into rho: state.rho is then the generic step's state."""
+        k = self.pending
+        if not k:
+            return
+        b, h, n, d = self.rho.shape[1:]
+        for layer, rho in enumerate(self.rho):
+            keys = self.pending_q[layer][:, :, :k]  # [B, H, k, N]
+            values = self.pending_v[layer][:, :k].unsqueeze(1).expand(b, h, k, d)
+            if self.decay_powers is not None:  # rho_k = d^k rho_0 + sum_j d^(k - j) q_j^T v_j
+                assert self.decay_powers_reversed is not None
+                rho.mul_(self.decay_powers[:, k].view(1, h, 1, 1))
+                weights = self.decay_powers_reversed[:, self.fold_tokens - k : self.fold_tokens]
+                keys = keys * weights.view(1, h, k, 1)
+            rho.view(b * h, n, d).baddbmm_(
+                keys.reshape(b * h, k, n).transpose(1, 2), values.reshape(b * h, k, d)
+            )
+        self.pending = 0
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop every row not listed in `rows` (long indices, in the order kept)."""
+        self.rho = self.rho.index_select(1, rows)
+        self.pending_q = self.pending_q.index_select(1, rows)
+        self.pending_v = self.pending_v.index_select(1, rows)
+        self.state.rho = list(self.rho.unbind(0))
+        self.state.position = self.state.position.index_select(0, rows)
+        self._positions_known = False
+
+
+Decoder = GenericDecoder | FastDecoder
+
+
+def make_decoder(
+    model: BDH, state: ModelState, decoder: str = "auto",
+    summary_events: SummaryEvents | None = None, recent: torch.Tensor | None = None,
+) -> Decoder:
+    """The decoder `decoder` names ('auto', 'fast' or 'generic') for `state`, read so far."""
+    if decoder not in DECODERS:
+        raise ValueError(f"unknown decoder {decoder!r}; expected one of {DECODERS}")
+    if decoder == "generic" or (decoder == "auto" and fast_decoder_unsupported(model)):
+        return GenericDecoder(model, state, summary_events, recent)
+    return FastDecoder(model, state)
+
+
+# ---------------------------------------------------------------------------- generation
+def _prompt_rows(prompt_ids: torch.Tensor) -> torch.Tensor:
+    prompt = prompt_ids.unsqueeze(0) if prompt_ids.dim() == 1 else prompt_ids
+    if prompt.dim() != 2 or prompt.shape[1] == 0:
+        raise ValueError(
+            f"generate needs a prompt of at least one token ([T] or [B, T]), got shape "
+            f"{tuple(prompt_ids.shape)}"
+        )
+    return prompt
+
+
+def _read_prompt(
+    model: BDH, prompt: torch.Tensor, summary_events: SummaryEvents | None
+) -> tuple[ModelState, torch.Tensor, torch.Tensor | None]:
+    """(state after the prompt [B, T], last token's hidden [B, D], last history_len tokens)."""
+    state = model.init_state(prompt.shape[0])
+    events = None if summary_events is None else summary_events.mask(prompt)
+    hidden = model.forward_hidden(prompt, state, summary_event_mask=events)[:, -1]
+    if summary_events is None:
+        return state, hidden, None
+    keep = summary_events.history_len
+    recent = F.pad(prompt, (keep, 0), value=-1)[:, prompt.shape[1] :]
+    return state, hidden, recent
+
+
+def stream_generate(
+    model: BDH, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+    top_k: int | None = None, generator: torch.Generator | None = None,
+    summary_events: SummaryEvents | None = None, decoder: str = "auto",
+) -> Iterator[torch.Tensor]:
+    """Yield new tokens [B] one at a time for prompts [B, T] (or one prompt [T]).
+
+    The prompt is read once with the model's executor; then each token costs one recurrent
+    step (`decoder`: see DECODERS). temperature 0 means greedy. `summary_events` marks the
+    summary events of the prompt and of each new token (for a summary memory with a write
+    gate; without it such a memory is never written).
+    """
+    with torch.inference_mode():
+        prompt = _prompt_rows(prompt_ids)
+        state, hidden, recent = _read_prompt(model, prompt, summary_events)
+        stepper = make_decoder(model, state, decoder, summary_events, recent)
+    for index in range(max_new_tokens):
+        with torch.inference_mode():
+            logits = model.logits_from_hidden(hidden).float()
+            token = sample_next_token(logits, temperature, top_k, generator)
+        yield token
+        if index + 1 < max_new_tokens:
+            with torch.inference_mode():
+                hidden = stepper.step(token)
+
+
+def generate(
+    model: BDH, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+    top_k: int | None = None, generator: torch.Generator | None = None,
+    summary_events: SummaryEvents | None = None, decoder: str = "auto",
+) -> torch.Tensor:
+    """Prompt followed by `max_new_tokens` sampled tokens ([B, T + new], or [T + new])."""
+    prompt = _prompt_rows(prompt_ids)
+    new = list(
+        stream_generate(
+            model, prompt, max_new_tokens, temperature, top_k, generator, summary_events, decoder
+        )
+    )
+    out = torch.cat([prompt, torch.stack(new, dim=1)], dim=1) if new else prompt
+    return out[0] if prompt_ids.dim() == 1 else out
+
+
+def stream_generate_batch(
+    model: BDH, prompts: Sequence[torch.Tensor | Sequence[int]], max_new_tokens: int,
+    temperature: float = 1.0, top_k: int | None = None,
+    generator: torch.Generator | None = None, stop_tokens: Sequence[int] = (),
+    pad_id: int = 0, summary_events: SummaryEvents | None = None, decoder: str = "auto",
+) -> Iterator[torch.Tensor]:
+    """Yield new tokens [B] (one per prompt) one step at a time, for prompts of any lengths.
+
+    Each prompt is read alone (as `stream_generate` reads it), then the rows step together,
+    each at its own position. A row that samples a token of `stop_tokens` yields it and is
+    done: it leaves the batch, and yields `pad_id` from then on. The stream ends after
+    `max_new_tokens` steps or when every row is done. Greedy rows (temperature 0) get exactly
+    the tokens they get alone; sampled rows share `generator`, so their draws depend on the
+    batch.
+    """
+    device = model.embed.weight.device
+    rows = [torch.as_tensor(p, dtype=torch.long, device=device).reshape(-1) for p in prompts]
+    empty = [i for i, row in enumerate(rows) if row.numel() == 0]
+    if not rows or empty:
+        raise ValueError(
+            "generate_batch needs at least one prompt, each of at least one token"
+            + (f"; prompts {empty} are empty" if empty else "")
+        )
+    with torch.inference_mode():
+        read = [_read_prompt(model, row.view(1, -1), summary_events) for row in rows]
+        state = ModelState.concat([r[0] for r in read])
+        hidden = torch.cat([r[1] for r in read])
+        recent = None if summary_events is None else torch.cat([r[2] for r in read])
+        stepper = make_decoder(model, state, decoder, summary_events, recent)
+        stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=device)
+        active = torch.arange(len(rows), device=device)  # original index of each stepped row
+    for index in range(max_new_tokens):
+        with torch.inference_mode():
+            logits = model.logits_from_hidden(hidden).float()
+            token = sample_next_token(logits, temperature, top_k, generator)
+            if active.shape[0] == len(rows):
+                out = token
+            else:
+                out = torch.full((len(rows),), pad_id, dtype=torch.long, device=device)
+                out[active] = token
+        yield out
+        if index + 1 == max_new_tokens:
+            return
+        with torch.inference_mode():
+            going = ~torch.isin(token, stops) if stops.numel() else None
+            if going is not None and not bool(going.all()):
+                if not bool(going.any()):
+                    return
+                keep = going.nonzero().squeeze(1)
+                stepper.keep_rows(keep)
+                active, token = active[keep], token[keep]
+            hidden = stepper.step(token)
+
+
+def generate_batch(
+    model: BDH, prompts: Sequence[torch.Tensor | Sequence[int]], max_new_tokens: int,
+    temperature: float = 1.0, top_k: int | None = None,
+    generator: torch.Generator | None = None, stop_tokens: Sequence[int] = (),
+    summary_events: SummaryEvents | None = None, decoder: str = "auto",
+) -> list[torch.Tensor]:
+    """Per prompt: the prompt followed by its new tokens, up to and including its stop token
+    (1-D long tensors of each row's own length); see `stream_generate_batch`."""
+    device = model.embed.weight.device
+    rows = [torch.as_tensor(p, dtype=torch.long, device=device).reshape(-1) for p in prompts]
+    new: list[list[torch.Tensor]] = [[] for _ in rows]
+    done = [False] * len(rows)
+    stops = set(stop_tokens)
+    stream = stream_generate_batch(
+        model, rows, max_new_tokens, temperature, top_k, generator, stop_tokens,
+        summary_events=summary_events, decoder=decoder,
+    )
+    for step_tokens in stream:
+        for i, token in enumerate(step_tokens.tolist()):
+            if not done[i]:
+                new[i].append(token)
+                done[i] = token in stops
+    return [
+        torch.cat([row, torch.tensor(tokens, dtype=torch.long, device=device)])
+        for row, tokens in zip(rows, new, strict=True)
+    ]

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.distributed.planner import build_pipeline_plan
-from bdh_train.errors import ConfigError
+from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.model import LanguageHeadConfig, QuantConfig, groups
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.train import profile as profile_module
@@ -24,7 +24,7 @@ from bdh_train.train.profile import (
     profile_row,
 )
 from bdh_train.train.schedules import GradientScaleSchedule
-from bdh_train.train.step import LanguageTrainModel
+from bdh_train.train.step import LanguageTrainModel, _columns
 
 SEED_INPUTS = torch.tensor([[0, 1, 2, 3], [7, 6, 5, 4]])
 SEED_TARGETS = torch.tensor([[1, 2, 3, 4], [6, 5, 4, 3]])
@@ -706,3 +706,73 @@ def test_valid_step_runs_without_dropout_and_restores_train_mode():
     with torch.no_grad():  # the same loss through the model in train mode does see dropout
         noisy_loss = noisy.loss_from_hidden(noisy.forward_hidden(b.inputs), b.targets)
     assert abs(float(noisy_loss) - float(reference)) > 1e-4
+
+
+# ------------------------------------------------------------------ exact small rules
+def test_columns_slices_time_steps_and_passes_none_through():
+    mask = torch.arange(12).view(2, 6)
+    assert torch.equal(_columns(mask, 1, 4), mask[:, 1:4])
+    assert _columns(None, 1, 4) is None
+
+
+def test_pipeline_microbatches_apply_document_resets():
+    """A [B, T] reset restarts a row mid-block in the pipeline as in the plain step."""
+    model = tiny_model(n_layer=2)
+    plan = build_pipeline_plan(2, 2, 1, 2, "gpipe")
+    b = batch(b=2, t=6)
+    plain = LanguageTrainModel(model).valid_step(b)
+    b.reset = torch.zeros(2, 6, dtype=torch.bool)
+    b.reset[1, 3] = True
+    reset = LanguageTrainModel(model).valid_step(b)
+    assert abs(reset - plain) > 1e-4  # the reset changes the loss
+    assert abs(LanguageTrainModel(model, pipeline_plan=plan).valid_step(b) - reset) < 1e-6
+
+
+def test_pipeline_microbatches_apply_summary_events():
+    memory = SummaryMemoryConfig(enabled=True, chunk_tokens=2, write_gate=True)
+    model = tiny_model(n_layer=2, summary_memory=memory)
+    plan = build_pipeline_plan(2, 2, 1, 2, "gpipe")
+    b = batch(b=2, t=6)
+    plain = LanguageTrainModel(model).valid_step(b)
+    b.summary_event_mask = torch.tensor([[0, 1, 0, 0, 1, 0], [1, 0, 0, 1, 0, 0]])
+    events = LanguageTrainModel(model).valid_step(b)
+    assert abs(events - plain) > 1e-4
+    assert abs(LanguageTrainModel(model, pipeline_plan=plan).valid_step(b) - events) < 1e-6
+
+
+def test_detail_probes_cover_one_backward_window_with_its_summary_events():
+    """With TBPTT the probes run on the first chunk * backprop_chunks tokens (the most the
+    step holds) and those tokens' summary events."""
+    model = tiny_model(summary_memory=SummaryMemoryConfig(enabled=True, chunk_tokens=2))
+    step, _ = _profiled(
+        ProfileSettings("detail"), model=model, tbptt_chunk_size=2, tbptt_backprop_chunks=2
+    )
+    b = batch(t=12)
+    b.summary_event_mask = (torch.arange(12) % 3 == 1).long().expand(2, 12).clone()
+    probed = []
+    forward = model.forward_hidden
+
+    def recording(inputs, *args, **kwargs):
+        if "reset_mask" not in kwargs:  # the step's own pieces pass their reset mask
+            probed.append((inputs.shape[1], kwargs["summary_event_mask"]))
+        return forward(inputs, *args, **kwargs)
+
+    with mock.patch.object(model, "forward_hidden", recording):
+        step.train_step(b)
+    assert len(probed) == 4  # first layer (twice), the model forward, forward + backward
+    for width, events in probed:
+        assert width == 4 and torch.equal(events, b.summary_event_mask[:, :4])
+
+
+def test_load_state_dict_names_a_missing_schedule_and_clears_the_carried_state():
+    step = LanguageTrainModel(tiny_model(), streaming=True)
+    step.train_step(batch(t=4))
+    with pytest.raises(CheckpointError) as err:
+        step.load_state_dict({})
+    assert str(err.value) == "train-step state has no valid 'gradient_scales': 'gradient_scales'"
+    assert step.carried_state is not None  # refused before anything changed
+    step.load_state_dict({"gradient_scales": {"step": 0}, "carried_state": None})
+    assert step.carried_state is None
+    step.train_step(batch(t=4))
+    step.load_state_dict({"gradient_scales": {"step": 0}})
+    assert step.carried_state is None

@@ -402,6 +402,8 @@ def test_model_weights_round_trip_through_safetensors(tmp_path: Path) -> None:
     assert where == tmp_path and torch.equal(weights["bias"], torch.tensor([1.0, 2.0, 3.0]))
     assert safe_open(str(path), "pt").metadata() == {"format": "pt"}
     fresh = ckpt.ModelWeights(torch.nn.Linear(2, 3), dict)
+    with pytest.raises(CheckpointError, match=f"^checkpoint {tmp_path} does not fit"):
+        fresh.load_state_dict(({"weight": weights["weight"]}, where))
     fresh.load_state_dict((weights, where))
     assert torch.equal(fresh.model.weight, _linear().weight)
     assert ckpt.load_model_weights(tmp_path).keys() == {"weight", "bias"}
@@ -570,6 +572,11 @@ def _adam(model: torch.nn.Module) -> torch.optim.Optimizer:
     return optimizer
 
 
+class _CopyingLinear(torch.nn.Linear):
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return {k: v.clone() for k, v in super().state_dict(*args, **kwargs).items()}
+
+
 def test_a_sharded_state_round_trips_in_one_process(tmp_path: Path) -> None:
     assert ckpt._one_process()
     model = _linear()
@@ -586,10 +593,15 @@ def test_a_sharded_state_round_trips_in_one_process(tmp_path: Path) -> None:
     other = torch.nn.Linear(2, 4)
     with pytest.raises(CheckpointError) as err:
         saver.load(final, {}, sharded=ckpt.ShardedState(other, _adam(other)))
-    assert str(err.value).startswith(f"cannot read the sharded state {final / 'sharded'}: ")
-    assert str(err.value).endswith(
-        "; check that [model] matches the run that wrote it, or resume from another checkpoint"
+    cause = err.value.__cause__
+    assert cause is not None
+    assert str(err.value) == (
+        f"cannot read the sharded state {final / 'sharded'}: {ckpt._first_line(cause)}; check "
+        "that [model] matches the run that wrote it, or resume from another checkpoint"
     )
+    copying = _CopyingLinear(2, 3)  # its state dict is a copy: set_state_dict writes it back
+    ckpt.ShardedState(copying, torch.optim.Adam(copying.parameters())).load(final / "sharded")
+    assert torch.equal(copying.weight, model.weight)
 
 
 def test_a_failed_sharded_save_names_the_shards_and_removes_the_temporary(

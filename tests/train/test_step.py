@@ -749,19 +749,34 @@ def test_detail_probes_cover_one_backward_window_with_its_summary_events():
     )
     b = batch(t=12)
     b.summary_event_mask = (torch.arange(12) % 3 == 1).long().expand(2, 12).clone()
-    probed = []
-    forward = model.forward_hidden
+    probed, asked = [], []
+    forward, grad = model.forward_hidden, torch.autograd.grad
 
     def recording(inputs, *args, **kwargs):
         if "reset_mask" not in kwargs:  # the step's own pieces pass their reset mask
-            probed.append((inputs.shape[1], kwargs["summary_event_mask"]))
+            u = kwargs.get("u")
+            embedded = None if u is None else (tuple(u.shape), u.requires_grad)
+            probed.append((inputs.shape[1], kwargs["summary_event_mask"], kwargs.get("layers")))
+            probed[-1] += (embedded,)
         return forward(inputs, *args, **kwargs)
 
-    with mock.patch.object(model, "forward_hidden", recording):
+    def asking(outputs, inputs, **kwargs):
+        asked.append(len(inputs))
+        return grad(outputs, inputs, **kwargs)
+
+    with (
+        mock.patch.object(model, "forward_hidden", recording),
+        mock.patch.object(torch.autograd, "grad", asking),
+    ):
         step.train_step(b)
-    assert len(probed) == 4  # first layer (twice), the model forward, forward + backward
-    for width, events in probed:
+    d = model.config.n_embd
+    first = [(range(1), ((2, 4, d), False)), (range(1), ((2, 4, d), True))]
+    assert [p[2:] for p in probed] == [*first, (None, None), (None, None)]
+    for width, events, *_ in probed:  # first layer (twice), the model forward, its backward
         assert width == 4 and torch.equal(events, b.summary_event_mask[:, :4])
+    params = sum(p.requires_grad for p in model.parameters())
+    # embed, first layer (+ its input), logits (the logits alone), head (+ hidden), model
+    assert asked == [params, params + 1, 1, params + 1, params]
 
 
 def test_load_state_dict_names_a_missing_schedule_and_clears_the_carried_state():

@@ -629,3 +629,14 @@ def test_a_failed_sharded_save_names_the_shards_and_removes_the_temporary(
     with pytest.raises(ckpt.CheckpointWriteError) as err:
         ckpt.Checkpointer(blocked)._shared_temp_dir("step-0000004")
     assert str(err.value).startswith(f"cannot write {blocked / 'checkpoints'} ([Errno 20] ")
+
+
+def test_pruning_without_a_pointer_and_past_an_undeletable_entry(tmp_path: Path) -> None:
+    root = tmp_path / ckpt.CHECKPOINTS
+    for step in (1, 2, 3):
+        save(tmp_path, step)
+    (root / ckpt.LATEST).unlink()
+    (tmp_path / "elsewhere").mkdir()
+    (root / "step-0000000").symlink_to(tmp_path / "elsewhere")  # rmtree refuses a link
+    ckpt.prune_checkpoints(root, keep=1)
+    assert names(tmp_path) == ["step-0000000", "step-0000003"]

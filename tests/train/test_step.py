@@ -791,3 +791,25 @@ def test_load_state_dict_names_a_missing_schedule_and_clears_the_carried_state()
     step.train_step(batch(t=4))
     step.load_state_dict({"gradient_scales": {"step": 0}})
     assert step.carried_state is None
+
+
+def test_a_state_is_made_only_when_read_and_a_carried_one_read_only_when_streaming():
+    model = tiny_model()
+    streamed = LanguageTrainModel(model, streaming=True)
+    streamed.train_step(batch(t=4))
+    b = batch(t=4, seed=1)
+    fresh = LanguageTrainModel(model, tbptt_chunk_size=2).train_step(b).loss
+    chunked = LanguageTrainModel(model, tbptt_chunk_size=2)
+    chunked.load_state_dict(streamed.state_dict())  # a carried state it must not read
+    assert torch.equal(chunked.train_step(b).loss, fresh)
+    states = []
+    forward = model.forward_hidden
+
+    def recording(inputs, state, **kwargs):
+        states.append(state)
+        return forward(inputs, state, **kwargs)
+
+    with mock.patch.object(model, "forward_hidden", recording):
+        LanguageTrainModel(model).train_step(b)  # one chunk, not streaming: no final state
+        LanguageTrainModel(model, tbptt_chunk_size=4).train_step(b)  # a chunk of the block
+    assert states == [None, None]

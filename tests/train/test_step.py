@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -18,6 +19,7 @@ from bdh_train.train import profile as profile_module
 from bdh_train.train.profile import (
     PROBES,
     MemoryReading,
+    NullProfiler,
     ProfileSettings,
     StepProfile,
     StepProfiler,
@@ -813,3 +815,43 @@ def test_a_state_is_made_only_when_read_and_a_carried_one_read_only_when_streami
         LanguageTrainModel(model).train_step(b)  # one chunk, not streaming: no final state
         LanguageTrainModel(model, tbptt_chunk_size=4).train_step(b)  # a chunk of the block
     assert states == [None, None]
+
+
+def test_step_defaults_and_the_chunk_rule():
+    model = tiny_model()
+    step = LanguageTrainModel(model)
+    assert (step.tbptt_chunk_size, step.tbptt_backprop_chunks, step.streaming) == (0, 1, False)
+    assert step.pipeline_plan is None and step.carried_state is None
+    assert isinstance(step.profiler, NullProfiler) and step.autocast is contextlib.nullcontext
+    assert step.gradient_scales.state_dict() == {"step": 0}
+    assert step.effective_chunk_size(3) is None
+    chunked = LanguageTrainModel(model, tbptt_chunk_size=5)
+    assert [chunked.effective_chunk_size(t) for t in (4, 5, 6)] == [None, None, 5]
+    assert LanguageTrainModel(model, tbptt_chunk_size=1).effective_chunk_size(2) == 1
+    with pytest.raises(ConfigError) as err:
+        LanguageTrainModel(tiny_model(n_layer=2), pipeline_plan=build_pipeline_plan(4, 2, 1, 2))
+    assert str(err.value) == "the pipeline plan covers 4 layers but model.n_layer is 2"
+
+
+def test_the_loss_is_the_sum_over_the_counted_targets_or_the_normalizer_given():
+    """One counted target: the mean is the sum (not halved); a given normalizer divides the
+    sum; the loss scale multiplies the gradients; no counted target gives 0."""
+    model = tiny_model()
+    b = batch(t=4)
+    b.targets[:] = IGNORE_INDEX
+    b.targets[1, 2] = 5
+    with torch.no_grad():
+        total = model.loss_from_hidden(model.forward_hidden(b.inputs), b.targets, reduction="sum")
+    step = LanguageTrainModel(model)
+    out = step.train_step(b)
+    assert out.counted == 1.0 and out.loss.dtype == torch.float32 and out.stats == {}
+    assert abs(out.loss - total) < 1e-6
+    once = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    out = step.compute_gradients(b, loss_scale=3.0, normalizer=4.0)
+    assert abs(out.loss - total / 4) < 1e-6 and out.counted == 1.0
+    for name, g in grads_of(model).items():
+        assert_close(g, once[name] * 0.75, rtol=1e-6, msg=name)
+    b.targets[1, 2] = IGNORE_INDEX
+    out = step.train_step(b)
+    assert out.counted == 0.0 and out.loss == 0.0

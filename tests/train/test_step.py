@@ -855,3 +855,20 @@ def test_the_loss_is_the_sum_over_the_counted_targets_or_the_normalizer_given():
     b.targets[1, 2] = IGNORE_INDEX
     out = step.train_step(b)
     assert out.counted == 0.0 and out.loss == 0.0
+
+
+def test_chunk_losses_add_up_in_float64():
+    """Pieces 1, 2**-24, 2**-24: in float64 the sum is 1 + 2**-23 (a float32 value); added up
+    in float32 each 2**-24 rounds away and the loss would read 1."""
+    step = LanguageTrainModel(tiny_model(), tbptt_chunk_size=1)
+    piece_loss = step._piece_loss
+    values: list[float] = []
+
+    def chosen(*args):
+        return piece_loss(*args) * 0 + values.pop(0)
+
+    step._piece_loss = chosen
+    values[:] = [1.0, 2.0**-24, 2.0**-24]
+    assert step.train_step(batch(t=3)).loss.item() == 1.0 + 2.0**-23
+    values[:] = [1.0, 2.0**-24, 2.0**-24]
+    assert step.valid_step(batch(t=3)).item() == 1.0 + 2.0**-23

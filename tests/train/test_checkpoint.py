@@ -3,14 +3,17 @@ the one just written, re-saved by swapping, recovered after a crash, verified by
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
 import random
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -640,3 +643,76 @@ def test_pruning_without_a_pointer_and_past_an_undeletable_entry(tmp_path: Path)
     (root / "step-0000000").symlink_to(tmp_path / "elsewhere")  # rmtree refuses a link
     ckpt.prune_checkpoints(root, keep=1)
     assert names(tmp_path) == ["step-0000000", "step-0000003"]
+
+
+def test_a_resave_sets_the_old_copy_aside_inside_checkpoints_and_syncs_every_directory(
+    tmp_path: Path,
+) -> None:
+    save(tmp_path, 5, payload=b"old")
+    root = tmp_path / ckpt.CHECKPOINTS
+    made: list[Path] = []
+    synced: list[Path] = []
+    mkdtemp, fsync_dir = tempfile.mkdtemp, ckpt._fsync_dir
+
+    def recording(*args: Any, **kwargs: Any) -> str:
+        made.append(Path(mkdtemp(*args, **kwargs)))
+        return str(made[-1])
+
+    def write(directory: Path) -> None:
+        (directory / "shards" / "deep").mkdir(parents=True)
+        (directory / ckpt.MODEL_FILE).write_bytes(b"new")
+
+    with (
+        mock.patch.object(tempfile, "mkdtemp", recording),
+        mock.patch.object(ckpt, "_fsync_dir", lambda p: (synced.append(p), fsync_dir(p))),
+    ):
+        ckpt.save_checkpoint(tmp_path, "step-0000005", write)
+    tmp, aside = made
+    assert aside.parent == root and aside.name.startswith(".old-step-0000005-")
+    assert not aside.exists() and (root / "step-0000005" / ckpt.MODEL_FILE).read_bytes() == b"new"
+    assert sorted(synced) == sorted([tmp / "shards", tmp / "shards" / "deep", root])
+
+
+def test_a_set_aside_copy_that_cannot_be_removed_does_not_fail_the_save(tmp_path: Path) -> None:
+    save(tmp_path, 5)
+    rmtree = shutil.rmtree
+
+    def failing(path: Any, ignore_errors: bool = False, **kwargs: Any) -> None:
+        if Path(path).name.startswith(".old-"):
+            if not ignore_errors:
+                raise OSError("busy")
+            return
+        rmtree(path, ignore_errors=ignore_errors, **kwargs)
+
+    with mock.patch.object(shutil, "rmtree", failing):
+        assert save(tmp_path, 5, payload=b"new").name == "step-0000005"
+
+
+def test_text_parts_are_written_in_utf8_whatever_the_locale(tmp_path: Path) -> None:
+    used: list[Any] = []
+    write_text = Path.write_text
+
+    def spy(self: Path, data: str, encoding: Any = None, **kwargs: Any) -> int:
+        used.append(encoding)
+        return write_text(self, data, encoding=encoding, **kwargs)
+
+    with mock.patch.object(Path, "write_text", spy):
+        ckpt._write_part(tmp_path / "tokenizer.json", "é")
+    assert codecs.lookup(used[0]).name == "utf-8"
+    assert (tmp_path / "tokenizer.json").read_bytes() == "é".encode()
+
+
+def test_checkpointer_defaults_and_a_shard_failure_after_its_directory_vanished(
+    tmp_path: Path,
+) -> None:
+    assert ckpt.Checkpointer(tmp_path).keep == 0
+
+    class Vanishing(ckpt.ShardedState):
+        def save(self, directory: Path) -> None:
+            assert directory.parent.name.startswith(".tmp-step-0000001-")
+            shutil.rmtree(directory.parent)  # removing the temporary directory now fails
+            raise OSError(28, "No space left")
+
+    model = _linear()
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"\(\[Errno 28\] No space left\)"):
+        ckpt.Checkpointer(tmp_path).save("step-0000001", {}, sharded=Vanishing(model, _adam(model)))

@@ -872,3 +872,11 @@ def test_chunk_losses_add_up_in_float64():
     assert step.train_step(batch(t=3)).loss.item() == 1.0 + 2.0**-23
     values[:] = [1.0, 2.0**-24, 2.0**-24]
     assert step.valid_step(batch(t=3)).item() == 1.0 + 2.0**-23
+
+
+def test_train_step_drops_stale_gradients_instead_of_zeroing_them():
+    model = tiny_model()
+    model.register_parameter("unused", torch.nn.Parameter(torch.zeros(1)))
+    model.unused.grad = torch.ones(1)  # left by an earlier step; nothing this step reaches
+    LanguageTrainModel(model).train_step(batch(t=4))
+    assert model.unused.grad is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -11,20 +12,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.distributed.planner import build_pipeline_plan
-from bdh_train.errors import ConfigError
+from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.model import LanguageHeadConfig, QuantConfig, groups
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.train import profile as profile_module
 from bdh_train.train.profile import (
     PROBES,
     MemoryReading,
+    NullProfiler,
     ProfileSettings,
     StepProfile,
     StepProfiler,
     profile_row,
 )
 from bdh_train.train.schedules import GradientScaleSchedule
-from bdh_train.train.step import LanguageTrainModel
+from bdh_train.train.step import LanguageTrainModel, _columns
 
 SEED_INPUTS = torch.tensor([[0, 1, 2, 3], [7, 6, 5, 4]])
 SEED_TARGETS = torch.tensor([[1, 2, 3, 4], [6, 5, 4, 3]])
@@ -706,3 +708,175 @@ def test_valid_step_runs_without_dropout_and_restores_train_mode():
     with torch.no_grad():  # the same loss through the model in train mode does see dropout
         noisy_loss = noisy.loss_from_hidden(noisy.forward_hidden(b.inputs), b.targets)
     assert abs(float(noisy_loss) - float(reference)) > 1e-4
+
+
+# ------------------------------------------------------------------ exact small rules
+def test_columns_slices_time_steps_and_passes_none_through():
+    mask = torch.arange(12).view(2, 6)
+    assert torch.equal(_columns(mask, 1, 4), mask[:, 1:4])
+    assert _columns(None, 1, 4) is None
+
+
+def test_pipeline_microbatches_apply_document_resets():
+    """A [B, T] reset restarts a row mid-block in the pipeline as in the plain step."""
+    model = tiny_model(n_layer=2)
+    plan = build_pipeline_plan(2, 2, 1, 2, "gpipe")
+    b = batch(b=2, t=6)
+    plain = LanguageTrainModel(model).valid_step(b)
+    b.reset = torch.zeros(2, 6, dtype=torch.bool)
+    b.reset[1, 3] = True
+    reset = LanguageTrainModel(model).valid_step(b)
+    assert abs(reset - plain) > 1e-4  # the reset changes the loss
+    assert abs(LanguageTrainModel(model, pipeline_plan=plan).valid_step(b) - reset) < 1e-6
+
+
+def test_pipeline_microbatches_apply_summary_events():
+    memory = SummaryMemoryConfig(enabled=True, chunk_tokens=2, write_gate=True)
+    model = tiny_model(n_layer=2, summary_memory=memory)
+    plan = build_pipeline_plan(2, 2, 1, 2, "gpipe")
+    b = batch(b=2, t=6)
+    plain = LanguageTrainModel(model).valid_step(b)
+    b.summary_event_mask = torch.tensor([[0, 1, 0, 0, 1, 0], [1, 0, 0, 1, 0, 0]])
+    events = LanguageTrainModel(model).valid_step(b)
+    assert abs(events - plain) > 1e-4
+    assert abs(LanguageTrainModel(model, pipeline_plan=plan).valid_step(b) - events) < 1e-6
+
+
+def test_detail_probes_cover_one_backward_window_with_its_summary_events():
+    """With TBPTT the probes run on the first chunk * backprop_chunks tokens (the most the
+    step holds) and those tokens' summary events."""
+    model = tiny_model(summary_memory=SummaryMemoryConfig(enabled=True, chunk_tokens=2))
+    step, _ = _profiled(
+        ProfileSettings("detail"), model=model, tbptt_chunk_size=2, tbptt_backprop_chunks=2
+    )
+    b = batch(t=12)
+    b.summary_event_mask = (torch.arange(12) % 3 == 1).long().expand(2, 12).clone()
+    probed, asked = [], []
+    forward, grad = model.forward_hidden, torch.autograd.grad
+
+    def recording(inputs, *args, **kwargs):
+        if "reset_mask" not in kwargs:  # the step's own pieces pass their reset mask
+            u = kwargs.get("u")
+            embedded = None if u is None else (tuple(u.shape), u.requires_grad)
+            probed.append((inputs.shape[1], kwargs["summary_event_mask"], kwargs.get("layers")))
+            probed[-1] += (embedded,)
+        return forward(inputs, *args, **kwargs)
+
+    def asking(outputs, inputs, **kwargs):
+        asked.append(len(inputs))
+        return grad(outputs, inputs, **kwargs)
+
+    with (
+        mock.patch.object(model, "forward_hidden", recording),
+        mock.patch.object(torch.autograd, "grad", asking),
+    ):
+        step.train_step(b)
+    d = model.config.n_embd
+    first = [(range(1), ((2, 4, d), False)), (range(1), ((2, 4, d), True))]
+    assert [p[2:] for p in probed] == [*first, (None, None), (None, None)]
+    for width, events, *_ in probed:  # first layer (twice), the model forward, its backward
+        assert width == 4 and torch.equal(events, b.summary_event_mask[:, :4])
+    params = sum(p.requires_grad for p in model.parameters())
+    # embed, first layer (+ its input), logits (the logits alone), head (+ hidden), model
+    assert asked == [params, params + 1, 1, params + 1, params]
+
+
+def test_load_state_dict_names_a_missing_schedule_and_clears_the_carried_state():
+    step = LanguageTrainModel(tiny_model(), streaming=True)
+    step.train_step(batch(t=4))
+    with pytest.raises(CheckpointError) as err:
+        step.load_state_dict({})
+    assert str(err.value) == "train-step state has no valid 'gradient_scales': 'gradient_scales'"
+    assert step.carried_state is not None  # refused before anything changed
+    step.load_state_dict({"gradient_scales": {"step": 0}, "carried_state": None})
+    assert step.carried_state is None
+    step.train_step(batch(t=4))
+    step.load_state_dict({"gradient_scales": {"step": 0}})
+    assert step.carried_state is None
+
+
+def test_a_state_is_made_only_when_read_and_a_carried_one_read_only_when_streaming():
+    model = tiny_model()
+    streamed = LanguageTrainModel(model, streaming=True)
+    streamed.train_step(batch(t=4))
+    b = batch(t=4, seed=1)
+    fresh = LanguageTrainModel(model, tbptt_chunk_size=2).train_step(b).loss
+    chunked = LanguageTrainModel(model, tbptt_chunk_size=2)
+    chunked.load_state_dict(streamed.state_dict())  # a carried state it must not read
+    assert torch.equal(chunked.train_step(b).loss, fresh)
+    states = []
+    forward = model.forward_hidden
+
+    def recording(inputs, state, **kwargs):
+        states.append(state)
+        return forward(inputs, state, **kwargs)
+
+    with mock.patch.object(model, "forward_hidden", recording):
+        LanguageTrainModel(model).train_step(b)  # one chunk, not streaming: no final state
+        LanguageTrainModel(model, tbptt_chunk_size=4).train_step(b)  # a chunk of the block
+    assert states == [None, None]
+
+
+def test_step_defaults_and_the_chunk_rule():
+    model = tiny_model()
+    step = LanguageTrainModel(model)
+    assert (step.tbptt_chunk_size, step.tbptt_backprop_chunks, step.streaming) == (0, 1, False)
+    assert step.pipeline_plan is None and step.carried_state is None
+    assert isinstance(step.profiler, NullProfiler) and step.autocast is contextlib.nullcontext
+    assert step.gradient_scales.state_dict() == {"step": 0}
+    assert step.effective_chunk_size(3) is None
+    chunked = LanguageTrainModel(model, tbptt_chunk_size=5)
+    assert [chunked.effective_chunk_size(t) for t in (4, 5, 6)] == [None, None, 5]
+    assert LanguageTrainModel(model, tbptt_chunk_size=1).effective_chunk_size(2) == 1
+    with pytest.raises(ConfigError) as err:
+        LanguageTrainModel(tiny_model(n_layer=2), pipeline_plan=build_pipeline_plan(4, 2, 1, 2))
+    assert str(err.value) == "the pipeline plan covers 4 layers but model.n_layer is 2"
+
+
+def test_the_loss_is_the_sum_over_the_counted_targets_or_the_normalizer_given():
+    """One counted target: the mean is the sum (not halved); a given normalizer divides the
+    sum; the loss scale multiplies the gradients; no counted target gives 0."""
+    model = tiny_model()
+    b = batch(t=4)
+    b.targets[:] = IGNORE_INDEX
+    b.targets[1, 2] = 5
+    with torch.no_grad():
+        total = model.loss_from_hidden(model.forward_hidden(b.inputs), b.targets, reduction="sum")
+    step = LanguageTrainModel(model)
+    out = step.train_step(b)
+    assert out.counted == 1.0 and out.loss.dtype == torch.float32 and out.stats == {}
+    assert abs(out.loss - total) < 1e-6
+    once = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    out = step.compute_gradients(b, loss_scale=3.0, normalizer=4.0)
+    assert abs(out.loss - total / 4) < 1e-6 and out.counted == 1.0
+    for name, g in grads_of(model).items():
+        assert_close(g, once[name] * 0.75, rtol=1e-6, msg=name)
+    b.targets[1, 2] = IGNORE_INDEX
+    out = step.train_step(b)
+    assert out.counted == 0.0 and out.loss == 0.0
+
+
+def test_chunk_losses_add_up_in_float64():
+    """Pieces 1, 2**-24, 2**-24: in float64 the sum is 1 + 2**-23 (a float32 value); added up
+    in float32 each 2**-24 rounds away and the loss would read 1."""
+    step = LanguageTrainModel(tiny_model(), tbptt_chunk_size=1)
+    piece_loss = step._piece_loss
+    values: list[float] = []
+
+    def chosen(*args):
+        return piece_loss(*args) * 0 + values.pop(0)
+
+    step._piece_loss = chosen
+    values[:] = [1.0, 2.0**-24, 2.0**-24]
+    assert step.train_step(batch(t=3)).loss.item() == 1.0 + 2.0**-23
+    values[:] = [1.0, 2.0**-24, 2.0**-24]
+    assert step.valid_step(batch(t=3)).item() == 1.0 + 2.0**-23
+
+
+def test_train_step_drops_stale_gradients_instead_of_zeroing_them():
+    model = tiny_model()
+    model.register_parameter("unused", torch.nn.Parameter(torch.zeros(1)))
+    model.unused.grad = torch.ones(1)  # left by an earlier step; nothing this step reaches
+    LanguageTrainModel(model).train_step(batch(t=4))
+    assert model.unused.grad is None

@@ -441,7 +441,7 @@ class ShardedState:
         state = self._template()
         try:
             dcp.load(state, checkpoint_id=str(directory), no_dist=_one_process())
-        except Exception as exc:  # DCP wraps what it meets per rank in CheckpointException
+        except _dcp_errors() as exc:
             raise CheckpointError(
                 f"cannot read the sharded state {directory}: {_first_line(exc)}; check that "
                 "[model] matches the run that wrote it, or resume from another checkpoint"
@@ -450,6 +450,14 @@ class ShardedState:
             self.model, self.optimizer,
             model_state_dict=state["model"], optim_state_dict=state["optimizer"],
         )
+
+
+def _dcp_errors() -> tuple[type[BaseException], ...]:
+    """What a DCP save or load raises: DCP wraps what it meets on each rank in a
+    CheckpointException, which derives from BaseException, not Exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 
 def _one_process() -> bool:
@@ -514,7 +522,7 @@ class Checkpointer:
             tmp = self._shared_temp_dir(name)
             try:
                 sharded.save(tmp / SHARDED_DIR)
-            except Exception as exc:  # DCP raises on every rank when any rank failed
+            except _dcp_errors() as exc:  # DCP raises on every rank when any rank failed
                 if self.is_main:
                     shutil.rmtree(tmp, ignore_errors=True)
                 where = self.run_dir / CHECKPOINTS / name / SHARDED_DIR

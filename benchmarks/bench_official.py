@@ -22,8 +22,9 @@ own weights are copied into bdh-train's model. At start the script prints the la
 difference between the baseline and bdh-train on the same weights (T=64, B=2) and stops if
 the built-in baseline is off by more than 1e-4 (fp32): the two must compute one function.
 
-Memory: one fresh subprocess per side (see _common.py for the method: a primed process's
-lifetime peak RSS minus its RSS after setup, i.e. what one train step adds; on CUDA
+Memory: one fresh subprocess per side, malloc left as it is (a retaining heap's peak
+would count its freed blocks; see _common.py for the method: a primed process's lifetime
+peak RSS minus its RSS after setup, i.e. what one train step adds; on CUDA
 torch.cuda.max_memory_allocated minus the allocated bytes after setup). Measured at the
 largest T*B of each config's grid (--memory all: every point; none: skip; or a list of TxB
 points) for the baseline, bdh-train, and bdh-train with `model.set_recompute("layer")` where
@@ -338,7 +339,8 @@ def memory_worker(spec: dict[str, Any]) -> None:
     """One side's train step in a fresh process: the memory it adds over a primed process."""
     device = torch.device(spec["device"])
     torch.set_num_threads(spec["threads"])
-    configure_host_allocator(spec["host_allocator"], device)
+    # Memory is measured with malloc as it is: a retaining heap's peak counts freed blocks.
+    configure_host_allocator("system", device)
     torch.manual_seed(0)
     official = load_official_module(spec["official"]) if spec["official"] else None
     baseline = build_baseline(CONFIGS[spec["config"]], official).to(device)
@@ -378,7 +380,6 @@ def measure_memory(args, config: str, seq_len: int, batch: int, side: str, recom
         "compile": args.compile,
         "executor": args.executor,
         "threads": args.threads,
-        "host_allocator": args.host_allocator,
         "official": args.official,
     }
     return run_worker(os.path.abspath(__file__), spec, timeout_s=args.timeout_s)

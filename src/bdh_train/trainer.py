@@ -297,7 +297,9 @@ class Trainer:
         self.device = self.dist.device(resolve_device(t.device).type)
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.host_allocator = configure_host_allocator(t.host_allocator, self.device)
+        self.host_allocator = configure_host_allocator(
+            t.host_allocator, self.device, saving_memory=t.recompute != "none"
+        )
         self.accumulation_steps = t.accumulation_steps
         self.train_data, self.val_data = cfg.data.load_splits(cfg.model.vocab_size, t.block_size)
         self.model = build_model(cfg, self.device)

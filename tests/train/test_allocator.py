@@ -61,10 +61,14 @@ def test_auto_retains_only_for_cpu_training_under_glibc():
     assert resolve_host_allocator("auto", cuda) == "system"
     assert resolve_host_allocator("system", cpu) == "system"
     assert resolve_host_allocator("retain", cuda) == "retain"
+    assert resolve_host_allocator("auto", cpu, saving_memory=True) == "system"
+    assert resolve_host_allocator("retain", cpu, saving_memory=True) == "retain"
 
 
-@pytest.mark.parametrize("mode", ["system", "auto"])
-def test_the_trainer_applies_the_configured_policy(tmp_path, mode):
+@pytest.mark.parametrize(
+    ("mode", "recompute"), [("system", "none"), ("auto", "none"), ("auto", "layer")]
+)
+def test_the_trainer_applies_the_configured_policy(tmp_path, mode, recompute):
     from bdh_train.config import load_config
     from bdh_train.trainer import Trainer
 
@@ -72,6 +76,8 @@ def test_the_trainer_applies_the_configured_policy(tmp_path, mode):
         "model.n_layer=1", "model.n_embd=16", "model.n_head=1",
         "model.mlp_internal_dim_multiplier=2", "training.block_size=8",
         "training.batch_size=2", "training.device='cpu'", f"training.host_allocator='{mode}'",
+        f"training.recompute='{recompute}'",
     ]
     trainer = Trainer(load_config(overrides=overrides), tmp_path / "run")
-    assert trainer.host_allocator == resolve_host_allocator(mode, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert trainer.host_allocator == resolve_host_allocator(mode, cpu, recompute != "none")

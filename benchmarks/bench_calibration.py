@@ -1,0 +1,95 @@
+"""The measurements behind mixer.EXECUTOR_CALIBRATION: train steps of one model under several
+executors and chunk sizes, alternating in one process.
+
+For each "config:T:B:name,name,..." spec (config a or b of _common.CONFIGS, vocab 256, fp32,
+dropout 0, 2 threads, the host allocator as the trainer sets it), one model and one AdamW run a
+warm-up step per name, then --rounds rounds of one step per name in turn, so load from other
+processes falls on every name alike. Names: dense, chunked/C, and naive (the official masked
+form, `(q @ q^T).tril(-1) @ v`, patched in as an executor). tokens/s from the fastest step.
+
+Run: .venv/bin/python benchmarks/bench_calibration.py            # the default specs
+     .venv/bin/python benchmarks/bench_calibration.py a:512:8:dense,chunked/128
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from _common import CONFIGS, load_average, machine_line, print_table
+
+from bdh_train.model import BDH, BDHConfig, mixer
+from bdh_train.train.allocator import configure_host_allocator
+
+DEFAULT_SPECS = (
+    "a:256:8:naive,dense,chunked/64,chunked/128",
+    "a:512:8:naive,dense,chunked/64,chunked/128,chunked/256",
+    "a:1024:8:dense,chunked/64,chunked/128,chunked/256",
+    "a:2048:8:chunked/64,chunked/128,chunked/256",
+    "b:256:4:dense,chunked/64,chunked/128",
+    "b:512:4:dense,chunked/128,chunked/256",
+)
+
+
+def naive_attention(q, v, *, initial_state=None, log_decay=None, chunk_size=0,
+                    output_final_state=True, reset_mask=None):
+    """The official masked form: no state, no decay (what a rope model without a carried
+    state needs)."""
+    return (q @ q.transpose(-1, -2)).tril(diagonal=-1) @ v, None
+
+
+def run(spec: str, rounds: int) -> list:
+    config, seq_len, batch, names = spec.split(":")
+    seq_len, batch, names = int(seq_len), int(batch), names.split(",")
+    mixer.EXECUTOR_FUNCTIONS.setdefault("naive", naive_attention)
+    torch.manual_seed(0)
+    model = BDH(BDHConfig(**CONFIGS[config], vocab_size=256, dropout=0.0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 256, (batch, seq_len))
+    y = torch.randint(0, 256, (batch, seq_len))
+
+    def step(name: str) -> float:
+        executor, _, chunk = name.partition("/")
+        model.config.executor = executor
+        model.config.chunk_size = int(chunk) if chunk else 0
+        started = time.perf_counter()
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+    load = load_average()
+    for name in names:
+        step(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            times[name].append(step(name))
+    speed = {name: batch * seq_len / min(t) for name, t in times.items()}
+    best = max(speed, key=speed.get)
+    cells = "  ".join(f"{name} {speed[name]:.0f}" for name in names)
+    print(f"{config} T={seq_len} B={batch}: {cells}", flush=True)
+    return [config, seq_len, batch, cells, best, f"{load:.2f}"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("specs", nargs="*", default=list(DEFAULT_SPECS))
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    allocator = configure_host_allocator("auto", torch.device("cpu"))
+    print(f"machine: {machine_line()}; host allocator: {allocator}")
+    rows = [run(spec, args.rounds) for spec in args.specs]
+    print_table(
+        "train step (forward, backward, AdamW) tokens/s, fastest of the rounds; executors "
+        "alternate step by step in one process",
+        ["cfg", "T", "B", "tokens/s per executor", "fastest", "load"],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -184,8 +184,10 @@ def chunked_attention(
     d, c = v.shape[-1], chunk_size
     n_chunks = -(-seq_len // c)
     pad = n_chunks * c - seq_len
-    qc = F.pad(q, (0, 0, 0, pad)).view(batch, heads, n_chunks, c, n)
-    vc = F.pad(v, (0, 0, 0, pad)).view(batch, v.shape[1], n_chunks, c, d)
+    if pad:  # padding copies q; a length of whole chunks is only viewed
+        q, v = F.pad(q, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+    qc = q.view(batch, heads, n_chunks, c, n)
+    vc = v.view(batch, v.shape[1], n_chunks, c, d)
     local = torch.arange(c, device=q.device)
     chunk_index = torch.arange(n_chunks, device=q.device)
 
@@ -216,10 +218,10 @@ def chunked_attention(
     out = (out + q_read @ states).view(batch, heads, n_chunks * c, d)[:, :, :seq_len]
     if not output_final_state:
         return out, None
-    last = seq_len - (n_chunks - 1) * c  # real tokens in the last chunk
+    start = (n_chunks - 1) * c  # the last chunk's real tokens: start .. seq_len - 1
     _, final = dense_attention(
-        q[:, :, seq_len - last :],
-        v[:, :, seq_len - last :],
+        q[:, :, start:seq_len],
+        v[:, :, start:seq_len],
         initial_state=states[:, :, -1],
         log_decay=log_decay,
     )

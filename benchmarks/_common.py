@@ -5,7 +5,7 @@ Memory method (used by every benchmark here): each measurement runs in a fresh P
 16-token slice (so thread pools, kernel caches, gradients and AdamW state exist), releases
 free heap pages (`malloc_trim`) and records its resident set size (`rss_mib`, from
 /proc/self/statm) as the baseline; then it runs the measured steps and reads the process's
-lifetime peak RSS (`resource.getrusage(RUSAGE_SELF).ru_maxrss`). Tables report both the raw
+peak RSS (`peak_rss_mib`: VmHWM of /proc/self/status). Tables report both the raw
 peak and delta = peak - baseline: the memory the measured steps added on top of a primed
 process (activations saved for backward, temporaries, gradients in flight, allocator slack).
 The peak is the process's high-water mark, so a setup spike above the baseline would count
@@ -46,7 +46,16 @@ def rss_mib() -> float:
 
 
 def peak_rss_mib() -> float:
-    """Lifetime peak resident set size of this process, MiB (ru_maxrss is KiB on Linux)."""
+    """Peak resident set size of this process's program, MiB: /proc/self/status VmHWM on
+    Linux. (ru_maxrss would not do: Linux carries it over fork and exec, so a worker started by
+    a parent holding 9 GiB reports at least 9 GiB.) Elsewhere ru_maxrss (KiB on Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -416,7 +416,7 @@ def run_point(args, config: str, seq_len: int, batch_size: int, official, device
     autocast = autocast_factory(device, args.dtype)
     steps = {
         "baseline": baseline_stepper(baseline, autocast, args.compile),
-        "bdh-train": ours_stepper(ours, autocast, args.compile),
+        "bdh-train": ours_stepper(ours, autocast, args.compile, args.recompute),
     }
     batch = random_batch(seq_len, batch_size, device)
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -484,6 +484,13 @@ def main() -> None:
         "'none', or a comma list of TxB points",
     )
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per memory subprocess")
+    ap.add_argument(
+        "--recompute",
+        choices=("none", "layer", "mixer"),
+        default="none",
+        help="bdh-train's training.recompute in the timed steps (the memory table always "
+        "measures none and layer)",
+    )
     ap.add_argument(
         "--host-allocator",
         choices=HOST_ALLOCATORS,
@@ -591,7 +598,8 @@ def main() -> None:
     title = (
         f"bdh-train vs {which}: {args.device}, {args.dtype}"
         f"{', compiled' if args.compile else ''}, {args.threads} threads, executor "
-        f"{args.executor}; steps alternate, 1 warm-up + {args.steps} timed each. tokens/s: "
+        f"{args.executor}, recompute {args.recompute}, host allocator {allocator}; steps "
+        f"alternate, 1 warm-up + {args.steps} timed each. tokens/s: "
         "fastest step (median); ratio = bdh-train / baseline (fastest); % peak: share of the "
         f"{ceiling:.0f} GFLOP/s {ceiling_dtype} matmul ceiling (FLOPs of each side's executed "
         "form); memory: MiB a train step adds (fresh process each; '-' not measured, 'n/a' "

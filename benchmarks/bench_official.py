@@ -34,13 +34,16 @@ Matmul ceiling and the share of it reached: the fp32 (or bf16) matmul rate of th
 measured once (a 2048^3 product on CPU, 8192^3 on CUDA). A train step's floating-point work
 is counted from the multiply-adds of each side's executed form, per token:
 
-    forward MACs/token = L * (3*H*D*N + H*C*(N + D) + 2*H*N*D*(1 - C/T)) + D*V
+    forward MACs/token = L * (3*H*D*N + H*C*(N + D) + H*N*D*(2 + K/C)) + D*V
     train FLOPs/token  = 2 (flops per MAC) * 3 (forward + backward = 3 forwards) * forward MACs
+                         (the K/C term twice, not three times: see below)
 
 3*H*D*N: the encoder, encoder_v and decoder projections; H*C*(N + D): the C x C score block of
-each chunk (C*N per token) and its product with the values (C*D); 2*H*N*D: reading the
-carried state (q @ rho) and writing it (q^T @ v), in every chunk but the first (read) and
-the last (write); D*V: lm_head (C | T assumed in the formula; the code counts exactly). For
+each chunk (C*N per token) and its product with the values (C*D); 2*H*N*D: every chunk reads
+its state (q @ S_k) and writes its part (q^T @ v); H*N*D*K/C: the K chunk states as one
+[K, K] product over the K chunk writes (its [K, K] factor is a constant, so backward computes
+one product for it, not two); D*V: lm_head (C | T assumed in the formula; the code
+counts exactly: the last chunk is zero-padded to C tokens and computed as such). For
 bdh-train C is its chunk size when its executor is chunked (C = T and no state term when
 dense); for the baseline's masked dense form C = T and the state term is 0. The masked half of
 each score block is counted, because it is computed. "% peak" = FLOPs/token * tokens/s /
@@ -305,14 +308,17 @@ def train_flops_per_token(shape: dict[str, int], seq_len: int, chunk: int | None
     """2 * 3 * forward MACs per token (formula in the module docstring); chunk None = dense."""
     layers, d, h = shape["n_layer"], shape["n_embd"], shape["n_head"]
     n = shape["mlp_internal_dim_multiplier"] * d // h
-    block, state = float(seq_len), 0.0
-    if chunk is not None:
-        sizes = [min(chunk, seq_len - start) for start in range(0, seq_len, chunk)]
-        block = sum(c * c for c in sizes) / seq_len  # a c x c score block per chunk
-        # every chunk but the first reads the state, every chunk but the last writes it
-        state = h * n * d * ((seq_len - sizes[0]) + (seq_len - sizes[-1])) / seq_len
+    block, state, carry = float(seq_len), 0.0, 0.0
+    if chunk is not None:  # all chunks at once, the last one zero-padded to C tokens
+        chunks = -(-seq_len // chunk)
+        block = chunks * chunk * chunk / seq_len  # a C x C score block per chunk
+        # every chunk reads its state and writes its part (C N D each)
+        state = h * n * d * 2 * chunks * chunk / seq_len
+        # the chunk states: one [K, K] product over the chunk writes (K^2 N D); its [K, K]
+        # factor is a constant, so backward computes only the writes' gradient
+        carry = layers * h * n * d * chunks * chunks / seq_len
     forward = layers * (3 * h * d * n + h * block * (n + d) + state) + d * VOCAB
-    return 2 * 3 * forward
+    return 2 * (3 * forward + 2 * carry)
 
 
 def matmul_ceiling_gflops(device: torch.device, dtype: str, threads: int) -> float:

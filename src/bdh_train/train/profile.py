@@ -6,7 +6,7 @@ Three switches, as config (`training.profile`, `training.profile_memory`) or env
 * detail — also timed probes: extra passes on the step's batch through parts of the model
   (embedding, first layer, head, whole model; forward alone and with backward);
 * memory — readings before the step, after its forward and after its backward: in-use bytes
-  (CUDA allocated, or the process's resident set on CPU) and, on CUDA, reserved bytes.
+  (CUDA allocated, or the bytes malloc has handed out on CPU) and, on CUDA, reserved bytes.
 
 The step calls the profiler's hooks unconditionally; a disabled profiler is `NullProfiler`,
 whose hooks do nothing, so no clock is read and no device is synchronized.
@@ -18,6 +18,7 @@ The trainer writes one row per logged optimizer step into metrics.jsonl (`profil
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import resource
 import sys
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from bdh_train.errors import ConfigError
+from bdh_train.train.allocator import glibc_malloc
 from bdh_train.utils import atomic_write
 
 PROFILE_MODES = ("off", "step", "detail")
@@ -132,10 +134,36 @@ def _rss_bytes() -> int:
         return peak if sys.platform == "darwin" else peak * 1024
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (every field a size_t)."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost",
+        )
+    ]
+
+
+def _host_bytes_in_use() -> int:
+    """Bytes malloc has handed out and not taken back (heap chunks + mmapped chunks, from
+    glibc's mallinfo2): tensors' host memory, whatever the allocator keeps resident for reuse
+    (training.host_allocator = 'retain' keeps freed memory resident, so the resident set would
+    not fall when tensors are freed). The resident set where mallinfo2 is missing."""
+    libc = glibc_malloc()
+    mallinfo2 = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if mallinfo2 is None:
+        return _rss_bytes()
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
 @dataclass(frozen=True)
 class MemoryReading:
     in_use: int
-    """CUDA bytes allocated by tensors, or the process's resident set on CPU."""
+    """CUDA bytes allocated by tensors, or the bytes malloc has handed out on CPU."""
     reserved: int | None = None
     """CUDA bytes held by the caching allocator (None on CPU)."""
 
@@ -145,7 +173,7 @@ class MemoryReading:
             return cls(
                 int(torch.cuda.memory_allocated(device)), int(torch.cuda.memory_reserved(device))
             )
-        return cls(_rss_bytes())
+        return cls(_host_bytes_in_use())
 
     def max(self, other: MemoryReading | None) -> MemoryReading:
         if other is None:
@@ -343,7 +371,7 @@ def profile_table(
     memory = {point: _mean(rows, f"mem_{point}_mib") for point in MEMORY_POINTS}
     if any(v is not None for v in memory.values()):
         cuda = any(f"mem_{point}_reserved_mib" in r for r in rows for point in MEMORY_POINTS)
-        kind = "CUDA allocated" if cuda else "process RSS"
+        kind = "CUDA allocated" if cuda else "malloc'd host bytes"
         header = f"  {'memory, MiB (in use = ' + kind + ')':<{width}}{'in use':>10}"
         lines.append(header + (f"{'reserved':>10}" if cuda else ""))
         for point, value in memory.items():

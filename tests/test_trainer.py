@@ -241,9 +241,11 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b"])
 def test_torchrun_pipeline_training_equals_one_process(tmp_path, schedule):
-    """`torchrun --nproc-per-node 2 -m bdh_train train --set parallel.pipeline_stages=2`."""
+    """`torchrun --nproc-per-node 2 -m bdh_train train --set parallel.pipeline_stages=2`.
+    One schedule end to end (each torchrun costs ~11 s); every schedule is compared with one
+    process in tests/distributed/test_pipeline_mp.py."""
     overrides = [
         *MICRO,
         "model.dropout=0.0",
@@ -733,16 +735,17 @@ def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(tmp_pa
         while not (run / "checkpoints" / "latest").exists():
             assert first.poll() is None and time.monotonic() < deadline, "first run did not start"
             time.sleep(0.2)
-        second = subprocess.run(
-            [sys.executable, "-m", "bdh_train", "train", "--resume", str(run),
-             "--set=optimizer.lr=0.5"],
-            capture_output=True, text=True, env=env, timeout=120,
-        )
-        assert second.returncode == 2
-        assert second.stderr.strip().splitlines() == [
-            f"error: run directory {run} is in use by another trainer (pid {first.pid}); "
-            "wait for it to finish or stop it, or use another --run-dir"
-        ]
+        if stop_signal == signal.SIGTERM:  # the lock refuses a second trainer (once is enough)
+            second = subprocess.run(
+                [sys.executable, "-m", "bdh_train", "train", "--resume", str(run),
+                 "--set=optimizer.lr=0.5"],
+                capture_output=True, text=True, env=env, timeout=120,
+            )
+            assert second.returncode == 2
+            assert second.stderr.strip().splitlines() == [
+                f"error: run directory {run} is in use by another trainer (pid {first.pid}); "
+                "wait for it to finish or stop it, or use another --run-dir"
+            ]
         first.send_signal(stop_signal)
         assert first.wait(timeout=120) == 75
     finally:

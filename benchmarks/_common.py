@@ -202,6 +202,17 @@ def matmul_gflops(threads: int = 2, size: int = 2048, repeats: int = 3) -> float
     return 2 * size**3 / best / 1e9
 
 
+def timed_train_step(model, optimizer, inputs, targets) -> float:
+    """Seconds of one plain train step: forward with the mean loss, backward, optimizer step,
+    gradients dropped."""
+    started = time.perf_counter()
+    _, loss = model(inputs, targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - started
+
+
 # --------------------------------------------------------------------- tables
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A Markdown pipe table (pastes into docs as is): text columns left, numbers right."""

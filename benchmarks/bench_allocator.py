@@ -18,9 +18,8 @@ import json
 import resource
 import subprocess
 import sys
-import time
 
-from _common import CONFIGS, load_average, machine_line, print_table
+from _common import CONFIGS, load_average, machine_line, print_table, timed_train_step
 
 MARKER = "ALLOCATOR_RESULT "
 
@@ -40,12 +39,7 @@ def worker(mode: str, seq_len: int, batch: int, steps: int) -> None:
     y = torch.randint(0, 256, (batch, seq_len))
 
     def step() -> float:
-        started = time.perf_counter()
-        _, loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - started
+        return timed_train_step(model, optimizer, x, y)
 
     step()
     before = resource.getrusage(resource.RUSAGE_SELF)

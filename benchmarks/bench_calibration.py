@@ -14,10 +14,9 @@ Run: .venv/bin/python benchmarks/bench_calibration.py            # the default s
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-from _common import CONFIGS, load_average, machine_line, print_table
+from _common import CONFIGS, load_average, machine_line, print_table, timed_train_step
 
 from bdh_train.model import BDH, BDHConfig, mixer
 from bdh_train.train.allocator import configure_host_allocator
@@ -53,12 +52,7 @@ def run(spec: str, rounds: int) -> list:
         executor, _, chunk = name.partition("/")
         model.config.executor = executor
         model.config.chunk_size = int(chunk) if chunk else 0
-        started = time.perf_counter()
-        _, loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - started
+        return timed_train_step(model, optimizer, x, y)
 
     load = load_average()
     for name in names:

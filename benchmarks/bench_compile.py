@@ -13,10 +13,9 @@ Run: .venv/bin/python benchmarks/bench_compile.py [--configs a --grid 512x8,2048
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-from _common import CONFIGS, load_average, machine_line, print_table
+from _common import CONFIGS, load_average, machine_line, print_table, timed_train_step
 from torch._dynamo.utils import counters
 
 from bdh_train.model import BDH, BDHConfig
@@ -38,12 +37,7 @@ def measure(config: str, seq_len: int, batch: int, rounds: int) -> list:
 
     def step(side: str) -> float:
         model, optimizer = sides[side]
-        started = time.perf_counter()
-        _, loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - started
+        return timed_train_step(model, optimizer, x, y)
 
     load = load_average()
     step("eager")

@@ -46,7 +46,9 @@ def _worker(rank: int, world: int, schedule: str, virtual: int) -> dict[str, Any
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize(("schedule", "virtual"), [("gpipe", 1), ("interleaved_1f1b", 2)])
+# The interleaved schedule (the most reordering); every schedule runs without the memory
+# in test_pipeline_mp.py.
+@pytest.mark.parametrize(("schedule", "virtual"), [("interleaved_1f1b", 2)])
 def test_pipeline_with_the_mask_equals_the_full_pass(
     schedule: str, virtual: int, tmp_path: Path
 ) -> None:

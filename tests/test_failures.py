@@ -380,6 +380,9 @@ def _pointer(run: Path) -> str | None:
         return None
 
 
+KILLS = 6  # SIGKILLs at random moments, each followed by a resume
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_loop_resumes_bit_identical(tmp_path):
@@ -409,7 +412,7 @@ def test_sigkill_loop_resumes_bit_identical(tmp_path):
     step_s = trained[-1]["elapsed_s"] / len(trained)
     rng = random.Random(12)
     kills = inside_saves = 0
-    while kills < 10:
+    while kills < KILLS:
         before = _pointer(run)
         proc = launch(["--resume", str(run)] if before else ["--run-dir", str(run)])
         deadline = time.monotonic() + 60
@@ -423,11 +426,11 @@ def test_sigkill_loop_resumes_bit_identical(tmp_path):
         kills += 1
         inside_saves += bool(leftovers(run))
     proc.join(120)
-    if kills == 10:
+    if kills == KILLS:
         proc = launch(["--resume", str(run)])
         proc.join(120)
     assert proc.exitcode == 0
     print(f"{kills} kills, {inside_saves} inside a save, {time.monotonic() - started:.1f} s")
-    assert kills == 10
+    assert kills == KILLS
     assert_same_run(whole, run)
     assert leftovers(run) == []

@@ -240,6 +240,27 @@ def test_executor_with_document_resets_matches_separate_documents(
         assert_close(g, g_ref, rtol=rtol, msg=f"{what}: grad of {name}")
 
 
+@pytest.mark.parametrize("need_state", [True, False])
+def test_chunked_with_resets_equals_dense_over_several_chunks(need_state):
+    """Resets inside the call run the chunks one after another: T = 7 in chunks of 3 (the
+    last of one token), a reset in each row, with and without the final state (every chunk
+    but the last must still pass its state on), against dense, fp64 1e-10."""
+    inputs, _ = make_inputs(7, torch.float64, True, seed=5)
+    q, v, rho0 = (x.detach() for x in inputs)
+    mask = torch.zeros(B, 7, dtype=torch.bool)
+    mask[0, 4] = mask[1, 2] = True
+    kwargs = dict(
+        initial_state=rho0, log_decay=LOG_DECAY, output_final_state=need_state, reset_mask=mask
+    )
+    ref = mixer.dense_attention(q, v, **kwargs)
+    got = mixer.chunked_attention(q, v, chunk_size=3, **kwargs)
+    assert_close(got[0], ref[0], rtol=1e-10, msg="out")
+    if need_state:
+        assert_close(got[1], ref[1], rtol=1e-10, msg="final state")
+    else:
+        assert got[1] is None
+
+
 def test_an_all_false_reset_mask_changes_nothing():
     """Bit for bit where the mask only adds masking; chunked runs a mask chunk by chunk and
     no mask all chunks at once, two summation orders that agree to fp64 1e-12."""

@@ -177,8 +177,7 @@ def chunked_attention(
     """
     if reset_mask is not None:
         return _chunk_by_chunk(
-            q, v, initial_state=initial_state, log_decay=log_decay, chunk_size=chunk_size,
-            output_final_state=output_final_state, reset_mask=reset_mask,
+            q, v, initial_state, log_decay, chunk_size, output_final_state, reset_mask
         )
     batch, heads, seq_len, n = q.shape
     d, c = v.shape[-1], chunk_size
@@ -229,25 +228,25 @@ def chunked_attention(
 
 
 def _chunk_by_chunk(
-    q: Tensor, v: Tensor, *, initial_state: Tensor | None = None,
-    log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-    output_final_state: bool = True, reset_mask: Tensor | None = None,
+    q: Tensor, v: Tensor, initial_state: Tensor | None, log_decay: Tensor | None,
+    chunk_size: int, output_final_state: bool, reset_mask: Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """chunked_attention as a loop of dense_attention calls, the state carried from one
-    chunk to the next (each applying its columns of the reset mask).
+    """chunked_attention with resets inside the call: a loop of dense_attention calls, the
+    state carried from one chunk to the next, each chunk applying its columns of the mask.
 
     The chunks are cut with torch.split: slicing each chunk out of q would make backward
     build one zero-filled gradient of the whole q per chunk (O(T^2 / C) memory traffic);
     split's backward concatenates the chunk gradients once.
     """
     seq_len = q.shape[2]
-    q_chunks = torch.split(q, chunk_size, dim=2)  # views whose backward concatenates once
-    v_chunks = torch.split(v, chunk_size, dim=2)
-    mask_chunks = (
-        [None] * len(q_chunks) if reset_mask is None else torch.split(reset_mask, chunk_size, 1)
+    chunks = zip(
+        torch.split(q, chunk_size, dim=2),
+        torch.split(v, chunk_size, dim=2),
+        torch.split(reset_mask, chunk_size, dim=1),
+        strict=True,
     )
     state, outs, end = initial_state, [], 0
-    for q_chunk, v_chunk, mask_chunk in zip(q_chunks, v_chunks, mask_chunks, strict=True):
+    for q_chunk, v_chunk, mask_chunk in chunks:
         end += q_chunk.shape[2]
         out, state = dense_attention(
             q_chunk,

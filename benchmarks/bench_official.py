@@ -89,7 +89,7 @@ from torch import nn
 from bdh_train.batch import SequenceBatch
 from bdh_train.interop import load_official_state_dict
 from bdh_train.model import BDH
-from bdh_train.model.mixer import calibration_for, choose_executor
+from bdh_train.model.mixer import resolve_executor
 from bdh_train.train.allocator import HOST_ALLOCATORS, configure_host_allocator
 from bdh_train.train.step import LanguageTrainModel
 
@@ -292,13 +292,9 @@ def timed(
 def ours_chunk(model: BDH, seq_len: int) -> int | None:
     """The chunk length bdh-train's executor runs at T (None: dense, no state term)."""
     c = model.config
-    calibration = calibration_for(model.embed.weight.device.type)
-    chunk_size = c.chunk_size or calibration.chunk_size
-    executor = c.executor
-    if executor == "auto":
-        executor = choose_executor(
-            seq_len, c.n_neurons, c.n_embd, chunk_size, calibration.chunked_margin
-        )
+    executor, chunk_size = resolve_executor(
+        c.executor, seq_len, c.n_neurons, c.n_embd, c.chunk_size, model.embed.weight.device.type
+    )
     if executor == "chunked" and chunk_size < seq_len:
         return chunk_size
     return None

@@ -57,7 +57,7 @@ def worker(spec: dict[str, Any]) -> None:
 
     from bdh_train.batch import SequenceBatch
     from bdh_train.model import BDH, BDHConfig
-    from bdh_train.model.mixer import choose_executor
+    from bdh_train.model.mixer import resolve_executor
     from bdh_train.train.step import LanguageTrainModel
 
     torch.set_num_threads(spec["threads"])
@@ -101,9 +101,12 @@ def worker(spec: dict[str, Any]) -> None:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.train()
         model.loss_from_hidden(model.forward_hidden(batch.inputs), batch.targets)
-    executor = choose_executor(spec["seq_len"], config.n_neurons, config.n_embd, config.chunk_size)
+    executor, chunk_size = resolve_executor(
+        config.executor, spec["seq_len"], config.n_neurons, config.n_embd, config.chunk_size,
+        "cpu",
+    )
     if executor == "chunked":
-        executor = f"chunked/{config.chunk_size}"
+        executor = f"chunked/{chunk_size}"
     emit(
         {
             "warmup_s": warm,

@@ -53,7 +53,7 @@ def worker(spec: dict[str, Any]) -> None:
 
     from bdh_train.batch import SequenceBatch
     from bdh_train.model import BDH, BDHConfig
-    from bdh_train.model.mixer import calibration_for, choose_executor
+    from bdh_train.model.mixer import resolve_executor
     from bdh_train.train.step import LanguageTrainModel
 
     torch.set_num_threads(spec["threads"])
@@ -81,8 +81,9 @@ def worker(spec: dict[str, Any]) -> None:
     while len(timed) < 2 or (sum(timed) < MIN_TIMED_S and len(timed) < MAX_TIMED_STEPS):
         timed.append(step())
     window = chunk if 0 < chunk < spec["seq_len"] else spec["seq_len"]
-    chunk_size = config.chunk_size or calibration_for("cpu").chunk_size
-    executor = choose_executor(window, config.n_neurons, config.n_embd, chunk_size)
+    executor, chunk_size = resolve_executor(
+        config.executor, window, config.n_neurons, config.n_embd, config.chunk_size, "cpu"
+    )
     if executor == "chunked":
         executor = f"chunked/{chunk_size}"
     emit(

@@ -89,6 +89,21 @@ def choose_executor(
     return "chunked" if margin * chunked_cost < dense_cost else "dense"
 
 
+def resolve_executor(
+    executor: str, seq_len: int, n_neurons: int, n_embd: int, chunk_size: int,
+    device_type: str,
+) -> tuple[str, int]:
+    """(executor, chunk size) a call runs with: a chunk_size of 0 takes the device's calibrated
+    chunk, and 'auto' resolves through `choose_executor` with the device's margin."""
+    calibration = calibration_for(device_type)
+    chunk_size = chunk_size or calibration.chunk_size
+    if executor == "auto":
+        executor = choose_executor(
+            seq_len, n_neurons, n_embd, chunk_size, calibration.chunked_margin
+        )
+    return executor, chunk_size
+
+
 def _decay_powers(log_decay: torch.Tensor, exponents: torch.Tensor, like: torch.Tensor):
     """d_h^e for every e in `exponents` -> [H, *exponents.shape] in `like`'s dtype/device."""
     log_decay = log_decay.to(like.device).view(-1, *([1] * exponents.dim()))
@@ -314,12 +329,9 @@ def linear_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run one executor by name; 'auto' resolves through `choose_executor`. A chunk_size of 0
     takes the calibrated chunk of q's device type (EXECUTOR_CALIBRATION)."""
-    calibration = calibration_for(q.device.type)
-    chunk_size = chunk_size or calibration.chunk_size
-    if executor == "auto":
-        executor = choose_executor(
-            q.shape[2], q.shape[3], v.shape[3], chunk_size, calibration.chunked_margin
-        )
+    executor, chunk_size = resolve_executor(
+        executor, q.shape[2], q.shape[3], v.shape[3], chunk_size, q.device.type
+    )
     fn = EXECUTOR_FUNCTIONS.get(executor)
     if fn is None:
         raise ValueError(f"unknown executor {executor!r}; expected one of {EXECUTORS} or 'auto'")

@@ -32,7 +32,6 @@ from bdh_train.data import RandomWindowLoader, StreamingCorpusLoader, StreamingD
 from bdh_train.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer
 from bdh_train.distributed import fsdp
 from bdh_train.distributed.env import DistContext, pipeline_mesh
-from bdh_train.distributed.pipeline import PipelineRunner
 from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
 from bdh_train.model import BDH
@@ -366,6 +365,8 @@ class Trainer:
                 p.microbatches, p.schedule,
             )
         if plan is not None and stages > 1:
+            from bdh_train.distributed.pipeline import PipelineRunner  # ~2 s of imports
+
             mesh = pipeline_mesh(self.dist, self.device.type, replicas, stages)
             return PipelineRunner(self.model, plan, mesh.stage, mesh.stage_group), mesh.data
         step = LanguageTrainModel(

@@ -1,9 +1,9 @@
 """Running across processes: the torchrun process group, the pipeline planner (the
-`[parallel]` config, layer partition and schedule timeline) and the pipeline runner on
-`torch.distributed.pipelining`."""
+`[parallel]` config, layer partition and schedule timeline), the pipeline runner on
+`torch.distributed.pipelining` (`bdh_train.distributed.pipeline`, imported by whoever runs a
+pipeline: the module costs about two seconds of start-up) and FSDP2 sharding."""
 
 from bdh_train.distributed.env import DistContext
-from bdh_train.distributed.pipeline import BDHStage, PipelineRunner
 from bdh_train.distributed.planner import (
     SCHEDULES,
     ParallelConfig,
@@ -14,11 +14,9 @@ from bdh_train.distributed.planner import (
 
 __all__ = [
     "SCHEDULES",
-    "BDHStage",
     "DistContext",
     "ParallelConfig",
     "PipelinePlan",
-    "PipelineRunner",
     "build_pipeline_plan",
     "render_timeline",
 ]

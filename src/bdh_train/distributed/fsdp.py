@@ -17,12 +17,16 @@ count of targets).
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Shard
 
 from bdh_train.distributed.env import DistContext
 
@@ -55,13 +59,23 @@ def _largest_dimension(param: nn.Parameter) -> Shard | None:
     """Shard each parameter along its longest dimension (the first of equals): the encoders'
     first dimension is the head count, often fewer than the processes, which would leave
     most ranks without a shard; their longest is the neuron dimension."""
+    from torch.distributed.tensor import Shard
+
     if param.dim() == 0:
         return None
     return Shard(max(range(param.dim()), key=lambda dim: (param.shape[dim], -dim)))
 
 
+def _is_dtensor(tensor: object) -> bool:
+    """Whether `tensor` is a DTensor. No tensor can be one before `torch.distributed.tensor`
+    is imported, and importing it costs about a second of start-up, so an unsharded run
+    never does."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def is_sharded(model: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(_is_dtensor(p) for p in model.parameters())
 
 
 def local_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -84,8 +98,8 @@ def write_local_gradients(gradients: dict[str, torch.Tensor], model: nn.Module) 
             param.grad = None
             continue
         grad = grad.detach().to(device=param.device, dtype=param.dtype, copy=True)
-        if isinstance(param, DTensor):
-            grad = DTensor.from_local(
+        if _is_dtensor(param):
+            grad = type(param).from_local(
                 grad, param.device_mesh, param.placements, run_check=False,
                 shape=param.shape, stride=param.stride(),
             )
@@ -95,7 +109,7 @@ def write_local_gradients(gradients: dict[str, torch.Tensor], model: nn.Module) 
 def total_norm(value: torch.Tensor) -> float:
     """A gradient norm from `clip_grad_norm_` as a float (DTensor norms are the global
     norm once made whole)."""
-    if isinstance(value, DTensor):
+    if _is_dtensor(value):
         value = value.full_tensor()
     return float(value)
 
@@ -115,7 +129,7 @@ def gathered(model: nn.Module) -> Iterator[None]:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:

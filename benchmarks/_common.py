@@ -204,12 +204,19 @@ def matmul_gflops(threads: int = 2, size: int = 2048, repeats: int = 3) -> float
 
 def timed_train_step(model, optimizer, inputs, targets) -> float:
     """Seconds of one plain train step: forward with the mean loss, backward, optimizer step,
-    gradients dropped."""
+    gradients dropped (on a CUDA device, from an idle device to the step's last kernel)."""
+    import torch
+
+    cuda = inputs.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(inputs.device)
     started = time.perf_counter()
     _, loss = model(inputs, targets)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize(inputs.device)
     return time.perf_counter() - started
 
 

@@ -2,13 +2,15 @@
 executors and chunk sizes, alternating in one process.
 
 For each "config:T:B:name,name,..." spec (config a or b of _common.CONFIGS, vocab 256, fp32,
-dropout 0, 2 threads, the host allocator as the trainer sets it), one model and one AdamW run a
-warm-up step per name, then --rounds rounds of one step per name in turn, so load from other
-processes falls on every name alike. Names: dense, chunked/C, and naive (the official masked
-form, `(q @ q^T).tril(-1) @ v`, patched in as an executor). tokens/s from the fastest step.
+dropout 0; on the CPU 2 threads and the host allocator as the trainer sets it), one model and
+one AdamW run a warm-up step per name, then --rounds rounds of one step per name in turn, so
+load from other processes falls on every name alike. Names: dense, chunked/C, and naive (the
+official masked form, `(q @ q^T).tril(-1) @ v`, patched in as an executor). tokens/s from the
+fastest step.
 
 Run: .venv/bin/python benchmarks/bench_calibration.py            # the default specs
      .venv/bin/python benchmarks/bench_calibration.py a:512:8:dense,chunked/128
+     python3 benchmarks/bench_calibration.py --device cuda --specs-set cuda
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ DEFAULT_SPECS = (
     "b:256:4:dense,chunked/64,chunked/128",
     "b:512:4:dense,chunked/128,chunked/256",
 )
+CUDA_SPECS = (
+    "a:512:8:naive,dense,chunked/64,chunked/128,chunked/256",
+    "a:2048:8:naive,dense,chunked/64,chunked/128,chunked/256,chunked/512",
+    "a:8192:4:dense,chunked/128,chunked/256,chunked/512",
+    "b:512:4:naive,dense,chunked/128,chunked/256",
+    "b:2048:4:dense,chunked/128,chunked/256,chunked/512",
+)
+SPEC_SETS = {"cpu": DEFAULT_SPECS, "cuda": CUDA_SPECS}
 
 
 def naive_attention(q, v, *, initial_state=None, log_decay=None, chunk_size=0,
@@ -38,15 +48,15 @@ def naive_attention(q, v, *, initial_state=None, log_decay=None, chunk_size=0,
     return (q @ q.transpose(-1, -2)).tril(diagonal=-1) @ v, None
 
 
-def run(spec: str, rounds: int) -> list:
+def run(spec: str, rounds: int, device: torch.device) -> list:
     config, seq_len, batch, names = spec.split(":")
     seq_len, batch, names = int(seq_len), int(batch), names.split(",")
     mixer.EXECUTOR_FUNCTIONS.setdefault("naive", naive_attention)
     torch.manual_seed(0)
-    model = BDH(BDHConfig(**CONFIGS[config], vocab_size=256, dropout=0.0))
+    model = BDH(BDHConfig(**CONFIGS[config], vocab_size=256, dropout=0.0)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, 256, (batch, seq_len))
-    y = torch.randint(0, 256, (batch, seq_len))
+    x = torch.randint(0, 256, (batch, seq_len), device=device)
+    y = torch.randint(0, 256, (batch, seq_len), device=device)
 
     def step(name: str) -> float:
         executor, _, chunk = name.partition("/")
@@ -70,13 +80,23 @@ def run(spec: str, rounds: int) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("specs", nargs="*", default=list(DEFAULT_SPECS))
+    ap.add_argument("specs", nargs="*", help="config:T:B:names specs (default: --specs-set's)")
+    ap.add_argument("--specs-set", choices=sorted(SPEC_SETS), default=None,
+                    help="the default specs of a device type (default: --device's)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    torch.set_num_threads(2)
-    allocator = configure_host_allocator("auto", torch.device("cpu"))
-    print(f"machine: {machine_line()}; host allocator: {allocator}")
-    rows = [run(spec, args.rounds) for spec in args.specs]
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch sees no CUDA device")
+    specs = args.specs or list(SPEC_SETS[args.specs_set or device.type])
+    if device.type == "cpu":
+        torch.set_num_threads(2)
+        allocator = configure_host_allocator("auto", device)
+        print(f"machine: {machine_line()}; host allocator: {allocator}")
+    else:
+        print(f"machine: {machine_line()}; device: {torch.cuda.get_device_name(device)}")
+    rows = [run(spec, args.rounds, device) for spec in specs]
     print_table(
         "train step (forward, backward, AdamW) tokens/s, fastest of the rounds; executors "
         "alternate step by step in one process",

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The GPU benchmarks in one go (under 8 minutes on one CUDA device), each part time-boxed:
-#   (i)   bdh-train vs the official model's masked dense form per executor (bench_official.py)
+# The GPU benchmarks in one go (about 7 minutes on one CUDA device), each part time-boxed:
+#   (0)   the fast paths against a float64 reference on the device (check_device.py)
+#   (i)   executor calibration: dense vs chunked/C vs the official masked form, alternating in
+#         one process (bench_calibration.py), then bdh-train ('auto') vs the official model
+#         with memory (bench_official.py)
 #   (ii)  compiled (compile_layers / torch.compile) vs eager
 #   (iii) bf16 autocast
 #   (iv)  generation: the fast decoder vs the generic recurrent step (bench_generate.py)
 # Usage: benchmarks/gpu.sh OUT_DIR         (or OUT=DIR benchmarks/gpu.sh)
 #        benchmarks/gpu.sh --smoke OUT_DIR   (or BDH_GPU_SMOKE=1): tiny sizes on the CPU, to
 #        check the script end to end on a machine without a GPU.
-# Needs only the repository's environment: .venv/bin/python if present (else python3) with
-# torch and the package's dependencies (`pip install -e .`); src/ is put on PYTHONPATH.
+# Needs only python3 (or .venv/bin/python, or $PYTHON) with torch and the package's
+# dependencies; src/ is put on PYTHONPATH, so the package need not be installed.
 # The tables go to stdout and to OUT_DIR/gpu-bench-<UTC time>.txt.
 set -u -o pipefail
 
@@ -17,7 +20,7 @@ out_dir=${OUT:-}
 for arg in "$@"; do
     case "$arg" in
         --smoke) smoke=1 ;;
-        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
         -*) echo "error: unknown option $arg (expected --smoke or an output directory)" >&2; exit 2 ;;
         *) out_dir=$arg ;;
     esac
@@ -34,6 +37,7 @@ if [ -z "$python" ]; then
     if [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python3; fi
 fi
 export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
 
 if ! mkdir -p "$out_dir"; then
     echo "error: cannot create the output directory $out_dir" >&2
@@ -44,6 +48,7 @@ out_file="$out_dir/gpu-bench-$(date -u +%Y%m%dT%H%M%SZ).txt"
 if [ "$smoke" = 1 ]; then
     device=cpu
     grid=(--configs a --grid 64x2 --steps 1)
+    calibration=(--device cpu --rounds 1 a:128:2:naive,dense,chunked/64)
     compile_grid=()
     gen=(--device cpu --tokens 80 --generic-tokens 80 --batch-tokens 8)
     part_s=240
@@ -55,7 +60,8 @@ else
         exit 2
     fi
     device=cuda
-    grid=(--configs a,b --grid 2048x8,8192x4 --steps 3)
+    grid=(--configs a,b --grid 512x8,2048x8,8192x4 --steps 3)
+    calibration=(--device cuda --rounds 3)
     compile_grid=(--grid 2048x8)  # one shape: each new shape compiles again
     gen=(--device cuda --generic-tokens 1088 --batch-tokens 512)
     part_s=0  # each part's own limit below
@@ -92,14 +98,16 @@ bench=(benchmarks/bench_official.py --device "$device" "${grid[@]}")
     [ "$smoke" = 1 ] && echo "SMOKE RUN: tiny sizes on the CPU; the figures mean nothing"
 } | tee "$out_file"
 
-# limits add up to 435 s; memory (fresh processes) only in the first part, at (a) T=2048 B=8
-part "(i) executors: auto" 100 "$python" "${bench[@]}" --executor auto --memory 2048x8,64x2
-part "(i) executors: dense" 45 "$python" "${bench[@]}" --executor dense --memory none
-part "(i) executors: chunked" 45 "$python" "${bench[@]}" --executor chunked --memory none
-part "(ii) compiled" 150 "$python" "${bench[@]}" --configs a "${compile_grid[@]}" --compile \
+# limits add up to 440 s; memory (fresh processes) only at (a) T=2048 B=8
+part "(0) fast paths vs float64 on the device" 60 "$python" benchmarks/check_device.py \
+    --device "$device"
+part "(i) executor calibration" 100 "$python" benchmarks/bench_calibration.py "${calibration[@]}"
+part "(i) bdh-train auto vs official" 100 "$python" "${bench[@]}" --executor auto \
+    --memory 2048x8
+part "(ii) compiled" 100 "$python" "${bench[@]}" --configs a "${compile_grid[@]}" --compile \
     --memory none
-part "(iii) bf16 autocast" 45 "$python" "${bench[@]}" --dtype bf16 --memory none
-part "(iv) generation" 50 "$python" benchmarks/bench_generate.py "${gen[@]}"
+part "(iii) bf16 autocast" 40 "$python" "${bench[@]}" --dtype bf16 --memory none
+part "(iv) generation" 40 "$python" benchmarks/bench_generate.py "${gen[@]}"
 
 echo | tee -a "$out_file"
 echo "gpu.sh: $failures part(s) failed or timed out; output in $out_file" | tee -a "$out_file"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmarks in one go (about 7 minutes on one CUDA device), each part time-boxed:
-#   (0)   the fast paths against a float64 reference on the device (check_device.py)
+#   (0)   the fast paths against a float64 reference on the device (check_device.py), and the
+#         trainer end to end there: train with TBPTT, checkpoint, resume, generate
 #   (i)   executor calibration: dense vs chunked/C vs the official masked form, alternating in
 #         one process (bench_calibration.py), then bdh-train ('auto') vs the official model
 #         with memory (bench_official.py)
@@ -51,7 +52,7 @@ if [ "$smoke" = 1 ]; then
     calibration=(--device cpu --rounds 1 a:128:2:naive,dense,chunked/64)
     compile_grid=()
     gen=(--device cpu --tokens 80 --generic-tokens 80 --batch-tokens 8)
-    part_s=240
+    part_s=${BDH_GPU_SMOKE_LIMIT:-240}
 else
     if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
         echo "error: no CUDA device: torch.cuda.is_available() is False on this machine" \
@@ -101,6 +102,19 @@ bench=(benchmarks/bench_official.py --device "$device" "${grid[@]}")
 # limits add up to 440 s; memory (fresh processes) only at (a) T=2048 B=8
 part "(0) fast paths vs float64 on the device" 60 "$python" benchmarks/check_device.py \
     --device "$device"
+run_dir=$(mktemp -d)
+trap 'rm -rf "$run_dir"' EXIT
+# One command line for `timeout`: the paths hold no spaces (mktemp, the interpreter's path).
+cli="$python -m bdh_train.cli"
+train="train --run-dir $run_dir/run --set training.device=$device"
+for setting in block_size=128 batch_size=8 tbptt_chunk_size=48 log_every=10 eval_every=20 \
+    checkpoint_every=20; do
+    train="$train --set training.$setting"
+done
+part "(0) the trainer on the device" 90 bash -c "set -e
+    $cli $train --set training.max_steps=20
+    $cli $train --resume --set training.max_steps=40
+    $cli generate --checkpoint $run_dir/run --prompt 'The ' --max-new-tokens 64"
 part "(i) executor calibration" 100 "$python" benchmarks/bench_calibration.py "${calibration[@]}"
 part "(i) bdh-train auto vs official" 100 "$python" "${bench[@]}" --executor auto \
     --memory 2048x8

@@ -366,7 +366,27 @@ def test_a_zero_chunk_size_takes_the_device_calibration(monkeypatch):
     linear_attention(q, v, executor="auto", chunk_size=0)  # 1.4 * 112 < 168
     linear_attention(q, v, executor="chunked", chunk_size=3)
     assert chosen == [("dense", 4), ("chunked", 4), ("chunked", 3)]
-    assert mixer.calibration_for("cuda") == mixer.UNMEASURED_DEVICE
+    assert mixer.calibration_for("mps") == mixer.UNMEASURED_DEVICE
+
+
+@pytest.mark.parametrize(
+    ("device_type", "seq_len", "n_neurons", "n_embd", "fastest"),
+    [
+        # The executor that measured fastest (docs/benchmarks.md, the calibration tables).
+        ("cpu", 256, 512, 128, "dense"),
+        ("cpu", 512, 512, 128, "chunked"),
+        ("cpu", 256, 2048, 256, "dense"),
+        ("cuda", 512, 512, 128, "dense"),
+        ("cuda", 2048, 512, 128, "chunked"),
+        ("cuda", 8192, 512, 128, "chunked"),
+        ("cuda", 512, 2048, 256, "dense"),
+        ("cuda", 2048, 2048, 256, "chunked"),
+    ],
+)
+def test_auto_picks_the_executor_measured_fastest(device_type, seq_len, n_neurons, n_embd,
+                                                  fastest):
+    executor, chunk = mixer.resolve_executor("auto", seq_len, n_neurons, n_embd, 0, device_type)
+    assert (executor, chunk) == (fastest, 128)
 
 
 def test_linear_attention_rejects_an_unknown_executor():

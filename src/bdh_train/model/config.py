@@ -210,7 +210,7 @@ class BDHConfig:
     'recurrent' (token by token), or 'auto' (chosen by length); all give the same numbers."""
     chunk_size: int = 0
     """Tokens per chunk of the chunked executor; 0 = calibrated for the device the model runs
-    on (128 on CPU, measured: docs/benchmarks.md; 256 elsewhere)."""
+    on (128 on CPU and CUDA, measured: docs/benchmarks.md; 256 elsewhere)."""
     quant: QuantConfig = field(default_factory=QuantConfig)
     """BitNet b1.58 quantization-aware training of the three shared projections."""
     language_head: LanguageHeadConfig = field(default_factory=LanguageHeadConfig)

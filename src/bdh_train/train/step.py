@@ -173,7 +173,7 @@ class LanguageTrainModel:
         needs_state = self.streaming or chunk < batch.block_size
         state = self._load_state(batch) if needs_state else None
         starts = list(range(0, batch.block_size, chunk))
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=batch.targets.device)
         window_loss: torch.Tensor | None = None
         for i, start in enumerate(starts):
             piece_batch = batch.time_slice(start, min(start + chunk, batch.block_size))
@@ -293,7 +293,7 @@ class LanguageTrainModel:
                 return torch.stack(self._pipeline_losses(batch, normalizer)).sum().float()
             state = self.model.init_state(batch.batch_size)
             chunk = self.effective_chunk_size(batch.block_size) or batch.block_size
-            total = torch.zeros((), dtype=torch.float64)
+            total = torch.zeros((), dtype=torch.float64, device=batch.targets.device)
             for start in range(0, batch.block_size, chunk):
                 piece = batch.time_slice(start, min(start + chunk, batch.block_size))
                 with self.autocast():

@@ -61,6 +61,11 @@ else
         exit 2
     fi
     device=cuda
+    if ! missing=$("$python" -c 'import bdh_train.trainer' 2>&1 | tail -1); then
+        echo "error: the package does not import with $python: $missing. Install its" \
+            "dependencies (pip install -e .), or carry the missing ones as wheels." >&2
+        exit 2
+    fi
     grid=(--configs a,b --grid 512x8,2048x8,8192x4 --steps 3)
     calibration=(--device cuda --rounds 3)
     compile_grid=(--grid 2048x8)  # one shape: each new shape compiles again
@@ -99,7 +104,7 @@ bench=(benchmarks/bench_official.py --device "$device" "${grid[@]}")
     [ "$smoke" = 1 ] && echo "SMOKE RUN: tiny sizes on the CPU; the figures mean nothing"
 } | tee "$out_file"
 
-# limits add up to 440 s; memory (fresh processes) only at (a) T=2048 B=8
+# limits add up to 530 s; memory (fresh processes) only at T=2048 B=8
 part "(0) fast paths vs float64 on the device" 60 "$python" benchmarks/check_device.py \
     --device "$device"
 run_dir=$(mktemp -d)

@@ -5,7 +5,9 @@ Config (a) (L4 D128 H4 multiplier 16, N=512, vocab 256, dropout 0), fp32, 2 thre
 decoding (temperature 0), untrained weights, random 16-token prompts.
 
 * fast: `model.stream_generate(..., decoder="fast")`: the prompt is read once, then each new
-  token is one `FastDecoder.step` (weights folded once, state updated in place).
+  token is one `FastDecoder.step` (weights folded once, state updated in place; on CUDA the
+  step is a replayed CUDA graph).
+* fast, no graph (CUDA only): the same with the eager step.
 * generic: the same with `decoder="generic"`: each new token is
   `forward_hidden(token, state, executor="recurrent")`, the model's own layer code.
 * rerun (--rerun): no state; for every new token `forward_hidden` runs over the whole prefix
@@ -26,6 +28,8 @@ Run: .venv/bin/python benchmarks/bench_generate.py [--wait-quiet 300] [--rerun]
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import statistics
 import time
 
@@ -41,11 +45,24 @@ from _common import (
 )
 
 from bdh_train.model import BDH, BDHConfig
+from bdh_train.model import generate as generation
 
 CONFIG_A = CONFIGS["a"]
 PROMPT_TOKENS = 16
 WINDOW = 64  # tokens per median window
 BATCH = 16
+
+
+@contextlib.contextmanager
+def fast_decoder_without_graph():
+    """The fast decoder with its eager step where it would run the fixed-shape (CUDA graph)
+    one: the launch cost the graph saves."""
+    real = generation.FastDecoder
+    generation.FastDecoder = functools.partial(real, static=False)
+    try:
+        yield
+    finally:
+        generation.FastDecoder = real
 
 
 def build_model() -> BDH:
@@ -136,16 +153,19 @@ def main() -> None:
         result = fn()
         return result, f"{100 * others_cpu_share(before, cpu_counters()):.0f}", f"{load:.2f}"
 
-    runs = {
-        "fast": (args.tokens, "fast"),
-        "generic": (args.generic_tokens, "generic"),
-    }
+    variants = {"fast": ("fast", contextlib.nullcontext)}
+    if device.type == "cuda":
+        variants["fast, no graph"] = ("fast", fast_decoder_without_graph)
+    variants["generic"] = ("generic", contextlib.nullcontext)
     rows, tokens_by = [], {}
-    for label, (n, decoder) in runs.items():
-        (per_token, items), others, load = measure(
-            label, lambda n=n, d=decoder: timed_stream(model.stream_generate(prompt, n, 0.0,
-                                                                              decoder=d))
-        )
+    for label, (decoder, context) in variants.items():
+        n = args.generic_tokens if decoder == "generic" else args.tokens
+
+        def run_one(n=n, d=decoder, context=context):
+            with context():
+                return timed_stream(model.stream_generate(prompt, n, 0.0, decoder=d))
+
+        (per_token, items), others, load = measure(label, run_one)
         tokens_by[label] = [int(t[0]) for t in items]
         w = windows(per_token)
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
@@ -174,19 +194,20 @@ def main() -> None:
     )
 
     brows = []
-    for decoder in ("fast", "generic"):
-        def run(d=decoder):
-            t0 = time.perf_counter()
-            stream = model.stream_generate_batch(prompts, args.batch_tokens, 0.0, decoder=d)
-            first = next(stream)  # the prompts are read before the first token
-            prompt_s = time.perf_counter() - t0
-            per_step, _ = timed_stream(stream)
+    for label, (decoder, context) in variants.items():
+        def run(d=decoder, context=context):
+            with context():
+                t0 = time.perf_counter()
+                stream = model.stream_generate_batch(prompts, args.batch_tokens, 0.0, decoder=d)
+                first = next(stream)  # the prompts are read before the first token
+                prompt_s = time.perf_counter() - t0
+                per_step, _ = timed_stream(stream)
             return prompt_s, per_step, first
 
-        (prompt_s, per_step, _), others, load = measure(decoder, run)
+        (prompt_s, per_step, _), others, load = measure(label, run)
         decode_s = sum(per_step)
         steps = len(per_step)
-        brows.append((decoder, BATCH, args.batch_tokens, f"{prompt_s * 1e3:.1f}",
+        brows.append((label, BATCH, args.batch_tokens, f"{prompt_s * 1e3:.1f}",
                       f"{statistics.median(per_step) * 1e3:.3f}",
                       f"{BATCH * steps / decode_s:.0f}",
                       f"{BATCH * steps / CPU_SECONDS[-1]:.0f}", others, load))

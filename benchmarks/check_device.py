@@ -16,8 +16,10 @@ benchmarks time computes the right thing:
   twice its error plus 1e-6 (float32 itself is ~1e-3 off in the gradients of this untrained
   model, whose near-zero attention outputs the layer norm magnifies, so two float32 paths
   cannot agree to 1e-5 here; the tiny models of the test suite do);
-* generation: 200 greedy tokens of the fast decoder against the generic recurrent step on
-  the device (tokens equal).
+* generation: 200 greedy tokens of the fast decoder (on CUDA its step is a replayed CUDA
+  graph) against the generic recurrent step on the device, and a batch of three prompts of
+  different lengths whose rows stop at different steps (the graph is captured again for the
+  smaller batch): tokens equal.
 
 Error measure: ||value - reference|| / ||reference|| per tensor, the largest over tensors.
 Exits 1 if any check fails.
@@ -121,7 +123,16 @@ def main() -> int:
     with torch.no_grad():
         fast = model.generate(prompt, 200, temperature=0, decoder="fast")
         generic = model.generate(prompt, 200, temperature=0, decoder="generic")
+        prompts = [on[0][0, :5], on[0][1, :11], on[0][0, 40:43]]
+        fast_rows = model.generate_batch(prompts, 120, temperature=0, decoder="fast")
+        stops = [int(fast_rows[0][5 + 30]), int(fast_rows[1][11 + 70])]
+        batches = [
+            model.generate_batch(prompts, 120, temperature=0, stop_tokens=stops, decoder=name)
+            for name in ("fast", "generic")
+        ]
     same_tokens = bool(torch.equal(fast, generic))
+    same_batches = all(torch.equal(a, b) for a, b in zip(*batches, strict=True))
+    lengths = [len(row) for row in batches[0]]
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {device} ({name}), torch {torch.__version__}; ||value - reference|| / "
@@ -134,7 +145,9 @@ def main() -> int:
               f"{'ok' if ok else 'FAIL'}")
     print(f"  generate 200 tokens, fast vs generic decoder: tokens equal {same_tokens} "
           f"{'ok' if same_tokens else 'FAIL'}")
-    return 0 if failed == 0 and same_tokens else 1
+    print(f"  generate_batch, 3 prompts, stop tokens (rows of {lengths} tokens), fast vs "
+          f"generic: equal {same_batches} {'ok' if same_batches else 'FAIL'}")
+    return 0 if failed == 0 and same_tokens and same_batches else 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ whole sequence; batched generation against each row generated alone; stop tokens
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from helpers import assert_close, tiny_model
@@ -41,7 +43,8 @@ def test_fast_step_logits_equal_generic_step_and_full_forward(
 ):
     """Teacher-forced: rows at different positions (prompts of 5 and 2 tokens read alone),
     then 9 steps; the pending tokens are folded every 4 steps and the rope table moves on
-    every 3 positions. After a flush, the states agree too."""
+    every 3 positions. After a flush, the states agree too. The fixed-shape step (what CUDA
+    captures as a graph) runs here on the CPU and agrees as well."""
     monkeypatch.setattr(generation, "ROPE_TABLE_TOKENS", 3)
     monkeypatch.setattr(generation, "FOLD_TOKENS", 4)
     model = _model(dtype, position, **overrides)
@@ -50,7 +53,12 @@ def test_fast_step_logits_equal_generic_step_and_full_forward(
     with torch.no_grad():
         full = [model(seq[b : b + 1])[0][0] for b in range(2)]  # [T, V] per row, no state
         got, rho = {}, {}
-        for name, build in (("fast", FastDecoder), ("generic", GenericDecoder)):
+        builders = (
+            ("fast", partial(FastDecoder, static=False)),
+            ("static", partial(FastDecoder, static=True)),
+            ("generic", GenericDecoder),
+        )
+        for name, build in builders:
             states = []
             for b, start in enumerate(starts):
                 state = model.init_state(1)
@@ -70,8 +78,12 @@ def test_fast_step_logits_equal_generic_step_and_full_forward(
     for b, start in enumerate(starts):
         want = full[b][start : start + 9]
         assert_close(got["fast"][b], want, rtol=TOLERANCE[dtype], msg=f"fast, row {b}")
-        assert_close(got["fast"][b], got["generic"][b], rtol=TOLERANCE[dtype], msg=f"row {b}")
-    assert_close(rho["fast"], rho["generic"], rtol=TOLERANCE[dtype], msg="state after a flush")
+        for name in ("fast", "static"):
+            assert_close(got[name][b], got["generic"][b], rtol=TOLERANCE[dtype],
+                         msg=f"{name}, row {b}")
+    for name in ("fast", "static"):
+        assert_close(rho[name], rho["generic"], rtol=TOLERANCE[dtype],
+                     msg=f"{name}: state after a flush")
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi", "alibi_learned"])
@@ -99,10 +111,14 @@ def test_batch_rows_generate_what_they_generate_alone():
         assert torch.equal(generic[row], alone), f"row {row}, generic decoder"
 
 
-def test_stop_tokens_end_rows_and_stopped_rows_leave_the_batch(monkeypatch):
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-shape"])
+def test_stop_tokens_end_rows_and_stopped_rows_leave_the_batch(monkeypatch, static):
+    """Rows that stop leave the batch; the fixed-shape step (CUDA's graph step, here on the
+    CPU) drops their rows as the eager step does and draws the eager step's tokens."""
     model = _model(torch.float64, "rope")
     prompts = [[3, 1, 4], [1], [5, 9, 2, 6, 5, 3]]
     alone = model.generate_batch(prompts, 12, 0.0)
+    monkeypatch.setattr(generation, "FastDecoder", partial(FastDecoder, static=static))
     free = [row[len(p) :].tolist() for row, p in zip(alone, prompts, strict=True)]
     stops = {free[0][2], free[1][5]}  # row 0 stops by its 3rd token, row 1 by its 6th
 

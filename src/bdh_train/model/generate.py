@@ -12,6 +12,10 @@ Two decoders take the step, and agree (tests/model/test_fast_decode.py):
   the state in place. It covers float32/float64 models in eval mode (or without dropout)
   with a token head; a summary memory, a quantizer (QAT or ternary export) or dropout in
   train mode fall back to the generic decoder (`fast_decoder_unsupported` names the reason).
+  On a CUDA device its step runs at fixed shapes (`FastDecoder(static=True)`, the default
+  there): every tensor keeps its address and no value goes back to the host, so the step is
+  captured once as a CUDA graph and replayed for every token (a step is a few dozen small
+  kernels, whose launches would otherwise cost more than their work at batch 1).
 
 Batched generation (`stream_generate_batch`, `generate_batch`) takes prompts of different
 lengths: each prompt is read on its own (exactly as when it is generated alone), then the rows
@@ -126,7 +130,7 @@ class FastDecoder:
     torch.inference_mode. The weights are read when it is built: rebuild it after changing them.
     """
 
-    def __init__(self, model: BDH, state: ModelState) -> None:
+    def __init__(self, model: BDH, state: ModelState, static: bool | None = None) -> None:
         reason = fast_decoder_unsupported(model)
         if reason is not None:
             raise ValueError(f"the fast decoder does not support {reason}; use the generic one")
@@ -170,6 +174,25 @@ class FastDecoder:
         self.table_start = 0
         self._positions_known = False
         self.first_position = self.last_position = 0  # min and max of state.position
+        # The fixed-shape step (`static`): every pending slot is read, weighted by row
+        # `slot` of slot_weights (d^(slot - j) for slots j < slot, else 0; d = 1 without
+        # decay), and the state term by d^slot; `slot` is a device counter.
+        self.static = weight.device.type == "cuda" if static is None else static
+        self.slot = torch.zeros(1, dtype=torch.long, device=weight.device)
+        self.static_tokens = torch.zeros(batch, dtype=torch.long, device=weight.device)
+        powers = (
+            weight.new_ones(h, k + 1) if self.decay_powers is None else self.decay_powers
+        )
+        offsets = torch.arange(k, device=weight.device)
+        earlier = offsets.view(1, k) < offsets.view(k, 1)  # [slot, j]: j < slot
+        exponent = (offsets.view(k, 1) - offsets.view(1, k)).clamp_min(0)
+        self.slot_weights = torch.where(
+            earlier.unsqueeze(1), powers[:, exponent].permute(1, 0, 2), 0.0
+        ).contiguous()  # [K, H, K]
+        self.slot_decay = powers[:, :k].t().contiguous()  # [K, H]: d^slot
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._graph_hidden: torch.Tensor | None = None
+        self._graph_warm = False
 
     def _rope_rotation(self) -> torch.Tensor:
         """This step's rope rotation per row, broadcastable over [B, H, N/2] (complex)."""
@@ -197,6 +220,7 @@ class FastDecoder:
         turn = torch.complex(cos[0, 0, :, ::2], sin[0, 0, :, ::2])  # [P, N/2]
         self.rope_table = turn.unsqueeze(1).contiguous()  # [P, 1, N/2]
         self.table_start = start
+        self.graph = None  # it read the old table
         return self.rope_table
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,6 +233,8 @@ class FastDecoder:
         d^k q_t.rho0 + sum_(j < k) d^(k - j) (q_t.q_j) v_j, the generic step's
         q_t.rho_t written out (d = 1 without decay); then it joins the pending tokens.
         """
+        if self.static:
+            return self._fixed_shape_step(tokens)
         b, h, n, d = tokens.shape[0], self.heads, self.neurons, self.dim
         k, powers = self.pending, self.decay_powers
         rotation = self._rope_rotation() if powers is None else None
@@ -236,12 +262,78 @@ class FastDecoder:
             gate = torch.bmm(a.transpose(0, 1), self.encoder_v).relu_()  # [H, B, N]
             y = (x * gate.transpose(0, 1)).view(b, h * n)
             u = self._norm(u + self._norm(torch.mm(y, self.decoder)))
+        self.state.position.add_(1)
+        self._advance()
+        return u
+
+    def _advance(self) -> None:
+        """Count the step on the host; fold the pending tokens once FOLD_TOKENS wait."""
         self.pending += 1
         if self.pending == self.fold_tokens:
             self.flush()
-        self.state.position.add_(1)
         self.first_position += 1
         self.last_position += 1
+
+    def _fixed_shape_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`step` at fixed shapes: on CUDA the first call runs eagerly, the second captures
+        the step as a CUDA graph, and every later one replays it (captured again after the
+        rows or the rope table change)."""
+        if self.decay_powers is None:
+            self._rope_rotation()  # moves the table on when the rows pass its end
+        self.static_tokens.copy_(tokens)
+        if not self.embed.is_cuda:
+            hidden = self._static_layers()
+        elif self.graph is not None:
+            self.graph.replay()
+            hidden = self._graph_hidden.clone()
+        elif not self._graph_warm:  # cuBLAS and the caching allocator set up outside capture
+            side = torch.cuda.Stream(self.embed.device)
+            side.wait_stream(torch.cuda.current_stream(self.embed.device))
+            with torch.cuda.stream(side):
+                hidden = self._static_layers()
+            torch.cuda.current_stream(self.embed.device).wait_stream(side)
+            self._graph_warm = True
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # records the kernels; runs nothing
+                self._graph_hidden = self._static_layers()
+            self.graph = graph
+            graph.replay()
+            hidden = self._graph_hidden.clone()
+        self._advance()
+        return hidden
+
+    def _static_layers(self) -> torch.Tensor:
+        """One step of `static_tokens` [B] through every layer, from device values alone: the
+        pending slot is `self.slot`, the rope phase comes from state.position. Advances slot
+        and state.position on the device; returns the last layer's hidden states [B, D]."""
+        b, h, n, d = self.static_tokens.shape[0], self.heads, self.neurons, self.dim
+        k = self.fold_tokens
+        rotation = None
+        if self.decay_powers is None:
+            assert self.rope_table is not None
+            rotation = self.rope_table.index_select(0, self.state.position - self.table_start)
+        slot_weights = self.slot_weights.index_select(0, self.slot)  # [1, H, K]
+        slot_decay = self.slot_decay.index_select(0, self.slot).view(1, h, 1)
+        u = self._norm(F.embedding(self.static_tokens, self.embed))  # [B, D]
+        for layer, rho in enumerate(self.rho):  # [B, H, N, D]
+            x = torch.mm(u, self.encoder).relu_().view(b, h, n)
+            q = x
+            if rotation is not None:
+                pairs = torch.view_as_complex(x.view(b, h, n // 2, 2))
+                q = torch.view_as_real(pairs * rotation).view(b, h, n)
+            attn = torch.bmm(q.view(b * h, 1, n), rho.view(b * h, n, d)).view(b, h, d)
+            pending_q, pending_v = self.pending_q[layer], self.pending_v[layer]
+            scores = torch.bmm(pending_q.view(b * h, k, n), q.view(b * h, n, 1)).view(b, h, k)
+            attn = torch.baddbmm(attn * slot_decay, scores * slot_weights, pending_v)
+            pending_q.index_copy_(2, self.slot, q.unsqueeze(2))
+            pending_v.index_copy_(1, self.slot, u.unsqueeze(1))
+            a = self._norm(attn)
+            gate = torch.bmm(a.transpose(0, 1), self.encoder_v).relu_()  # [H, B, N]
+            y = (x * gate.transpose(0, 1)).view(b, h * n)
+            u = self._norm(u + self._norm(torch.mm(y, self.decoder)))
+        self.slot.add_(1)
+        self.state.position.add_(1)
         return u
 
     def flush(self) -> None:
@@ -262,6 +354,7 @@ class FastDecoder:
                 keys.reshape(b * h, k, n).transpose(1, 2), values.reshape(b * h, k, d)
             )
         self.pending = 0
+        self.slot.zero_()
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop every row not listed in `rows` (long indices, in the order kept)."""
@@ -270,7 +363,9 @@ class FastDecoder:
         self.pending_v = self.pending_v.index_select(1, rows)
         self.state.rho = list(self.rho.unbind(0))
         self.state.position = self.state.position.index_select(0, rows)
+        self.static_tokens = self.static_tokens.index_select(0, rows)
         self._positions_known = False
+        self.graph = None  # the captured step read the old tensors
 
 
 Decoder = GenericDecoder | FastDecoder

@@ -202,16 +202,23 @@ def matmul_gflops(threads: int = 2, size: int = 2048, repeats: int = 3) -> float
     return 2 * size**3 / best / 1e9
 
 
-def timed_train_step(model, optimizer, inputs, targets) -> float:
-    """Seconds of one plain train step: forward with the mean loss, backward, optimizer step,
-    gradients dropped (on a CUDA device, from an idle device to the step's last kernel)."""
+def timed_train_step(model, optimizer, inputs, targets, autocast_dtype=None) -> float:
+    """Seconds of one plain train step: forward with the mean loss (under autocast to
+    `autocast_dtype` when given), backward, optimizer step, gradients dropped (on a CUDA
+    device, from an idle device to the step's last kernel)."""
     import torch
 
     cuda = inputs.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(inputs.device)
+    autocast = (
+        contextlib.nullcontext()
+        if autocast_dtype is None
+        else torch.autocast(inputs.device.type, dtype=autocast_dtype)
+    )
     started = time.perf_counter()
-    _, loss = model(inputs, targets)
+    with autocast:
+        _, loss = model(inputs, targets)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -48,7 +48,7 @@ def naive_attention(q, v, *, initial_state=None, log_decay=None, chunk_size=0,
     return (q @ q.transpose(-1, -2)).tril(diagonal=-1) @ v, None
 
 
-def run(spec: str, rounds: int, device: torch.device) -> list:
+def run(spec: str, rounds: int, device: torch.device, autocast_dtype=None) -> list:
     config, seq_len, batch, names = spec.split(":")
     seq_len, batch, names = int(seq_len), int(batch), names.split(",")
     mixer.EXECUTOR_FUNCTIONS.setdefault("naive", naive_attention)
@@ -62,7 +62,7 @@ def run(spec: str, rounds: int, device: torch.device) -> list:
         executor, _, chunk = name.partition("/")
         model.config.executor = executor
         model.config.chunk_size = int(chunk) if chunk else 0
-        return timed_train_step(model, optimizer, x, y)
+        return timed_train_step(model, optimizer, x, y, autocast_dtype)
 
     load = load_average()
     for name in names:
@@ -85,7 +85,10 @@ def main() -> None:
                     help="the default specs of a device type (default: --device's)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: the forward under bf16 autocast")
     args = ap.parse_args()
+    autocast_dtype = torch.bfloat16 if args.dtype == "bf16" else None
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but torch sees no CUDA device")
@@ -96,10 +99,10 @@ def main() -> None:
         print(f"machine: {machine_line()}; host allocator: {allocator}")
     else:
         print(f"machine: {machine_line()}; device: {torch.cuda.get_device_name(device)}")
-    rows = [run(spec, args.rounds, device) for spec in specs]
+    rows = [run(spec, args.rounds, device, autocast_dtype) for spec in specs]
     print_table(
-        "train step (forward, backward, AdamW) tokens/s, fastest of the rounds; executors "
-        "alternate step by step in one process",
+        f"train step (forward, backward, AdamW) tokens/s, {args.dtype}, fastest of the "
+        "rounds; executors alternate step by step in one process",
         ["cfg", "T", "B", "tokens/s per executor", "fastest", "load"],
         rows,
     )

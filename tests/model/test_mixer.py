@@ -381,12 +381,44 @@ def test_a_zero_chunk_size_takes_the_device_calibration(monkeypatch):
         ("cuda", 8192, 512, 128, "chunked"),
         ("cuda", 512, 2048, 256, "dense"),
         ("cuda", 2048, 2048, 256, "chunked"),
+        ("cuda/bfloat16", 512, 512, 128, "dense"),
+        ("cuda/bfloat16", 8192, 512, 128, "chunked"),
+        ("cuda/bfloat16", 512, 2048, 256, "dense"),
+        ("cuda/bfloat16", 2048, 2048, 256, "dense"),
+        ("cuda/bfloat16", 8192, 2048, 256, "chunked"),
     ],
 )
 def test_auto_picks_the_executor_measured_fastest(device_type, seq_len, n_neurons, n_embd,
                                                   fastest):
-    executor, chunk = mixer.resolve_executor("auto", seq_len, n_neurons, n_embd, 0, device_type)
+    device_type, _, dtype = device_type.partition("/")
+    dtype = getattr(torch, dtype) if dtype else None
+    executor, chunk = mixer.resolve_executor(
+        "auto", seq_len, n_neurons, n_embd, 0, device_type, dtype
+    )
     assert (executor, chunk) == (fastest, 128)
+
+
+def test_autocast_chooses_with_its_dtypes_calibration(monkeypatch):
+    """Under autocast the products run in autocast's dtype, whatever the queries' dtype is
+    (rope turns bf16 queries back into float32): the executor follows that dtype's
+    calibration."""
+    chosen = []
+
+    def record(name):
+        return lambda q, v, **kwargs: chosen.append(name)
+
+    monkeypatch.setattr(mixer, "EXECUTOR_FUNCTIONS", {name: record(name) for name in EXECUTORS})
+    # N = 8, D = 4, C = 4: dense costs 12 T = 168 at T = 14; chunked 112 (x1.4 < 168 < x2)
+    monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", mixer.ExecutorCalibration(4, 1.4))
+    monkeypatch.setitem(
+        mixer.EXECUTOR_CALIBRATION, "cpu/bfloat16", mixer.ExecutorCalibration(4, 2.0)
+    )
+    q, v = torch.zeros(1, 1, 14, 8), torch.zeros(1, 1, 14, 4)
+    linear_attention(q, v, executor="auto")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        linear_attention(q, v, executor="auto")
+    linear_attention(q.bfloat16(), v.bfloat16(), executor="auto")
+    assert chosen == ["chunked", "dense", "dense"]
 
 
 def test_linear_attention_rejects_an_unknown_executor():

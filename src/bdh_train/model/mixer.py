@@ -67,15 +67,29 @@ class ExecutorCalibration:
 # T=2048 and 8192 (C=64 1% faster on L4 D128 at T=2048; C=256 and 512 4-19% slower); dense
 # beat C=128 by 8% at T=512 on L4 D128 and by 33% on L6 D256, where the x1.5 margin would
 # pick chunked on L4 D128; x2 keeps dense there and picks chunked at T=2048 (2.1x dense).
+# CUDA, bf16 (queries in bf16, as under bf16 autocast): tensor cores make dense's products
+# cheap while chunked's extra passes stay memory-bound: dense was 10% faster than C=128 on
+# L6 D256 at T=2048 (x2 would pick chunked), chunked 1.4-1.7x dense at T=8192, C=128 and 256
+# within 3% of each other; x4 picks the faster at every measured point.
 # Other devices have not been measured: they keep the previous default.
 EXECUTOR_CALIBRATION: dict[str, ExecutorCalibration] = {
     "cpu": ExecutorCalibration(chunk_size=128, chunked_margin=1.5),
     "cuda": ExecutorCalibration(chunk_size=128, chunked_margin=2.0),
+    "cuda/bfloat16": ExecutorCalibration(chunk_size=128, chunked_margin=4.0),
 }
+"""Keyed by device type, or "device type/dtype" where a compute dtype (the queries', or
+autocast's) measured differently."""
 UNMEASURED_DEVICE = ExecutorCalibration(chunk_size=DEFAULT_CHUNK_SIZE, chunked_margin=1.5)
 
 
-def calibration_for(device_type: str) -> ExecutorCalibration:
+def calibration_for(device_type: str, dtype: torch.dtype | None = None) -> ExecutorCalibration:
+    """The calibration of queries of `dtype` on `device_type` (that of the device type when
+    the dtype has none of its own)."""
+    if dtype is not None:
+        dtype_name = str(dtype).removeprefix("torch.")
+        found = EXECUTOR_CALIBRATION.get(f"{device_type}/{dtype_name}")
+        if found is not None:
+            return found
     return EXECUTOR_CALIBRATION.get(device_type, UNMEASURED_DEVICE)
 
 
@@ -97,11 +111,12 @@ def choose_executor(
 
 def resolve_executor(
     executor: str, seq_len: int, n_neurons: int, n_embd: int, chunk_size: int,
-    device_type: str,
+    device_type: str, dtype: torch.dtype | None = None,
 ) -> tuple[str, int]:
-    """(executor, chunk size) a call runs with: a chunk_size of 0 takes the device's calibrated
-    chunk, and 'auto' resolves through `choose_executor` with the device's margin."""
-    calibration = calibration_for(device_type)
+    """(executor, chunk size) a call runs with: a chunk_size of 0 takes the calibrated chunk
+    of the device (and the queries' dtype), and 'auto' resolves through `choose_executor`
+    with its margin."""
+    calibration = calibration_for(device_type, dtype)
     chunk_size = chunk_size or calibration.chunk_size
     if executor == "auto":
         executor = choose_executor(
@@ -335,8 +350,14 @@ def linear_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run one executor by name; 'auto' resolves through `choose_executor`. A chunk_size of 0
     takes the calibrated chunk of q's device type (EXECUTOR_CALIBRATION)."""
+    device_type = q.device.type
+    compute_dtype = (  # autocast runs the products in its dtype, whatever q's
+        torch.get_autocast_dtype(device_type)
+        if torch.is_autocast_enabled(device_type)
+        else q.dtype
+    )
     executor, chunk_size = resolve_executor(
-        executor, q.shape[2], q.shape[3], v.shape[3], chunk_size, q.device.type
+        executor, q.shape[2], q.shape[3], v.shape[3], chunk_size, device_type, compute_dtype
     )
     fn = EXECUTOR_FUNCTIONS.get(executor)
     if fn is None:

@@ -3,6 +3,7 @@ middle of an accumulation window), crash-safe checkpoints, non-finite steps, DDP
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -19,6 +20,7 @@ import torch
 from helpers import STREAMING_TBPTT_SETTINGS, assert_close, checkpoint_weights, metric_rows
 from safetensors.torch import load_file
 
+from bdh_train.cli import main
 from bdh_train.config import load_config
 from bdh_train.data import DataConfig, StreamingCorpusLoader
 from bdh_train.errors import ConfigError
@@ -130,7 +132,8 @@ def test_crash_during_checkpoint_leaves_previous_one_loadable(tmp_path):
     run_dir = tmp_path / "run"
     script = textwrap.dedent(f"""
         import io, os, signal
-        from bdh_train.config import load_config
+        from bdh_train.cli import main
+from bdh_train.config import load_config
         from bdh_train.trainer import Trainer
         t = Trainer(load_config(overrides={MICRO!r}), {str(run_dir)!r}, stream=io.StringIO())
         t.run(stop_after_micro_steps=3)               # checkpoint step-0000003
@@ -194,23 +197,25 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
 
 
 def train_one_and_two_processes(tmp_path: Path, overrides: list[str], two_only: list[str]):
-    """`python -m bdh_train train` and `torchrun --nproc-per-node 2 -m bdh_train train` on the
-    same config (`two_only` added to the second); returns both run directories."""
+    """`torchrun --nproc-per-node 2 -m bdh_train train` and, while its launcher imports torch
+    on one core, `bdh-train train` in this process on the same config (`two_only` added to
+    the first); returns both run directories (one process, two processes)."""
     sets = [a for o in overrides for a in ("--set", o)]
     extra = [a for o in two_only for a in ("--set", o)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    commands = {
-        "one": [sys.executable, "-m", "bdh_train"],
-        "two": [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "bdh_train"],
-    }
-    for name, command in commands.items():
-        args = ["train", "--run-dir", str(tmp_path / name), *sets]
-        args += extra if name == "two" else []
-        proc = subprocess.run(
-            [*command, *args], capture_output=True, text=True, timeout=200, env=env
-        )
-        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+    two = subprocess.Popen(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "bdh_train",
+         "train", "--run-dir", str(tmp_path / "two"), *sets, *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["train", "--run-dir", str(tmp_path / "one"), *sets]) == 0
+        _, err = two.communicate(timeout=200)
+    finally:
+        two.kill()
+    assert two.returncode == 0, f"two: {err[-3000:]}"
     return tmp_path / "one", tmp_path / "two"
 
 

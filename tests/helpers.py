@@ -113,7 +113,15 @@ def _worker(
             dist.destroy_process_group()
 
 
-FORKSERVER_PRELOAD = ["helpers", "bdh_train.trainer", "bdh_train.distributed.pipeline"]
+FORKSERVER_PRELOAD = [
+    "helpers",
+    "bdh_train.trainer",
+    "bdh_train.distributed.pipeline",
+    "torch.distributed.checkpoint",  # a sharded run's checkpoints
+    "torch.distributed.fsdp",
+    "matplotlib.figure",  # a run's loss plot
+    "matplotlib.backends.backend_agg",
+]
 """What the forkserver imports once, so that each worker forked from it starts without
 importing torch (~3 s of CPU a process): a fresh interpreter per worker, as 'spawn' gives,
 spent most of a multi-process test importing. The server imports only (no torch thread pool

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import STREAMING_TBPTT_SETTINGS, checkpoint_weights, metric_rows
+from helpers import STREAMING_TBPTT_SETTINGS, checkpoint_weights, metric_rows, run_multiprocess
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from bdh_train.cli import main
+from bdh_train.config import load_config
 from bdh_train.errors import ConfigError
 from bdh_train.model import BDH, BDHConfig
 from bdh_train.model import bdh as bdh_module
@@ -342,13 +343,20 @@ def test_sigterm_to_one_rank_stops_all_with_one_checkpoint(tmp_path, layout):
     if layout != "ddp-2":
         return  # resuming a stopped run is shown once, for data parallel
     target = state["step"] + 1
-    resumed = subprocess.run(
-        _torchrun(run, processes, "--resume", str(run), "--set",
-                  f"training.max_steps={target}"),
-        capture_output=True, text=True, env=env, timeout=150,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_multiprocess(_resume_to, tmp_path / "group", run, target, world=processes, timeout=150)
     assert ckpt.read_json(ckpt.resolve_checkpoint(run) / "trainer.json")["step"] == target
+
+
+def _resume_to(rank: int, world: int, run: Path, max_steps: int) -> None:
+    """`bdh-train train --resume RUN --set training.max_steps=MAX_STEPS` as rank `rank` of a
+    `world`-process group (forked workers: a second torchrun would start ~3 interpreters)."""
+    from bdh_train.distributed.env import DistContext
+    from bdh_train.trainer import CONFIG_FILE, Trainer
+
+    cfg = load_config([run / CONFIG_FILE], [f"training.max_steps={max_steps}"],
+                      default_preset=False)
+    Trainer(cfg, run, resume=True, dist_ctx=DistContext(rank, world, rank),
+            stream=io.StringIO()).run()
 
 
 # ------------------------------------------------------------------ SIGKILL loop

@@ -117,6 +117,7 @@ FORKSERVER_PRELOAD = [
     "helpers",
     "bdh_train.trainer",
     "bdh_train.distributed.pipeline",
+    "torch._dynamo",  # imported by the first torch.optim optimizer a process builds
     "torch.distributed.checkpoint",  # a sharded run's checkpoints
     "torch.distributed.fsdp",
     "matplotlib.figure",  # a run's loss plot

@@ -20,7 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import STREAMING_TBPTT_SETTINGS, checkpoint_weights, metric_rows, run_multiprocess
+from helpers import (
+    FORKSERVER_PRELOAD,
+    STREAMING_TBPTT_SETTINGS,
+    checkpoint_weights,
+    metric_rows,
+    run_multiprocess,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -367,7 +373,7 @@ KILL_LOOP = [
     "training.keep_checkpoints=2",
     "training.eval_every=10",
     "training.eval_steps=1",
-    "training.max_steps=40",
+    "training.max_steps=24",  # 6 segments advance <= 3 steps each before their kill
 ]
 
 
@@ -394,7 +400,7 @@ KILLS = 6  # SIGKILLs at random moments, each followed by a resume
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_loop_resumes_bit_identical(tmp_path):
-    """Ten SIGKILLs at seeded random moments of a streaming TBPTT run with accumulation that
+    """Six SIGKILLs at seeded random moments of a streaming TBPTT run with accumulation that
     checkpoints every step (so many land inside a save), each followed by --resume: the end
     is bit-identical to the uninterrupted run and no temporary directory is left. The runs
     are forked from a server that imported the package once (a fresh interpreter per run
@@ -403,7 +409,7 @@ def test_sigkill_loop_resumes_bit_identical(tmp_path):
     import random
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["bdh_train.cli", "bdh_train.trainer", "test_failures"])
+    ctx.set_forkserver_preload(["bdh_train.cli", *FORKSERVER_PRELOAD, "test_failures"])
     sets = [a for o in KILL_LOOP for a in ("--set", o)]
     whole, run = tmp_path / "whole", tmp_path / "run"
 

@@ -132,8 +132,7 @@ def test_crash_during_checkpoint_leaves_previous_one_loadable(tmp_path):
     run_dir = tmp_path / "run"
     script = textwrap.dedent(f"""
         import io, os, signal
-        from bdh_train.cli import main
-from bdh_train.config import load_config
+        from bdh_train.config import load_config
         from bdh_train.trainer import Trainer
         t = Trainer(load_config(overrides={MICRO!r}), {str(run_dir)!r}, stream=io.StringIO())
         t.run(stop_after_micro_steps=3)               # checkpoint step-0000003

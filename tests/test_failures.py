@@ -10,7 +10,6 @@ import io
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from helpers import (
     FORKSERVER_PRELOAD,
     STREAMING_TBPTT_SETTINGS,
     checkpoint_weights,
+    fork_cli,
     metric_rows,
     run_multiprocess,
 )
@@ -215,22 +215,17 @@ def test_file_size_limit_during_a_save_keeps_the_last_checkpoint(base_run, tmp_p
     run = copy_run(base_run, tmp_path / "run")
     limit = (run / "checkpoints" / "step-0000002" / "optimizer.pt").stat().st_size // 2
 
-    def small_files() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "bdh_train", "train", "--resume", str(run),
-         "--set", "training.max_steps=4"],
-        capture_output=True, text=True, timeout=120, preexec_fn=small_files,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert proc.stderr.startswith(
+    proc = fork_cli(["train", "--resume", str(run), "--set", "training.max_steps=4"],
+                    tmp_path / "limited", file_size_limit=limit)
+    proc.join(120)
+    stderr = (tmp_path / "limited.err").read_text()
+    assert proc.exitcode == 2, stderr[-2000:]
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    assert stderr.startswith(
         f"error: cannot write {run / 'checkpoints' / 'step-0000004' / 'optimizer.pt'} ("
-    ), proc.stderr
-    assert "enforce fail" not in proc.stderr  # torch's C++ source location is left out
-    assert proc.stderr.strip().endswith(
+    ), stderr
+    assert "enforce fail" not in stderr  # torch's C++ source location is left out
+    assert stderr.strip().endswith(
         f"the last checkpoint, {run / 'checkpoints' / 'step-0000002'}, is intact: free space "
         "(or raise the file size limit, or make the directory writable), then continue with: "
         f"bdh-train train --resume {run}"

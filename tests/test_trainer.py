@@ -720,6 +720,7 @@ def test_a_fresh_run_refuses_a_directory_holding_another_run(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-0000001"]
 
 
+@pytest.mark.timeout(120)  # a second trainer that the lock let through trains 100000 steps
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
 def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(
     tmp_path, stop_signal, capsys

@@ -10,7 +10,6 @@ import io
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -20,11 +19,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import STREAMING_TBPTT_SETTINGS, checkpoint_weights, metric_rows
+from helpers import (
+    FORKSERVER_PRELOAD,
+    STREAMING_TBPTT_SETTINGS,
+    checkpoint_weights,
+    fork_cli,
+    metric_rows,
+    run_multiprocess,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from bdh_train.cli import main
+from bdh_train.config import load_config
 from bdh_train.errors import ConfigError
 from bdh_train.model import BDH, BDHConfig
 from bdh_train.model import bdh as bdh_module
@@ -208,22 +215,17 @@ def test_file_size_limit_during_a_save_keeps_the_last_checkpoint(base_run, tmp_p
     run = copy_run(base_run, tmp_path / "run")
     limit = (run / "checkpoints" / "step-0000002" / "optimizer.pt").stat().st_size // 2
 
-    def small_files() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "bdh_train", "train", "--resume", str(run),
-         "--set", "training.max_steps=4"],
-        capture_output=True, text=True, timeout=120, preexec_fn=small_files,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert proc.stderr.startswith(
+    proc = fork_cli(["train", "--resume", str(run), "--set", "training.max_steps=4"],
+                    tmp_path / "limited", file_size_limit=limit)
+    proc.join(120)
+    stderr = (tmp_path / "limited.err").read_text()
+    assert proc.exitcode == 2, stderr[-2000:]
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    assert stderr.startswith(
         f"error: cannot write {run / 'checkpoints' / 'step-0000004' / 'optimizer.pt'} ("
-    ), proc.stderr
-    assert "enforce fail" not in proc.stderr  # torch's C++ source location is left out
-    assert proc.stderr.strip().endswith(
+    ), stderr
+    assert "enforce fail" not in stderr  # torch's C++ source location is left out
+    assert stderr.strip().endswith(
         f"the last checkpoint, {run / 'checkpoints' / 'step-0000002'}, is intact: free space "
         "(or raise the file size limit, or make the directory writable), then continue with: "
         f"bdh-train train --resume {run}"
@@ -342,13 +344,20 @@ def test_sigterm_to_one_rank_stops_all_with_one_checkpoint(tmp_path, layout):
     if layout != "ddp-2":
         return  # resuming a stopped run is shown once, for data parallel
     target = state["step"] + 1
-    resumed = subprocess.run(
-        _torchrun(run, processes, "--resume", str(run), "--set",
-                  f"training.max_steps={target}"),
-        capture_output=True, text=True, env=env, timeout=150,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_multiprocess(_resume_to, tmp_path / "group", run, target, world=processes, timeout=150)
     assert ckpt.read_json(ckpt.resolve_checkpoint(run) / "trainer.json")["step"] == target
+
+
+def _resume_to(rank: int, world: int, run: Path, max_steps: int) -> None:
+    """`bdh-train train --resume RUN --set training.max_steps=MAX_STEPS` as rank `rank` of a
+    `world`-process group (forked workers: a second torchrun would start ~3 interpreters)."""
+    from bdh_train.distributed.env import DistContext
+    from bdh_train.trainer import CONFIG_FILE, Trainer
+
+    cfg = load_config([run / CONFIG_FILE], [f"training.max_steps={max_steps}"],
+                      default_preset=False)
+    Trainer(cfg, run, resume=True, dist_ctx=DistContext(rank, world, rank),
+            stream=io.StringIO()).run()
 
 
 # ------------------------------------------------------------------ SIGKILL loop
@@ -359,7 +368,7 @@ KILL_LOOP = [
     "training.keep_checkpoints=2",
     "training.eval_every=10",
     "training.eval_steps=1",
-    "training.max_steps=40",
+    "training.max_steps=24",  # 6 segments advance <= 3 steps each before their kill
 ]
 
 
@@ -386,7 +395,7 @@ KILLS = 6  # SIGKILLs at random moments, each followed by a resume
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_loop_resumes_bit_identical(tmp_path):
-    """Ten SIGKILLs at seeded random moments of a streaming TBPTT run with accumulation that
+    """Six SIGKILLs at seeded random moments of a streaming TBPTT run with accumulation that
     checkpoints every step (so many land inside a save), each followed by --resume: the end
     is bit-identical to the uninterrupted run and no temporary directory is left. The runs
     are forked from a server that imported the package once (a fresh interpreter per run
@@ -395,7 +404,7 @@ def test_sigkill_loop_resumes_bit_identical(tmp_path):
     import random
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["bdh_train.cli", "bdh_train.trainer", "test_failures"])
+    ctx.set_forkserver_preload(["bdh_train.cli", *FORKSERVER_PRELOAD, "test_failures"])
     sets = [a for o in KILL_LOOP for a in ("--set", o)]
     whole, run = tmp_path / "whole", tmp_path / "run"
 

@@ -3,6 +3,7 @@ middle of an accumulation window), crash-safe checkpoints, non-finite steps, DDP
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -19,6 +20,7 @@ import torch
 from helpers import STREAMING_TBPTT_SETTINGS, assert_close, checkpoint_weights, metric_rows
 from safetensors.torch import load_file
 
+from bdh_train.cli import main
 from bdh_train.config import load_config
 from bdh_train.data import DataConfig, StreamingCorpusLoader
 from bdh_train.errors import ConfigError
@@ -194,23 +196,25 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
 
 
 def train_one_and_two_processes(tmp_path: Path, overrides: list[str], two_only: list[str]):
-    """`python -m bdh_train train` and `torchrun --nproc-per-node 2 -m bdh_train train` on the
-    same config (`two_only` added to the second); returns both run directories."""
+    """`torchrun --nproc-per-node 2 -m bdh_train train` and, while its launcher imports torch
+    on one core, `bdh-train train` in this process on the same config (`two_only` added to
+    the first); returns both run directories (one process, two processes)."""
     sets = [a for o in overrides for a in ("--set", o)]
     extra = [a for o in two_only for a in ("--set", o)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    commands = {
-        "one": [sys.executable, "-m", "bdh_train"],
-        "two": [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "bdh_train"],
-    }
-    for name, command in commands.items():
-        args = ["train", "--run-dir", str(tmp_path / name), *sets]
-        args += extra if name == "two" else []
-        proc = subprocess.run(
-            [*command, *args], capture_output=True, text=True, timeout=200, env=env
-        )
-        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+    two = subprocess.Popen(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "bdh_train",
+         "train", "--run-dir", str(tmp_path / "two"), *sets, *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["train", "--run-dir", str(tmp_path / "one"), *sets]) == 0
+        _, err = two.communicate(timeout=200)
+    finally:
+        two.kill()
+    assert two.returncode == 0, f"two: {err[-3000:]}"
     return tmp_path / "one", tmp_path / "two"
 
 
@@ -716,12 +720,16 @@ def test_a_fresh_run_refuses_a_directory_holding_another_run(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-0000001"]
 
 
+@pytest.mark.timeout(120)  # a second trainer that the lock let through trains 100000 steps
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
-def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(tmp_path, stop_signal):
-    """The first trainer holds the run directory's lock; a second (a resume of the same run
-    with another lr) gets one error line naming the holder's pid and changes nothing. Ctrl-C
-    or SIGTERM then stops the first at the next micro-step with a checkpoint of exactly the
-    step it reached, and exit status 75 (stopped, resumable) instead of 0 (finished)."""
+def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(
+    tmp_path, stop_signal, capsys
+):
+    """The first trainer (a `python -m bdh_train` process) holds the run directory's lock; a
+    second (a resume of the same run with another lr, in this process) gets one error line
+    naming the holder's pid and changes nothing. Ctrl-C or SIGTERM then stops the first at the
+    next micro-step with a checkpoint of exactly the step it reached, and exit status 75
+    (stopped, resumable) instead of 0 (finished)."""
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     overrides = [*MICRO, "training.eval_every=0", "training.max_steps=100000"]
@@ -734,15 +742,11 @@ def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(tmp_pa
         deadline = time.monotonic() + 120
         while not (run / "checkpoints" / "latest").exists():
             assert first.poll() is None and time.monotonic() < deadline, "first run did not start"
-            time.sleep(0.2)
+            time.sleep(0.05)
         if stop_signal == signal.SIGTERM:  # the lock refuses a second trainer (once is enough)
-            second = subprocess.run(
-                [sys.executable, "-m", "bdh_train", "train", "--resume", str(run),
-                 "--set=optimizer.lr=0.5"],
-                capture_output=True, text=True, env=env, timeout=120,
-            )
-            assert second.returncode == 2
-            assert second.stderr.strip().splitlines() == [
+            capsys.readouterr()
+            assert main(["train", "--resume", str(run), "--set=optimizer.lr=0.5"]) == 2
+            assert capsys.readouterr().err.strip().splitlines() == [
                 f"error: run directory {run} is in use by another trainer (pid {first.pid}); "
                 "wait for it to finish or stop it, or use another --run-dir"
             ]

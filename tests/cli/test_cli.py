@@ -49,20 +49,22 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_default_train_then_generate_and_eval(tmp_path):
+def test_default_train_then_generate_and_eval(tmp_path, capsys):
+    """The `bdh-train` script on the default config (3 of its steps), then generate and eval
+    on the run it wrote (in this process: the script's start-up was shown once)."""
     run_dir = tmp_path / "run"
     proc = run_cli(
-        "train", "--run-dir", str(run_dir), "--set", "training.max_steps=10",
-        "--set", "training.log_every=2",
+        "train", "--run-dir", str(run_dir), "--set", "training.max_steps=3",
+        "--set", "training.log_every=1",
     )
     assert proc.returncode == 0, proc.stderr
     assert "--- sample" in proc.stdout
     for name in ("config.toml", "metrics.jsonl", "loss.png", "checkpoints/latest"):
         assert (run_dir / name).is_file(), name
-    assert (run_dir / "checkpoints/step-0000010/model.safetensors").is_file()
+    assert (run_dir / "checkpoints/step-0000003/model.safetensors").is_file()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
-    assert train_rows[-1]["step"] == 10
+    assert [r["step"] for r in train_rows] == [1, 2, 3]
     assert set(train_rows[0]) == {
         "step",
         "tokens",
@@ -75,23 +77,14 @@ def test_default_train_then_generate_and_eval(tmp_path):
     assert any("val_loss" in r and "bits_per_byte" in r for r in rows)
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]
 
-    gen = run_cli(
-        "generate",
-        "--checkpoint",
-        str(run_dir),
-        "--prompt",
-        "def ",
-        "--max-new-tokens",
-        "20",
-        "--seed",
-        "1",
-    )
-    assert gen.returncode == 0, gen.stderr
-    assert gen.stdout.startswith("def ") and len(gen.stdout.encode()) >= 20
+    capsys.readouterr()
+    generate = ["generate", "--checkpoint", str(run_dir), "--prompt", "def "]
+    assert main([*generate, "--max-new-tokens", "20", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def ") and len(out.encode()) >= 20
 
-    ev = run_cli("eval", "--checkpoint", str(run_dir), "--batches", "2")
-    assert ev.returncode == 0, ev.stderr
-    result = json.loads(ev.stdout)
+    assert main(["eval", "--checkpoint", str(run_dir), "--batches", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
     assert result["val_loss"] > 0
     assert abs(result["bits_per_byte"] - result["val_loss"] / np.log(2)) < 1e-9
 

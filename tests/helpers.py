@@ -136,8 +136,9 @@ def run_multiprocess(
     world: int = 2,
     timeout: float = 45.0,
 ) -> list[Any]:
-    """Run fn(rank, world, *args) in `world` spawned processes joined in one gloo group (one
-    CPU thread each); return fn's results by rank.
+    """Run fn(rank, world, *args) in `world` processes forked from the forkserver (which
+    imported FORKSERVER_PRELOAD once) and joined in one gloo group (one CPU thread each);
+    return fn's results by rank.
 
     fn and args must be picklable (a module-level function of a test file is). out_dir must
     be empty or new: it holds the group's file store, each rank's pid, result and traceback.

@@ -289,11 +289,13 @@ def timed(
 
 
 # --------------------------------------------------------------------- work counts
-def ours_chunk(model: BDH, seq_len: int) -> int | None:
-    """The chunk length bdh-train's executor runs at T (None: dense, no state term)."""
+def ours_chunk(model: BDH, seq_len: int, dtype: str = "fp32") -> int | None:
+    """The chunk length bdh-train's executor runs at T (None: dense, no state term); `dtype`
+    bf16: under bf16 autocast, which has its own calibration."""
     c = model.config
     executor, chunk_size = resolve_executor(
-        c.executor, seq_len, c.n_neurons, c.n_embd, c.chunk_size, model.embed.weight.device.type
+        c.executor, seq_len, c.n_neurons, c.n_embd, c.chunk_size,
+        model.embed.weight.device.type, torch.bfloat16 if dtype == "bf16" else None,
     )
     if executor == "chunked" and chunk_size < seq_len:
         return chunk_size
@@ -434,7 +436,8 @@ def run_point(args, config: str, seq_len: int, batch_size: int, official, device
                 file=sys.stderr,
                 flush=True,
             )
-    return {"warm": warm, "times": times, "load": load, "chunk": ours_chunk(ours, seq_len)}
+    chunk = ours_chunk(ours, seq_len, args.dtype)
+    return {"warm": warm, "times": times, "load": load, "chunk": chunk}
 
 
 def self_check(official, device, configs) -> None:

@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_train(args: argparse.Namespace) -> int:
     from bdh_train.config import load_config
     from bdh_train.distributed.env import DistContext
-    from bdh_train.trainer import CONFIG_FILE, Trainer, resolve_device
+    from bdh_train.trainer import CONFIG_FILE, Trainer, moved_tokenizer_override, resolve_device
 
     resume = args.resume is not None
     run_dir = Path(args.resume or args.run_dir or "") if resume else None
@@ -279,7 +279,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"cannot resume: {saved} does not exist (is {run_dir} a run "
                 "directory written by bdh-train train?)"
             )
-        cfg = load_config([saved, *args.config], args.overrides, default_preset=False)
+        overrides = [*moved_tokenizer_override(run_dir), *args.overrides]
+        cfg = load_config([saved, *args.config], overrides, default_preset=False)
     else:
         cfg = load_config(args.config, args.overrides, args.preset)
     dist_ctx = DistContext.from_env(

@@ -29,7 +29,13 @@ import torch.distributed as dist
 from bdh_train.batch import SequenceBatch, StepOutput
 from bdh_train.config import RunConfig, dump_toml, save_config
 from bdh_train.data import RandomWindowLoader, StreamingCorpusLoader, StreamingDocumentLoader
-from bdh_train.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, load_tokenizer
+from bdh_train.data.tokenizer import (
+    BYTES,
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+)
 from bdh_train.distributed import fsdp
 from bdh_train.distributed.env import DistContext, pipeline_mesh
 from bdh_train.distributed.planner import build_pipeline_plan
@@ -71,6 +77,27 @@ class RunResult:
     checkpoint: Path | None
     last_val_loss: float | None
     sample: str | None
+
+
+def moved_tokenizer_override(run_dir: Path) -> list[str]:
+    """`--set` overrides for resuming `run_dir` after it moved: [] or one that names the run's
+    own tokenizer copy.
+
+    A run's config.toml names its copy of a Hugging Face tokenizer by absolute path
+    (`Trainer.saved_cfg`), so a run directory moved or copied elsewhere still names the old
+    place. When that file no longer exists and this run directory holds its own copy, the
+    copy is named instead (the checkpoint's fingerprint check still applies). Later
+    overrides, the user's, still win."""
+    try:
+        named = tomllib.loads((run_dir / CONFIG_FILE).read_text())["data"]["tokenizer"]
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
+        return []  # loading the config reports what is wrong with it
+    own_copy = run_dir / TOKENIZER_FILE
+    if not isinstance(named, str) or named == BYTES or Path(named).name != TOKENIZER_FILE:
+        return []
+    if Path(named).exists() or not own_copy.is_file():
+        return []
+    return [f"data.tokenizer={json.dumps(str(own_copy.resolve()))}"]
 
 
 @dataclass

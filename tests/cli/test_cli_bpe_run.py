@@ -130,5 +130,22 @@ def test_a_resume_with_another_tokenizer_is_refused(bpe_run, tmp_path, capsys):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
+def test_a_moved_run_resumes_with_its_own_tokenizer_copy(bpe_run, tmp_path, capsys):
+    """config.toml names the run's tokenizer copy by absolute path; after the directory moves,
+    a resume reads the copy in the new place and names it from then on."""
+    run_dir, tok, _, _, _ = bpe_run
+    first, moved = tmp_path / "first", tmp_path / "moved"
+    shutil.copytree(run_dir, first)
+    resume = ["--set", "model.quant.warmup_steps=0", "--set", "training.checkpoint_every=1"]
+    assert main(["train", "--resume", str(first), *resume, "--set", "training.max_steps=4"]) == 0
+    assert str((first / TOKENIZER_FILE).resolve()) in (first / "config.toml").read_text()
+    first.rename(moved)
+    assert main(["train", "--resume", str(moved), *resume, "--set", "training.max_steps=5"]) == 0
+    assert str((moved / TOKENIZER_FILE).resolve()) in (moved / "config.toml").read_text()
+    assert (moved / "checkpoints" / "step-0000005").is_dir()
+    assert load_fingerprint(moved / TOKENIZER_FILE) == tok.fingerprint()
+    capsys.readouterr()
+
+
 def load_fingerprint(path) -> str:
     return bdh_train.inference.load_tokenizer(path).fingerprint()

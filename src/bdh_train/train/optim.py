@@ -29,7 +29,8 @@ class OptimizerConfig:
     warmup_steps: int = 0
     """Optimizer steps of linear warm-up: step s (0-based) uses lr * (s + 1) / warmup_steps."""
     schedule: str = "constant"
-    """'constant' or 'cosine' (from lr after warm-up down to min_lr at the last step)."""
+    """'constant' or 'cosine': from lr after warm-up toward min_lr, which step max_steps (one
+    past the last, 0-based) would reach, as Hugging Face's cosine schedule does."""
     min_lr: float = 0.0
     """The floor of the cosine schedule (ignored by 'constant')."""
     grad_clip_norm: float = 1.0
@@ -82,7 +83,8 @@ class OptimizerConfig:
 def learning_rate(
     step: int, base_lr: float, warmup_steps: int, total_steps: int, schedule: str, min_lr: float
 ) -> float:
-    """Linear warm-up, then constant or cosine (no restarts) down to min_lr at total_steps."""
+    """Linear warm-up, then constant or cosine (no restarts) down to min_lr at step
+    total_steps; a run's steps are 0 .. total_steps - 1, so its last step stays above it."""
     if warmup_steps > 0 and step < warmup_steps:
         return base_lr * (step + 1) / warmup_steps
     if schedule == "constant":

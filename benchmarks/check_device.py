@@ -19,7 +19,8 @@ benchmarks time computes the right thing:
 * generation: 200 greedy tokens of the fast decoder (on CUDA its step is a replayed CUDA
   graph) against the generic recurrent step on the device, and a batch of three prompts of
   different lengths whose rows stop at different steps (the graph is captured again for the
-  smaller batch): tokens equal.
+  smaller batch): tokens equal; and a float64 rope model's hidden states, fixed-shape (graph)
+  step against the eager one, with the rope table moving on every 5 positions: 1e-8.
 
 Error measure: ||value - reference|| / ||reference|| per tensor, the largest over tensors.
 Exits 1 if any check fails.
@@ -37,6 +38,8 @@ import torch
 from _common import CONFIGS
 
 from bdh_train.model import BDH, BDHConfig
+from bdh_train.model import generate as generation
+from bdh_train.model.generate import FastDecoder
 
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 0.0}  # float32: set from the dense error
 SEQ_LEN, BATCH = 300, 2
@@ -71,7 +74,8 @@ def executor_rows(model: BDH, on: tuple, resets: torch.Tensor,
     rows = []
     for executor, chunk in (("dense", 0), ("chunked", 64), ("chunked", 100), ("chunked", 0)):
         model.config.executor, model.config.chunk_size = executor, chunk
-        rows.append((f"{executor}/{chunk or 'calibrated'}",
+        label = "dense" if executor == "dense" else f"chunked/{chunk or 'calibrated'}"
+        rows.append((label,
                      worst(step_outputs(model, *on), reference)))
     model.config.executor, model.config.chunk_size = "chunked", 64
     rows.append(("chunked/64, reset at token 150",
@@ -110,13 +114,14 @@ def main() -> int:
 
     model = BDH(copy.deepcopy(config)).to(device)
     model.load_state_dict(cpu64.state_dict())
-    for name, error in executor_rows(model, on, resets.to(device), reference, reference_reset):
+    float32_rows = executor_rows(model, on, resets.to(device), reference, reference_reset)
+    float32_dense_error = dict(float32_rows)["dense"]
+    TOLERANCE[torch.float32] = 2 * float32_dense_error + 1e-6
+    for name, error in float32_rows:
         rows.append((f"{name} vs CPU float64 dense", torch.float32, error))
     model.compile_layers()
     rows.append(("compiled vs CPU float64 dense", torch.float32,
                  worst(step_outputs(model, *on), reference)))
-    float32_error = rows[len(rows) - 7][2]  # the float32 dense executor's own
-    TOLERANCE[torch.float32] = 2 * float32_error + 1e-6
 
     model.eval()
     prompt = on[0][:1, :16]
@@ -133,6 +138,8 @@ def main() -> int:
     same_tokens = bool(torch.equal(fast, generic))
     same_batches = all(torch.equal(a, b) for a, b in zip(*batches, strict=True))
     lengths = [len(row) for row in batches[0]]
+    stopped_apart = len(set(lengths)) == len(lengths)  # rows left the batch at different steps
+    rope_error = fixed_shape_vs_eager_rope(device)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {device} ({name}), torch {torch.__version__}; ||value - reference|| / "
@@ -145,9 +152,45 @@ def main() -> int:
               f"{'ok' if ok else 'FAIL'}")
     print(f"  generate 200 tokens, fast vs generic decoder: tokens equal {same_tokens} "
           f"{'ok' if same_tokens else 'FAIL'}")
+    batch_ok = same_batches and stopped_apart
     print(f"  generate_batch, 3 prompts, stop tokens (rows of {lengths} tokens), fast vs "
-          f"generic: equal {same_batches} {'ok' if same_batches else 'FAIL'}")
-    return 0 if failed == 0 and same_tokens and same_batches else 1
+          f"generic: equal {same_batches}, rows stopped apart {stopped_apart} "
+          f"{'ok' if batch_ok else 'FAIL'}")
+    rope_ok = rope_error < TOLERANCE[torch.float64]
+    print(f"  float64 rope decoding, fixed-shape (graph) vs eager step, 3 rows, the rope table "
+          f"moving every 5 positions: hidden states {rope_error:.2e} "
+          f"(< {TOLERANCE[torch.float64]:g}) {'ok' if rope_ok else 'FAIL'}")
+    return 0 if failed == 0 and same_tokens and batch_ok and rope_ok else 1
+
+
+def fixed_shape_vs_eager_rope(device: torch.device) -> float:
+    """The worst relative error of the fixed-shape step's hidden states (on CUDA a replayed
+    graph, captured again each time the rope table moves on) against the eager step's, for
+    a float64 rope model over 40 teacher-forced steps of 3 rows at different positions."""
+    torch.manual_seed(1)
+    model = BDH(BDHConfig(**CONFIGS["a"], vocab_size=256, dropout=0.0)).double().to(device)
+    model.eval()
+    tokens = torch.randint(0, 256, (3, 60), device=device)
+    starts = (5, 11, 2)
+    hidden: dict[bool, list[torch.Tensor]] = {}
+    table_tokens = generation.ROPE_TABLE_TOKENS
+    generation.ROPE_TABLE_TOKENS = 5
+    try:
+        with torch.inference_mode():
+            for static in (False, True):
+                states = []
+                for row, start in enumerate(starts):
+                    state = model.init_state(1)
+                    model.forward_hidden(tokens[row : row + 1, :start], state)
+                    states.append(state)
+                decoder = FastDecoder(model, type(states[0]).concat(states), static=static)
+                hidden[static] = [
+                    decoder.step(torch.stack([tokens[r, s + i] for r, s in enumerate(starts)]))
+                    for i in range(40)
+                ]
+    finally:
+        generation.ROPE_TABLE_TOKENS = table_tokens
+    return max(relative_error(a, b) for a, b in zip(hidden[True], hidden[False], strict=True))
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ PUBLIC = {
         "all_reduce_accumulated", "evaluate", "init_weights_from", "learning_rate",
     ],
     "bdh_train.distributed": [
-        "DistContext", "ParallelConfig", "PipelinePlan", "SCHEDULES", "build_pipeline_plan",
-        "render_timeline",
+        "BDHStage", "DistContext", "ParallelConfig", "PipelinePlan", "PipelineRunner",
+        "SCHEDULES", "build_pipeline_plan", "render_timeline",
     ],
     "bdh_train.config": [
         "DEFAULT_PRESET", "PRESETS", "RunConfig", "SECTIONS", "dump_toml", "load_config",

@@ -279,7 +279,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"cannot resume: {saved} does not exist (is {run_dir} a run "
                 "directory written by bdh-train train?)"
             )
-        overrides = [*moved_tokenizer_override(run_dir), *args.overrides]
+        moved = [] if args.config else moved_tokenizer_override(run_dir)
+        overrides = [*moved, *args.overrides]
         cfg = load_config([saved, *args.config], overrides, default_preset=False)
     else:
         cfg = load_config(args.config, args.overrides, args.preset)

@@ -87,7 +87,8 @@ def moved_tokenizer_override(run_dir: Path) -> list[str]:
     (`Trainer.saved_cfg`), so a run directory moved or copied elsewhere still names the old
     place. When that file no longer exists and this run directory holds its own copy, the
     copy is named instead (the checkpoint's fingerprint check still applies). Later
-    overrides, the user's, still win."""
+    overrides, the user's, still win; `bdh-train train --resume` applies it only when no
+    --config file is given, since one may name the tokenizer."""
     try:
         named = tomllib.loads((run_dir / CONFIG_FILE).read_text())["data"]["tokenizer"]
     except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
@@ -97,7 +98,8 @@ def moved_tokenizer_override(run_dir: Path) -> list[str]:
         return []
     if Path(named).exists() or not own_copy.is_file():
         return []
-    return [f"data.tokenizer={json.dumps(str(own_copy.resolve()))}"]
+    # a TOML basic string: JSON's escapes are TOML's, except surrogate pairs (kept raw here)
+    return [f"data.tokenizer={json.dumps(str(own_copy.resolve()), ensure_ascii=False)}"]
 
 
 @dataclass

@@ -445,3 +445,11 @@ def test_float32_log_decay_is_raised_to_its_powers_in_float64(executor, chunk_si
     )
     assert_close(got[0], expected[0], rtol=1e-10, msg="out")
     assert_close(got[1], expected[1], rtol=1e-10, msg="final state")
+
+
+def test_a_device_type_without_autocast_still_runs():
+    """'meta' has no autocast: asking whether autocast is on there raises, so the executor
+    choice must not ask (shape-only tracing on meta tensors keeps working)."""
+    q, v = torch.zeros(1, 1, 4, 8, device="meta"), torch.zeros(1, 1, 4, 4, device="meta")
+    out, _ = linear_attention(q, v, executor="auto")
+    assert out.shape == (1, 1, 4, 4) and out.device.type == "meta"

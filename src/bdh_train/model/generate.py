@@ -193,9 +193,12 @@ class FastDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self._graph_hidden: torch.Tensor | None = None
         self._graph_warm = False
+        self._capture_stream = (
+            torch.cuda.Stream(weight.device) if self.static and weight.is_cuda else None
+        )
 
-    def _rope_rotation(self) -> torch.Tensor:
-        """This step's rope rotation per row, broadcastable over [B, H, N/2] (complex)."""
+    def _rope_table_for_rows(self) -> torch.Tensor:
+        """The rope table, moved on first when the rows' positions left it."""
         if not self._positions_known:  # one host sync after the rows change
             self.first_position = int(self.state.position.min())
             self.last_position = int(self.state.position.max())
@@ -207,6 +210,11 @@ class FastDecoder:
             or self.last_position >= self.table_start + table.shape[0]
         ):
             table = self._fill_rope_table()
+        return table
+
+    def _rope_rotation(self) -> torch.Tensor:
+        """This step's rope rotation per row, broadcastable over [B, H, N/2] (complex)."""
+        table = self._rope_table_for_rows()
         if self.state.batch_size == 1:
             return table[self.first_position - self.table_start]
         return table.index_select(0, self.state.position - self.table_start)
@@ -279,29 +287,39 @@ class FastDecoder:
         the step as a CUDA graph, and every later one replays it (captured again after the
         rows or the rope table change)."""
         if self.decay_powers is None:
-            self._rope_rotation()  # moves the table on when the rows pass its end
+            self._rope_table_for_rows()
         self.static_tokens.copy_(tokens)
         if not self.embed.is_cuda:
             hidden = self._static_layers()
-        elif self.graph is not None:
-            self.graph.replay()
-            hidden = self._graph_hidden.clone()
-        elif not self._graph_warm:  # cuBLAS and the caching allocator set up outside capture
-            side = torch.cuda.Stream(self.embed.device)
-            side.wait_stream(torch.cuda.current_stream(self.embed.device))
-            with torch.cuda.stream(side):
-                hidden = self._static_layers()
-            torch.cuda.current_stream(self.embed.device).wait_stream(side)
-            self._graph_warm = True
         else:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # records the kernels; runs nothing
-                self._graph_hidden = self._static_layers()
-            self.graph = graph
-            graph.replay()
-            hidden = self._graph_hidden.clone()
+            with torch.cuda.device(self.embed.device):  # the model's device, not the current
+                hidden = self._graph_step()
         self._advance()
         return hidden
+
+    def _graph_step(self) -> torch.Tensor:
+        """The fixed-shape step through its CUDA graph, on the model's device."""
+        current = torch.cuda.current_stream()
+        if self.graph is None and not self._graph_warm:
+            # One eager step on the capture's own stream before capturing: what a first call
+            # sets up (workspaces, the caching allocator's blocks) must not happen in capture.
+            self._capture_stream.wait_stream(current)
+            with torch.cuda.stream(self._capture_stream):
+                hidden = self._static_layers()
+            current.wait_stream(self._capture_stream)
+            hidden.record_stream(current)
+            self._graph_warm = True
+            return hidden
+        if self.graph is None:
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads' CUDA calls (an NCCL watchdog) do not break capture
+            with torch.cuda.graph(
+                graph, stream=self._capture_stream, capture_error_mode="thread_local"
+            ):  # records the kernels; runs nothing
+                self._graph_hidden = self._static_layers()
+            self.graph = graph
+        self.graph.replay()
+        return self._graph_hidden.clone()
 
     def _static_layers(self) -> torch.Tensor:
         """One step of `static_tokens` [B] through every layer, from device values alone: the
@@ -363,7 +381,7 @@ class FastDecoder:
         self.pending_v = self.pending_v.index_select(1, rows)
         self.state.rho = list(self.rho.unbind(0))
         self.state.position = self.state.position.index_select(0, rows)
-        self.static_tokens = self.static_tokens.index_select(0, rows)
+        self.static_tokens = self.static_tokens.new_empty(len(rows))  # written every step
         self._positions_known = False
         self.graph = None  # the captured step read the old tensors
 

@@ -351,11 +351,11 @@ def linear_attention(
     """Run one executor by name; 'auto' resolves through `choose_executor`. A chunk_size of 0
     takes the calibrated chunk of q's device type (EXECUTOR_CALIBRATION)."""
     device_type = q.device.type
-    compute_dtype = (  # autocast runs the products in its dtype, whatever q's
-        torch.get_autocast_dtype(device_type)
-        if torch.is_autocast_enabled(device_type)
-        else q.dtype
+    autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(
+        device_type
     )
+    # autocast runs the products in its dtype, whatever q's
+    compute_dtype = torch.get_autocast_dtype(device_type) if autocast else q.dtype
     executor, chunk_size = resolve_executor(
         executor, q.shape[2], q.shape[3], v.shape[3], chunk_size, device_type, compute_dtype
     )

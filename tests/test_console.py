@@ -17,6 +17,7 @@ from bdh_train.model import BDH
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.evaluate import evaluate
 from bdh_train.train.metrics import Progress, format_duration
+from bdh_train.train.run_dir import LOCK_FILE
 from bdh_train.train.step import LanguageTrainModel
 from bdh_train.trainer import Trainer
 
@@ -210,9 +211,13 @@ def test_an_evaluation_over_no_tokens_is_refused_not_zero():
 def test_a_resume_past_the_end_is_refused_before_anything_is_written(tmp_path):
     cfg = load_config(overrides=[*SMALL, "training.max_steps=2", "training.eval_every=0"])
     Trainer(cfg, tmp_path, stream=io.StringIO()).run()
-    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    def written() -> dict:  # the run's files; the lock file records each trainer that looks
+        return {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")
+                if p.is_file() and p.name != LOCK_FILE}
+
+    before = written()
     cfg.training.max_steps = 1
     with pytest.raises(ConfigError, match="at or below the checkpoint's step 2"):
         Trainer(cfg, tmp_path, resume=True, stream=io.StringIO())
-    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert written() == before
     assert ckpt.resolve_checkpoint(tmp_path).name == "step-0000002"

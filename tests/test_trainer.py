@@ -761,6 +761,26 @@ def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(
     assert ckpt.read_json(stopped / "trainer.json")["step"] == steps[-1]
 
 
+def test_a_second_trainer_is_refused_before_it_touches_the_run(tmp_path):
+    """Building a trainer finishes or undoes interrupted checkpoint saves, which removes
+    temporary checkpoint directories: a second trainer built while the first one holds the
+    run (and may be half-way through a save) must be refused before that, leaving the first
+    one's temporary directory alone."""
+    run = tmp_path / "run"
+    Trainer(load_config(overrides=[*MICRO, "training.max_steps=5"]), run,
+            stream=io.StringIO()).run()
+    overrides = [*MICRO, "training.max_steps=6"]
+    holder = Trainer(load_config(overrides=overrides), run, resume=True, stream=io.StringIO())
+    saving = run / "checkpoints" / ".tmp-step-0000006-abc"  # the holder's save in progress
+    saving.mkdir()
+    with pytest.raises(ConfigError, match="in use by another trainer"):
+        Trainer(load_config(overrides=overrides), run, resume=True, stream=io.StringIO())
+    assert saving.is_dir()
+    holder.close()  # a trainer that will not run lets the run go
+    Trainer(load_config(overrides=overrides), run, resume=True, stream=io.StringIO()).run()
+    assert not saving.exists()  # the next trainer to own the run cleans the leftover up
+
+
 def test_resume_drops_a_torn_metrics_line_with_a_notice(tmp_path):
     overrides = [*MICRO, "training.max_steps=4"]
     run = tmp_path / "run"

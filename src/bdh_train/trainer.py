@@ -55,7 +55,7 @@ from bdh_train.train.metrics import (
 )
 from bdh_train.train.profile import ProfileSettings, StepProfile, StepProfiler, profile_row
 from bdh_train.train.reduce import accumulate_sharded, all_reduce_accumulated, all_reduce_sums
-from bdh_train.train.run_dir import RunDirLock, check_fresh_run_dir, clear_run_dir
+from bdh_train.train.run_dir import LOCK_FILE, RunDirLock, check_fresh_run_dir, clear_run_dir
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.step import LanguageTrainModel, StepExecutor
 
@@ -299,6 +299,45 @@ class Trainer:
         overwrite: bool = False,
         resume_fallback: bool = False,
     ):
+        """The main process takes the run directory's lock first: building a trainer already
+        touches the directory (finishing or undoing an interrupted checkpoint save, reading
+        the checkpoint), so a second trainer must be refused before it does. The lock is held
+        until `run` ends or `close` is called, and released here when building fails."""
+        dist = dist_ctx or DistContext()
+        run_path = Path(run_dir)
+        created = not run_path.exists()
+        new_lock_file = not (run_path / LOCK_FILE).exists()
+        self._lock = RunDirLock(run_path).acquire() if dist.is_main else None
+        try:
+            self._build(cfg, run_path, resume, dist, stream, overwrite, resume_fallback)
+        except BaseException:
+            self._release_lock()
+            if dist.is_main and new_lock_file:  # a refused run leaves nothing of its own
+                (run_path / LOCK_FILE).unlink(missing_ok=True)
+                if created:
+                    with contextlib.suppress(OSError):
+                        run_path.rmdir()
+            raise
+
+    def close(self) -> None:
+        """Let the run directory go without running (`run` does this when it ends)."""
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _build(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        resume: bool,
+        dist_ctx: DistContext,
+        stream: IO[str] | None,
+        overwrite: bool,
+        resume_fallback: bool,
+    ) -> None:
         """Validate everything (config, data, checkpoint, the run directory) before anything
         is written. A fresh run needs an empty run directory unless `overwrite`; a resume
         whose latest checkpoint is damaged continues from the newest intact one only with
@@ -526,8 +565,10 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def run(self, stop_after_micro_steps: int | None = None) -> RunResult:
         """Train to `max_steps` (or until a stop is requested); the main process holds the
-        run directory's lock throughout."""
-        lock = RunDirLock(self.run_dir).acquire() if self.dist.is_main else None
+        run directory's lock throughout (taken when the trainer was built; again here for a
+        second `run`), and releases it at the end."""
+        if self._lock is None and self.dist.is_main:
+            self._lock = RunDirLock(self.run_dir).acquire()
         failed = True
         try:
             result = self._run(stop_after_micro_steps)
@@ -536,8 +577,7 @@ class Trainer:
         finally:
             if self.metrics is not None:
                 self.metrics.close(failed)
-            if lock is not None:
-                lock.release()
+            self._release_lock()
 
     def _run(self, stop_after_micro_steps: int | None) -> RunResult:
         t, s = self.cfg.training, self.state

@@ -24,6 +24,7 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunDirLock:
+        refuse_a_file(self.path.parent)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -46,6 +47,9 @@ class RunDirLock:
             os.close(self._fd)
             self._fd = None
 
+    def __del__(self) -> None:  # a holder dropped without releasing (a trainer never run)
+        self.release()
+
 
 def used_entries(run_dir: Path) -> list[str]:
     """What in `run_dir` belongs to an earlier run (everything but the lock and error log)."""
@@ -54,12 +58,17 @@ def used_entries(run_dir: Path) -> list[str]:
     return sorted(p.name for p in run_dir.iterdir() if p.name not in (LOCK_FILE, ERROR_LOG))
 
 
-def check_fresh_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """A fresh run needs an empty (or absent) directory, unless `overwrite` clears it."""
+def refuse_a_file(run_dir: Path) -> None:
+    """A run directory must be a directory (or not exist yet)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(
             f"run directory {run_dir} is a file, not a directory; choose another --run-dir"
         )
+
+
+def check_fresh_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """A fresh run needs an empty (or absent) directory, unless `overwrite` clears it."""
+    refuse_a_file(run_dir)
     used = used_entries(run_dir)
     if used and not overwrite:
         shown = ", ".join(used[:4]) + (", ..." if len(used) > 4 else "")

@@ -733,10 +733,12 @@ def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     overrides = [*MICRO, "training.eval_every=0", "training.max_steps=100000"]
+    # Its output goes to a file: a pipe nobody reads would fill and block it mid-run.
+    console = open(tmp_path / "first.out", "w")  # noqa: SIM115 - closed below
     first = subprocess.Popen(
         [sys.executable, "-m", "bdh_train", "train", "--run-dir", str(run),
          *[f"--set={o}" for o in overrides]],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=console, stderr=subprocess.STDOUT, text=True, env=env,
     )
     try:
         deadline = time.monotonic() + 120
@@ -751,9 +753,10 @@ def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(
                 "wait for it to finish or stop it, or use another --run-dir"
             ]
         first.send_signal(stop_signal)
-        assert first.wait(timeout=120) == 75
+        assert first.wait(timeout=120) == 75, (tmp_path / "first.out").read_text()[-2000:]
     finally:
         first.kill()
+        console.close()
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, len(steps) + 1)), "the first run's log was disturbed"
     assert load_config([run / "config.toml"]).optimizer.lr != 0.5

@@ -243,17 +243,12 @@ class FastDecoder:
         """
         if self.static:
             return self._fixed_shape_step(tokens)
-        b, h, n, d = tokens.shape[0], self.heads, self.neurons, self.dim
+        b, h, n = tokens.shape[0], self.heads, self.neurons
         k, powers = self.pending, self.decay_powers
         rotation = self._rope_rotation() if powers is None else None
         u = self._norm(F.embedding(tokens, self.embed))  # [B, D]
         for layer, rho in enumerate(self.rho):  # [B, H, N, D]
-            x = torch.mm(u, self.encoder).relu_().view(b, h, n)
-            q = x
-            if rotation is not None:  # apply_rope: one complex multiply per (2k, 2k+1) pair
-                pairs = torch.view_as_complex(x.view(b, h, n // 2, 2))
-                q = torch.view_as_real(pairs * rotation).view(b, h, n)
-            attn = torch.bmm(q.view(b * h, 1, n), rho.view(b * h, n, d)).view(b, h, d)
+            x, q, attn = self._neurons_and_state_read(u, rho, rotation)
             pending_q, pending_v = self.pending_q[layer], self.pending_v[layer]
             if k:
                 keys = pending_q[:, :, :k].reshape(b * h, k, n)
@@ -266,13 +261,32 @@ class FastDecoder:
                 attn = torch.baddbmm(attn, scores, pending_v[:, :k])  # values shared by heads
             pending_q[:, :, k].copy_(q)
             pending_v[:, k].copy_(u)
-            a = self._norm(attn)
-            gate = torch.bmm(a.transpose(0, 1), self.encoder_v).relu_()  # [H, B, N]
-            y = (x * gate.transpose(0, 1)).view(b, h * n)
-            u = self._norm(u + self._norm(torch.mm(y, self.decoder)))
+            u = self._layer_output(u, x, attn)
         self.state.position.add_(1)
         self._advance()
         return u
+
+    def _neurons_and_state_read(
+        self, u: torch.Tensor, rho: torch.Tensor, rotation: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(neurons x [B, H, N], queries q (x rotated under rope), q.rho [B, H, D]) of one
+        layer for inputs u [B, D]; rotation: `apply_rope`'s complex multiply per (2k, 2k+1)
+        pair, or None."""
+        b, h, n, d = u.shape[0], self.heads, self.neurons, self.dim
+        x = torch.mm(u, self.encoder).relu_().view(b, h, n)
+        q = x
+        if rotation is not None:
+            pairs = torch.view_as_complex(x.view(b, h, n // 2, 2))
+            q = torch.view_as_real(pairs * rotation).view(b, h, n)
+        attn = torch.bmm(q.view(b * h, 1, n), rho.view(b * h, n, d)).view(b, h, d)
+        return x, q, attn
+
+    def _layer_output(self, u: torch.Tensor, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's new u [B, D] from its input u, neurons x and attention output attn."""
+        b = u.shape[0]
+        gate = torch.bmm(self._norm(attn).transpose(0, 1), self.encoder_v).relu_()  # [H, B, N]
+        y = (x * gate.transpose(0, 1)).view(b, self.heads * self.neurons)
+        return self._norm(u + self._norm(torch.mm(y, self.decoder)))
 
     def _advance(self) -> None:
         """Count the step on the host; fold the pending tokens once FOLD_TOKENS wait."""
@@ -325,7 +339,7 @@ class FastDecoder:
         """One step of `static_tokens` [B] through every layer, from device values alone: the
         pending slot is `self.slot`, the rope phase comes from state.position. Advances slot
         and state.position on the device; returns the last layer's hidden states [B, D]."""
-        b, h, n, d = self.static_tokens.shape[0], self.heads, self.neurons, self.dim
+        b, h, n = self.static_tokens.shape[0], self.heads, self.neurons
         k = self.fold_tokens
         rotation = None
         if self.decay_powers is None:
@@ -335,21 +349,13 @@ class FastDecoder:
         slot_decay = self.slot_decay.index_select(0, self.slot).view(1, h, 1)
         u = self._norm(F.embedding(self.static_tokens, self.embed))  # [B, D]
         for layer, rho in enumerate(self.rho):  # [B, H, N, D]
-            x = torch.mm(u, self.encoder).relu_().view(b, h, n)
-            q = x
-            if rotation is not None:
-                pairs = torch.view_as_complex(x.view(b, h, n // 2, 2))
-                q = torch.view_as_real(pairs * rotation).view(b, h, n)
-            attn = torch.bmm(q.view(b * h, 1, n), rho.view(b * h, n, d)).view(b, h, d)
+            x, q, attn = self._neurons_and_state_read(u, rho, rotation)
             pending_q, pending_v = self.pending_q[layer], self.pending_v[layer]
             scores = torch.bmm(pending_q.view(b * h, k, n), q.view(b * h, n, 1)).view(b, h, k)
             attn = torch.baddbmm(attn * slot_decay, scores * slot_weights, pending_v)
             pending_q.index_copy_(2, self.slot, q.unsqueeze(2))
             pending_v.index_copy_(1, self.slot, u.unsqueeze(1))
-            a = self._norm(attn)
-            gate = torch.bmm(a.transpose(0, 1), self.encoder_v).relu_()  # [H, B, N]
-            y = (x * gate.transpose(0, 1)).view(b, h * n)
-            u = self._norm(u + self._norm(torch.mm(y, self.decoder)))
+            u = self._layer_output(u, x, attn)
         self.slot.add_(1)
         self.state.position.add_(1)
         return u

@@ -453,3 +453,76 @@ def test_a_device_type_without_autocast_still_runs():
     q, v = torch.zeros(1, 1, 4, 8, device="meta"), torch.zeros(1, 1, 4, 4, device="meta")
     out, _ = linear_attention(q, v, executor="auto")
     assert out.shape == (1, 1, 4, 4) and out.device.type == "meta"
+
+
+# ------------------------------------------- the chunked executor's hand-written backward
+def products_and_function(seq_len, chunk_size, dtype, with_state, value_heads, final_state):
+    """Outputs and gradients of `chunked_attention` without decay (its autograd Function)
+    and of `chunked_by_products` (the same products under autograd), on the same inputs."""
+    inputs, (g_out, g_rho) = make_inputs(seq_len, dtype, with_state, seed=31 * seq_len)
+    q, v, *rest = inputs
+    if value_heads > 1:  # a value per head
+        v = v.detach().expand(B, value_heads, seq_len, D).contiguous().requires_grad_()
+    leaves = [q, v, *rest]
+    rho0 = rest[0] if rest else None
+
+    def run(fn):
+        out, final = fn(q, v, rho0)
+        loss = (out * g_out).sum() + ((final * g_rho).sum() if final_state else 0)
+        return out.detach(), final, torch.autograd.grad(loss, leaves), out.grad_fn
+
+    got = run(
+        lambda q, v, r: mixer.chunked_attention(
+            q, v, initial_state=r, chunk_size=chunk_size, output_final_state=final_state
+        )
+    )
+    expected = run(
+        lambda q, v, r: mixer.chunked_by_products(q, v, r, None, chunk_size, final_state)
+    )
+    return got, expected
+
+
+@pytest.mark.parametrize("final_state", [True, False], ids=["final-state", "out-only"])
+@pytest.mark.parametrize("value_heads", [1, H], ids=["shared-v", "per-head-v"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "carried-state"])
+@pytest.mark.parametrize(("seq_len", "chunk_size"), [(13, 4), (12, 4), (5, 16), (8, 1)])
+def test_chunked_function_equals_autograd_of_its_products(
+    seq_len, chunk_size, with_state, value_heads, final_state
+):
+    """The Function's outputs and its backward's gradients (q, v, rho0) against autograd
+    through `chunked_by_products`, in float64 to 1e-10 and float32 to 1e-5, with a shared or
+    per-head value, with and without the final state (whose gradient then does not exist)."""
+    for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        got, expected = products_and_function(
+            seq_len, chunk_size, dtype, with_state, value_heads, final_state
+        )
+        what = f"T={seq_len} C={chunk_size} state={with_state} Hv={value_heads} {dtype}"
+        assert type(got[3]).__name__ == "ChunkedAttentionBackward", what  # the fast path ran
+        assert type(expected[3]).__name__ != "ChunkedAttentionBackward", what
+        assert_close(got[0], expected[0], rtol=rtol, msg=f"{what}: out")
+        assert (got[1] is None) == (not final_state), what
+        if final_state:
+            assert_close(got[1].detach(), expected[1].detach(), rtol=rtol, msg=f"{what}: state")
+        for name, g, g_ref in zip(("q", "v", "rho0"), got[2], expected[2], strict=False):
+            assert g.shape == g_ref.shape, f"{what}: grad of {name}"
+            assert_close(g, g_ref, rtol=rtol, msg=f"{what}: grad of {name}")
+
+
+def test_chunked_function_passes_gradcheck():
+    """Finite differences against the hand-written backward, every input and both outputs."""
+    from bdh_train.model.chunked_grad import ChunkedAttention
+
+    (q, v, rho0), _ = make_inputs(7, torch.float64, True, seed=11)
+    assert torch.autograd.gradcheck(
+        lambda q, v, r: ChunkedAttention.apply(q, v, r, 3, True), (q, v, rho0)
+    )
+
+
+def test_chunked_takes_the_autograd_form_under_decay_and_autocast():
+    """Decay and autocast keep the products autograd differentiates."""
+    (q, v, rho0), _ = make_inputs(8, torch.float32, True, seed=2)
+    out, _ = mixer.chunked_attention(q, v, initial_state=rho0, log_decay=LOG_DECAY, chunk_size=3)
+    assert type(out.grad_fn).__name__ != "ChunkedAttentionBackward"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = mixer.chunked_attention(q, v, initial_state=rho0, chunk_size=3)
+    assert type(out.grad_fn).__name__ != "ChunkedAttentionBackward"

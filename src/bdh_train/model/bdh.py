@@ -34,7 +34,7 @@ from bdh_train.model.heads import (
     nca_factorized_loss,
     token_cross_entropy,
 )
-from bdh_train.model.matmul import per_head_matmul
+from bdh_train.model.matmul import heads_matmul, per_head_matmul
 from bdh_train.model.mixer import linear_attention
 from bdh_train.model.positions import (
     alibi_log_decay,
@@ -114,6 +114,15 @@ class BDH(nn.Module):
         if self.quantizer is not None and self.quantizer.applies_to(name):
             return self.quantizer.project(name, inputs, weight)
         return per_head_matmul(inputs, weight)
+
+    def _decode(self, y: torch.Tensor) -> torch.Tensor:
+        """The decoder projection of y [B, H, T, N] (every head's neurons side by side) ->
+        [B, 1, T, D]; a targeted quantizer takes the side-by-side rows [B, 1, T, H*N]."""
+        if self.quantizer is not None and self.quantizer.applies_to("decoder"):
+            batch, heads, seq_len, n = y.shape
+            rows = y.transpose(1, 2).reshape(batch, 1, seq_len, heads * n)
+            return self.quantizer.project("decoder", rows, self.decoder)
+        return heads_matmul(y, self.decoder)
 
     def set_quant_step(self, step: int) -> None:
         """Training step for the quantization warm-up: lambda = min(1, step / warmup_steps).
@@ -224,9 +233,7 @@ class BDH(nn.Module):
             a, new_rho = self.mix(*mix_args)
         y = x * F.relu(self._project("encoder_v", a, self.encoder_v))
         y = F.dropout(y, self.config.dropout, self.training)
-        batch, heads, seq_len, n = y.shape
-        y = y.transpose(1, 2).reshape(batch, 1, seq_len, heads * n)
-        m = self._norm(self._project("decoder", y, self.decoder))
+        m = self._norm(self._decode(y))
         return self._norm(u + m), new_rho
 
     def mix(

@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bdh_train.model.chunked_grad import chunked_attention_without_decay
+
 DEFAULT_CHUNK_SIZE = 256
 
 
@@ -123,6 +125,13 @@ def resolve_executor(
             seq_len, n_neurons, n_embd, chunk_size, calibration.chunked_margin
         )
     return executor, chunk_size
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs products in on `device_type`, or None when it is off there."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
 
 
 def _decay_powers(log_decay: torch.Tensor, exponents: torch.Tensor, like: torch.Tensor):
@@ -209,12 +218,31 @@ def chunked_attention(
     S is one [K, K] matrix product over the chunks' writes, so a call costs a fixed number of
     batched products whatever T is, and its shapes follow T symbolically under torch.compile.
     The final state continues from the last chunk's S with that chunk's real tokens only.
-    With a reset mask the chunks run one after another (`_chunk_by_chunk`).
+    With a reset mask the chunks run one after another (`_chunk_by_chunk`). Without decay,
+    outside autocast and torch.compile, the same products run as one autograd Function with a
+    backward of fewer products and no [B, H, T, N] gradient sums (model/chunked_grad.py);
+    `chunked_by_products` is the form autograd differentiates, the one used otherwise.
     """
     if reset_mask is not None:
         return _chunk_by_chunk(
             q, v, initial_state, log_decay, chunk_size, output_final_state, reset_mask
         )
+    if (
+        log_decay is None
+        and _autocast_dtype(q.device.type) is None
+        and not torch.compiler.is_compiling()  # inductor fuses the autograd form itself
+    ):
+        return chunked_attention_without_decay(
+            q, v, initial_state, chunk_size, output_final_state
+        )
+    return chunked_by_products(q, v, initial_state, log_decay, chunk_size, output_final_state)
+
+
+def chunked_by_products(
+    q: Tensor, v: Tensor, initial_state: Tensor | None, log_decay: Tensor | None,
+    chunk_size: int, output_final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`chunked_attention` without a reset mask, as products autograd differentiates."""
     batch, heads, seq_len, n = q.shape
     d, c = v.shape[-1], chunk_size
     n_chunks = -(-seq_len // c)
@@ -351,11 +379,7 @@ def linear_attention(
     """Run one executor by name; 'auto' resolves through `choose_executor`. A chunk_size of 0
     takes the calibrated chunk of q's device type (EXECUTOR_CALIBRATION)."""
     device_type = q.device.type
-    autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(
-        device_type
-    )
-    # autocast runs the products in its dtype, whatever q's
-    compute_dtype = torch.get_autocast_dtype(device_type) if autocast else q.dtype
+    compute_dtype = _autocast_dtype(device_type) or q.dtype  # autocast's, whatever q's
     executor, chunk_size = resolve_executor(
         executor, q.shape[2], q.shape[3], v.shape[3], chunk_size, device_type, compute_dtype
     )

@@ -37,6 +37,7 @@ is counted from the multiply-adds of each side's executed form, per token:
     forward MACs/token = L * (3*H*D*N + H*C*(N + D) + H*N*D*(2 + K/C)) + D*V
     train FLOPs/token  = 2 (flops per MAC) * 3 (forward + backward = 3 forwards) * forward MACs
                          (the K/C term twice, not three times: see below)
+                         - 2 * L * H * C * N where the scores' gradient is one product
 
 3*H*D*N: the encoder, encoder_v and decoder projections; H*C*(N + D): the C x C score block of
 each chunk (C*N per token) and its product with the values (C*D); 2*H*N*D: every chunk reads
@@ -46,8 +47,10 @@ one product for it, not two); D*V: lm_head (C | T assumed in the formula; the co
 counts exactly: the last chunk is zero-padded to C tokens and computed as such). For
 bdh-train C is its chunk size when its executor is chunked (C = T and no state term when
 dense); for the baseline's masked dense form C = T and the state term is 0. The masked half of
-each score block is counted, because it is computed. "% peak" = FLOPs/token * tokens/s /
-ceiling.
+each score block is counted, because it is computed. bdh-train's fp32 executors without
+decay take the gradient of the symmetric score block Q Q^T as one product, (dA + dA^T) Q
+(model/chunked_grad.py), where autograd (the baseline; bf16 autocast; compile) takes two.
+"% peak" = FLOPs/token * tokens/s / ceiling.
 
 Run:  .venv/bin/python benchmarks/bench_official.py                  # the default grid, CPU
       .venv/bin/python benchmarks/bench_official.py --configs a --grid 512x8 --steps 3
@@ -302,8 +305,11 @@ def ours_chunk(model: BDH, seq_len: int, dtype: str = "fp32") -> int | None:
     return None
 
 
-def train_flops_per_token(shape: dict[str, int], seq_len: int, chunk: int | None) -> float:
-    """2 * 3 * forward MACs per token (formula in the module docstring); chunk None = dense."""
+def train_flops_per_token(
+    shape: dict[str, int], seq_len: int, chunk: int | None, symmetric_backward: bool = False
+) -> float:
+    """2 * 3 * forward MACs per token (formula in the module docstring); chunk None = dense;
+    `symmetric_backward`: the scores' gradient is one product, not two."""
     layers, d, h = shape["n_layer"], shape["n_embd"], shape["n_head"]
     n = shape["mlp_internal_dim_multiplier"] * d // h
     block, state, carry = float(seq_len), 0.0, 0.0
@@ -316,7 +322,14 @@ def train_flops_per_token(shape: dict[str, int], seq_len: int, chunk: int | None
         # factor is a constant, so backward computes only the writes' gradient
         carry = layers * h * n * d * chunks * chunks / seq_len
     forward = layers * (3 * h * d * n + h * block * (n + d) + state) + d * VOCAB
-    return 2 * (3 * forward + 2 * carry)
+    saved = layers * h * block * n if symmetric_backward else 0.0
+    return 2 * (3 * forward + 2 * carry - saved)
+
+
+def hand_written_backward(args: argparse.Namespace) -> bool:
+    """Whether bdh-train's executor runs with the hand-written backward (fp32 or fp64 without
+    autocast or compile; the benchmark's configs have no decay)."""
+    return args.dtype == "fp32" and not args.compile
 
 
 def matmul_ceiling_gflops(device: torch.device, dtype: str, threads: int) -> float:
@@ -544,7 +557,9 @@ def main() -> None:
             share = {
                 "baseline": train_flops_per_token(CONFIGS[config], seq_len, None)
                 * rate["baseline"],
-                "bdh-train": train_flops_per_token(CONFIGS[config], seq_len, r["chunk"])
+                "bdh-train": train_flops_per_token(
+                    CONFIGS[config], seq_len, r["chunk"], hand_written_backward(args)
+                )
                 * rate["bdh-train"],
             }
             memory = {"baseline": None, "bdh-train": None, "layer": None}

@@ -471,8 +471,11 @@ def products_and_function(seq_len, chunk_size, dtype, with_state, value_heads, f
         loss = (out * g_out).sum() + ((final * g_rho).sum() if final_state else 0)
         return out.detach(), final, torch.autograd.grad(loss, leaves), out.grad_fn
 
+    executor = mixer.chunked_attention
+    if chunk_size is None:  # dense: the Function with one chunk of the whole call
+        executor, chunk_size = mixer.dense_attention, seq_len
     got = run(
-        lambda q, v, r: mixer.chunked_attention(
+        lambda q, v, r: executor(
             q, v, initial_state=r, chunk_size=chunk_size, output_final_state=final_state
         )
     )
@@ -485,13 +488,18 @@ def products_and_function(seq_len, chunk_size, dtype, with_state, value_heads, f
 @pytest.mark.parametrize("final_state", [True, False], ids=["final-state", "out-only"])
 @pytest.mark.parametrize("value_heads", [1, H], ids=["shared-v", "per-head-v"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "carried-state"])
-@pytest.mark.parametrize(("seq_len", "chunk_size"), [(13, 4), (12, 4), (5, 16), (8, 1)])
+@pytest.mark.parametrize(
+    ("seq_len", "chunk_size"), [(13, 4), (12, 4), (5, 16), (8, 1), (9, None)],
+    ids=["padded", "whole-chunks", "one-padded-chunk", "one-token-chunks", "dense"],
+)
 def test_chunked_function_equals_autograd_of_its_products(
     seq_len, chunk_size, with_state, value_heads, final_state
 ):
     """The Function's outputs and its backward's gradients (q, v, rho0) against autograd
-    through `chunked_by_products`, in float64 to 1e-10 and float32 to 1e-5, with a shared or
-    per-head value, with and without the final state (whose gradient then does not exist)."""
+    through `chunked_by_products` (chunk size None: the dense executor, which is the Function
+    with one chunk, against one chunk's products), in float64 to 1e-10 and float32 to 1e-5,
+    with a shared or per-head value, with and without the final state (whose gradient then
+    does not exist)."""
     for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
         got, expected = products_and_function(
             seq_len, chunk_size, dtype, with_state, value_heads, final_state
@@ -518,11 +526,16 @@ def test_chunked_function_passes_gradcheck():
     )
 
 
-def test_chunked_takes_the_autograd_form_under_decay_and_autocast():
-    """Decay and autocast keep the products autograd differentiates."""
+@pytest.mark.parametrize("executor", ["dense", "chunked"])
+def test_the_autograd_form_runs_under_decay_resets_and_autocast(executor):
+    """Decay, a reset mask and autocast keep the products autograd differentiates."""
     (q, v, rho0), _ = make_inputs(8, torch.float32, True, seed=2)
-    out, _ = mixer.chunked_attention(q, v, initial_state=rho0, log_decay=LOG_DECAY, chunk_size=3)
-    assert type(out.grad_fn).__name__ != "ChunkedAttentionBackward"
+    fn = EXECUTOR_FUNCTIONS[executor]
+    mask = torch.zeros(B, 8, dtype=torch.bool)
+    mask[0, 5] = True
+    for kwargs in (dict(log_decay=LOG_DECAY), dict(reset_mask=mask)):
+        out, _ = fn(q, v, initial_state=rho0, chunk_size=3, **kwargs)
+        assert type(out.grad_fn).__name__ != "ChunkedAttentionBackward", kwargs
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, _ = mixer.chunked_attention(q, v, initial_state=rho0, chunk_size=3)
+        out, _ = fn(q, v, initial_state=rho0, chunk_size=3)
     assert type(out.grad_fn).__name__ != "ChunkedAttentionBackward"

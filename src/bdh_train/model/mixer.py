@@ -134,6 +134,17 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
+def _hand_written_backward_applies(q: Tensor, log_decay: Tensor | None) -> bool:
+    """Whether dense and chunked (without a reset mask) run as `ChunkedAttention`: without
+    decay, outside autocast (its backward would not run under it) and outside torch.compile
+    (inductor fuses the autograd form itself)."""
+    return (
+        log_decay is None
+        and _autocast_dtype(q.device.type) is None
+        and not torch.compiler.is_compiling()
+    )
+
+
 def _decay_powers(log_decay: torch.Tensor, exponents: torch.Tensor, like: torch.Tensor):
     """d_h^e for every e in `exponents` -> [H, *exponents.shape] in `like`'s dtype/device."""
     log_decay = log_decay.to(like.device).view(-1, *([1] * exponents.dim()))
@@ -152,9 +163,14 @@ def dense_attention(
     log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
     output_final_state: bool = True, reset_mask: Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The whole call at once through the masked T x T score matrix (chunk_size unused)."""
-    rho = initial_state
+    """The whole call at once through the masked T x T score matrix (chunk_size unused).
+    Without decay or resets this is the chunked executor's Function with one chunk."""
     seq_len = q.shape[2]
+    if reset_mask is None and seq_len > 0 and _hand_written_backward_applies(q, log_decay):
+        return chunked_attention_without_decay(
+            q, v, initial_state, seq_len, output_final_state
+        )
+    rho = initial_state
     segment = None if reset_mask is None else reset_segments(reset_mask.to(q.device))
     scores = q @ q.transpose(-1, -2)
     if log_decay is not None:
@@ -227,11 +243,7 @@ def chunked_attention(
         return _chunk_by_chunk(
             q, v, initial_state, log_decay, chunk_size, output_final_state, reset_mask
         )
-    if (
-        log_decay is None
-        and _autocast_dtype(q.device.type) is None
-        and not torch.compiler.is_compiling()  # inductor fuses the autograd form itself
-    ):
+    if _hand_written_backward_applies(q, log_decay):
         return chunked_attention_without_decay(
             q, v, initial_state, chunk_size, output_final_state
         )

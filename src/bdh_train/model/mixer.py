@@ -293,14 +293,15 @@ def chunked_by_products(
     out = (out + q_read @ states).view(batch, heads, n_chunks * c, d)[:, :, :seq_len]
     if not output_final_state:
         return out, None
-    start = (n_chunks - 1) * c  # the last chunk's real tokens: start .. seq_len - 1
-    _, final = dense_attention(
-        q[:, :, start:seq_len],
-        v[:, :, start:seq_len],
-        initial_state=states[:, :, -1],
-        log_decay=log_decay,
-    )
-    return out, final
+    # the last chunk's real tokens s = start .. seq_len - 1 write d^(seq_len - s) q_s^T v_s
+    start = (n_chunks - 1) * c
+    q_last, carried = q[:, :, start:seq_len], states[:, :, -1]
+    if log_decay is not None:
+        remaining = seq_len - torch.arange(start, seq_len, device=q.device)
+        q_last = q_last * _decay_powers(log_decay, remaining, q).unsqueeze(-1)
+        total = torch.tensor([seq_len - start], device=q.device)
+        carried = carried * _decay_powers(log_decay, total, q).view(1, -1, 1, 1)
+    return out, carried + q_last.transpose(-1, -2) @ v[:, :, start:seq_len]
 
 
 def _chunk_by_chunk(

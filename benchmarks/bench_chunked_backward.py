@@ -1,0 +1,90 @@
+"""The mixer's hand-written backward against autograd through the same products.
+
+For each (B, T, C) point, queries q [B, H, T, N] (relu of a normal draw, as the model's
+neurons are), a shared value v [B, 1, T, D], an incoming state and upstream gradients on the
+output and the final state, one forward and backward of:
+
+* function: `chunked_attention` without decay (C < T) or `dense_attention` (C = T), which
+  run as `model/chunked_grad.py`'s ChunkedAttention;
+* autograd: `chunked_by_products` with the same chunk, the products autograd differentiates
+  (what both executors ran before).
+
+The two alternate, one call each in turn; the table gives the fastest of --rounds calls (ms)
+and their ratio. H=4, N=512, D=128 (config a's mixer), fp32, 2 threads, host allocator
+'retain' (what the trainer sets on CPU).
+
+Run: .venv/bin/python benchmarks/bench_chunked_backward.py [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from _common import machine_line, print_table
+
+from bdh_train.model import mixer
+from bdh_train.train.allocator import configure_host_allocator
+
+HEADS, NEURONS, EMBD = 4, 512, 128
+POINTS = ((8, 512, 128), (8, 512, 512), (8, 2048, 128), (2, 2048, 128))  # (B, T, C)
+
+
+def inputs(batch: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, HEADS, seq_len, NEURONS, generator=g).relu_().requires_grad_()
+    v = torch.randn(batch, 1, seq_len, EMBD, generator=g).requires_grad_()
+    rho0 = torch.randn(batch, HEADS, NEURONS, EMBD, generator=g).requires_grad_()
+    d_out = torch.randn(batch, HEADS, seq_len, EMBD, generator=g)
+    d_final = torch.randn(batch, HEADS, NEURONS, EMBD, generator=g)
+    return q, v, rho0, d_out, d_final
+
+
+def fastest_calls(batch: int, seq_len: int, chunk: int, rounds: int) -> dict[str, float]:
+    """Seconds of the fastest forward + backward of each form, the forms alternating."""
+    q, v, rho0, d_out, d_final = inputs(batch, seq_len)
+    executor = mixer.dense_attention if chunk == seq_len else mixer.chunked_attention
+    forms = {
+        "function": lambda: executor(q, v, initial_state=rho0, chunk_size=chunk),
+        "autograd": lambda: mixer.chunked_by_products(q, v, rho0, None, chunk, True),
+    }
+    best = {name: float("inf") for name in forms}
+    for round_index in range(rounds + 1):  # round 0 warms up
+        for name, form in forms.items():
+            start = time.perf_counter()
+            out, final = form()
+            torch.autograd.backward([out, final], [d_out, d_final])
+            elapsed = time.perf_counter() - start
+            q.grad = v.grad = rho0.grad = None
+            if round_index:
+                best[name] = min(best[name], elapsed)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    allocator = configure_host_allocator("retain", torch.device("cpu"))
+    print(f"machine: {machine_line()}; host allocator: {allocator}")
+    rows = []
+    for batch, seq_len, chunk in POINTS:
+        best = fastest_calls(batch, seq_len, chunk, args.rounds)
+        name = "dense" if chunk == seq_len else f"chunked/{chunk}"
+        ratio = best["autograd"] / best["function"]
+        rows.append((batch, seq_len, name, f"{best['function'] * 1e3:.0f}",
+                     f"{best['autograd'] * 1e3:.0f}", f"{ratio:.2f}x"))
+    print_table(
+        f"mixer forward + backward, H={HEADS} N={NEURONS} D={EMBD}, fp32, {args.threads} "
+        f"threads, with an incoming and a final state; ms, fastest of {args.rounds} alternating "
+        "calls",
+        ("B", "T", "executor", "function ms", "autograd ms", "autograd / function"),
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()

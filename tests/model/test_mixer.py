@@ -539,3 +539,51 @@ def test_the_autograd_form_runs_under_decay_resets_and_autocast(executor):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = fn(q, v, initial_state=rho0, chunk_size=3)
     assert type(out.grad_fn).__name__ != "ChunkedAttentionBackward"
+
+
+@pytest.mark.parametrize("final_state", [True, False], ids=["final-state", "out-only"])
+@pytest.mark.parametrize(
+    ("executor", "chunk_size"), [("dense", 16), ("chunked", 3), ("chunked", 4)]
+)
+def test_without_gradients_the_executors_compute_the_same(executor, chunk_size, final_state):
+    """Without a gradient to record the Function's forward runs alone (nothing saved): the
+    same outputs, bit for bit, as the recorded call (T=8: chunk 3 pads, 4 does not)."""
+    (q, v, rho0), _ = make_inputs(8, torch.float64, True, seed=4)
+    fn = EXECUTOR_FUNCTIONS[executor]
+    kwargs = dict(initial_state=rho0, chunk_size=chunk_size, output_final_state=final_state)
+    recorded = fn(q, v, **kwargs)
+    assert type(recorded[0].grad_fn).__name__ == "ChunkedAttentionBackward"
+    with torch.no_grad():
+        plain = fn(q, v, **kwargs)
+    assert plain[0].grad_fn is None and plain[0].shape == recorded[0].shape
+    assert torch.equal(plain[0], recorded[0])
+    if final_state:
+        assert torch.equal(plain[1], recorded[1])
+    else:
+        assert plain[1] is None and recorded[1] is None
+
+
+@pytest.mark.parametrize(("executor", "chunk_size"), [("dense", 16), ("chunked", 3)])
+def test_the_incoming_state_alone_gets_its_gradient(executor, chunk_size):
+    """Queries and values without gradients, the incoming state with one (a TBPTT chunk whose
+    inputs are data): the Function still records, and rho0's gradient is the definition's."""
+    (q, v, rho0), (g_out, g_rho) = make_inputs(8, torch.float64, True, seed=6)
+    q, v = q.detach(), v.detach()
+    out, final = EXECUTOR_FUNCTIONS[executor](q, v, initial_state=rho0, chunk_size=chunk_size)
+    (got,) = torch.autograd.grad((out * g_out).sum() + (final * g_rho).sum(), rho0)
+    ref_out, ref_final = definition(q, v, rho0, None)
+    (expected,) = torch.autograd.grad((ref_out * g_out).sum() + (ref_final * g_rho).sum(), rho0)
+    assert_close(got, expected, rtol=1e-10)
+
+
+def test_dense_without_a_state_computes_only_the_score_products():
+    """Dense with no incoming state and no final state: forward Q Q^T and A V, backward
+    dOut V^T, (dA + dA^T) Q and A^T dOut; no state read, no write (counted by torch)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    (q, v), (g_out, _) = make_inputs(8, torch.float64, False, seed=8)
+    with FlopCounterMode(display=False) as counter:
+        out, _ = mixer.dense_attention(q, v, output_final_state=False)
+        out.backward(g_out)
+    seq_len = 8
+    assert counter.get_total_flops() == 2 * B * H * seq_len * seq_len * (2 * N + 3 * D)

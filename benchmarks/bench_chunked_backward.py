@@ -10,10 +10,10 @@ output and the final state, one forward and backward of:
   (what both executors ran before).
 
 The two alternate, one call each in turn; the table gives the fastest of --rounds calls (ms)
-and their ratio. H=4, N=512, D=128 (config a's mixer), fp32, 2 threads, host allocator
-'retain' (what the trainer sets on CPU).
+and their ratio. H=4, N=512, D=128 (config a's mixer), fp32; on the CPU 2 threads and the
+host allocator 'retain' (what the trainer sets there).
 
-Run: .venv/bin/python benchmarks/bench_chunked_backward.py [--rounds 4]
+Run: .venv/bin/python benchmarks/bench_chunked_backward.py [--rounds 4] [--device cuda]
 """
 
 from __future__ import annotations
@@ -31,19 +31,26 @@ HEADS, NEURONS, EMBD = 4, 512, 128
 POINTS = ((8, 512, 128), (8, 512, 512), (8, 2048, 128), (2, 2048, 128))  # (B, T, C)
 
 
-def inputs(batch: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+def inputs(batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, HEADS, seq_len, NEURONS, generator=g).relu_().requires_grad_()
-    v = torch.randn(batch, 1, seq_len, EMBD, generator=g).requires_grad_()
-    rho0 = torch.randn(batch, HEADS, NEURONS, EMBD, generator=g).requires_grad_()
-    d_out = torch.randn(batch, HEADS, seq_len, EMBD, generator=g)
-    d_final = torch.randn(batch, HEADS, NEURONS, EMBD, generator=g)
-    return q, v, rho0, d_out, d_final
+    shapes = {
+        "q": (batch, HEADS, seq_len, NEURONS), "v": (batch, 1, seq_len, EMBD),
+        "rho0": (batch, HEADS, NEURONS, EMBD), "d_out": (batch, HEADS, seq_len, EMBD),
+        "d_final": (batch, HEADS, NEURONS, EMBD),
+    }
+    drawn = {name: torch.randn(shape, generator=g).to(device) for name, shape in shapes.items()}
+    drawn["q"] = drawn["q"].relu_()
+    for name in ("q", "v", "rho0"):
+        drawn[name].requires_grad_()
+    return tuple(drawn.values())
 
 
-def fastest_calls(batch: int, seq_len: int, chunk: int, rounds: int) -> dict[str, float]:
+def fastest_calls(
+    batch: int, seq_len: int, chunk: int, rounds: int, device: torch.device
+) -> dict[str, float]:
     """Seconds of the fastest forward + backward of each form, the forms alternating."""
-    q, v, rho0, d_out, d_final = inputs(batch, seq_len)
+    q, v, rho0, d_out, d_final = inputs(batch, seq_len, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     executor = mixer.dense_attention if chunk == seq_len else mixer.chunked_attention
     forms = {
         "function": lambda: executor(q, v, initial_state=rho0, chunk_size=chunk),
@@ -52,9 +59,11 @@ def fastest_calls(batch: int, seq_len: int, chunk: int, rounds: int) -> dict[str
     best = {name: float("inf") for name in forms}
     for round_index in range(rounds + 1):  # round 0 warms up
         for name, form in forms.items():
+            sync()
             start = time.perf_counter()
             out, final = form()
             torch.autograd.backward([out, final], [d_out, d_final])
+            sync()
             elapsed = time.perf_counter() - start
             q.grad = v.grad = rho0.grad = None
             if round_index:
@@ -66,21 +75,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch sees no CUDA device")
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
-    allocator = configure_host_allocator("retain", torch.device("cpu"))
-    print(f"machine: {machine_line()}; host allocator: {allocator}")
+    allocator = configure_host_allocator("auto", device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_line()
+    print(f"machine: {where}; host allocator: {allocator}")
     rows = []
     for batch, seq_len, chunk in POINTS:
-        best = fastest_calls(batch, seq_len, chunk, args.rounds)
+        best = fastest_calls(batch, seq_len, chunk, args.rounds, device)
         name = "dense" if chunk == seq_len else f"chunked/{chunk}"
         ratio = best["autograd"] / best["function"]
         rows.append((batch, seq_len, name, f"{best['function'] * 1e3:.0f}",
                      f"{best['autograd'] * 1e3:.0f}", f"{ratio:.2f}x"))
     print_table(
-        f"mixer forward + backward, H={HEADS} N={NEURONS} D={EMBD}, fp32, {args.threads} "
-        f"threads, with an incoming and a final state; ms, fastest of {args.rounds} alternating "
-        "calls",
+        f"mixer forward + backward on {args.device}, H={HEADS} N={NEURONS} D={EMBD}, fp32 "
+        f"({args.threads} CPU threads), with an incoming and a final state; ms, fastest of "
+        f"{args.rounds} alternating calls",
         ("B", "T", "executor", "function ms", "autograd ms", "autograd / function"),
         rows,
     )

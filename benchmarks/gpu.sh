@@ -3,8 +3,9 @@
 #   (0)   the fast paths against a float64 reference on the device (check_device.py), and the
 #         trainer end to end there: train with TBPTT, checkpoint, resume, generate
 #   (i)   executor calibration: dense vs chunked/C vs the official masked form, alternating in
-#         one process (bench_calibration.py), then bdh-train ('auto') vs the official model
-#         with memory (bench_official.py)
+#         one process (bench_calibration.py); the mixer's hand-written backward vs autograd
+#         (bench_chunked_backward.py); then bdh-train ('auto') vs the official model with
+#         memory (bench_official.py)
 #   (ii)  compiled (compile_layers / torch.compile) vs eager
 #   (iii) bf16 autocast
 #   (iv)  generation: the fast decoder vs the generic recurrent step (bench_generate.py)
@@ -21,7 +22,7 @@ out_dir=${OUT:-}
 for arg in "$@"; do
     case "$arg" in
         --smoke) smoke=1 ;;
-        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
         -*) echo "error: unknown option $arg (expected --smoke or an output directory)" >&2; exit 2 ;;
         *) out_dir=$arg ;;
     esac
@@ -50,6 +51,7 @@ if [ "$smoke" = 1 ]; then
     device=cpu
     grid=(--configs a --grid 64x2 --steps 1)
     calibration=(--device cpu --rounds 1 a:128:2:naive,dense,chunked/64)
+    mixer=(--device cpu --rounds 1)
     compile_grid=()
     gen=(--device cpu --tokens 80 --generic-tokens 80 --batch-tokens 8)
     part_s=${BDH_GPU_SMOKE_LIMIT:-240}
@@ -68,6 +70,7 @@ else
     fi
     grid=(--configs a,b --grid 512x8,2048x8,8192x4 --steps 3)
     calibration=(--device cuda --rounds 3)
+    mixer=(--device cuda --rounds 4)
     compile_grid=(--grid 2048x8)  # one shape: each new shape compiles again
     gen=(--device cuda --generic-tokens 1088 --batch-tokens 512)
     part_s=0  # each part's own limit below
@@ -104,7 +107,7 @@ bench=(benchmarks/bench_official.py --device "$device" "${grid[@]}")
     [ "$smoke" = 1 ] && echo "SMOKE RUN: tiny sizes on the CPU; the figures mean nothing"
 } | tee "$out_file"
 
-# limits add up to 530 s; memory (fresh processes) only at T=2048 B=8
+# limits add up to 560 s; memory (fresh processes) only at T=2048 B=8
 part "(0) fast paths vs float64 on the device" 60 "$python" benchmarks/check_device.py \
     --device "$device"
 run_dir=$(mktemp -d)
@@ -121,6 +124,7 @@ part "(0) the trainer on the device" 90 bash -c "set -e
     $cli $train --resume --set training.max_steps=40
     $cli generate --checkpoint $run_dir/run --prompt 'The ' --max-new-tokens 64"
 part "(i) executor calibration" 100 "$python" benchmarks/bench_calibration.py "${calibration[@]}"
+part "(i) the mixer's backward" 30 "$python" benchmarks/bench_chunked_backward.py "${mixer[@]}"
 part "(i) bdh-train auto vs official" 100 "$python" "${bench[@]}" --executor auto \
     --memory 2048x8
 part "(ii) compiled" 100 "$python" "${bench[@]}" --configs a "${compile_grid[@]}" --compile \

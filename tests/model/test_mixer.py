@@ -570,6 +570,7 @@ def test_the_incoming_state_alone_gets_its_gradient(executor, chunk_size):
     (q, v, rho0), (g_out, g_rho) = make_inputs(8, torch.float64, True, seed=6)
     q, v = q.detach(), v.detach()
     out, final = EXECUTOR_FUNCTIONS[executor](q, v, initial_state=rho0, chunk_size=chunk_size)
+    assert type(out.grad_fn).__name__ == "ChunkedAttentionBackward"
     (got,) = torch.autograd.grad((out * g_out).sum() + (final * g_rho).sum(), rho0)
     ref_out, ref_final = definition(q, v, rho0, None)
     (expected,) = torch.autograd.grad((ref_out * g_out).sum() + (ref_final * g_rho).sum(), rho0)
@@ -587,3 +588,12 @@ def test_dense_without_a_state_computes_only_the_score_products():
         out.backward(g_out)
     seq_len = 8
     assert counter.get_total_flops() == 2 * B * H * seq_len * seq_len * (2 * N + 3 * D)
+
+
+def test_dense_over_no_tokens_returns_the_incoming_state():
+    """A call of length 0 reads nothing and writes nothing: an empty output, and the incoming
+    state as the final one (dense handles it through its autograd form)."""
+    (q, v, rho0), _ = make_inputs(0, torch.float64, True, seed=9)
+    out, final = mixer.dense_attention(q, v, initial_state=rho0)
+    assert out.shape == (B, H, 0, D)
+    assert torch.equal(final, rho0)

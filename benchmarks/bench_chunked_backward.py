@@ -7,7 +7,10 @@ output and the final state, one forward and backward of:
 * function: `chunked_attention` without decay (C < T) or `dense_attention` (C = T), which
   run as `model/chunked_grad.py`'s ChunkedAttention;
 * autograd: `chunked_by_products` with the same chunk, the products autograd differentiates
-  (what both executors ran before).
+  (what both executors ran before);
+* resets: the function with 3 documents starting mid-row in every row (seeded positions), as
+  `training.stream_documents = "corpus"` gives it; before the Function took reset masks, such
+  calls ran their chunks one after another.
 
 The two alternate, one call each in turn; the table gives the fastest of --rounds calls (ms)
 and their ratio. H=4, N=512, D=128 (config a's mixer), fp32; on the CPU 2 threads and the
@@ -29,6 +32,7 @@ from bdh_train.train.allocator import configure_host_allocator
 
 HEADS, NEURONS, EMBD = 4, 512, 128
 POINTS = ((8, 512, 128), (8, 512, 512), (8, 2048, 128), (2, 2048, 128))  # (B, T, C)
+RESETS_PER_ROW = 3
 
 
 def inputs(batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -45,6 +49,15 @@ def inputs(batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor
     return tuple(drawn.values())
 
 
+def document_starts(batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """[B, T]: RESETS_PER_ROW documents begin in each row, at seeded positions."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.zeros(batch, seq_len, dtype=torch.bool)
+    for row in range(batch):
+        mask[row, torch.randint(1, seq_len, (RESETS_PER_ROW,), generator=g)] = True
+    return mask.to(device)
+
+
 def fastest_calls(
     batch: int, seq_len: int, chunk: int, rounds: int, device: torch.device
 ) -> dict[str, float]:
@@ -52,9 +65,11 @@ def fastest_calls(
     q, v, rho0, d_out, d_final = inputs(batch, seq_len, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     executor = mixer.dense_attention if chunk == seq_len else mixer.chunked_attention
+    mask = document_starts(batch, seq_len, device)
     forms = {
         "function": lambda: executor(q, v, initial_state=rho0, chunk_size=chunk),
         "autograd": lambda: mixer.chunked_by_products(q, v, rho0, None, chunk, True),
+        "resets": lambda: executor(q, v, initial_state=rho0, chunk_size=chunk, reset_mask=mask),
     }
     best = {name: float("inf") for name in forms}
     for round_index in range(rounds + 1):  # round 0 warms up
@@ -90,12 +105,14 @@ def main() -> None:
         name = "dense" if chunk == seq_len else f"chunked/{chunk}"
         ratio = best["autograd"] / best["function"]
         rows.append((batch, seq_len, name, f"{best['function'] * 1e3:.0f}",
-                     f"{best['autograd'] * 1e3:.0f}", f"{ratio:.2f}x"))
+                     f"{best['autograd'] * 1e3:.0f}", f"{ratio:.2f}x",
+                     f"{best['resets'] * 1e3:.0f}"))
     print_table(
         f"mixer forward + backward on {args.device}, H={HEADS} N={NEURONS} D={EMBD}, fp32 "
         f"({args.threads} CPU threads), with an incoming and a final state; ms, fastest of "
         f"{args.rounds} alternating calls",
-        ("B", "T", "executor", "function ms", "autograd ms", "autograd / function"),
+        ("B", "T", "executor", "function ms", "autograd ms", "autograd / function",
+         f"function, {RESETS_PER_ROW} resets per row, ms"),
         rows,
     )
 

@@ -209,6 +209,8 @@ RESET_VARIANTS = [("dense", 16), ("chunked", 3), ("chunked", 4), ("recurrent", 1
             for decay in (False, True)
         ),
         pytest.param("chunked", 3, True, torch.float32, id="chunked-3-alibi-fp32"),
+        pytest.param("chunked", 3, False, torch.float32, id="chunked-3-rope-fp32"),
+        pytest.param("dense", 16, False, torch.float32, id="dense-16-rope-fp32"),
     ],
 )
 def test_executor_with_document_resets_matches_separate_documents(
@@ -240,17 +242,20 @@ def test_executor_with_document_resets_matches_separate_documents(
         assert_close(g, g_ref, rtol=rtol, msg=f"{what}: grad of {name}")
 
 
+@pytest.mark.parametrize("decay", [False, True], ids=["rope", "alibi"])
 @pytest.mark.parametrize("need_state", [True, False])
-def test_chunked_with_resets_equals_dense_over_several_chunks(need_state):
-    """Resets inside the call run the chunks one after another: T = 7 in chunks of 3 (the
-    last of one token), a reset in each row, with and without the final state (every chunk
-    but the last must still pass its state on), against dense, fp64 1e-10."""
+def test_chunked_with_resets_equals_dense_over_several_chunks(need_state, decay):
+    """Resets inside the call: T = 7 in chunks of 3 (the last of one token), a reset in each
+    row, with and without the final state (every chunk but the last must still pass its state
+    on), against dense, fp64 1e-10. With decay the chunks run one after another; without, all
+    at once through the reset masks of the hand-written Function."""
     inputs, _ = make_inputs(7, torch.float64, True, seed=5)
     q, v, rho0 = (x.detach() for x in inputs)
     mask = torch.zeros(B, 7, dtype=torch.bool)
     mask[0, 4] = mask[1, 2] = True
     kwargs = dict(
-        initial_state=rho0, log_decay=LOG_DECAY, output_final_state=need_state, reset_mask=mask
+        initial_state=rho0, log_decay=LOG_DECAY if decay else None,
+        output_final_state=need_state, reset_mask=mask,
     )
     ref = mixer.dense_attention(q, v, **kwargs)
     got = mixer.chunked_attention(q, v, chunk_size=3, **kwargs)
@@ -527,15 +532,18 @@ def test_chunked_function_passes_gradcheck():
 
 
 @pytest.mark.parametrize("executor", ["dense", "chunked"])
-def test_the_autograd_form_runs_under_decay_resets_and_autocast(executor):
-    """Decay, a reset mask and autocast keep the products autograd differentiates."""
+def test_the_autograd_form_runs_under_decay_and_autocast(executor):
+    """Decay (with or without resets) and autocast keep the products autograd
+    differentiates; resets alone run through the Function."""
     (q, v, rho0), _ = make_inputs(8, torch.float32, True, seed=2)
     fn = EXECUTOR_FUNCTIONS[executor]
     mask = torch.zeros(B, 8, dtype=torch.bool)
     mask[0, 5] = True
-    for kwargs in (dict(log_decay=LOG_DECAY), dict(reset_mask=mask)):
+    for kwargs in (dict(log_decay=LOG_DECAY), dict(log_decay=LOG_DECAY, reset_mask=mask)):
         out, _ = fn(q, v, initial_state=rho0, chunk_size=3, **kwargs)
         assert type(out.grad_fn).__name__ != "ChunkedAttentionBackward", kwargs
+    out, _ = fn(q, v, initial_state=rho0, chunk_size=3, reset_mask=mask)
+    assert type(out.grad_fn).__name__ == "ChunkedAttentionBackward"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = fn(q, v, initial_state=rho0, chunk_size=3)
     assert type(out.grad_fn).__name__ != "ChunkedAttentionBackward"
@@ -597,3 +605,27 @@ def test_dense_over_no_tokens_returns_the_incoming_state():
     out, final = mixer.dense_attention(q, v, initial_state=rho0)
     assert out.shape == (B, H, 0, D)
     assert torch.equal(final, rho0)
+
+
+@pytest.mark.parametrize("chunk_size", [3, 4, 13])
+def test_chunked_function_with_resets_passes_gradcheck(chunk_size):
+    """Finite differences against the backward with reset masks: RESET_AT's documents (a
+    reset at a chunk's first token, inside a chunk, at token 0 and at the last token), chunks
+    of 3 and 4 and one chunk of the whole call (dense)."""
+    from bdh_train.model.chunked_grad import ChunkedAttention
+
+    (q, v, rho0), _ = make_inputs(13, torch.float64, True, seed=12)
+    mask = reset_mask_for(13)
+    assert torch.autograd.gradcheck(
+        lambda q, v, r: ChunkedAttention.apply(q, v, r, chunk_size, True, mask), (q, v, rho0)
+    )
+
+
+def test_without_gradients_resets_compute_the_same():
+    """The forward alone with reset masks equals the recorded call bit for bit."""
+    (q, v, rho0), _ = make_inputs(13, torch.float64, True, seed=13)
+    kwargs = dict(initial_state=rho0, chunk_size=4, reset_mask=reset_mask_for(13))
+    recorded = mixer.chunked_attention(q, v, **kwargs)
+    with torch.no_grad():
+        plain = mixer.chunked_attention(q, v, **kwargs)
+    assert torch.equal(plain[0], recorded[0]) and torch.equal(plain[1], recorded[1])

@@ -164,11 +164,12 @@ def dense_attention(
     output_final_state: bool = True, reset_mask: Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole call at once through the masked T x T score matrix (chunk_size unused).
-    Without decay or resets this is the chunked executor's Function with one chunk."""
+    Without decay this is the chunked executor's Function with one chunk."""
     seq_len = q.shape[2]
-    if reset_mask is None and seq_len > 0 and _hand_written_backward_applies(q, log_decay):
+    if seq_len > 0 and _hand_written_backward_applies(q, log_decay):
+        mask = None if reset_mask is None else reset_mask.to(q.device)
         return chunked_attention_without_decay(
-            q, v, initial_state, seq_len, output_final_state
+            q, v, initial_state, seq_len, output_final_state, mask
         )
     rho = initial_state
     segment = None if reset_mask is None else reset_segments(reset_mask.to(q.device))
@@ -234,18 +235,20 @@ def chunked_attention(
     S is one [K, K] matrix product over the chunks' writes, so a call costs a fixed number of
     batched products whatever T is, and its shapes follow T symbolically under torch.compile.
     The final state continues from the last chunk's S with that chunk's real tokens only.
-    With a reset mask the chunks run one after another (`_chunk_by_chunk`). Without decay,
-    outside autocast and torch.compile, the same products run as one autograd Function with a
-    backward of fewer products and no [B, H, T, N] gradient sums (model/chunked_grad.py);
-    `chunked_by_products` is the form autograd differentiates, the one used otherwise.
+    Without decay, outside autocast and torch.compile, the same products run as one autograd
+    Function with a backward of fewer products and no [B, H, T, N] gradient sums, resets
+    included as 0/1 factors on its terms (model/chunked_grad.py). Otherwise
+    `chunked_by_products` is the form autograd differentiates, and with a reset mask the
+    chunks run one after another (`_chunk_by_chunk`).
     """
+    if _hand_written_backward_applies(q, log_decay):
+        mask = None if reset_mask is None else reset_mask.to(q.device)
+        return chunked_attention_without_decay(
+            q, v, initial_state, chunk_size, output_final_state, mask
+        )
     if reset_mask is not None:
         return _chunk_by_chunk(
             q, v, initial_state, log_decay, chunk_size, output_final_state, reset_mask
-        )
-    if _hand_written_backward_applies(q, log_decay):
-        return chunked_attention_without_decay(
-            q, v, initial_state, chunk_size, output_final_state
         )
     return chunked_by_products(q, v, initial_state, log_decay, chunk_size, output_final_state)
 

@@ -202,10 +202,13 @@ def matmul_gflops(threads: int = 2, size: int = 2048, repeats: int = 3) -> float
     return 2 * size**3 / best / 1e9
 
 
-def timed_train_step(model, optimizer, inputs, targets, autocast_dtype=None) -> float:
+def timed_train_step(
+    model, optimizer, inputs, targets, autocast_dtype=None, reset_mask=None
+) -> float:
     """Seconds of one plain train step: forward with the mean loss (under autocast to
-    `autocast_dtype` when given), backward, optimizer step, gradients dropped (on a CUDA
-    device, from an idle device to the step's last kernel)."""
+    `autocast_dtype` when given; `reset_mask` [B, T]: documents starting inside the rows),
+    backward, optimizer step, gradients dropped (on a CUDA device, from an idle device to the
+    step's last kernel)."""
     import torch
 
     cuda = inputs.device.type == "cuda"
@@ -218,7 +221,13 @@ def timed_train_step(model, optimizer, inputs, targets, autocast_dtype=None) -> 
     )
     started = time.perf_counter()
     with autocast:
-        _, loss = model(inputs, targets)
+        if reset_mask is None:
+            _, loss = model(inputs, targets)
+        else:
+            hidden = model.forward_hidden(inputs, reset_mask=reset_mask)
+            loss = torch.nn.functional.cross_entropy(
+                model.logits_from_hidden(hidden).flatten(0, 1), targets.flatten()
+            )
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -5,11 +5,14 @@ For each "config:T:B:name,name,..." spec (config a or b of _common.CONFIGS, voca
 dropout 0; on the CPU 2 threads and the host allocator as the trainer sets it), one model and
 one AdamW run a warm-up step per name, then --rounds rounds of one step per name in turn, so
 load from other processes falls on every name alike. Names: dense, chunked/C, and naive (the
-official masked form, `(q @ q^T).tril(-1) @ v`, patched in as an executor). tokens/s from the
-fastest step.
+official masked form, `(q @ q^T).tril(-1) @ v`, patched in as an executor); a name ending in
+"+resets" runs its executor on the same batch with 3 documents starting inside every row
+(seeded positions: what `training.stream_documents = "corpus"` gives the model). tokens/s
+from the fastest step.
 
 Run: .venv/bin/python benchmarks/bench_calibration.py            # the default specs
      .venv/bin/python benchmarks/bench_calibration.py a:512:8:dense,chunked/128
+     .venv/bin/python benchmarks/bench_calibration.py a:2048:8:chunked/128,chunked/128+resets
      python3 benchmarks/bench_calibration.py --device cuda --specs-set cuda
 """
 
@@ -39,6 +42,7 @@ CUDA_SPECS = (
     "b:2048:4:dense,chunked/128,chunked/256,chunked/512",
 )
 SPEC_SETS = {"cpu": DEFAULT_SPECS, "cuda": CUDA_SPECS}
+RESETS_PER_ROW = 3
 
 
 def naive_attention(q, v, *, initial_state=None, log_decay=None, chunk_size=0,
@@ -57,12 +61,19 @@ def run(spec: str, rounds: int, device: torch.device, autocast_dtype=None) -> li
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, 256, (batch, seq_len), device=device)
     y = torch.randint(0, 256, (batch, seq_len), device=device)
+    starts = torch.zeros(batch, seq_len, dtype=torch.bool)
+    draws = torch.Generator().manual_seed(1)
+    for row in range(batch):
+        starts[row, torch.randint(1, seq_len, (RESETS_PER_ROW,), generator=draws)] = True
+    starts = starts.to(device)
 
     def step(name: str) -> float:
-        executor, _, chunk = name.partition("/")
+        executor_name, _, resets = name.partition("+")
+        executor, _, chunk = executor_name.partition("/")
         model.config.executor = executor
         model.config.chunk_size = int(chunk) if chunk else 0
-        return timed_train_step(model, optimizer, x, y, autocast_dtype)
+        mask = starts if resets == "resets" else None
+        return timed_train_step(model, optimizer, x, y, autocast_dtype, reset_mask=mask)
 
     load = load_average()
     for name in names:

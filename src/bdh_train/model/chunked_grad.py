@@ -47,10 +47,11 @@ from torch import Tensor
 
 
 class ResetMasks(NamedTuple):
-    """The factors a reset mask puts on the chunked products (1 keeps a term, 0 drops it),
-    for K chunks of C tokens; each broadcasts over the heads."""
+    """The factors a reset mask puts on the chunked products (True keeps a term, False drops
+    it), for K chunks of C tokens; each broadcasts over the heads. `carry` is a matrix of 0/1
+    in the queries' dtype (a product's operand), the others are bool."""
 
-    pairs: Tensor  # [B, 1, K, C, C] bool: s < t and both in one document (replaces tril)
+    pairs: Tensor  # [B, 1, K, C, C]: s < t and both in one document (replaces tril)
     reads: Tensor  # [B, 1, K, C, 1]: t reads S_k (no reset in its chunk up to t)
     writes: Tensor  # [B, 1, K, C, 1]: s is in its chunk's last document (W_k takes it)
     carry: Tensor  # [B, 1, K, K]: S_k takes W_j (j < k, no reset between them)
@@ -60,7 +61,7 @@ class ResetMasks(NamedTuple):
 
 def reset_masks(reset_mask: Tensor, chunk_size: int, dtype: torch.dtype) -> ResetMasks:
     """`ResetMasks` of a [B, T] reset mask (True where a row's new document begins), the
-    last chunk padded with tokens of its last document."""
+    last chunk padded with tokens of its last document; `dtype`: the carry matrix's."""
     batch, seq_len = reset_mask.shape
     n_chunks = -(-seq_len // chunk_size)
     starts = F.pad(reset_mask.to(torch.long), (0, n_chunks * chunk_size - seq_len))
@@ -74,11 +75,11 @@ def reset_masks(reset_mask: Tensor, chunk_size: int, dtype: torch.dtype) -> Rese
     carry = (chunk.view(-1, 1) > chunk.view(1, -1)) & (first.unsqueeze(2) == last.unsqueeze(1))
     return ResetMasks(
         pairs=pairs.unsqueeze(1),
-        reads=(document == first.unsqueeze(2)).to(dtype).view(batch, 1, n_chunks, -1, 1),
-        writes=(document == last.unsqueeze(2)).to(dtype).view(batch, 1, n_chunks, -1, 1),
+        reads=(document == first.unsqueeze(2)).view(batch, 1, n_chunks, -1, 1),
+        writes=(document == last.unsqueeze(2)).view(batch, 1, n_chunks, -1, 1),
         carry=carry.to(dtype).unsqueeze(1),
-        from_rho0=(first == 0).to(dtype).view(batch, 1, n_chunks, 1, 1),
-        final_carries=(first[:, -1] == last[:, -1]).to(dtype).view(batch, 1, 1, 1),
+        from_rho0=(first == 0).view(batch, 1, n_chunks, 1, 1),
+        final_carries=(first[:, -1] == last[:, -1]).view(batch, 1, 1, 1),
     )
 
 

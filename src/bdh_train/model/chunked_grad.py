@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 
 class ResetMasks(NamedTuple):
@@ -173,6 +174,7 @@ class ChunkedAttention(torch.autograd.Function):
         return out, final
 
     @staticmethod
+    @once_differentiable  # saved products are not recorded: a second order would be wrong
     def backward(ctx, d_out: Tensor | None, d_final: Tensor | None):
         qc, vc, scores, states = ctx.saved_tensors
         seq_len, value_heads, has_rho0 = ctx.shape

@@ -135,7 +135,7 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
 
 
 def _hand_written_backward_applies(q: Tensor, log_decay: Tensor | None) -> bool:
-    """Whether dense and chunked (without a reset mask) run as `ChunkedAttention`: without
+    """Whether dense and chunked (reset masks included) run as `ChunkedAttention`: without
     decay, outside autocast (its backward would not run under it) and outside torch.compile
     (inductor fuses the autograd form itself)."""
     return (

@@ -202,6 +202,18 @@ def matmul_gflops(threads: int = 2, size: int = 2048, repeats: int = 3) -> float
     return 2 * size**3 / best / 1e9
 
 
+def document_starts(batch: int, seq_len: int, per_row: int, device):
+    """[B, T] bool: `per_row` documents begin inside each row, at seeded positions (what
+    `training.stream_documents = "corpus"` gives the model)."""
+    import torch
+
+    draws = torch.Generator().manual_seed(1)
+    starts = torch.zeros(batch, seq_len, dtype=torch.bool)
+    for row in range(batch):
+        starts[row, torch.randint(1, seq_len, (per_row,), generator=draws)] = True
+    return starts.to(device)
+
+
 def timed_train_step(
     model, optimizer, inputs, targets, autocast_dtype=None, reset_mask=None
 ) -> float:
@@ -225,9 +237,7 @@ def timed_train_step(
             _, loss = model(inputs, targets)
         else:
             hidden = model.forward_hidden(inputs, reset_mask=reset_mask)
-            loss = torch.nn.functional.cross_entropy(
-                model.logits_from_hidden(hidden).flatten(0, 1), targets.flatten()
-            )
+            loss = model.loss_from_hidden(hidden, targets)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

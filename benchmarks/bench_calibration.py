@@ -21,7 +21,14 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import CONFIGS, load_average, machine_line, print_table, timed_train_step
+from _common import (
+    CONFIGS,
+    document_starts,
+    load_average,
+    machine_line,
+    print_table,
+    timed_train_step,
+)
 
 from bdh_train.model import BDH, BDHConfig, mixer
 from bdh_train.train.allocator import configure_host_allocator
@@ -61,11 +68,7 @@ def run(spec: str, rounds: int, device: torch.device, autocast_dtype=None) -> li
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, 256, (batch, seq_len), device=device)
     y = torch.randint(0, 256, (batch, seq_len), device=device)
-    starts = torch.zeros(batch, seq_len, dtype=torch.bool)
-    draws = torch.Generator().manual_seed(1)
-    for row in range(batch):
-        starts[row, torch.randint(1, seq_len, (RESETS_PER_ROW,), generator=draws)] = True
-    starts = starts.to(device)
+    starts = document_starts(batch, seq_len, RESETS_PER_ROW, device)
 
     def step(name: str) -> float:
         executor_name, _, resets = name.partition("+")

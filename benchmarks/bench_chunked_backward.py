@@ -25,7 +25,7 @@ import argparse
 import time
 
 import torch
-from _common import machine_line, print_table
+from _common import document_starts, machine_line, print_table
 
 from bdh_train.model import mixer
 from bdh_train.train.allocator import configure_host_allocator
@@ -49,15 +49,6 @@ def inputs(batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor
     return tuple(drawn.values())
 
 
-def document_starts(batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    """[B, T]: RESETS_PER_ROW documents begin in each row, at seeded positions."""
-    g = torch.Generator().manual_seed(1)
-    mask = torch.zeros(batch, seq_len, dtype=torch.bool)
-    for row in range(batch):
-        mask[row, torch.randint(1, seq_len, (RESETS_PER_ROW,), generator=g)] = True
-    return mask.to(device)
-
-
 def fastest_calls(
     batch: int, seq_len: int, chunk: int, rounds: int, device: torch.device
 ) -> dict[str, float]:
@@ -65,7 +56,7 @@ def fastest_calls(
     q, v, rho0, d_out, d_final = inputs(batch, seq_len, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     executor = mixer.dense_attention if chunk == seq_len else mixer.chunked_attention
-    mask = document_starts(batch, seq_len, device)
+    mask = document_starts(batch, seq_len, RESETS_PER_ROW, device)
     forms = {
         "function": lambda: executor(q, v, initial_state=rho0, chunk_size=chunk),
         "autograd": lambda: mixer.chunked_by_products(q, v, rho0, None, chunk, True),

@@ -152,6 +152,21 @@ def _final_state(
     return carried + writes[:, :, -1]
 
 
+def _run_forward(
+    q: Tensor, v: Tensor, rho0: Tensor | None, chunk_size: int, final_state: bool,
+    reset_mask: Tensor | None,
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor | None], ResetMasks | None]:
+    """(out [B, H, T, D], rho_T or None, what backward needs: (qc, vc, A, S), the reset
+    masks or None) of the executor's forward."""
+    batch, heads, seq_len, _ = q.shape
+    resets = None if reset_mask is None else reset_masks(reset_mask, chunk_size, q.dtype)
+    qc, vc = _pad_to_chunks(q, chunk_size), _pad_to_chunks(v, chunk_size)
+    out, scores, states, writes = chunked_forward(qc, vc, rho0, final_state, resets)
+    final = _final_state(states, writes, resets) if final_state else None
+    out = out.view(batch, heads, -1, out.shape[-1])[:, :, :seq_len]
+    return out, final, (qc, vc, scores, states), resets
+
+
 class ChunkedAttention(torch.autograd.Function):
     """(out [B, H, T, D], rho_T or None) of the chunked executor without decay; see the
     module's docstring for the products of forward and backward."""
@@ -161,16 +176,13 @@ class ChunkedAttention(torch.autograd.Function):
         ctx, q: Tensor, v: Tensor, rho0: Tensor | None, chunk_size: int, final_state: bool,
         reset_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        batch, heads, seq_len, _ = q.shape
-        resets = None if reset_mask is None else reset_masks(reset_mask, chunk_size, q.dtype)
-        qc, vc = _pad_to_chunks(q, chunk_size), _pad_to_chunks(v, chunk_size)
-        out, scores, states, writes = chunked_forward(qc, vc, rho0, final_state, resets)
-        final = _final_state(states, writes, resets) if final_state else None
+        out, final, (qc, vc, scores, states), resets = _run_forward(
+            q, v, rho0, chunk_size, final_state, reset_mask
+        )
         ctx.save_for_backward(qc, vc, scores, states)
-        ctx.shape = (seq_len, v.shape[1], rho0 is not None)
+        ctx.shape = (q.shape[2], v.shape[1], rho0 is not None)
         ctx.resets = resets
         ctx.set_materialize_grads(False)
-        out = out.view(batch, heads, -1, out.shape[-1])[:, :, :seq_len]
         return out, final
 
     @staticmethod
@@ -246,14 +258,10 @@ def chunked_attention_without_decay(
     """The chunked executor without decay: through `ChunkedAttention` when a gradient is
     recorded, else its forward alone (nothing saved). `reset_mask` [B, T] (True where a row's
     new document begins) drops a row's state before it."""
+    if reset_mask is not None:
+        reset_mask = reset_mask.to(q.device)
     inputs = (q, v) if initial_state is None else (q, v, initial_state)
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
         return ChunkedAttention.apply(q, v, initial_state, chunk_size, final_state, reset_mask)
-    batch, heads, seq_len, _ = q.shape
-    resets = None if reset_mask is None else reset_masks(reset_mask, chunk_size, q.dtype)
-    out, _, states, writes = chunked_forward(
-        _pad_to_chunks(q, chunk_size), _pad_to_chunks(v, chunk_size), initial_state,
-        final_state, resets,
-    )
-    final = _final_state(states, writes, resets) if final_state else None
-    return out.view(batch, heads, -1, out.shape[-1])[:, :, :seq_len], final
+    out, final, _, _ = _run_forward(q, v, initial_state, chunk_size, final_state, reset_mask)
+    return out, final

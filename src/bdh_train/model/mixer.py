@@ -167,9 +167,8 @@ def dense_attention(
     Without decay this is the chunked executor's Function with one chunk."""
     seq_len = q.shape[2]
     if seq_len > 0 and _hand_written_backward_applies(q, log_decay):
-        mask = None if reset_mask is None else reset_mask.to(q.device)
         return chunked_attention_without_decay(
-            q, v, initial_state, seq_len, output_final_state, mask
+            q, v, initial_state, seq_len, output_final_state, reset_mask
         )
     rho = initial_state
     segment = None if reset_mask is None else reset_segments(reset_mask.to(q.device))
@@ -242,9 +241,8 @@ def chunked_attention(
     chunks run one after another (`_chunk_by_chunk`).
     """
     if _hand_written_backward_applies(q, log_decay):
-        mask = None if reset_mask is None else reset_mask.to(q.device)
         return chunked_attention_without_decay(
-            q, v, initial_state, chunk_size, output_final_state, mask
+            q, v, initial_state, chunk_size, output_final_state, reset_mask
         )
     if reset_mask is not None:
         return _chunk_by_chunk(

@@ -1,5 +1,5 @@
-"""per_head_matmul (the folded GEMM) against the plain broadcasting product, and its
-hand-written backward against autograd."""
+"""per_head_matmul (the folded GEMM, or per-head GEMMs with a heads-major result) against
+the plain broadcasting product, and its hand-written backward against autograd."""
 
 from __future__ import annotations
 
@@ -7,30 +7,31 @@ import pytest
 import torch
 
 from bdh_train.model.matmul import (
-    broadcasts_weight,
+    heads_major,
     heads_matmul,
+    is_heads_major,
     per_head_matmul,
     per_head_matmul_backward,
 )
 
 
 @pytest.mark.parametrize(
-    ("xs", "ws", "broadcasts"),
+    ("xs", "ws", "long"),
     [
         ((3, 1, 5, 4), (2, 4, 6), False),  # D*N + T*D = 44 > T*N = 30: the folded GEMM
         ((3, 2, 5, 4), (2, 4, 6), False),
-        ((3, 1, 13, 4), (2, 4, 6), True),  # 76 < 78: the broadcasting product
+        ((3, 1, 13, 4), (2, 4, 6), True),  # 76 < 78: per-head GEMMs, heads-major
         ((3, 2, 13, 4), (2, 4, 6), True),
         ((3, 1, 5, 12), (12, 4), False),
     ],
 )
-def test_equals_broadcasting_matmul_and_autograd(xs, ws, broadcasts):
+def test_equals_broadcasting_matmul_and_autograd(xs, ws, long):
     x = torch.randn(xs, dtype=torch.float64, requires_grad=True)
     w = torch.randn(ws, dtype=torch.float64, requires_grad=True)
-    assert broadcasts_weight(x, w) == broadcasts
+    assert heads_major(x, w) == long
     out = per_head_matmul(x, w)
     torch.testing.assert_close(out, x @ w, rtol=1e-12, atol=1e-12)
-    assert out.is_contiguous()
+    assert (out.is_contiguous(), is_heads_major(out)) == (not long, long)
     g = torch.randn_like(out)
     gx, gw = torch.autograd.grad(out, (x, w), g)
     mx, mw = per_head_matmul_backward(x.detach(), w.detach(), g)
@@ -50,7 +51,9 @@ def test_heads_matmul_equals_the_heads_side_by_side(seq_len):
     side_by_side = x.transpose(1, 2).reshape(3, 1, seq_len, 24)
     expected = torch.einsum("bhtk,hkm->btm", x, w.view(2, 12, 4)).unsqueeze(1)
     assert out.shape == (3, 1, seq_len, 4)
-    assert (type(out.grad_fn).__name__ == "SumBackward1") == (seq_len == 40)  # the form taken
+    nodes = [out.grad_fn, *(f for f, _ in out.grad_fn.next_functions)]
+    summed = any(type(f).__name__ == "SumBackward1" for f in nodes)
+    assert summed == (seq_len == 40)  # the form taken
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, side_by_side @ w, rtol=1e-12, atol=1e-12)
     g = torch.randn_like(out)
@@ -58,3 +61,27 @@ def test_heads_matmul_equals_the_heads_side_by_side(seq_len):
     ref = torch.autograd.grad(expected, (x, w), g)
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seq_len", [5, 13], ids=["short", "long"])
+def test_heads_major_inputs_give_the_same_products_and_gradients(seq_len):
+    """Inputs [B, H, T, D] laid out heads-major (the layer's attention output) against the
+    same values contiguous: per_head_matmul, its hand-written backward and heads_matmul
+    agree bit for bit, and a long product's result is heads-major."""
+    x = torch.randn(3, 2, seq_len, 4, dtype=torch.float64)
+    w = torch.randn(2, 4, 6, dtype=torch.float64)
+    wd = torch.randn(2 * 4, 5, dtype=torch.float64)  # heads side by side (K=4, M=5)
+    major = x.transpose(0, 1).contiguous().transpose(0, 1)
+    assert is_heads_major(major) and not is_heads_major(x)
+    out, out_major = per_head_matmul(x, w), per_head_matmul(major, w)
+    assert torch.equal(out, out_major) and is_heads_major(out_major) == (seq_len == 13)
+    g = torch.randn_like(out)
+    for got, expected in zip(
+        per_head_matmul_backward(major, w, g), per_head_matmul_backward(x, w, g), strict=True
+    ):
+        assert torch.equal(got, expected)
+    assert torch.equal(heads_matmul(major, wd), heads_matmul(x, wd))  # side by side
+    y = torch.randn(3, 2, 40, 12, dtype=torch.float64)  # the sum over heads (K=12, M=5)
+    y_major = y.transpose(0, 1).contiguous().transpose(0, 1)
+    wy = torch.randn(2 * 12, 5, dtype=torch.float64)
+    assert torch.equal(heads_matmul(y_major, wy), heads_matmul(y, wy))

@@ -146,3 +146,32 @@ def test_chunked_without_incoming_state_equals_dense_at_op_level(decay, need_sta
             assert_close(got[1], ref[1], rtol=tol, msg=f"chunked final state differs ({where})")
         assert_close(got[2], ref[2], rtol=tol, msg=f"gradient of q differs ({where})")
         assert_close(got[3], ref[3], rtol=tol, msg=f"gradient of v differs ({where})")
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi"])
+@pytest.mark.parametrize(
+    ("executor", "chunk_size"), [("dense", 4), ("chunked", 8), ("chunked", 12)]
+)
+def test_the_heads_major_layout_computes_the_contiguous_one(
+    monkeypatch, position, executor, chunk_size
+):
+    """Long calls (T=40 > 32 for D=16, N=32) keep the neurons heads-major from the projection
+    through rope, the mixer, the norm and the gate; the same model with every projection
+    forced into the contiguous layout gives the same hidden states, loss, final state and
+    gradients (float64, 1e-12), from a carried state."""
+    import bdh_train.model.matmul as matmul
+
+    model = tiny_model(torch.float64, position=position)
+    idx = torch.randint(0, 32, (3, 40))
+    targets = torch.randint(0, 32, (3, 40))
+    assert matmul.heads_major(torch.empty(3, 1, 40, 16), model.encoder)
+    fast = run(model, idx, targets, executor, chunk_size, warm_state=True)
+    monkeypatch.setattr(matmul, "heads_major", lambda inputs, weight: False)
+    slow = run(model, idx, targets, executor, chunk_size, warm_state=True)
+    assert_close(fast[0], slow[0], rtol=1e-12, msg="hidden")
+    assert abs(fast[1] - slow[1]) <= 1e-12 * abs(slow[1])
+    for r_fast, r_slow in zip(fast[2], slow[2], strict=True):
+        assert r_fast.is_contiguous()
+        assert_close(r_fast, r_slow, rtol=1e-12, msg="final rho")
+    for name, g in fast[3].items():
+        assert_close(g, slow[3][name], rtol=1e-12, msg=f"grad of {name}")

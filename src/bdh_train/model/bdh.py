@@ -34,7 +34,7 @@ from bdh_train.model.heads import (
     nca_factorized_loss,
     token_cross_entropy,
 )
-from bdh_train.model.matmul import heads_matmul, per_head_matmul
+from bdh_train.model.matmul import heads_matmul, is_heads_major, per_head_matmul
 from bdh_train.model.mixer import linear_attention
 from bdh_train.model.positions import (
     alibi_log_decay,
@@ -101,6 +101,8 @@ class BDH(nn.Module):
 
     # ---------------------------------------------------------------- building blocks
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if is_heads_major(x):  # normalized row by row: keep the layout (no copy)
+            return self._norm(x.transpose(0, 1)).transpose(0, 1)
         if self.norm is not None:
             return self.norm(x)
         return F.layer_norm(x, (x.shape[-1],), eps=LN_EPS)

@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from bdh_train.model.matmul import is_heads_major
+
 
 class ResetMasks(NamedTuple):
     """The factors a reset mask puts on the chunked products (True keeps a term, False drops
@@ -60,9 +62,12 @@ class ResetMasks(NamedTuple):
     final_carries: Tensor  # [B, 1, 1, 1]: rho_T takes S_(K-1) (no reset in the last chunk)
 
 
-def reset_masks(reset_mask: Tensor, chunk_size: int, dtype: torch.dtype) -> ResetMasks:
+def reset_masks(
+    reset_mask: Tensor, chunk_size: int, dtype: torch.dtype, heads_first: bool = False
+) -> ResetMasks:
     """`ResetMasks` of a [B, T] reset mask (True where a row's new document begins), the
-    last chunk padded with tokens of its last document; `dtype`: the carry matrix's."""
+    last chunk padded with tokens of its last document; `dtype`: the carry matrix's.
+    `heads_first`: for products laid out [H, B, ...], each mask [1, B, ...]."""
     batch, seq_len = reset_mask.shape
     n_chunks = -(-seq_len // chunk_size)
     starts = F.pad(reset_mask.to(torch.long), (0, n_chunks * chunk_size - seq_len))
@@ -74,7 +79,7 @@ def reset_masks(reset_mask: Tensor, chunk_size: int, dtype: torch.dtype) -> Rese
     pairs = earlier & (document.unsqueeze(3) == document.unsqueeze(2))
     chunk = torch.arange(n_chunks, device=reset_mask.device)
     carry = (chunk.view(-1, 1) > chunk.view(1, -1)) & (first.unsqueeze(2) == last.unsqueeze(1))
-    return ResetMasks(
+    masks = ResetMasks(
         pairs=pairs.unsqueeze(1),
         reads=(document == first.unsqueeze(2)).view(batch, 1, n_chunks, -1, 1),
         writes=(document == last.unsqueeze(2)).view(batch, 1, n_chunks, -1, 1),
@@ -82,6 +87,7 @@ def reset_masks(reset_mask: Tensor, chunk_size: int, dtype: torch.dtype) -> Rese
         from_rho0=(first == 0).view(batch, 1, n_chunks, 1, 1),
         final_carries=(first[:, -1] == last[:, -1]).view(batch, 1, 1, 1),
     )
+    return ResetMasks(*(m.transpose(0, 1) for m in masks)) if heads_first else masks
 
 
 def _pad_to_chunks(x: Tensor, chunk_size: int) -> Tensor:
@@ -154,12 +160,15 @@ def _final_state(
 
 def _run_forward(
     q: Tensor, v: Tensor, rho0: Tensor | None, chunk_size: int, final_state: bool,
-    reset_mask: Tensor | None,
+    reset_mask: Tensor | None, heads_first: bool = False,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor | None], ResetMasks | None]:
     """(out [B, H, T, D], rho_T or None, what backward needs: (qc, vc, A, S), the reset
-    masks or None) of the executor's forward."""
+    masks or None) of the executor's forward; `heads_first`: the tensors are laid out
+    [H, B, ...] (the reset mask stays [B, T])."""
     batch, heads, seq_len, _ = q.shape
-    resets = None if reset_mask is None else reset_masks(reset_mask, chunk_size, q.dtype)
+    resets = None
+    if reset_mask is not None:
+        resets = reset_masks(reset_mask, chunk_size, q.dtype, heads_first)
     qc, vc = _pad_to_chunks(q, chunk_size), _pad_to_chunks(v, chunk_size)
     out, scores, states, writes = chunked_forward(qc, vc, rho0, final_state, resets)
     final = _final_state(states, writes, resets) if final_state else None
@@ -174,13 +183,13 @@ class ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, q: Tensor, v: Tensor, rho0: Tensor | None, chunk_size: int, final_state: bool,
-        reset_mask: Tensor | None = None,
+        reset_mask: Tensor | None = None, heads_first: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         out, final, (qc, vc, scores, states), resets = _run_forward(
-            q, v, rho0, chunk_size, final_state, reset_mask
+            q, v, rho0, chunk_size, final_state, reset_mask, heads_first
         )
         ctx.save_for_backward(qc, vc, scores, states)
-        ctx.shape = (q.shape[2], v.shape[1], rho0 is not None)
+        ctx.shape = (q.shape[2], v.shape, rho0 is not None)
         ctx.resets = resets
         ctx.set_materialize_grads(False)
         return out, final
@@ -189,7 +198,7 @@ class ChunkedAttention(torch.autograd.Function):
     @once_differentiable  # saved products are not recorded: a second order would be wrong
     def backward(ctx, d_out: Tensor | None, d_final: Tensor | None):
         qc, vc, scores, states = ctx.saved_tensors
-        seq_len, value_heads, has_rho0 = ctx.shape
+        seq_len, v_shape, has_rho0 = ctx.shape
         resets: ResetMasks | None = ctx.resets
         batch, heads, n_chunks, c, n = qc.shape
         d = vc.shape[-1]
@@ -240,15 +249,15 @@ class ChunkedAttention(torch.autograd.Function):
             else:
                 d_v.baddbmm_(q_rows, d_writes_rows)
             d_q.baddbmm_(written, d_writes_rows.transpose(1, 2))
-        d_v = d_v.view(batch, heads, n_chunks * c, d)
-        if value_heads == 1:
-            d_v = d_v.sum(dim=1, keepdim=True)
+        d_v = d_v.view(batch, heads, n_chunks * c, d)[:, :, :seq_len]
+        if d_v.shape != v_shape:  # a value shared by the heads: the sum of theirs
+            d_v = d_v.sum_to_size(v_shape)
         d_rho0 = None
         if has_rho0 and d_states is not None:
             from_rho0 = d_states if resets is None else d_states * resets.from_rho0
             d_rho0 = from_rho0.sum(dim=2)
         d_q = d_q.view(batch, heads, n_chunks * c, n)[:, :, :seq_len]
-        return d_q, d_v[:, :, :seq_len], d_rho0, None, None, None
+        return d_q, d_v, d_rho0, None, None, None, None
 
 
 def chunked_attention_without_decay(
@@ -260,8 +269,18 @@ def chunked_attention_without_decay(
     new document begins) drops a row's state before it."""
     if reset_mask is not None:
         reset_mask = reset_mask.to(q.device)
+    heads_first = is_heads_major(q)
+    if heads_first:  # run on the [H, B, ...] layout as it lies; the outputs go back to [B, H]
+        q, v = q.transpose(0, 1), v.transpose(0, 1)
+        if initial_state is not None:
+            initial_state = initial_state.transpose(0, 1)
     inputs = (q, v) if initial_state is None else (q, v, initial_state)
+    args = (q, v, initial_state, chunk_size, final_state, reset_mask, heads_first)
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
-        return ChunkedAttention.apply(q, v, initial_state, chunk_size, final_state, reset_mask)
-    out, final, _, _ = _run_forward(q, v, initial_state, chunk_size, final_state, reset_mask)
+        out, final = ChunkedAttention.apply(*args)
+    else:
+        out, final, _, _ = _run_forward(*args)
+    if heads_first:
+        out = out.transpose(0, 1)
+        final = None if final is None else final.transpose(0, 1).contiguous()
     return out, final

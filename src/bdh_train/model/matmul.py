@@ -1,20 +1,24 @@
-"""The shared per-head projection product, used by the float model and by the quantizers."""
+"""The shared per-head projection products, used by the float model and by the quantizers.
+
+Long inputs are multiplied head by head over all of a head's rows at once: one batched GEMM
+of H products [B*T, D] x [D, N], whose result is kept heads-major ([H, B, T, N] in memory,
+handed on as a [B, H, T, N] view: `heads_major`). Later elementwise passes keep that layout,
+the mixer runs on it as it lies, and the next projection reads it without a copy."""
 
 from __future__ import annotations
 
 import torch
 
 
-def broadcasts_weight(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `per_head_matmul` runs as the broadcasting product (True) or as one GEMM with
-    the weight used once (False), for inputs [B, 1|H, T, D] and a per-head weight [H, D, N].
+def heads_major(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `per_head_matmul` of inputs [B, 1|H, T, D] and a per-head weight [H, D, N]
+    runs as H GEMMs over B*T rows each, its result heads-major (True), or as one GEMM
+    [B*T, D] x [D, H*N] copied into a contiguous [B, H, T, N] (False).
 
-    Broadcasting copies the weight per batch row (B*H*D*N) and, for a shared input, the input
-    per head (B*H*T*D), and writes [B, H, T, N] in place; the folded GEMM writes [B, T, H, N]
-    and copies it once into [B, H, T, N] (B*H*T*N, and again in backward). So broadcasting
-    moves less memory once D*N + T*D < T*N: from T = 171 on for D = 128, N = 512, while a
-    decoding step (T = 1) or a short prompt keeps the folded GEMM.
-    """
+    The per-head GEMMs have B*T rows: wide enough for the machine's GEMM kernels once the
+    sequence is long, and the result needs no copy. For a decoding step (T = 1) or a short
+    prompt the folded GEMM's H*N columns use the kernels better, and its copy is small:
+    heads-major from D*N + T*D < T*N on (T = 171 for D = 128, N = 512)."""
     if weight.dim() != 3:
         return False
     _, d, n = weight.shape
@@ -22,24 +26,36 @@ def broadcasts_weight(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
     return d * n + seq_len * d < seq_len * n
 
 
-def per_head_matmul(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """inputs @ weight for inputs [B, 1|H, T, D] and a weight [H, D, N] or [K, N], as a
-    contiguous tensor, in the form that moves the least memory (`broadcasts_weight`).
+def is_heads_major(x: torch.Tensor) -> bool:
+    """Whether x [B, H, ...] is a view of a contiguous [H, B, ...] (and not itself contiguous)."""
+    return x.dim() >= 2 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous()
 
-    For short inputs, `inputs @ weight` would expand (and save for backward) a [B, H, D, N]
-    copy of the weight for a few tokens; folding batch and time into the GEMM's rows computes
-    the same products with the weight used once.
-    """
-    if weight.dim() != 3 or broadcasts_weight(inputs, weight):
+
+def _head_rows(inputs: torch.Tensor) -> torch.Tensor:
+    """inputs [B, H, T, D] as [H, B*T, D] (a view when inputs are heads-major)."""
+    batch, heads, seq_len, d = inputs.shape
+    return inputs.transpose(0, 1).reshape(heads, batch * seq_len, d)
+
+
+def per_head_matmul(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """inputs @ weight for inputs [B, 1|H, T, D] and a weight [H, D, N] or [K, N]; a
+    per-head product is heads-major for long inputs (`heads_major`), else contiguous.
+
+    The weight is used once either way: `inputs @ weight` would expand (and save for
+    backward) a [B, H, D, N] copy of it."""
+    if weight.dim() != 3:
         return inputs @ weight
     heads, d, n = weight.shape
     batch, in_heads, seq_len, _ = inputs.shape
-    if in_heads == 1:  # the dense input u, shared by all heads: one [B*T, D] x [D, H*N] GEMM
-        out = inputs.reshape(batch * seq_len, d) @ weight.permute(1, 0, 2).reshape(d, heads * n)
+    if in_heads == 1:  # the dense input u, shared by all heads
+        rows = inputs.reshape(batch * seq_len, d)
+        if heads_major(inputs, weight):
+            out = torch.bmm(rows.expand(heads, batch * seq_len, d), weight)
+            return out.view(heads, batch, seq_len, n).transpose(0, 1)
+        out = rows @ weight.permute(1, 0, 2).reshape(d, heads * n)  # one [B*T, D] x [D, H*N]
         return out.view(batch, seq_len, heads, n).transpose(1, 2).contiguous()
-    rows = inputs.transpose(0, 1).reshape(heads, batch * seq_len, d)
-    out = torch.bmm(rows, weight)
-    return out.view(heads, batch, seq_len, n).transpose(0, 1).contiguous()
+    out = torch.bmm(_head_rows(inputs), weight).view(heads, batch, seq_len, n).transpose(0, 1)
+    return out if heads_major(inputs, weight) else out.contiguous()
 
 
 def heads_matmul(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -47,14 +63,15 @@ def heads_matmul(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     weight [H*K, M], in the form that moves the least memory.
 
     Side by side, the heads are first copied into [B, T, H, K] (B*H*T*K, and the gradient
-    back in backward); as a sum of per-head products, the weight is copied per batch row
-    (B*H*K*M) and the per-head results [B, H, T, M] are written and summed (2*B*H*T*M). The
-    sum is taken from K*M + 2*T*M < T*K on: T > 256 for K = 512, M = 128.
+    back in backward); as a sum of per-head products [H, B*T, K] x [K, M] (no copy of
+    heads-major inputs), the per-head results [H, B*T, M] are written and summed
+    (2*B*H*T*M). The sum is taken from K*M + 2*T*M < T*K on: T > 256 for K = 512, M = 128.
     """
     batch, heads, seq_len, k = inputs.shape
     m = weight.shape[-1]
     if k * m + 2 * seq_len * m < seq_len * k:
-        return (inputs @ weight.view(heads, k, m)).sum(dim=1, keepdim=True)
+        out = torch.bmm(_head_rows(inputs), weight.view(heads, k, m)).sum(dim=0)
+        return out.view(batch, 1, seq_len, m)
     return inputs.transpose(1, 2).reshape(batch, 1, seq_len, heads * k) @ weight
 
 
@@ -70,22 +87,17 @@ def per_head_matmul_backward(
         return (g @ weight.mT).view(inputs.shape), rows.mT @ g
     heads, d, n = weight.shape
     batch, in_heads, seq_len, _ = inputs.shape
-    if broadcasts_weight(inputs, weight):  # matmul's bmm over [B*H] and its sums of expands
-        g3 = grad_out.reshape(batch * heads, seq_len, n)
-        w3 = weight.expand(batch, heads, d, n).reshape(batch * heads, d, n)
-        x3 = inputs.expand(batch, heads, seq_len, d).reshape(batch * heads, seq_len, d)
-        grad_in = torch.bmm(g3, w3.mT).view(batch, heads, seq_len, d)
-        if in_heads == 1:
-            grad_in = grad_in.sum(dim=1, keepdim=True)
-        return grad_in, torch.bmm(x3.mT, g3).view(batch, heads, d, n).sum(dim=0)
     if in_heads == 1:
+        rows = inputs.reshape(batch * seq_len, d)
+        if heads_major(inputs, weight):
+            g3 = _head_rows(grad_out)
+            grad_in = torch.bmm(g3, weight.mT).sum(dim=0).view(inputs.shape)
+            return grad_in, torch.bmm(rows.expand(heads, batch * seq_len, d).mT, g3)
         w2 = weight.permute(1, 0, 2).reshape(d, heads * n)
         g2 = grad_out.transpose(1, 2).reshape(batch * seq_len, heads * n)
-        rows = inputs.reshape(batch * seq_len, d)
         grad_in = (g2 @ w2.mT).view(inputs.shape)
         grad_w = (rows.mT @ g2).view(d, heads, n).permute(1, 0, 2)
         return grad_in, grad_w
-    rows = inputs.transpose(0, 1).reshape(heads, batch * seq_len, d)
-    g3 = grad_out.transpose(0, 1).reshape(heads, batch * seq_len, n)
+    g3 = _head_rows(grad_out)
     grad_in = torch.bmm(g3, weight.mT).view(heads, batch, seq_len, d).transpose(0, 1)
-    return grad_in, torch.bmm(rows.mT, g3)
+    return grad_in, torch.bmm(_head_rows(inputs).mT, g3)

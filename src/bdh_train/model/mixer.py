@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bdh_train.model.chunked_grad import chunked_attention_without_decay
+from bdh_train.model.matmul import is_heads_major
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -400,6 +401,8 @@ def linear_attention(
     fn = EXECUTOR_FUNCTIONS.get(executor)
     if fn is None:
         raise ValueError(f"unknown executor {executor!r}; expected one of {EXECUTORS} or 'auto'")
+    if is_heads_major(q) and not _hand_written_backward_applies(q, log_decay):
+        q = q.contiguous()  # only ChunkedAttention runs on the heads-major layout as it lies
     return fn(
         q,
         v,

@@ -39,15 +39,38 @@ def rotate_pairs(v: torch.Tensor) -> torch.Tensor:
     return torch.stack((-v[..., 1::2], v[..., ::2]), dim=-1).flatten(-2)
 
 
+def _as_pairs(v: torch.Tensor) -> torch.Tensor:
+    """v [..., N] as N/2 complex numbers (2k, 2k+1); a view whenever v's last dim is dense."""
+    return torch.view_as_complex(v.reshape(*v.shape[:-1], v.shape[-1] // 2, 2))
+
+
+class _TurnPairs(torch.autograd.Function):
+    """v's pairs times the unit complex numbers `turn` (which take no gradient). Backward
+    turns the gradient back (times conj(turn)) in the layout it arrives in; autograd's own
+    backward of view_as_real would first copy it into a contiguous tensor."""
+
+    @staticmethod
+    def forward(ctx, v: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(turn)
+        return torch.view_as_real(_as_pairs(v) * turn).reshape(v.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (turn,) = ctx.saved_tensors
+        back = torch.complex(turn.real, -turn.imag)
+        return torch.view_as_real(_as_pairs(grad) * back).reshape(grad.shape), None
+
+
 def apply_rope(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """v*cos + rot(v)*sin. For float32/64 with an even N this is one complex multiply per
     (2k, 2k+1) pair (both members share a frequency), instead of five elementwise passes."""
     n = v.shape[-1]
     fast = n % 2 == 0 and v.dtype in (torch.float32, torch.float64) and cos.dtype == v.dtype
     if fast and not torch.compiler.is_compiling():  # inductor does not generate complex code
-        pairs = torch.view_as_complex(v.reshape(*v.shape[:-1], n // 2, 2))
         turn = torch.complex(cos[..., ::2], sin[..., ::2])
-        return torch.view_as_real(pairs * turn).reshape(v.shape)
+        if cos.requires_grad or sin.requires_grad:
+            return torch.view_as_real(_as_pairs(v) * turn).reshape(v.shape)
+        return _TurnPairs.apply(v, turn)
     return v * cos + rotate_pairs(v) * sin
 
 

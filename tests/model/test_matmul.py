@@ -85,3 +85,22 @@ def test_heads_major_inputs_give_the_same_products_and_gradients(seq_len):
     y_major = y.transpose(0, 1).contiguous().transpose(0, 1)
     wy = torch.randn(2 * 12, 5, dtype=torch.float64)
     assert torch.equal(heads_matmul(y_major, wy), heads_matmul(y, wy))
+
+
+def test_under_autocast_a_shared_input_is_saved_once():
+    """Under autocast the heads-major product casts the shared input before expanding it over
+    the heads: backward keeps one [B*T, D] low-precision copy, not H of them."""
+    u = torch.randn(2, 1, 300, 16, requires_grad=True)
+    w = torch.randn(4, 16, 64, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append((t.shape, t.dtype, t.untyped_storage().nbytes()))
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = per_head_matmul(u, w)
+    assert out.dtype == torch.bfloat16 and is_heads_major(out)
+    saved_inputs = [nbytes for shape, _, nbytes in saved if shape[-1] == 16 and shape[0] == 4]
+    assert saved_inputs == [2 * 300 * 16 * 2]  # [H, B*T, D] expanded from one bf16 [B*T, D]

@@ -67,3 +67,17 @@ def test_phases_with_a_gradient_get_it():
     ref = torch.autograd.grad(expected, (cos, sin), g)
     for a, b in zip(got, ref, strict=True):  # rope pairs share a phase: the pair's sum
         torch.testing.assert_close(a[..., ::2] + a[..., 1::2], b[..., ::2] + b[..., 1::2])
+
+
+def test_rope_backward_takes_gradients_of_any_layout():
+    """A broadcast gradient (stride 0, from .sum()), a strided one (odd offsets) and a
+    contiguous one give the rotation's gradient alike."""
+    v, cos, sin = rope_inputs(torch.float64)
+    v.requires_grad_()
+    apply_rope(v, cos, sin).sum().backward()
+    expected = torch.autograd.grad((v * cos + rotate_pairs(v) * sin).sum(), v)[0]
+    torch.testing.assert_close(v.grad, expected, rtol=1e-12, atol=1e-12)
+    wide = torch.randn(2, 3, 7, 9, dtype=torch.float64)[..., 1:]  # offset 1, row stride 9
+    (got,) = torch.autograd.grad(apply_rope(v, cos, sin), v, wide)
+    (ref,) = torch.autograd.grad(v * cos + rotate_pairs(v) * sin, v, wide)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)

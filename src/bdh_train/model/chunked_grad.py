@@ -30,6 +30,11 @@ document is still the one open when chunk k begins (a carry matrix per row) and 
 no reset came before chunk k; Q_k reads S_k only up to the chunk's first reset; rho_T takes
 S_(K-1) only when the last chunk has no reset. Backward applies the same factors.
 
+Queries laid out heads-major (a [B, H, T, N] view of a contiguous [H, B, T, N], as the
+layer's projections leave long inputs) run as they lie: every tensor is transposed to
+[H, B, ...] (v to [1, B, ...], the reset masks to [1, B, ...]), the products above treat the
+two leading dims as one batch, and the outputs are transposed back.
+
 On the CPU this Function's forward and backward take 0.72 of autograd's (403 vs 561 ms at
 B=8, H=4, T=2048, N=512, C=128). One chunk of the whole call is the dense executor without
 decay: there no state is read without rho0 and W is computed only for the final state.
@@ -51,8 +56,9 @@ from bdh_train.model.matmul import is_heads_major
 
 class ResetMasks(NamedTuple):
     """The factors a reset mask puts on the chunked products (True keeps a term, False drops
-    it), for K chunks of C tokens; each broadcasts over the heads. `carry` is a matrix of 0/1
-    in the queries' dtype (a product's operand), the others are bool."""
+    it), for K chunks of C tokens; each broadcasts over the heads (shapes below; [1, B, ...]
+    for products laid out heads first). `carry` is a matrix of 0/1 in the queries' dtype (a
+    product's operand), the others are bool."""
 
     pairs: Tensor  # [B, 1, K, C, C]: s < t and both in one document (replaces tril)
     reads: Tensor  # [B, 1, K, C, 1]: t reads S_k (no reset in its chunk up to t)
@@ -111,8 +117,9 @@ def chunked_forward(
     resets: ResetMasks | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """(out [B, H, K, C, D], A, S or None, W or None) for chunked queries qc [B, H, K, C, N]
-    and values vc [B, 1|H, K, C, D]. One chunk (the dense executor) computes W only for the
-    final state and has no S without rho0."""
+    and values vc [B, 1|H, K, C, D] (or all heads first: qc [H, B, ...], vc [1, B, ...]). One
+    chunk (the dense executor) computes W only for the final state and has no S without
+    rho0."""
     batch, heads, n_chunks, c, n = qc.shape
     d = vc.shape[-1]
     scores = torch.matmul(qc, qc.transpose(-1, -2))  # A, [B, H, K, C, C]

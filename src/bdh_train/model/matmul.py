@@ -12,13 +12,14 @@ import torch
 
 def heads_major(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `per_head_matmul` of inputs [B, 1|H, T, D] and a per-head weight [H, D, N]
-    runs as H GEMMs over B*T rows each, its result heads-major (True), or as one GEMM
-    [B*T, D] x [D, H*N] copied into a contiguous [B, H, T, N] (False).
+    leaves its result heads-major (True) or contiguous [B, H, T, N] (False).
 
-    The per-head GEMMs have B*T rows: wide enough for the machine's GEMM kernels once the
-    sequence is long, and the result needs no copy. For a decoding step (T = 1) or a short
-    prompt the folded GEMM's H*N columns use the kernels better, and its copy is small:
-    heads-major from D*N + T*D < T*N on (T = 171 for D = 128, N = 512)."""
+    Heads-major, the products are H GEMMs over B*T rows each and nothing is copied.
+    Contiguous, a shared input is one GEMM [B*T, D] x [D, H*N] (per-head inputs: H GEMMs)
+    and the result is copied into [B, H, T, N]: for a decoding step (T = 1) or a short
+    prompt the wide GEMM uses the kernels better and the copy is small. The switch is at
+    D*N + T*D < T*N (T = 171 for D = 128, N = 512), a threshold measured to pay on the CPU
+    (benchmarks/bench_layout.py)."""
     if weight.dim() != 3:
         return False
     _, d, n = weight.shape
@@ -29,6 +30,15 @@ def heads_major(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
 def is_heads_major(x: torch.Tensor) -> bool:
     """Whether x [B, H, ...] is a view of a contiguous [H, B, ...] (and not itself contiguous)."""
     return x.dim() >= 2 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous()
+
+
+def _autocast_rows(rows: torch.Tensor) -> torch.Tensor:
+    """rows in autocast's dtype when autocast is on: cast before they are expanded over the
+    heads, autocast would cast (and save for backward) the H-fold expanded copy."""
+    device_type = rows.device.type
+    if torch.is_autocast_enabled(device_type):
+        return rows.to(torch.get_autocast_dtype(device_type))
+    return rows
 
 
 def _head_rows(inputs: torch.Tensor) -> torch.Tensor:
@@ -50,6 +60,7 @@ def per_head_matmul(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if in_heads == 1:  # the dense input u, shared by all heads
         rows = inputs.reshape(batch * seq_len, d)
         if heads_major(inputs, weight):
+            rows = _autocast_rows(rows)
             out = torch.bmm(rows.expand(heads, batch * seq_len, d), weight)
             return out.view(heads, batch, seq_len, n).transpose(0, 1)
         out = rows @ weight.permute(1, 0, 2).reshape(d, heads * n)  # one [B*T, D] x [D, H*N]

@@ -401,7 +401,10 @@ def linear_attention(
     fn = EXECUTOR_FUNCTIONS.get(executor)
     if fn is None:
         raise ValueError(f"unknown executor {executor!r}; expected one of {EXECUTORS} or 'auto'")
-    if is_heads_major(q) and not _hand_written_backward_applies(q, log_decay):
+    runs_the_function = executor in ("dense", "chunked") and _hand_written_backward_applies(
+        q, log_decay
+    )
+    if is_heads_major(q) and not runs_the_function:
         q = q.contiguous()  # only ChunkedAttention runs on the heads-major layout as it lies
     return fn(
         q,

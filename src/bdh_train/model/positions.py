@@ -40,7 +40,15 @@ def rotate_pairs(v: torch.Tensor) -> torch.Tensor:
 
 
 def _as_pairs(v: torch.Tensor) -> torch.Tensor:
-    """v [..., N] as N/2 complex numbers (2k, 2k+1); a view whenever v's last dim is dense."""
+    """v [..., N] as N/2 complex numbers (2k, 2k+1): a view when every pair lies side by side
+    at an even offset (any order of the other dims), else of a contiguous copy."""
+    pairs_side_by_side = (
+        v.stride(-1) == 1
+        and v.storage_offset() % 2 == 0
+        and all(stride % 2 == 0 for stride in v.stride()[:-1])
+    )
+    if not pairs_side_by_side:  # a broadcast gradient (stride 0), a strided slice
+        v = v.clone(memory_format=torch.contiguous_format)
     return torch.view_as_complex(v.reshape(*v.shape[:-1], v.shape[-1] // 2, 2))
 
 

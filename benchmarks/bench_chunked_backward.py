@@ -10,7 +10,9 @@ output and the final state, one forward and backward of:
   (what both executors ran before);
 * resets: the function with 3 documents starting mid-row in every row (seeded positions), as
   `training.stream_documents = "corpus"` gives it; before the Function took reset masks, such
-  calls ran their chunks one after another.
+  calls ran their chunks one after another;
+* decay function / decay autograd: the same two forms with alibi's per-head decay (what
+  `position = "alibi"` runs; autograd is what it ran before the Function took decay).
 
 The two alternate, one call each in turn; the table gives the fastest of --rounds calls (ms)
 and their ratio. H=4, N=512, D=128 (config a's mixer), fp32; on the CPU 2 threads and the
@@ -28,6 +30,7 @@ import torch
 from _common import document_starts, machine_line, print_table
 
 from bdh_train.model import mixer
+from bdh_train.model.positions import alibi_log_decay
 from bdh_train.train.allocator import configure_host_allocator
 
 HEADS, NEURONS, EMBD = 4, 512, 128
@@ -57,10 +60,15 @@ def fastest_calls(
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     executor = mixer.dense_attention if chunk == seq_len else mixer.chunked_attention
     mask = document_starts(batch, seq_len, RESETS_PER_ROW, device)
+    log_decay = alibi_log_decay(HEADS)
     forms = {
         "function": lambda: executor(q, v, initial_state=rho0, chunk_size=chunk),
         "autograd": lambda: mixer.chunked_by_products(q, v, rho0, None, chunk, True),
         "resets": lambda: executor(q, v, initial_state=rho0, chunk_size=chunk, reset_mask=mask),
+        "decay function": lambda: executor(
+            q, v, initial_state=rho0, chunk_size=chunk, log_decay=log_decay
+        ),
+        "decay autograd": lambda: mixer.chunked_by_products(q, v, rho0, log_decay, chunk, True),
     }
     best = {name: float("inf") for name in forms}
     for round_index in range(rounds + 1):  # round 0 warms up
@@ -95,15 +103,18 @@ def main() -> None:
         best = fastest_calls(batch, seq_len, chunk, args.rounds, device)
         name = "dense" if chunk == seq_len else f"chunked/{chunk}"
         ratio = best["autograd"] / best["function"]
+        decay_ratio = best["decay autograd"] / best["decay function"]
         rows.append((batch, seq_len, name, f"{best['function'] * 1e3:.0f}",
                      f"{best['autograd'] * 1e3:.0f}", f"{ratio:.2f}x",
-                     f"{best['resets'] * 1e3:.0f}"))
+                     f"{best['resets'] * 1e3:.0f}", f"{best['decay function'] * 1e3:.0f}",
+                     f"{best['decay autograd'] * 1e3:.0f}", f"{decay_ratio:.2f}x"))
     print_table(
         f"mixer forward + backward on {args.device}, H={HEADS} N={NEURONS} D={EMBD}, fp32 "
         f"({args.threads} CPU threads), with an incoming and a final state; ms, fastest of "
         f"{args.rounds} alternating calls",
         ("B", "T", "executor", "function ms", "autograd ms", "autograd / function",
-         f"function, {RESETS_PER_ROW} resets per row, ms"),
+         f"function, {RESETS_PER_ROW} resets per row, ms", "alibi decay: function ms",
+         "autograd ms", "autograd / function"),
         rows,
     )
 

@@ -47,8 +47,8 @@ one product for it, not two); D*V: lm_head (C | T assumed in the formula; the co
 counts exactly: the last chunk is zero-padded to C tokens and computed as such). For
 bdh-train C is its chunk size when its executor is chunked (C = T and no state term when
 dense); for the baseline's masked dense form C = T and the state term is 0. The masked half of
-each score block is counted, because it is computed. bdh-train's fp32 executors without
-decay take the gradient of the symmetric score block Q Q^T as one product, (dA + dA^T) Q
+each score block is counted, because it is computed. bdh-train's fp32 executors (no learned
+decay) take the gradient of the symmetric score block Q Q^T as one product, (dA + dA^T) Q
 (model/chunked_grad.py), where autograd (the baseline; bf16 autocast; compile) takes two.
 "% peak" = FLOPs/token * tokens/s / ceiling.
 
@@ -328,7 +328,7 @@ def train_flops_per_token(
 
 def hand_written_backward(args: argparse.Namespace) -> bool:
     """Whether bdh-train's executor runs with the hand-written backward (fp32 or fp64 without
-    autocast or compile; the benchmark's configs have no decay)."""
+    autocast or compile; the benchmark's configs use rope, no learned decay)."""
     return args.dtype == "fp32" and not args.compile
 
 

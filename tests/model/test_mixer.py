@@ -123,6 +123,16 @@ def test_executor_matches_definition_fp32(executor, chunk_size):
     )
 
 
+@pytest.mark.parametrize(("executor", "chunk_size"), [("dense", 0), ("chunked", 16)])
+def test_long_decay_drops_only_negligible_powers(executor, chunk_size):
+    """T=70 under alibi's strongest decay (d = e^-1 on head 0): powers from e^-44 on are 0 in
+    float32 (`decay_powers`), in the score blocks, the writes, the carries and rho0's part;
+    outputs, final state and gradients still match the definition's exact powers (1e-5)."""
+    check_against_definition(
+        executor, chunk_size, 70, decay=True, with_state=True, dtype=torch.float32, rtol=1e-5
+    )
+
+
 def test_the_definition_is_the_state_recurrence():
     """The formulas equal the read-then-write loop rho <- d (rho + q_t^T v_t) they come from."""
     (q, v, rho0), _ = make_inputs(5, torch.float64, True, seed=7)
@@ -267,8 +277,9 @@ def test_chunked_with_resets_equals_dense_over_several_chunks(need_state, decay)
 
 
 def test_an_all_false_reset_mask_changes_nothing():
-    """Bit for bit where the mask only adds masking; chunked runs a mask chunk by chunk and
-    no mask all chunks at once, two summation orders that agree to fp64 1e-12."""
+    """Bit for bit where the mask only adds masking; under decay chunked runs a mask chunk
+    by chunk and dense through autograd's products, and no mask through the Function: two
+    summation orders that agree to fp64 1e-12."""
     inputs, _ = make_inputs(8, torch.float64, True, seed=3)
     q, v, rho0 = (x.detach() for x in inputs)
     for name, fn in EXECUTOR_FUNCTIONS.items():
@@ -277,7 +288,7 @@ def test_an_all_false_reset_mask_changes_nothing():
             q, v, initial_state=rho0, log_decay=LOG_DECAY, chunk_size=3,
             reset_mask=torch.zeros(B, 8, dtype=torch.bool),
         )
-        if name == "chunked":
+        if name in ("chunked", "dense"):
             assert_close(masked[0], plain[0], rtol=1e-12, msg="out")
             assert_close(masked[1], plain[1], rtol=1e-12, msg="final state")
         else:
@@ -461,9 +472,11 @@ def test_a_device_type_without_autocast_still_runs():
 
 
 # ------------------------------------------- the chunked executor's hand-written backward
-def products_and_function(seq_len, chunk_size, dtype, with_state, value_heads, final_state):
-    """Outputs and gradients of `chunked_attention` without decay (its autograd Function)
-    and of `chunked_by_products` (the same products under autograd), on the same inputs."""
+def products_and_function(
+    seq_len, chunk_size, dtype, with_state, value_heads, final_state, log_decay=None
+):
+    """Outputs and gradients of `chunked_attention` (its autograd Function) and of
+    `chunked_by_products` (the same products under autograd), on the same inputs."""
     inputs, (g_out, g_rho) = make_inputs(seq_len, dtype, with_state, seed=31 * seq_len)
     q, v, *rest = inputs
     if value_heads > 1:  # a value per head
@@ -481,15 +494,17 @@ def products_and_function(seq_len, chunk_size, dtype, with_state, value_heads, f
         executor, chunk_size = mixer.dense_attention, seq_len
     got = run(
         lambda q, v, r: executor(
-            q, v, initial_state=r, chunk_size=chunk_size, output_final_state=final_state
+            q, v, initial_state=r, chunk_size=chunk_size, output_final_state=final_state,
+            log_decay=log_decay,
         )
     )
     expected = run(
-        lambda q, v, r: mixer.chunked_by_products(q, v, r, None, chunk_size, final_state)
+        lambda q, v, r: mixer.chunked_by_products(q, v, r, log_decay, chunk_size, final_state)
     )
     return got, expected
 
 
+@pytest.mark.parametrize("decay", [False, True], ids=["no-decay", "decay"])
 @pytest.mark.parametrize("final_state", [True, False], ids=["final-state", "out-only"])
 @pytest.mark.parametrize("value_heads", [1, H], ids=["shared-v", "per-head-v"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "carried-state"])
@@ -498,18 +513,19 @@ def products_and_function(seq_len, chunk_size, dtype, with_state, value_heads, f
     ids=["padded", "whole-chunks", "one-padded-chunk", "one-token-chunks", "dense"],
 )
 def test_chunked_function_equals_autograd_of_its_products(
-    seq_len, chunk_size, with_state, value_heads, final_state
+    seq_len, chunk_size, with_state, value_heads, final_state, decay
 ):
     """The Function's outputs and its backward's gradients (q, v, rho0) against autograd
     through `chunked_by_products` (chunk size None: the dense executor, which is the Function
     with one chunk, against one chunk's products), in float64 to 1e-10 and float32 to 1e-5,
     with a shared or per-head value, with and without the final state (whose gradient then
-    does not exist)."""
+    does not exist), without decay and with alibi-like per-head decays."""
+    log_decay = LOG_DECAY if decay else None
     for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
         got, expected = products_and_function(
-            seq_len, chunk_size, dtype, with_state, value_heads, final_state
+            seq_len, chunk_size, dtype, with_state, value_heads, final_state, log_decay
         )
-        what = f"T={seq_len} C={chunk_size} state={with_state} Hv={value_heads} {dtype}"
+        what = f"T={seq_len} C={chunk_size} state={with_state} Hv={value_heads} {dtype} {decay=}"
         assert type(got[3]).__name__ == "ChunkedAttentionBackward", what  # the fast path ran
         assert type(expected[3]).__name__ != "ChunkedAttentionBackward", what
         assert_close(got[0], expected[0], rtol=rtol, msg=f"{what}: out")
@@ -521,29 +537,42 @@ def test_chunked_function_equals_autograd_of_its_products(
             assert_close(g, g_ref, rtol=rtol, msg=f"{what}: grad of {name}")
 
 
-def test_chunked_function_passes_gradcheck():
-    """Finite differences against the hand-written backward, every input and both outputs."""
+@pytest.mark.parametrize("decay", [False, True], ids=["no-decay", "decay"])
+def test_chunked_function_passes_gradcheck(decay):
+    """Finite differences against the hand-written backward, every input and both outputs,
+    with and without decay (T=7 in chunks of 3: the last chunk padded)."""
     from bdh_train.model.chunked_grad import ChunkedAttention
 
     (q, v, rho0), _ = make_inputs(7, torch.float64, True, seed=11)
+    log_decay = LOG_DECAY if decay else None
     assert torch.autograd.gradcheck(
-        lambda q, v, r: ChunkedAttention.apply(q, v, r, 3, True), (q, v, rho0)
+        lambda q, v, r: ChunkedAttention.apply(q, v, r, 3, True, None, False, log_decay),
+        (q, v, rho0),
+    )
+    # heads first ([H, B, ...], the layout heads-major queries run in), and no rho0
+    q_first = q.detach().transpose(0, 1).contiguous().requires_grad_()
+    v_first = v.detach().transpose(0, 1).contiguous().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda q, v: ChunkedAttention.apply(q, v, None, 3, True, None, True, log_decay),
+        (q_first, v_first),
     )
 
 
 @pytest.mark.parametrize("executor", ["dense", "chunked"])
 def test_the_autograd_form_runs_under_decay_and_autocast(executor):
-    """Decay (with or without resets) and autocast keep the products autograd
-    differentiates; resets alone run through the Function."""
+    """Decay with resets, a learned decay (its gradient) and autocast keep the products
+    autograd differentiates; resets alone and a fixed decay alone run through the Function."""
     (q, v, rho0), _ = make_inputs(8, torch.float32, True, seed=2)
     fn = EXECUTOR_FUNCTIONS[executor]
     mask = torch.zeros(B, 8, dtype=torch.bool)
     mask[0, 5] = True
-    for kwargs in (dict(log_decay=LOG_DECAY), dict(log_decay=LOG_DECAY, reset_mask=mask)):
+    learned = LOG_DECAY.clone().requires_grad_()
+    for kwargs in (dict(log_decay=LOG_DECAY, reset_mask=mask), dict(log_decay=learned)):
         out, _ = fn(q, v, initial_state=rho0, chunk_size=3, **kwargs)
         assert type(out.grad_fn).__name__ != "ChunkedAttentionBackward", kwargs
-    out, _ = fn(q, v, initial_state=rho0, chunk_size=3, reset_mask=mask)
-    assert type(out.grad_fn).__name__ == "ChunkedAttentionBackward"
+    for kwargs in (dict(reset_mask=mask), dict(log_decay=LOG_DECAY)):
+        out, _ = fn(q, v, initial_state=rho0, chunk_size=3, **kwargs)
+        assert type(out.grad_fn).__name__ == "ChunkedAttentionBackward", kwargs
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = fn(q, v, initial_state=rho0, chunk_size=3)
     assert type(out.grad_fn).__name__ != "ChunkedAttentionBackward"
@@ -636,11 +665,11 @@ def heads_major_copy(x):
     return x.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_(x.requires_grad)
 
 
-@pytest.mark.parametrize("resets", [False, True], ids=["no-resets", "resets"])
+@pytest.mark.parametrize("factors", ["none", "resets", "decay"])
 @pytest.mark.parametrize("value_heads", [1, H], ids=["shared-v", "per-head-v"])
 @pytest.mark.parametrize(("executor", "chunk_size"), [("dense", 13), ("chunked", 4)])
 def test_heads_major_queries_compute_what_contiguous_ones_do(
-    executor, chunk_size, value_heads, resets
+    executor, chunk_size, value_heads, factors
 ):
     """Queries laid out heads-major (as the projections leave them for long inputs) run
     through the Function on that layout: outputs, final state and the gradients of q, v and
@@ -651,9 +680,10 @@ def test_heads_major_queries_compute_what_contiguous_ones_do(
     (q, v, rho0), (g_out, g_rho) = make_inputs(13, torch.float64, True, seed=14)
     if value_heads > 1:
         v = v.detach().expand(B, value_heads, 13, D).contiguous().requires_grad_()
-    mask = reset_mask_for(13) if resets else None
+    mask = reset_mask_for(13) if factors == "resets" else None
+    log_decay = LOG_DECAY if factors == "decay" else None
     fn = EXECUTOR_FUNCTIONS[executor]
-    kwargs = dict(chunk_size=chunk_size, reset_mask=mask)
+    kwargs = dict(chunk_size=chunk_size, reset_mask=mask, log_decay=log_decay)
     results = []
     for layout in (lambda x: x, heads_major_copy):
         qq, vv, rr = layout(q), layout(v) if value_heads > 1 else v, layout(rho0)
@@ -672,3 +702,21 @@ def test_heads_major_queries_compute_what_contiguous_ones_do(
         strict=True,
     ):
         assert got.shape == expected.shape and torch.equal(got, expected), name
+
+
+@pytest.mark.parametrize("decay", [False, True], ids=["no-decay", "decay"])
+@pytest.mark.parametrize(("executor", "chunk_size"), [("dense", 13), ("chunked", 4)])
+def test_a_loss_on_the_final_state_alone(executor, chunk_size, decay):
+    """Only the final state feeds the loss (the output's gradient never arrives: d_out is
+    None in backward): gradients of q, v and rho0 equal autograd's through the products."""
+    (q, v, rho0), (_, g_rho) = make_inputs(13, torch.float64, True, seed=15)
+    log_decay = LOG_DECAY if decay else None
+    _, final = EXECUTOR_FUNCTIONS[executor](
+        q, v, initial_state=rho0, chunk_size=chunk_size, log_decay=log_decay
+    )
+    assert type(final.grad_fn).__name__ == "ChunkedAttentionBackward"
+    got = torch.autograd.grad((final * g_rho).sum(), (q, v, rho0))
+    _, ref_final = mixer.chunked_by_products(q, v, rho0, log_decay, chunk_size, True)
+    expected = torch.autograd.grad((ref_final * g_rho).sum(), (q, v, rho0))
+    for name, g, g_ref in zip(("q", "v", "rho0"), got, expected, strict=True):
+        assert_close(g, g_ref, rtol=1e-10, msg=f"grad of {name}")

@@ -1,4 +1,5 @@
-"""rope's complex multiply (with its hand-written backward) against the rotation written out."""
+"""rope's complex multiply (with its hand-written backward) against the rotation written out;
+the decay powers."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from bdh_train.model.matmul import is_heads_major
-from bdh_train.model.positions import apply_rope, rope_cos_sin, rotate_pairs
+from bdh_train.model.positions import apply_rope, decay_powers, rope_cos_sin, rotate_pairs
 
 
 def rope_inputs(dtype):
@@ -81,3 +82,24 @@ def test_rope_backward_takes_gradients_of_any_layout():
     (got,) = torch.autograd.grad(apply_rope(v, cos, sin), v, wide)
     (ref,) = torch.autograd.grad(v * cos + rotate_pairs(v) * sin, v, wide)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "first_cut"),
+    [(torch.float64, 355), (torch.float32, 44), (torch.bfloat16, 44), (torch.float16, 44)],
+)
+def test_decay_powers_are_exact_and_negligible_ones_zero(dtype, first_cut):
+    """d^e rounded once from float64, per head; powers below sqrt(tiny) (which would drive
+    products into denormal numbers) are exactly 0, every other one kept. The bound is
+    float32's for the narrower dtypes (float16's own, 7.8e-3, would cut alibi's head 0 after
+    5 tokens): e^-44 < 1.08e-19 <= e^-43."""
+    log_decay = torch.tensor([-1.0, -0.25], dtype=torch.float64)
+    exponents = torch.arange(0, 2000)
+    got = decay_powers(log_decay, exponents, torch.empty(0, dtype=dtype))
+    exact = torch.exp(log_decay.view(-1, 1) * exponents.to(torch.float64))
+    wide = torch.promote_types(dtype, torch.float32)
+    kept = exact >= torch.finfo(wide).tiny ** 0.5
+    assert got.dtype == dtype and got.shape == (2, 2000)
+    assert torch.equal(got[kept], exact[kept].to(dtype))
+    assert torch.equal(got[~kept], torch.zeros_like(got[~kept]))
+    assert kept[0, first_cut - 1] and not kept[0, first_cut]

@@ -1,4 +1,4 @@
-"""The chunked executor without decay as one autograd Function with a hand-written backward.
+"""The chunked executor as one autograd Function with a hand-written backward.
 
 For queries q [B, H, T, N] (keys are the queries), values v [B, 1|H, T, D] and an incoming
 state rho0 [B, H, N, D] (or none), cut into K chunks of C tokens (the last zero-padded):
@@ -30,14 +30,22 @@ document is still the one open when chunk k begins (a carry matrix per row) and 
 no reset came before chunk k; Q_k reads S_k only up to the chunk's first reset; rho_T takes
 S_(K-1) only when the last chunk has no reset. Backward applies the same factors.
 
+A fixed per-head decay d = exp(log_decay) (alibi; `ChunkDecay`) weighs the same terms
+instead: A_k by d^(t - s), V_k's writes by d^(C - s) (the last chunk's by d^(L - s) for its
+L real tokens), the carry of W_j into S_k by d^(C (k - 1 - j)), rho0 into S_k by d^(kC),
+token t's read of S_k by d^t and rho_T's of S_(K-1) by d^L; backward applies them where the
+reset factors stand. Resets and decay together, and a learned decay (whose gradient this
+backward does not compute), keep the products under autograd (model/mixer.py).
+
 Queries laid out heads-major (a [B, H, T, N] view of a contiguous [H, B, T, N], as the
 layer's projections leave long inputs) run as they lie: every tensor is transposed to
-[H, B, ...] (v to [1, B, ...], the reset masks to [1, B, ...]), the products above treat the
+[H, B, ...] (v, the reset masks and the decay factors with them), the products above treat the
 two leading dims as one batch, and the outputs are transposed back.
 
 On the CPU this Function's forward and backward take 0.72 of autograd's (403 vs 561 ms at
-B=8, H=4, T=2048, N=512, C=128). One chunk of the whole call is the dense executor without
-decay: there no state is read without rho0 and W is computed only for the final state.
+B=8, H=4, T=2048, N=512, C=128), and with alibi's decay 0.21 (139 vs 626 ms at T=512, B=8).
+One chunk of the whole call is the dense executor: there no state is read without rho0 and
+W is computed only for the final state.
 tests/model/test_mixer.py checks it against the token-by-token definition and against the
 same products under autograd.
 """
@@ -52,6 +60,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from bdh_train.model.matmul import is_heads_major
+from bdh_train.model.positions import decay_powers
 
 
 class ResetMasks(NamedTuple):
@@ -96,6 +105,65 @@ def reset_masks(
     return ResetMasks(*(m.transpose(0, 1) for m in masks)) if heads_first else masks
 
 
+class ChunkDecay(NamedTuple):
+    """The factors a per-head decay d_h = exp(log_decay_h) puts on the chunked products, for
+    K chunks of C tokens, the last with L real tokens; each broadcasts over the batch (shapes
+    below; [H, 1, ...] for products laid out heads first). Named as `ResetMasks`' fields
+    where they stand on the same terms."""
+
+    scores: Tensor  # [1, H, 1, C, C]: d^(t - s), token t's weight on an earlier s in its chunk
+    reads: Tensor  # [1, H, 1, C, 1]: d^t, token t's weight on S_k
+    writes: Tensor  # [1, H, K, C, 1]: d^(C - s) (last chunk d^(L - s), 0 on padding)
+    carry: Tensor  # [1, H, K, K]: d^(C (k - 1 - j)) for j < k, else 0
+    from_rho0: Tensor  # [1, H, K, 1, 1]: d^(k C)
+    final_carries: Tensor  # [1, H, 1, 1]: d^L, rho_T's weight on S_(K-1)
+
+
+def chunk_decay(
+    log_decay: Tensor, seq_len: int, chunk_size: int, like: Tensor, heads_first: bool = False
+) -> ChunkDecay:
+    """`ChunkDecay` of per-head log-decays [H] (float64), in `like`'s dtype and device
+    (`decay_powers`: float64 powers of integer exponents, rounded once)."""
+    c = chunk_size
+    n_chunks = -(-seq_len // c)
+    last = seq_len - (n_chunks - 1) * c
+    local = torch.arange(c, device=like.device)
+    chunk = torch.arange(n_chunks, device=like.device)
+    lengths = torch.full((n_chunks, 1), c, device=like.device)
+    lengths[-1] = last
+    remaining = lengths - local  # [K, C]: L_k - s, real tokens where > 0
+    later = chunk.view(-1, 1) - 1 - chunk.view(1, -1)  # [K, K]: k - 1 - j
+    gap = (local.view(-1, 1) - local.view(1, -1)).clamp_min(0)  # [C, C]: t - s where s < t
+
+    def powers(exponents: Tensor, keep: Tensor | None = None) -> Tensor:
+        values = decay_powers(log_decay, exponents, like)  # [H, *exponents.shape]
+        return values if keep is None else torch.where(keep, values, 0.0)
+
+    decay = ChunkDecay(
+        scores=powers(gap).unsqueeze(0).unsqueeze(2),
+        reads=powers(local).view(1, -1, 1, c, 1),
+        writes=powers(remaining.clamp_min(0), remaining > 0).unsqueeze(0).unsqueeze(-1),
+        carry=powers(c * later.clamp_min(0), later >= 0).unsqueeze(0),
+        from_rho0=powers(c * chunk).view(1, -1, n_chunks, 1, 1),
+        final_carries=powers(lengths[-1]).view(1, -1, 1, 1),
+    )
+    return ChunkDecay(*(f.transpose(0, 1) for f in decay)) if heads_first else decay
+
+
+Factors = ResetMasks | ChunkDecay
+
+
+def _weigh_scores(scores: Tensor, factors: Factors | None) -> None:
+    """Causal scores (or their gradient) [B, H, K, C, C] in place: s < t of one document
+    under resets, d^(t - s) under decay."""
+    if isinstance(factors, ResetMasks):
+        scores.masked_fill_(~factors.pairs, 0)
+        return
+    if factors is not None:
+        scores.mul_(factors.scores)
+    scores.tril_(diagonal=-1)
+
+
 def _pad_to_chunks(x: Tensor, chunk_size: int) -> Tensor:
     """x [B, H, T, .] zero-padded along T to whole chunks and viewed [B, H, K, C, .]."""
     batch, heads, seq_len, width = x.shape
@@ -114,7 +182,7 @@ def _carry_matrix(n_chunks: int, like: Tensor) -> Tensor:
 
 def chunked_forward(
     qc: Tensor, vc: Tensor, rho0: Tensor | None, final_state: bool,
-    resets: ResetMasks | None = None,
+    factors: Factors | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """(out [B, H, K, C, D], A, S or None, W or None) for chunked queries qc [B, H, K, C, N]
     and values vc [B, 1|H, K, C, D] (or all heads first: qc [H, B, ...], vc [1, B, ...]). One
@@ -123,81 +191,83 @@ def chunked_forward(
     batch, heads, n_chunks, c, n = qc.shape
     d = vc.shape[-1]
     scores = torch.matmul(qc, qc.transpose(-1, -2))  # A, [B, H, K, C, C]
-    if resets is None:
-        scores.tril_(diagonal=-1)
-    else:
-        scores.masked_fill_(~resets.pairs, 0)
+    _weigh_scores(scores, factors)
     writes = None
     if n_chunks > 1 or final_state:
-        written = vc if resets is None else vc * resets.writes
+        written = vc if factors is None else vc * factors.writes
         writes = torch.matmul(qc.transpose(-1, -2), written)  # W, [B, H, K, N, D]
     states = None
     if n_chunks > 1:
         assert writes is not None
-        carry = _carry_matrix(n_chunks, qc) if resets is None else resets.carry
+        carry = _carry_matrix(n_chunks, qc) if factors is None else factors.carry
         states = torch.matmul(carry, writes.flatten(-2))
         states = states.view(batch, heads, n_chunks, n, d)  # S without rho0
         if rho0 is not None:
             rho0_part = rho0.unsqueeze(2)
-            states.add_(rho0_part if resets is None else rho0_part * resets.from_rho0)
+            states.add_(rho0_part if factors is None else rho0_part * factors.from_rho0)
     elif rho0 is not None:
-        states = rho0.unsqueeze(2)  # [B, H, 1, N, D]: no reset comes before the first chunk
+        states = rho0.unsqueeze(2)  # [B, H, 1, N, D]: no reset, no decay before chunk 0
     out = torch.matmul(scores, vc)  # [B, H, K, C, D]
     if states is not None:
         rows = batch * heads * n_chunks
-        if resets is None:
+        if factors is None:
             out.view(rows, c, d).baddbmm_(qc.reshape(rows, c, n), states.reshape(rows, n, d))
         else:
-            out.add_(torch.matmul(qc, states).mul_(resets.reads))
+            out.add_(torch.matmul(qc, states).mul_(factors.reads))
     return out, scores, states, writes
 
 
 def _final_state(
-    states: Tensor | None, writes: Tensor | None, resets: ResetMasks | None
+    states: Tensor | None, writes: Tensor | None, factors: Factors | None
 ) -> Tensor:
-    """rho_T = S_(K-1) + W_(K-1), S_(K-1) dropped by a reset in the last chunk."""
+    """rho_T = S_(K-1) + W_(K-1), S_(K-1) dropped by a reset in the last chunk or decayed
+    over its L tokens."""
     assert writes is not None
     if states is None:
         return writes[:, :, -1]
     carried = states[:, :, -1]
-    if resets is not None:
-        carried = carried * resets.final_carries
+    if factors is not None:
+        carried = carried * factors.final_carries
     return carried + writes[:, :, -1]
 
 
 def _run_forward(
     q: Tensor, v: Tensor, rho0: Tensor | None, chunk_size: int, final_state: bool,
-    reset_mask: Tensor | None, heads_first: bool = False,
-) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor | None], ResetMasks | None]:
+    reset_mask: Tensor | None, heads_first: bool = False, log_decay: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor | None], Factors | None]:
     """(out [B, H, T, D], rho_T or None, what backward needs: (qc, vc, A, S), the reset
-    masks or None) of the executor's forward; `heads_first`: the tensors are laid out
-    [H, B, ...] (the reset mask stays [B, T])."""
+    masks or decay factors or None) of the executor's forward; `heads_first`: the tensors are
+    laid out [H, B, ...] (the reset mask stays [B, T]). Resets and decay do not combine."""
     batch, heads, seq_len, _ = q.shape
-    resets = None
+    factors: Factors | None = None
     if reset_mask is not None:
-        resets = reset_masks(reset_mask, chunk_size, q.dtype, heads_first)
+        assert log_decay is None, "the Function takes resets or decay, not both"
+        factors = reset_masks(reset_mask, chunk_size, q.dtype, heads_first)
+    elif log_decay is not None:
+        factors = chunk_decay(log_decay, seq_len, chunk_size, q, heads_first)
     qc, vc = _pad_to_chunks(q, chunk_size), _pad_to_chunks(v, chunk_size)
-    out, scores, states, writes = chunked_forward(qc, vc, rho0, final_state, resets)
-    final = _final_state(states, writes, resets) if final_state else None
+    out, scores, states, writes = chunked_forward(qc, vc, rho0, final_state, factors)
+    final = _final_state(states, writes, factors) if final_state else None
     out = out.view(batch, heads, -1, out.shape[-1])[:, :, :seq_len]
-    return out, final, (qc, vc, scores, states), resets
+    return out, final, (qc, vc, scores, states), factors
 
 
 class ChunkedAttention(torch.autograd.Function):
-    """(out [B, H, T, D], rho_T or None) of the chunked executor without decay; see the
+    """(out [B, H, T, D], rho_T or None) of the chunked executor (resets or decay); see the
     module's docstring for the products of forward and backward."""
 
     @staticmethod
     def forward(
         ctx, q: Tensor, v: Tensor, rho0: Tensor | None, chunk_size: int, final_state: bool,
         reset_mask: Tensor | None = None, heads_first: bool = False,
+        log_decay: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        out, final, (qc, vc, scores, states), resets = _run_forward(
-            q, v, rho0, chunk_size, final_state, reset_mask, heads_first
+        out, final, (qc, vc, scores, states), factors = _run_forward(
+            q, v, rho0, chunk_size, final_state, reset_mask, heads_first, log_decay
         )
         ctx.save_for_backward(qc, vc, scores, states)
         ctx.shape = (q.shape[2], v.shape, rho0 is not None)
-        ctx.resets = resets
+        ctx.factors = factors
         ctx.set_materialize_grads(False)
         return out, final
 
@@ -206,7 +276,7 @@ class ChunkedAttention(torch.autograd.Function):
     def backward(ctx, d_out: Tensor | None, d_final: Tensor | None):
         qc, vc, scores, states = ctx.saved_tensors
         seq_len, v_shape, has_rho0 = ctx.shape
-        resets: ResetMasks | None = ctx.resets
+        factors: Factors | None = ctx.factors
         batch, heads, n_chunks, c, n = qc.shape
         d = vc.shape[-1]
         rows = batch * heads * n_chunks
@@ -218,12 +288,9 @@ class ChunkedAttention(torch.autograd.Function):
         q_rows = qc.reshape(rows, c, n)
 
         d_scores = torch.bmm(d_out_rows, values.transpose(1, 2))
-        if resets is None:
-            d_scores.tril_(diagonal=-1)
-        else:
-            d_scores.view(batch, heads, n_chunks, c, c).masked_fill_(~resets.pairs, 0)
+        _weigh_scores(d_scores.view(batch, heads, n_chunks, c, c), factors)
         d_q = torch.bmm(d_scores + d_scores.transpose(1, 2), q_rows)  # [rows, C, N]
-        d_read = d_out_c if resets is None else d_out_c * resets.reads  # dOut where S is read
+        d_read = d_out_c if factors is None else d_out_c * factors.reads  # dOut where S is read
         d_read_rows = d_read.reshape(rows, c, d)
         if states is not None:
             d_q.baddbmm_(d_read_rows, states.reshape(rows, n, d).transpose(1, 2))
@@ -231,12 +298,12 @@ class ChunkedAttention(torch.autograd.Function):
         if n_chunks > 1 or has_rho0:
             d_states = torch.matmul(qc.transpose(-1, -2), d_read)  # [B, H, K, N, D]
             if d_final is not None:
-                carried = d_final if resets is None else d_final * resets.final_carries
+                carried = d_final if factors is None else d_final * factors.final_carries
                 d_states[:, :, -1] += carried
         d_writes = None
         if n_chunks > 1:
             assert d_states is not None
-            carry = _carry_matrix(n_chunks, qc) if resets is None else resets.carry
+            carry = _carry_matrix(n_chunks, qc) if factors is None else factors.carry
             d_writes = torch.matmul(carry.transpose(-1, -2), d_states.flatten(-2))
             d_writes = d_writes.view_as(d_states)
             if d_final is not None:
@@ -247,11 +314,11 @@ class ChunkedAttention(torch.autograd.Function):
         if d_writes is not None:
             d_writes_rows = d_writes.reshape(rows, n, d)
             written = values
-            if resets is not None:  # only the tokens that write: V masked, and their dV
-                writes = resets.writes.expand(batch, heads, n_chunks, c, 1)
+            if factors is not None:  # V weighed per writing token, and so its dV
+                writes = factors.writes.expand(batch, heads, n_chunks, c, 1)
                 written = values * writes.reshape(rows, c, 1)
                 d_v.view(batch, heads, n_chunks, c, d).add_(
-                    torch.matmul(qc, d_writes).mul_(resets.writes)
+                    torch.matmul(qc, d_writes).mul_(factors.writes)
                 )
             else:
                 d_v.baddbmm_(q_rows, d_writes_rows)
@@ -261,19 +328,20 @@ class ChunkedAttention(torch.autograd.Function):
             d_v = d_v.sum_to_size(v_shape)
         d_rho0 = None
         if has_rho0 and d_states is not None:
-            from_rho0 = d_states if resets is None else d_states * resets.from_rho0
+            from_rho0 = d_states if factors is None else d_states * factors.from_rho0
             d_rho0 = from_rho0.sum(dim=2)
         d_q = d_q.view(batch, heads, n_chunks * c, n)[:, :, :seq_len]
-        return d_q, d_v, d_rho0, None, None, None, None
+        return d_q, d_v, d_rho0, None, None, None, None, None
 
 
-def chunked_attention_without_decay(
+def chunked_attention_function(
     q: Tensor, v: Tensor, initial_state: Tensor | None, chunk_size: int, final_state: bool,
-    reset_mask: Tensor | None = None,
+    reset_mask: Tensor | None = None, log_decay: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The chunked executor without decay: through `ChunkedAttention` when a gradient is
-    recorded, else its forward alone (nothing saved). `reset_mask` [B, T] (True where a row's
-    new document begins) drops a row's state before it."""
+    """The chunked executor through `ChunkedAttention` when a gradient is recorded, else its
+    forward alone (nothing saved). `reset_mask` [B, T] (True where a row's new document
+    begins) drops a row's state before it; `log_decay` [H] (no gradient; not with resets)
+    decays the state per head and token."""
     if reset_mask is not None:
         reset_mask = reset_mask.to(q.device)
     heads_first = is_heads_major(q)
@@ -282,7 +350,7 @@ def chunked_attention_without_decay(
         if initial_state is not None:
             initial_state = initial_state.transpose(0, 1)
     inputs = (q, v) if initial_state is None else (q, v, initial_state)
-    args = (q, v, initial_state, chunk_size, final_state, reset_mask, heads_first)
+    args = (q, v, initial_state, chunk_size, final_state, reset_mask, heads_first, log_decay)
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
         out, final = ChunkedAttention.apply(*args)
     else:

@@ -45,8 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bdh_train.model.chunked_grad import chunked_attention_without_decay
+from bdh_train.model.chunked_grad import chunked_attention_function
 from bdh_train.model.matmul import is_heads_major
+from bdh_train.model.positions import decay_powers
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -135,22 +136,18 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
-def _hand_written_backward_applies(q: Tensor, log_decay: Tensor | None) -> bool:
-    """Whether dense and chunked (reset masks included) run as `ChunkedAttention`: without
-    decay, outside autocast (its backward would not run under it) and outside torch.compile
-    (inductor fuses the autograd form itself)."""
+def _hand_written_backward_applies(
+    q: Tensor, log_decay: Tensor | None, reset_mask: Tensor | None
+) -> bool:
+    """Whether dense and chunked run as `ChunkedAttention`: with reset masks or a fixed decay
+    (not both, and not a decay that is learned), outside autocast (its backward would not run
+    under it) and outside torch.compile (inductor fuses the autograd form itself)."""
+    decay_applies = log_decay is None or (reset_mask is None and not log_decay.requires_grad)
     return (
-        log_decay is None
+        decay_applies
         and _autocast_dtype(q.device.type) is None
         and not torch.compiler.is_compiling()
     )
-
-
-def _decay_powers(log_decay: torch.Tensor, exponents: torch.Tensor, like: torch.Tensor):
-    """d_h^e for every e in `exponents` -> [H, *exponents.shape] in `like`'s dtype/device."""
-    log_decay = log_decay.to(like.device).view(-1, *([1] * exponents.dim()))
-    powers = torch.exp(log_decay * exponents.to(torch.float64))
-    return powers.to(like.dtype)
 
 
 def reset_segments(reset_mask: Tensor) -> Tensor:
@@ -165,11 +162,12 @@ def dense_attention(
     output_final_state: bool = True, reset_mask: Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole call at once through the masked T x T score matrix (chunk_size unused).
-    Without decay this is the chunked executor's Function with one chunk."""
+    Without a learned decay, and without decay and resets together, this is the chunked
+    executor's Function with one chunk."""
     seq_len = q.shape[2]
-    if seq_len > 0 and _hand_written_backward_applies(q, log_decay):
-        return chunked_attention_without_decay(
-            q, v, initial_state, seq_len, output_final_state, reset_mask
+    if seq_len > 0 and _hand_written_backward_applies(q, log_decay, reset_mask):
+        return chunked_attention_function(
+            q, v, initial_state, seq_len, output_final_state, reset_mask, log_decay
         )
     rho = initial_state
     segment = None if reset_mask is None else reset_segments(reset_mask.to(q.device))
@@ -177,7 +175,7 @@ def dense_attention(
     if log_decay is not None:
         t = torch.arange(seq_len, device=q.device)
         gap = (t.unsqueeze(1) - t.unsqueeze(0)).clamp_min(0)
-        scores = scores * _decay_powers(log_decay, gap, q)  # [H, T, T]
+        scores = scores * decay_powers(log_decay, gap, q)  # [H, T, T]
     if segment is None:
         scores = scores.tril_(diagonal=-1)
     else:  # token t reads token s < t only inside its own document: one pass for both rules
@@ -190,7 +188,7 @@ def dense_attention(
         q_read = q
         if log_decay is not None:
             t = torch.arange(seq_len, device=q.device)
-            q_read = q * _decay_powers(log_decay, t, q).unsqueeze(-1)  # d^t, [H, T, 1]
+            q_read = q * decay_powers(log_decay, t, q).unsqueeze(-1)  # d^t, [H, T, 1]
         from_rho = q_read @ rho
         if segment is not None:  # only the tokens before the row's first reset read rho0
             from_rho = from_rho.masked_fill((segment != 0).view(-1, 1, seq_len, 1), 0)
@@ -200,7 +198,7 @@ def dense_attention(
     q_write = q
     if log_decay is not None:
         s = torch.arange(seq_len, device=q.device)
-        q_write = q * _decay_powers(log_decay, seq_len - s, q).unsqueeze(-1)
+        q_write = q * decay_powers(log_decay, seq_len - s, q).unsqueeze(-1)
     v_write = v
     if segment is not None:  # the final state holds the last document only
         earlier = segment != segment[:, -1:]
@@ -210,7 +208,7 @@ def dense_attention(
         carried = rho
         if log_decay is not None:
             total = torch.tensor([seq_len], device=q.device)
-            carried = rho * _decay_powers(log_decay, total, q).view(1, -1, 1, 1)
+            carried = rho * decay_powers(log_decay, total, q).view(1, -1, 1, 1)
         if segment is not None:
             carried = carried.masked_fill((segment[:, -1] != 0).view(-1, 1, 1, 1), 0)
         new_rho = carried + new_rho
@@ -235,15 +233,15 @@ def chunked_attention(
     S is one [K, K] matrix product over the chunks' writes, so a call costs a fixed number of
     batched products whatever T is, and its shapes follow T symbolically under torch.compile.
     The final state continues from the last chunk's S with that chunk's real tokens only.
-    Without decay, outside autocast and torch.compile, the same products run as one autograd
-    Function with a backward of fewer products and no [B, H, T, N] gradient sums, resets
-    included as 0/1 factors on its terms (model/chunked_grad.py). Otherwise
-    `chunked_by_products` is the form autograd differentiates, and with a reset mask the
-    chunks run one after another (`_chunk_by_chunk`).
+    Outside autocast and torch.compile, the same products run as one autograd Function with
+    a backward of fewer products and no [B, H, T, N] gradient sums, resets (0/1 factors) or a
+    fixed decay (powers) weighing its terms (model/chunked_grad.py). Otherwise, and for a
+    learned decay, `chunked_by_products` is the form autograd differentiates; decay with a
+    reset mask runs the chunks one after another (`_chunk_by_chunk`).
     """
-    if _hand_written_backward_applies(q, log_decay):
-        return chunked_attention_without_decay(
-            q, v, initial_state, chunk_size, output_final_state, reset_mask
+    if _hand_written_backward_applies(q, log_decay, reset_mask):
+        return chunked_attention_function(
+            q, v, initial_state, chunk_size, output_final_state, reset_mask, log_decay
         )
     if reset_mask is not None:
         return _chunk_by_chunk(
@@ -271,10 +269,10 @@ def chunked_by_products(
     scores = qc @ qc.transpose(-1, -2)  # [B, H, K, C, C]
     if log_decay is not None:
         gap = (local.unsqueeze(1) - local.unsqueeze(0)).clamp_min(0)
-        scores = scores * _decay_powers(log_decay, gap, q).unsqueeze(1)  # [H, 1, C, C]
+        scores = scores * decay_powers(log_decay, gap, q).unsqueeze(1)  # [H, 1, C, C]
     out = scores.tril_(diagonal=-1) @ vc
 
-    q_write = qc if log_decay is None else qc * _decay_powers(log_decay, c - local, q).view(
+    q_write = qc if log_decay is None else qc * decay_powers(log_decay, c - local, q).view(
         -1, 1, c, 1
     )
     writes = (q_write.transpose(-1, -2) @ vc).flatten(-2)  # W_k, [B, H, K, N*D]
@@ -282,14 +280,14 @@ def chunked_by_products(
     if log_decay is None:
         carry = (later >= 0).to(q.dtype)
     else:
-        carry = _decay_powers(log_decay, c * later.clamp_min(0), q) * (later >= 0)
+        carry = decay_powers(log_decay, c * later.clamp_min(0), q) * (later >= 0)
     states = (carry @ writes).view(batch, heads, n_chunks, n, d)  # S_k without rho0
     if initial_state is not None:
         rho = initial_state.unsqueeze(2)  # [B, H, 1, N, D]
         if log_decay is not None:
-            rho = rho * _decay_powers(log_decay, c * chunk_index, q).view(-1, n_chunks, 1, 1)
+            rho = rho * decay_powers(log_decay, c * chunk_index, q).view(-1, n_chunks, 1, 1)
         states = states + rho
-    q_read = qc if log_decay is None else qc * _decay_powers(log_decay, local, q).view(
+    q_read = qc if log_decay is None else qc * decay_powers(log_decay, local, q).view(
         -1, 1, c, 1
     )
     out = (out + q_read @ states).view(batch, heads, n_chunks * c, d)[:, :, :seq_len]
@@ -300,9 +298,9 @@ def chunked_by_products(
     q_last, carried = q[:, :, start:seq_len], states[:, :, -1]
     if log_decay is not None:
         remaining = seq_len - torch.arange(start, seq_len, device=q.device)
-        q_last = q_last * _decay_powers(log_decay, remaining, q).unsqueeze(-1)
+        q_last = q_last * decay_powers(log_decay, remaining, q).unsqueeze(-1)
         total = torch.tensor([seq_len - start], device=q.device)
-        carried = carried * _decay_powers(log_decay, total, q).view(1, -1, 1, 1)
+        carried = carried * decay_powers(log_decay, total, q).view(1, -1, 1, 1)
     return out, carried + q_last.transpose(-1, -2) @ v[:, :, start:seq_len]
 
 
@@ -402,7 +400,7 @@ def linear_attention(
     if fn is None:
         raise ValueError(f"unknown executor {executor!r}; expected one of {EXECUTORS} or 'auto'")
     runs_the_function = executor in ("dense", "chunked") and _hand_written_backward_applies(
-        q, log_decay
+        q, log_decay, reset_mask
     )
     if is_heads_major(q) and not runs_the_function:
         q = q.contiguous()  # only ChunkedAttention runs on the heads-major layout as it lies

@@ -82,6 +82,20 @@ def apply_rope(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return v * cos + rotate_pairs(v) * sin
 
 
+def decay_powers(
+    log_decay: torch.Tensor, exponents: torch.Tensor, like: torch.Tensor
+) -> torch.Tensor:
+    """d_h^e for every e in `exponents` -> [H, *exponents.shape] in `like`'s dtype and device,
+    taken in float64 and rounded once. Powers below sqrt(tiny) of that dtype (float32's for a
+    narrower one: 1e-19) are 0: they weigh a term by less than that against the newest
+    token's, and products of them run into denormal numbers, which the CPU computes several
+    times slower (measured 2-5x on the whole mixer)."""
+    log_decay = log_decay.to(like.device).view(-1, *([1] * exponents.dim()))
+    powers = torch.exp(log_decay * exponents.to(device=like.device, dtype=torch.float64))
+    negligible = torch.finfo(torch.promote_types(like.dtype, torch.float32)).tiny ** 0.5
+    return torch.where(powers >= negligible, powers, 0.0).to(like.dtype)
+
+
 def alibi_log_decay(n_head: int) -> torch.Tensor:
     """log d_h = -slope_h with slope_h = 2^(-h/H): the per-head, per-token state decay."""
     h = torch.arange(n_head, dtype=torch.float64)

@@ -21,6 +21,7 @@ import torch
 from helpers import assert_close
 
 from bdh_train.model import mixer
+from bdh_train.model.matmul import is_heads_major
 from bdh_train.model.mixer import (
     EXECUTOR_FUNCTIONS,
     EXECUTORS,
@@ -720,3 +721,75 @@ def test_a_loss_on_the_final_state_alone(executor, chunk_size, decay):
     expected = torch.autograd.grad((ref_final * g_rho).sum(), (q, v, rho0))
     for name, g, g_ref in zip(("q", "v", "rho0"), got, expected, strict=True):
         assert_close(g, g_ref, rtol=1e-10, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "no-grad"])
+def test_heads_major_queries_without_a_final_state(recorded):
+    """Heads-major queries and no final state asked for: the output equals the contiguous
+    call's bit for bit and no state comes back."""
+    (q, v, rho0), _ = make_inputs(13, torch.float64, True, seed=16)
+    kwargs = dict(initial_state=rho0, chunk_size=4, output_final_state=False)
+    with torch.set_grad_enabled(recorded):
+        out, final = mixer.chunked_attention(heads_major_copy(q), v, **kwargs)
+        expected, _ = mixer.chunked_attention(q, v, **kwargs)
+    assert final is None and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(("executor", "chunk_size"), VARIANTS)
+def test_a_learned_decay_matches_the_definition_with_its_gradient(executor, chunk_size):
+    """A decay that takes a gradient (alibi_learned) runs autograd's products in every
+    executor: outputs, final state and the gradients of q, v, rho0 and the log-decay itself
+    against the token-by-token definition (float64, 1e-10), T=13 (chunks padded)."""
+    inputs, upstream = make_inputs(13, torch.float64, True, seed=17)
+    learned = LOG_DECAY.clone().requires_grad_()
+    out, final = EXECUTOR_FUNCTIONS[executor](
+        *inputs[:2], initial_state=inputs[2], log_decay=learned, chunk_size=chunk_size
+    )
+    assert type(out.grad_fn).__name__ != "ChunkedAttentionBackward"
+    loss = (out * upstream[0]).sum() + (final * upstream[1]).sum()
+    got = torch.autograd.grad(loss, [*inputs, learned])
+    ref_out, ref_final = definition(*inputs[:2], inputs[2], learned)
+    ref_loss = (ref_out * upstream[0]).sum() + (ref_final * upstream[1]).sum()
+    expected = torch.autograd.grad(ref_loss, [*inputs, learned])
+    assert_close(out, ref_out, rtol=1e-10, msg="out")
+    assert_close(final, ref_final, rtol=1e-10, msg="final state")
+    for name, g, g_ref in zip(("q", "v", "rho0", "log_decay"), got, expected, strict=True):
+        assert_close(g, g_ref, rtol=1e-10, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize(
+    ("executor", "log_decay", "runs_as_it_lies"),
+    [
+        ("dense", None, True), ("chunked", None, True), ("chunked", "fixed", True),
+        ("chunked", "learned", False), ("dense", "learned", False),
+        ("recurrent", None, False),
+    ],
+)
+def test_only_the_function_takes_heads_major_queries_as_they_lie(
+    monkeypatch, executor, log_decay, runs_as_it_lies
+):
+    """linear_attention hands heads-major queries on uncopied where the executor runs the
+    Function (it runs on that layout), and a contiguous copy to every other form; the
+    output is the contiguous call's either way."""
+    (q, v, rho0), _ = make_inputs(13, torch.float64, True, seed=18)
+    decay = {None: None, "fixed": LOG_DECAY, "learned": LOG_DECAY.clone().requires_grad_()}
+    kwargs = dict(
+        executor=executor, initial_state=rho0, log_decay=decay[log_decay], chunk_size=4
+    )
+    seen = []
+    real = EXECUTOR_FUNCTIONS[executor]
+    monkeypatch.setitem(
+        EXECUTOR_FUNCTIONS, executor, lambda q, v, **kw: seen.append(q) or real(q, v, **kw)
+    )
+    out, final = linear_attention(heads_major_copy(q), v, **kwargs)
+    expected, expected_final = linear_attention(q, v, **kwargs)
+    assert is_heads_major(seen[0]) == runs_as_it_lies and seen[1].is_contiguous()
+    assert_close(out, expected, rtol=1e-12, msg="out")
+    assert_close(final, expected_final, rtol=1e-12, msg="final")
+
+
+def test_a_one_token_dense_call_runs_the_function():
+    """Every non-empty dense call takes the Function, a single token included."""
+    (q, v, rho0), _ = make_inputs(1, torch.float64, True, seed=19)
+    out, _ = mixer.dense_attention(q, v, initial_state=rho0)
+    assert type(out.grad_fn).__name__ == "ChunkedAttentionBackward"

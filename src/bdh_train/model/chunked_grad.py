@@ -78,7 +78,7 @@ class ResetMasks(NamedTuple):
 
 
 def reset_masks(
-    reset_mask: Tensor, chunk_size: int, dtype: torch.dtype, heads_first: bool = False
+    reset_mask: Tensor, chunk_size: int, dtype: torch.dtype, heads_first: bool
 ) -> ResetMasks:
     """`ResetMasks` of a [B, T] reset mask (True where a row's new document begins), the
     last chunk padded with tokens of its last document; `dtype`: the carry matrix's.
@@ -113,14 +113,14 @@ class ChunkDecay(NamedTuple):
 
     scores: Tensor  # [1, H, 1, C, C]: d^(t - s), token t's weight on an earlier s in its chunk
     reads: Tensor  # [1, H, 1, C, 1]: d^t, token t's weight on S_k
-    writes: Tensor  # [1, H, K, C, 1]: d^(C - s) (last chunk d^(L - s), 0 on padding)
+    writes: Tensor  # [1, H, K, C, 1]: d^(C - s) (last chunk d^(L - s); padding's q, v are 0)
     carry: Tensor  # [1, H, K, K]: d^(C (k - 1 - j)) for j < k, else 0
     from_rho0: Tensor  # [1, H, K, 1, 1]: d^(k C)
     final_carries: Tensor  # [1, H, 1, 1]: d^L, rho_T's weight on S_(K-1)
 
 
 def chunk_decay(
-    log_decay: Tensor, seq_len: int, chunk_size: int, like: Tensor, heads_first: bool = False
+    log_decay: Tensor, seq_len: int, chunk_size: int, like: Tensor, heads_first: bool
 ) -> ChunkDecay:
     """`ChunkDecay` of per-head log-decays [H] (float64), in `like`'s dtype and device
     (`decay_powers`: float64 powers of integer exponents, rounded once)."""
@@ -132,8 +132,8 @@ def chunk_decay(
     lengths = torch.full((n_chunks, 1), c, device=like.device)
     lengths[-1] = last
     remaining = lengths - local  # [K, C]: L_k - s, real tokens where > 0
-    later = chunk.view(-1, 1) - 1 - chunk.view(1, -1)  # [K, K]: k - 1 - j
-    gap = (local.view(-1, 1) - local.view(1, -1)).clamp_min(0)  # [C, C]: t - s where s < t
+    later = chunk.view(-1, 1) - 1 - chunk  # [K, K]: k - 1 - j
+    gap = (local.view(-1, 1) - local).clamp_min(0)  # [C, C]: t - s where s < t
 
     def powers(exponents: Tensor, keep: Tensor | None = None) -> Tensor:
         values = decay_powers(log_decay, exponents, like)  # [H, *exponents.shape]
@@ -142,7 +142,7 @@ def chunk_decay(
     decay = ChunkDecay(
         scores=powers(gap).unsqueeze(0).unsqueeze(2),
         reads=powers(local).view(1, -1, 1, c, 1),
-        writes=powers(remaining.clamp_min(0), remaining > 0).unsqueeze(0).unsqueeze(-1),
+        writes=powers(remaining.clamp_min(0)).unsqueeze(0).unsqueeze(-1),
         carry=powers(c * later.clamp_min(0), later >= 0).unsqueeze(0),
         from_rho0=powers(c * chunk).view(1, -1, n_chunks, 1, 1),
         final_carries=powers(lengths[-1]).view(1, -1, 1, 1),
@@ -233,7 +233,7 @@ def _final_state(
 
 def _run_forward(
     q: Tensor, v: Tensor, rho0: Tensor | None, chunk_size: int, final_state: bool,
-    reset_mask: Tensor | None, heads_first: bool = False, log_decay: Tensor | None = None,
+    reset_mask: Tensor | None, heads_first: bool, log_decay: Tensor | None,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor | None], Factors | None]:
     """(out [B, H, T, D], rho_T or None, what backward needs: (qc, vc, A, S), the reset
     masks or decay factors or None) of the executor's forward; `heads_first`: the tensors are
@@ -241,7 +241,7 @@ def _run_forward(
     batch, heads, seq_len, _ = q.shape
     factors: Factors | None = None
     if reset_mask is not None:
-        assert log_decay is None, "the Function takes resets or decay, not both"
+        assert log_decay is None  # the dispatch sends decay with resets to autograd
         factors = reset_masks(reset_mask, chunk_size, q.dtype, heads_first)
     elif log_decay is not None:
         factors = chunk_decay(log_decay, seq_len, chunk_size, q, heads_first)

@@ -3,9 +3,10 @@
 #   (0)   the fast paths against a float64 reference on the device (check_device.py), and the
 #         trainer end to end there: train with TBPTT, checkpoint, resume, generate
 #   (i)   executor calibration: dense vs chunked/C vs the official masked form, alternating in
-#         one process (bench_calibration.py); the mixer's hand-written backward vs autograd
-#         (bench_chunked_backward.py); then bdh-train ('auto') vs the official model with
-#         memory (bench_official.py)
+#         one process (bench_calibration.py); the mixer's hand-written backward vs autograd,
+#         with and without alibi's decay (bench_chunked_backward.py); heads-major projections
+#         vs the contiguous layout (bench_layout.py); then bdh-train ('auto') vs the official
+#         model with memory (bench_official.py)
 #   (ii)  compiled (compile_layers / torch.compile) vs eager
 #   (iii) bf16 autocast
 #   (iv)  generation: the fast decoder vs the generic recurrent step (bench_generate.py)
@@ -52,6 +53,7 @@ if [ "$smoke" = 1 ]; then
     grid=(--configs a --grid 64x2 --steps 1)
     calibration=(--device cpu --rounds 1 a:128:2:naive,dense,chunked/64)
     mixer=(--device cpu --rounds 1)
+    layout=(--device cpu --grid a:64x2 --rounds 1)
     compile_grid=()
     gen=(--device cpu --tokens 80 --generic-tokens 80 --batch-tokens 8)
     part_s=${BDH_GPU_SMOKE_LIMIT:-240}
@@ -71,6 +73,7 @@ else
     grid=(--configs a,b --grid 512x8,2048x8,8192x4 --steps 3)
     calibration=(--device cuda --rounds 3)
     mixer=(--device cuda --rounds 4)
+    layout=(--device cuda --grid a:2048x8,b:512x4 --rounds 3)
     compile_grid=(--grid 2048x8)  # one shape: each new shape compiles again
     gen=(--device cuda --generic-tokens 1088 --batch-tokens 512)
     part_s=0  # each part's own limit below
@@ -107,7 +110,7 @@ bench=(benchmarks/bench_official.py --device "$device" "${grid[@]}")
     [ "$smoke" = 1 ] && echo "SMOKE RUN: tiny sizes on the CPU; the figures mean nothing"
 } | tee "$out_file"
 
-# limits add up to 560 s; memory (fresh processes) only at T=2048 B=8
+# limits add up to 590 s; memory (fresh processes) only at T=2048 B=8
 part "(0) fast paths vs float64 on the device" 60 "$python" benchmarks/check_device.py \
     --device "$device"
 run_dir=$(mktemp -d)
@@ -125,6 +128,7 @@ part "(0) the trainer on the device" 90 bash -c "set -e
     $cli generate --checkpoint $run_dir/run --prompt 'The ' --max-new-tokens 64"
 part "(i) executor calibration" 100 "$python" benchmarks/bench_calibration.py "${calibration[@]}"
 part "(i) the mixer's backward" 30 "$python" benchmarks/bench_chunked_backward.py "${mixer[@]}"
+part "(i) heads-major vs contiguous" 30 "$python" benchmarks/bench_layout.py "${layout[@]}"
 part "(i) bdh-train auto vs official" 100 "$python" "${bench[@]}" --executor auto \
     --memory 2048x8
 part "(ii) compiled" 100 "$python" "${bench[@]}" --configs a "${compile_grid[@]}" --compile \

@@ -762,7 +762,7 @@ def test_a_learned_decay_matches_the_definition_with_its_gradient(executor, chun
     [
         ("dense", None, True), ("chunked", None, True), ("chunked", "fixed", True),
         ("chunked", "learned", False), ("dense", "learned", False),
-        ("recurrent", None, False),
+        ("chunked", "fixed+resets", False), ("recurrent", None, False),
     ],
 )
 def test_only_the_function_takes_heads_major_queries_as_they_lie(
@@ -772,9 +772,14 @@ def test_only_the_function_takes_heads_major_queries_as_they_lie(
     Function (it runs on that layout), and a contiguous copy to every other form; the
     output is the contiguous call's either way."""
     (q, v, rho0), _ = make_inputs(13, torch.float64, True, seed=18)
-    decay = {None: None, "fixed": LOG_DECAY, "learned": LOG_DECAY.clone().requires_grad_()}
+    decay = {
+        None: None, "fixed": LOG_DECAY, "fixed+resets": LOG_DECAY,
+        "learned": LOG_DECAY.clone().requires_grad_(),
+    }
+    mask = reset_mask_for(13) if log_decay == "fixed+resets" else None
     kwargs = dict(
-        executor=executor, initial_state=rho0, log_decay=decay[log_decay], chunk_size=4
+        executor=executor, initial_state=rho0, log_decay=decay[log_decay], chunk_size=4,
+        reset_mask=mask,
     )
     seen = []
     real = EXECUTOR_FUNCTIONS[executor]

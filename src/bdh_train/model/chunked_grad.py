@@ -77,12 +77,9 @@ class ResetMasks(NamedTuple):
     final_carries: Tensor  # [B, 1, 1, 1]: rho_T takes S_(K-1) (no reset in the last chunk)
 
 
-def reset_masks(
-    reset_mask: Tensor, chunk_size: int, dtype: torch.dtype, heads_first: bool
-) -> ResetMasks:
+def reset_masks(reset_mask: Tensor, chunk_size: int, dtype: torch.dtype) -> ResetMasks:
     """`ResetMasks` of a [B, T] reset mask (True where a row's new document begins), the
-    last chunk padded with tokens of its last document; `dtype`: the carry matrix's.
-    `heads_first`: for products laid out [H, B, ...], each mask [1, B, ...]."""
+    last chunk padded with tokens of its last document; `dtype`: the carry matrix's."""
     batch, seq_len = reset_mask.shape
     n_chunks = -(-seq_len // chunk_size)
     starts = F.pad(reset_mask.to(torch.long), (0, n_chunks * chunk_size - seq_len))
@@ -94,7 +91,7 @@ def reset_masks(
     pairs = earlier & (document.unsqueeze(3) == document.unsqueeze(2))
     chunk = torch.arange(n_chunks, device=reset_mask.device)
     carry = (chunk.view(-1, 1) > chunk.view(1, -1)) & (first.unsqueeze(2) == last.unsqueeze(1))
-    masks = ResetMasks(
+    return ResetMasks(
         pairs=pairs.unsqueeze(1),
         reads=(document == first.unsqueeze(2)).view(batch, 1, n_chunks, -1, 1),
         writes=(document == last.unsqueeze(2)).view(batch, 1, n_chunks, -1, 1),
@@ -102,7 +99,6 @@ def reset_masks(
         from_rho0=(first == 0).view(batch, 1, n_chunks, 1, 1),
         final_carries=(first[:, -1] == last[:, -1]).view(batch, 1, 1, 1),
     )
-    return ResetMasks(*(m.transpose(0, 1) for m in masks)) if heads_first else masks
 
 
 class ChunkDecay(NamedTuple):
@@ -119,9 +115,7 @@ class ChunkDecay(NamedTuple):
     final_carries: Tensor  # [1, H, 1, 1]: d^L, rho_T's weight on S_(K-1)
 
 
-def chunk_decay(
-    log_decay: Tensor, seq_len: int, chunk_size: int, like: Tensor, heads_first: bool
-) -> ChunkDecay:
+def chunk_decay(log_decay: Tensor, seq_len: int, chunk_size: int, like: Tensor) -> ChunkDecay:
     """`ChunkDecay` of per-head log-decays [H] (float64), in `like`'s dtype and device
     (`decay_powers`: float64 powers of integer exponents, rounded once)."""
     c = chunk_size
@@ -139,7 +133,7 @@ def chunk_decay(
         values = decay_powers(log_decay, exponents, like)  # [H, *exponents.shape]
         return values if keep is None else torch.where(keep, values, 0.0)
 
-    decay = ChunkDecay(
+    return ChunkDecay(
         scores=powers(gap).unsqueeze(0).unsqueeze(2),
         reads=powers(local).view(1, -1, 1, c, 1),
         writes=powers(remaining.clamp_min(0)).unsqueeze(0).unsqueeze(-1),
@@ -147,7 +141,6 @@ def chunk_decay(
         from_rho0=powers(c * chunk).view(1, -1, n_chunks, 1, 1),
         final_carries=powers(lengths[-1]).view(1, -1, 1, 1),
     )
-    return ChunkDecay(*(f.transpose(0, 1) for f in decay)) if heads_first else decay
 
 
 Factors = ResetMasks | ChunkDecay
@@ -242,9 +235,11 @@ def _run_forward(
     factors: Factors | None = None
     if reset_mask is not None:
         assert log_decay is None  # the dispatch sends decay with resets to autograd
-        factors = reset_masks(reset_mask, chunk_size, q.dtype, heads_first)
+        factors = reset_masks(reset_mask, chunk_size, q.dtype)
     elif log_decay is not None:
-        factors = chunk_decay(log_decay, seq_len, chunk_size, q, heads_first)
+        factors = chunk_decay(log_decay, seq_len, chunk_size, q)
+    if heads_first and factors is not None:  # batch and heads swap places in every factor
+        factors = type(factors)(*(f.transpose(0, 1) for f in factors))
     qc, vc = _pad_to_chunks(q, chunk_size), _pad_to_chunks(v, chunk_size)
     out, scores, states, writes = chunked_forward(qc, vc, rho0, final_state, factors)
     final = _final_state(states, writes, factors) if final_state else None

@@ -319,6 +319,18 @@ def test_choose_executor_thresholds(seq_len, n_neurons, n_embd, chunk_size, expe
     assert choose_executor(seq_len, n_neurons, n_embd, chunk_size) == expected
 
 
+# Dense in row panels of P = 2 covers (T + 2) / 2 keys per query: with N = 2, D = 1, C = 2
+# it costs 3 (T + 2) / 2 against chunked's 1.5 * 10 = 15, a tie at T = 8.
+@pytest.mark.parametrize(
+    ("seq_len", "expected"), [(6, "dense"), (8, "dense"), (9, "chunked"), (100, "chunked")]
+)
+def test_choose_executor_counts_dense_in_row_panels(seq_len, expected):
+    assert choose_executor(seq_len, 2, 1, 2, 1.5, dense_panel_rows=2) == expected
+    assert mixer.dense_keys_per_query(seq_len, 2) == (seq_len + 2) / 2
+    assert mixer.dense_keys_per_query(seq_len, 0) == seq_len  # no panels: every key
+    assert mixer.dense_keys_per_query(2, 4) == 2  # one panel: the whole call
+
+
 def test_linear_attention_passes_every_argument_to_the_named_executor(monkeypatch):
     """Dispatch by name ('auto' through choose_executor on T, N, D and chunk_size), every
     keyword passed through unchanged, the executor's result returned as it is."""
@@ -391,7 +403,10 @@ def test_a_zero_chunk_size_takes_the_device_calibration(monkeypatch):
     [
         # The executor that measured fastest (docs/benchmarks.md, the calibration tables).
         ("cpu", 256, 512, 128, "dense"),
-        ("cpu", 512, 512, 128, "chunked"),
+        ("cpu", 512, 512, 128, "dense"),
+        ("cpu", 1024, 512, 128, "chunked"),
+        ("cpu", 1024, 2048, 256, "dense"),
+        ("cpu", 2048, 2048, 256, "chunked"),
         ("cpu", 256, 2048, 256, "dense"),
         ("cuda", 512, 512, 128, "dense"),
         ("cuda", 2048, 512, 128, "chunked"),
@@ -626,6 +641,94 @@ def test_dense_without_a_state_computes_only_the_score_products():
         out.backward(g_out)
     seq_len = 8
     assert counter.get_total_flops() == 2 * B * H * seq_len * seq_len * (2 * N + 3 * D)
+
+
+@pytest.mark.parametrize("heads_major", [False, True], ids=["contiguous", "heads-major"])
+@pytest.mark.parametrize("final_state", [True, False], ids=["final-state", "out-only"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "carried-state"])
+@pytest.mark.parametrize(
+    ("seq_len", "panel_rows"), [(13, 4), (12, 4), (13, 1), (8, 7), (8, 8), (5, 16)],
+    ids=["last-panel-short", "whole-panels", "one-row-panels", "two-panels", "one-panel",
+         "panel-longer-than-call"],
+)
+def test_dense_in_row_panels_matches_the_definition(
+    monkeypatch, seq_len, panel_rows, with_state, final_state, heads_major
+):
+    """Dense with the device's panel rows set small: outputs, final state and the gradients
+    of q, v and rho0 against the definition, float64 to 1e-10 and float32 to 1e-5; the
+    panels run only when the call is longer than one panel. Deterministic mode fills every
+    uninitialized tensor with NaN, so a buffer element left unwritten shows."""
+    calibration = mixer.ExecutorCalibration(128, 1.5, dense_panel_rows=panel_rows)
+    monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", calibration)
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        check_panels_against_definition(seq_len, panel_rows, with_state, final_state, heads_major)
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+
+
+def check_panels_against_definition(seq_len, panel_rows, with_state, final_state, heads_major):
+    for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        inputs, (g_out, g_rho) = make_inputs(seq_len, dtype, with_state, seed=7 * seq_len)
+        q, v, *rest = inputs
+        rho0 = rest[0] if rest else None
+        ref = definition(*(x.detach().double() for x in (q, v)),
+                         None if rho0 is None else rho0.detach().double(), None)
+        q_in = q.transpose(0, 1).contiguous().transpose(0, 1) if heads_major else q
+        assert is_heads_major(q_in) == heads_major
+        out, final = mixer.dense_attention(
+            q_in, v, initial_state=rho0, output_final_state=final_state
+        )
+        what = f"T={seq_len} P={panel_rows} state={with_state} {final_state=} {dtype}"
+        node = out.grad_fn.next_functions[0][0] if heads_major else out.grad_fn
+        assert node.in_panels == (panel_rows < seq_len), what
+        assert_close(out.detach().double(), ref[0], rtol=rtol, msg=f"{what}: out")
+        loss = (out * g_out).sum()
+        if final_state:
+            assert_close(final.detach().double(), ref[1], rtol=rtol, msg=f"{what}: state")
+            loss = loss + (final * g_rho).sum()
+        else:
+            assert final is None, what
+        got = torch.autograd.grad(loss, inputs)
+        ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
+        r_q, r_v, *r_rest = ref_inputs
+        r_out, r_final = definition(r_q, r_v, r_rest[0] if r_rest else None, None)
+        r_loss = (r_out * g_out.double()).sum()
+        if final_state:
+            r_loss = r_loss + (r_final * g_rho.double()).sum()
+        expected = torch.autograd.grad(r_loss, ref_inputs)
+        for name, g, g_ref in zip(("q", "v", "rho0"), got, expected, strict=False):
+            assert_close(g.double(), g_ref, rtol=rtol, msg=f"{what}: grad of {name}")
+
+
+def test_dense_in_row_panels_skips_the_blocks_above_the_diagonal(monkeypatch):
+    """T = 8 in panels of 4 rows: forward covers 4*4 + 4*8 = 48 of the 64 (query, key)
+    pairs for Q Q^T and A V, backward 48 for dOut V^T and A^T dOut and all 64 for
+    (dA + dA^T) Q (counted by torch, whose counter skips in-place products: the first
+    panel's A^T dOut, 16 pairs, is added with baddbmm_, so A^T dOut counts 32)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    calibration = mixer.ExecutorCalibration(128, 1.5, dense_panel_rows=4)
+    monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", calibration)
+    (q, v), (g_out, _) = make_inputs(8, torch.float64, False, seed=8)
+    with FlopCounterMode(display=False) as counter:
+        out, _ = mixer.dense_attention(q, v, output_final_state=False)
+        out.backward(g_out)
+    assert counter.get_total_flops() == 2 * B * H * (48 * N + 48 * D + 48 * D + 64 * N + 32 * D)
+
+
+def test_dense_in_row_panels_passes_gradcheck():
+    """Finite differences against the panels' backward: T = 7 in panels of 3 (the last one
+    row), with rho0 and both outputs."""
+    from bdh_train.model.chunked_grad import ChunkedAttention
+
+    (q, v, rho0), _ = make_inputs(7, torch.float64, True, seed=12)
+    assert torch.autograd.gradcheck(
+        lambda q, v, r: ChunkedAttention.apply(q, v, r, 7, True, None, False, None, 3),
+        (q, v, rho0),
+    )
 
 
 def test_dense_over_no_tokens_returns_the_incoming_state():

@@ -40,7 +40,7 @@ from bdh_train.model.positions import (
     alibi_log_decay,
     apply_rope,
     learned_alibi_log_decay,
-    rope_cos_sin,
+    rope_phases,
 )
 from bdh_train.model.quant import LowBitQuantizer
 from bdh_train.model.state import ModelState
@@ -163,7 +163,7 @@ class BDH(nn.Module):
     def _position_terms(self, positions: torch.Tensor, dtype: torch.dtype):
         """What the mixer needs for positions [B, T]: rope cos/sin or alibi log-decays."""
         if self.config.position == "rope":
-            return rope_cos_sin(positions, self.config.n_neurons, dtype), None
+            return rope_phases(positions, self.config.n_neurons, dtype), None
         if self.config.position == "alibi_learned":
             return None, learned_alibi_log_decay(self.decay_log_gain)
         return None, alibi_log_decay(self.config.n_head)

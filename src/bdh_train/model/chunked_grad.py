@@ -173,18 +173,87 @@ def _carry_matrix(n_chunks: int, like: Tensor) -> Tensor:
     return (index.view(-1, 1) > index.view(1, -1)).to(like.dtype)
 
 
+def _in_panels(n_chunks: int, chunk_size: int, factors: Factors | None, panel_rows: int) -> bool:
+    """Whether a call's scores are computed in row panels: one chunk (dense) longer than a
+    panel, without resets or decay."""
+    return n_chunks == 1 and factors is None and 0 < panel_rows < chunk_size
+
+
+def _panel_bounds(seq_len: int, panel_rows: int) -> list[tuple[int, int]]:
+    return [(start, min(start + panel_rows, seq_len)) for start in range(0, seq_len, panel_rows)]
+
+
+def panel_forward(
+    q_rows: Tensor, v_rows: Tensor, panel_rows: int
+) -> tuple[Tensor, list[Tensor]]:
+    """(tril(Q Q^T, -1) V [R, T, D], the score panels) for q_rows [R, T, N], v_rows [R, T, D].
+    Panel p holds query rows start..end of the scores against keys 0..end only (its last
+    block the causal one), so the blocks above the diagonal are never computed: with P
+    panels, (P + 1) / 2P of the full matrix's products."""
+    outs, panels = [], []
+    for start, end in _panel_bounds(q_rows.shape[1], panel_rows):
+        scores = torch.bmm(q_rows[:, start:end], q_rows[:, :end].transpose(1, 2))
+        scores[:, :, start:].tril_(diagonal=-1)
+        panels.append(scores)
+        outs.append(torch.bmm(scores, v_rows[:, :end]))
+    return torch.cat(outs, dim=1), panels
+
+
+def panel_backward(
+    q_rows: Tensor, v_rows: Tensor, d_out_rows: Tensor, panels: list[Tensor]
+) -> tuple[Tensor, Tensor]:
+    """(dQ, dV) of `panel_forward`'s output. The scores' gradient is gathered panel by panel
+    into one [R, T, T] matrix (zero above the diagonal blocks), so dQ = (dA + dA^T) Q stays
+    one product; dV sums each panel's A_p^T dOut_p over the keys it reaches."""
+    rows, seq_len, _ = q_rows.shape
+    bounds = _panel_bounds(seq_len, panels[0].shape[1])
+    d_scores = q_rows.new_empty(rows, seq_len, seq_len)
+    for start, end in bounds:
+        block = d_scores[:, start:end]
+        torch.bmm(d_out_rows[:, start:end], v_rows[:, :end].transpose(1, 2), out=block[:, :, :end])
+        block[:, :, start:].tril_(diagonal=-1)  # the diagonal block's upper part and all after
+    d_q = torch.bmm(d_scores + d_scores.transpose(1, 2), q_rows)
+    (last_start, _), last = bounds[-1], panels[-1]
+    d_v = torch.bmm(last.transpose(1, 2), d_out_rows[:, last_start:])  # keys 0..T
+    for (start, end), scores in zip(bounds[:-1], panels[:-1], strict=True):
+        d_v[:, :end].baddbmm_(scores.transpose(1, 2), d_out_rows[:, start:end])
+    return d_q, d_v
+
+
 def chunked_forward(
     qc: Tensor, vc: Tensor, rho0: Tensor | None, final_state: bool,
-    factors: Factors | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    factors: Factors | None = None, panel_rows: int = 0,
+) -> tuple[Tensor, Tensor | list[Tensor], Tensor | None, Tensor | None]:
     """(out [B, H, K, C, D], A, S or None, W or None) for chunked queries qc [B, H, K, C, N]
     and values vc [B, 1|H, K, C, D] (or all heads first: qc [H, B, ...], vc [1, B, ...]). One
     chunk (the dense executor) computes W only for the final state and has no S without
-    rho0."""
+    rho0; longer than `panel_rows` (and without resets or decay) it computes A in row panels
+    (`panel_forward`: a list of [B*H, rows, keys] panels in place of A)."""
     batch, heads, n_chunks, c, n = qc.shape
     d = vc.shape[-1]
+    if _in_panels(n_chunks, c, factors, panel_rows):
+        q_rows = qc.reshape(batch * heads, c, n)
+        v_rows = vc.expand(batch, heads, 1, c, d).reshape(batch * heads, c, d)
+        out_rows, panels = panel_forward(q_rows, v_rows, panel_rows)
+        out = out_rows.view(batch, heads, 1, c, d)
+        states, writes = _states_and_writes(qc, vc, rho0, final_state, None)
+        _add_reads(out, qc, states, None)
+        return out, panels, states, writes
     scores = torch.matmul(qc, qc.transpose(-1, -2))  # A, [B, H, K, C, C]
     _weigh_scores(scores, factors)
+    states, writes = _states_and_writes(qc, vc, rho0, final_state, factors)
+    out = torch.matmul(scores, vc)  # [B, H, K, C, D]
+    _add_reads(out, qc, states, factors)
+    return out, scores, states, writes
+
+
+def _states_and_writes(
+    qc: Tensor, vc: Tensor, rho0: Tensor | None, final_state: bool, factors: Factors | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """(S, W) of the chunks: W only where a later chunk or the final state reads it, S only
+    where some chunk reads a state (more than one chunk, or rho0)."""
+    batch, heads, n_chunks, c, n = qc.shape
+    d = vc.shape[-1]
     writes = None
     if n_chunks > 1 or final_state:
         written = vc if factors is None else vc * factors.writes
@@ -200,14 +269,19 @@ def chunked_forward(
             states.add_(rho0_part if factors is None else rho0_part * factors.from_rho0)
     elif rho0 is not None:
         states = rho0.unsqueeze(2)  # [B, H, 1, N, D]: no reset, no decay before chunk 0
-    out = torch.matmul(scores, vc)  # [B, H, K, C, D]
-    if states is not None:
-        rows = batch * heads * n_chunks
-        if factors is None:
-            out.view(rows, c, d).baddbmm_(qc.reshape(rows, c, n), states.reshape(rows, n, d))
-        else:
-            out.add_(torch.matmul(qc, states).mul_(factors.reads))
-    return out, scores, states, writes
+    return states, writes
+
+
+def _add_reads(out: Tensor, qc: Tensor, states: Tensor | None, factors: Factors | None) -> None:
+    """out [B, H, K, C, D] += each token's read of its chunk's state, Q_k S_k."""
+    if states is None:
+        return
+    batch, heads, n_chunks, c, n = qc.shape
+    rows, d = batch * heads * n_chunks, out.shape[-1]
+    if factors is None:
+        out.view(rows, c, d).baddbmm_(qc.reshape(rows, c, n), states.reshape(rows, n, d))
+    else:
+        out.add_(torch.matmul(qc, states).mul_(factors.reads))
 
 
 def _final_state(
@@ -226,11 +300,15 @@ def _final_state(
 
 def _run_forward(
     q: Tensor, v: Tensor, rho0: Tensor | None, chunk_size: int, final_state: bool,
-    reset_mask: Tensor | None, heads_first: bool, log_decay: Tensor | None,
-) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor | None], Factors | None]:
-    """(out [B, H, T, D], rho_T or None, what backward needs: (qc, vc, A, S), the reset
-    masks or decay factors or None) of the executor's forward; `heads_first`: the tensors are
-    laid out [H, B, ...] (the reset mask stays [B, T]). Resets and decay do not combine."""
+    reset_mask: Tensor | None, heads_first: bool, log_decay: Tensor | None, panel_rows: int = 0,
+) -> tuple[
+    Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor | list[Tensor], Tensor | None],
+    Factors | None,
+]:
+    """(out [B, H, T, D], rho_T or None, what backward needs: (qc, vc, A or its panels, S),
+    the reset masks or decay factors or None) of the executor's forward; `heads_first`: the
+    tensors are laid out [H, B, ...] (the reset mask stays [B, T]). Resets and decay do not
+    combine."""
     batch, heads, seq_len, _ = q.shape
     factors: Factors | None = None
     if reset_mask is not None:
@@ -241,7 +319,7 @@ def _run_forward(
     if heads_first and factors is not None:  # batch and heads swap places in every factor
         factors = type(factors)(*(f.transpose(0, 1) for f in factors))
     qc, vc = _pad_to_chunks(q, chunk_size), _pad_to_chunks(v, chunk_size)
-    out, scores, states, writes = chunked_forward(qc, vc, rho0, final_state, factors)
+    out, scores, states, writes = chunked_forward(qc, vc, rho0, final_state, factors, panel_rows)
     final = _final_state(states, writes, factors) if final_state else None
     out = out.view(batch, heads, -1, out.shape[-1])[:, :, :seq_len]
     return out, final, (qc, vc, scores, states), factors
@@ -255,12 +333,14 @@ class ChunkedAttention(torch.autograd.Function):
     def forward(
         ctx, q: Tensor, v: Tensor, rho0: Tensor | None, chunk_size: int, final_state: bool,
         reset_mask: Tensor | None = None, heads_first: bool = False,
-        log_decay: Tensor | None = None,
+        log_decay: Tensor | None = None, panel_rows: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
         out, final, (qc, vc, scores, states), factors = _run_forward(
-            q, v, rho0, chunk_size, final_state, reset_mask, heads_first, log_decay
+            q, v, rho0, chunk_size, final_state, reset_mask, heads_first, log_decay, panel_rows
         )
-        ctx.save_for_backward(qc, vc, scores, states)
+        panels = scores if isinstance(scores, list) else [scores]
+        ctx.save_for_backward(qc, vc, states, *panels)
+        ctx.in_panels = isinstance(scores, list)
         ctx.shape = (q.shape[2], v.shape, rho0 is not None)
         ctx.factors = factors
         ctx.set_materialize_grads(False)
@@ -269,7 +349,7 @@ class ChunkedAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # saved products are not recorded: a second order would be wrong
     def backward(ctx, d_out: Tensor | None, d_final: Tensor | None):
-        qc, vc, scores, states = ctx.saved_tensors
+        qc, vc, states, *panels = ctx.saved_tensors
         seq_len, v_shape, has_rho0 = ctx.shape
         factors: Factors | None = ctx.factors
         batch, heads, n_chunks, c, n = qc.shape
@@ -282,9 +362,14 @@ class ChunkedAttention(torch.autograd.Function):
         d_out_rows = d_out_c.reshape(rows, c, d)
         q_rows = qc.reshape(rows, c, n)
 
-        d_scores = torch.bmm(d_out_rows, values.transpose(1, 2))
-        _weigh_scores(d_scores.view(batch, heads, n_chunks, c, c), factors)
-        d_q = torch.bmm(d_scores + d_scores.transpose(1, 2), q_rows)  # [rows, C, N]
+        if ctx.in_panels:
+            d_q, d_v = panel_backward(q_rows, values, d_out_rows, panels)
+        else:
+            (scores,) = panels
+            d_scores = torch.bmm(d_out_rows, values.transpose(1, 2))
+            _weigh_scores(d_scores.view(batch, heads, n_chunks, c, c), factors)
+            d_q = torch.bmm(d_scores + d_scores.transpose(1, 2), q_rows)  # [rows, C, N]
+            d_v = torch.bmm(scores.view(rows, c, c).transpose(1, 2), d_out_rows)
         d_read = d_out_c if factors is None else d_out_c * factors.reads  # dOut where S is read
         d_read_rows = d_read.reshape(rows, c, d)
         if states is not None:
@@ -305,7 +390,6 @@ class ChunkedAttention(torch.autograd.Function):
                 d_writes[:, :, -1] += d_final
         elif d_final is not None:
             d_writes = d_final.unsqueeze(2)  # [B, H, 1, N, D]
-        d_v = torch.bmm(scores.view(rows, c, c).transpose(1, 2), d_out_rows)
         if d_writes is not None:
             d_writes_rows = d_writes.reshape(rows, n, d)
             written = values
@@ -326,17 +410,18 @@ class ChunkedAttention(torch.autograd.Function):
             from_rho0 = d_states if factors is None else d_states * factors.from_rho0
             d_rho0 = from_rho0.sum(dim=2)
         d_q = d_q.view(batch, heads, n_chunks * c, n)[:, :, :seq_len]
-        return d_q, d_v, d_rho0, None, None, None, None, None
+        return d_q, d_v, d_rho0, None, None, None, None, None, None
 
 
 def chunked_attention_function(
     q: Tensor, v: Tensor, initial_state: Tensor | None, chunk_size: int, final_state: bool,
-    reset_mask: Tensor | None = None, log_decay: Tensor | None = None,
+    reset_mask: Tensor | None = None, log_decay: Tensor | None = None, panel_rows: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """The chunked executor through `ChunkedAttention` when a gradient is recorded, else its
     forward alone (nothing saved). `reset_mask` [B, T] (True where a row's new document
     begins) drops a row's state before it; `log_decay` [H] (no gradient; not with resets)
-    decays the state per head and token."""
+    decays the state per head and token; `panel_rows` > 0: one chunk (the dense executor)
+    longer than that computes its scores in row panels of that many queries."""
     if reset_mask is not None:
         reset_mask = reset_mask.to(q.device)
     heads_first = is_heads_major(q)
@@ -345,7 +430,10 @@ def chunked_attention_function(
         if initial_state is not None:
             initial_state = initial_state.transpose(0, 1)
     inputs = (q, v) if initial_state is None else (q, v, initial_state)
-    args = (q, v, initial_state, chunk_size, final_state, reset_mask, heads_first, log_decay)
+    args = (
+        q, v, initial_state, chunk_size, final_state, reset_mask, heads_first, log_decay,
+        panel_rows,
+    )
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
         out, final = ChunkedAttention.apply(*args)
     else:

@@ -60,6 +60,9 @@ class ExecutorCalibration:
     """The chunk length chunked runs with when the model's chunk_size is 0."""
     chunked_margin: float
     """How much cheaper (in multiply-adds) chunked must count to be chosen over dense."""
+    dense_panel_rows: int = 0
+    """The dense executor computes its causal scores in row panels of this many queries,
+    skipping the blocks above the diagonal (0: the whole T x T matrix at once)."""
 
 
 # CPU: config L4 D128 H4 N512, fp32, 2 threads, batch 8, train steps alternating in one
@@ -77,7 +80,7 @@ class ExecutorCalibration:
 # within 3% of each other; x4 picks the faster at every measured point.
 # Other devices have not been measured: they keep the previous default.
 EXECUTOR_CALIBRATION: dict[str, ExecutorCalibration] = {
-    "cpu": ExecutorCalibration(chunk_size=128, chunked_margin=1.5),
+    "cpu": ExecutorCalibration(chunk_size=128, chunked_margin=1.5, dense_panel_rows=128),
     "cuda": ExecutorCalibration(chunk_size=128, chunked_margin=2.0),
     "cuda/bfloat16": ExecutorCalibration(chunk_size=128, chunked_margin=4.0),
 }
@@ -97,18 +100,28 @@ def calibration_for(device_type: str, dtype: torch.dtype | None = None) -> Execu
     return EXECUTOR_CALIBRATION.get(device_type, UNMEASURED_DEVICE)
 
 
+def dense_keys_per_query(seq_len: int, panel_rows: int) -> float:
+    """How many keys dense's products cover per query: T for the whole matrix; in row panels
+    of P queries, panel p reaches (p + 1) P keys, (T + P) / 2 on average (P dividing T)."""
+    if panel_rows <= 0 or seq_len <= panel_rows:
+        return float(seq_len)
+    return (seq_len + panel_rows) / 2
+
+
 def choose_executor(
-    seq_len: int, n_neurons: int, n_embd: int, chunk_size: int, margin: float = 1.5
+    seq_len: int, n_neurons: int, n_embd: int, chunk_size: int, margin: float = 1.5,
+    dense_panel_rows: int = 0,
 ) -> str:
     """Pick dense or chunked by counting multiply-adds per token and head.
 
-    dense costs T (N + D) per token (score row + weighted sum); chunked costs C (N + D) for its
-    chunk plus 2 N D for reading and writing the state. Chunking must win by `margin` (its
-    extra passes over the chunk states are not in the count) to be chosen.
+    dense costs K (N + D) per token (score row + weighted sum over K keys: T, or fewer in
+    row panels, `dense_keys_per_query`); chunked costs C (N + D) for its chunk plus 2 N D for
+    reading and writing the state. Chunking must win by `margin` (its extra passes over the
+    chunk states are not in the count) to be chosen.
     """
     if seq_len <= chunk_size:
         return "dense"
-    dense_cost = seq_len * (n_neurons + n_embd)
+    dense_cost = dense_keys_per_query(seq_len, dense_panel_rows) * (n_neurons + n_embd)
     chunked_cost = chunk_size * (n_neurons + n_embd) + 2 * n_neurons * n_embd
     return "chunked" if margin * chunked_cost < dense_cost else "dense"
 
@@ -124,7 +137,8 @@ def resolve_executor(
     chunk_size = chunk_size or calibration.chunk_size
     if executor == "auto":
         executor = choose_executor(
-            seq_len, n_neurons, n_embd, chunk_size, calibration.chunked_margin
+            seq_len, n_neurons, n_embd, chunk_size, calibration.chunked_margin,
+            calibration.dense_panel_rows,
         )
     return executor, chunk_size
 
@@ -166,8 +180,9 @@ def dense_attention(
     executor's Function with one chunk."""
     seq_len = q.shape[2]
     if seq_len > 0 and _hand_written_backward_applies(q, log_decay, reset_mask):
+        panel_rows = calibration_for(q.device.type, q.dtype).dense_panel_rows
         return chunked_attention_function(
-            q, v, initial_state, seq_len, output_final_state, reset_mask, log_decay
+            q, v, initial_state, seq_len, output_final_state, reset_mask, log_decay, panel_rows
         )
     rho = initial_state
     segment = None if reset_mask is None else reset_segments(reset_mask.to(q.device))

@@ -8,6 +8,7 @@ alibi_learned is alibi with each head's decay rate learned.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,28 @@ def rope_cos_sin(
     turns = positions.to(torch.float64).unsqueeze(-1) * freqs
     phase = torch.frac(turns) * (2 * math.pi)
     return phase.cos().to(dtype).unsqueeze(1), phase.sin().to(dtype).unsqueeze(1)
+
+
+class RopePhases(NamedTuple):
+    """rope's terms for one forward, each [B, 1, T, .]: cos and sin of the phases and, where
+    `apply_rope` multiplies complex pairs, the unit turns cos + i sin per (2k, 2k+1) pair,
+    built once for all layers (None elsewhere)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    turn: torch.Tensor | None
+
+
+def _turns_apply(n: int, dtype: torch.dtype) -> bool:
+    """Whether rope rotates pairs by a complex multiply: an even N in float32/64."""
+    return n % 2 == 0 and dtype in (torch.float32, torch.float64)
+
+
+def rope_phases(positions: torch.Tensor, n: int, dtype: torch.dtype) -> RopePhases:
+    """`RopePhases` for absolute positions [B, T] (`rope_cos_sin`'s phases)."""
+    cos, sin = rope_cos_sin(positions, n, dtype)
+    turn = torch.complex(cos[..., ::2], sin[..., ::2]) if _turns_apply(n, dtype) else None
+    return RopePhases(cos, sin, turn)
 
 
 def rotate_pairs(v: torch.Tensor) -> torch.Tensor:
@@ -65,17 +88,19 @@ class _TurnPairs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         (turn,) = ctx.saved_tensors
-        back = torch.complex(turn.real, -turn.imag)
-        return torch.view_as_real(_as_pairs(grad) * back).reshape(grad.shape), None
+        return torch.view_as_real(_as_pairs(grad) * turn.conj()).reshape(grad.shape), None
 
 
-def apply_rope(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(
+    v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, turn: torch.Tensor | None = None
+) -> torch.Tensor:
     """v*cos + rot(v)*sin. For float32/64 with an even N this is one complex multiply per
-    (2k, 2k+1) pair (both members share a frequency), instead of five elementwise passes."""
-    n = v.shape[-1]
-    fast = n % 2 == 0 and v.dtype in (torch.float32, torch.float64) and cos.dtype == v.dtype
+    (2k, 2k+1) pair (both members share a frequency), instead of five elementwise passes;
+    `turn`: those pairs' cos + i sin when the caller built them (`rope_phases`)."""
+    fast = _turns_apply(v.shape[-1], v.dtype) and cos.dtype == v.dtype
     if fast and not torch.compiler.is_compiling():  # inductor does not generate complex code
-        turn = torch.complex(cos[..., ::2], sin[..., ::2])
+        if turn is None:
+            turn = torch.complex(cos[..., ::2], sin[..., ::2])
         if cos.requires_grad or sin.requires_grad:
             return torch.view_as_real(_as_pairs(v) * turn).reshape(v.shape)
         return _TurnPairs.apply(v, turn)

@@ -50,6 +50,9 @@ dense); for the baseline's masked dense form C = T and the state term is 0. The 
 each score block is counted, because it is computed. bdh-train's fp32 executors (no learned
 decay) take the gradient of the symmetric score block Q Q^T as one product, (dA + dA^T) Q
 (model/chunked_grad.py), where autograd (the baseline; bf16 autocast; compile) takes two.
+bdh-train's fp32 dense executor computes its scores in row panels of P queries where the
+device's calibration sets P (CPU: 128): each query then covers (T + P) / 2 keys on average
+in Q Q^T, A V, dOut V^T and A^T dOut, and all T in the symmetric (dA + dA^T) Q.
 "% peak" = FLOPs/token * tokens/s / ceiling.
 
 Run:  .venv/bin/python benchmarks/bench_official.py                  # the default grid, CPU
@@ -92,7 +95,7 @@ from torch import nn
 from bdh_train.batch import SequenceBatch
 from bdh_train.interop import load_official_state_dict
 from bdh_train.model import BDH
-from bdh_train.model.mixer import resolve_executor
+from bdh_train.model.mixer import calibration_for, dense_keys_per_query, resolve_executor
 from bdh_train.train.allocator import HOST_ALLOCATORS, configure_host_allocator
 from bdh_train.train.step import LanguageTrainModel
 
@@ -292,27 +295,40 @@ def timed(
 
 
 # --------------------------------------------------------------------- work counts
-def ours_chunk(model: BDH, seq_len: int, dtype: str = "fp32") -> int | None:
-    """The chunk length bdh-train's executor runs at T (None: dense, no state term); `dtype`
-    bf16: under bf16 autocast, which has its own calibration."""
+def ours_executor(model: BDH, seq_len: int, dtype: str = "fp32") -> tuple[int | None, int]:
+    """(chunk length or None for dense (no state term), dense's panel rows of the device: 0
+    for the whole matrix) of bdh-train's executor at T; `dtype` bf16: under bf16 autocast,
+    which has its own calibration."""
     c = model.config
+    device_type = model.embed.weight.device.type
+    compute_dtype = torch.bfloat16 if dtype == "bf16" else None
     executor, chunk_size = resolve_executor(
-        c.executor, seq_len, c.n_neurons, c.n_embd, c.chunk_size,
-        model.embed.weight.device.type, torch.bfloat16 if dtype == "bf16" else None,
+        c.executor, seq_len, c.n_neurons, c.n_embd, c.chunk_size, device_type, compute_dtype
     )
     if executor == "chunked" and chunk_size < seq_len:
-        return chunk_size
-    return None
+        return chunk_size, 0
+    return None, calibration_for(device_type, compute_dtype).dense_panel_rows
 
 
 def train_flops_per_token(
-    shape: dict[str, int], seq_len: int, chunk: int | None, symmetric_backward: bool = False
+    shape: dict[str, int], seq_len: int, chunk: int | None, symmetric_backward: bool = False,
+    panel_rows: int = 0,
 ) -> float:
     """2 * 3 * forward MACs per token (formula in the module docstring); chunk None = dense;
-    `symmetric_backward`: the scores' gradient is one product, not two."""
+    `symmetric_backward`: the scores' gradient is one product, not two; `panel_rows`: dense
+    computes the scores in row panels (keys per query `dense_keys_per_query`, except the
+    scores' gradient product (dA + dA^T) Q, which covers all T)."""
     layers, d, h = shape["n_layer"], shape["n_embd"], shape["n_head"]
     n = shape["mlp_internal_dim_multiplier"] * d // h
     block, state, carry = float(seq_len), 0.0, 0.0
+    if chunk is None and panel_rows:
+        keys = dense_keys_per_query(seq_len, panel_rows)
+        # forward Q Q^T and A V, backward dOut V^T and A^T dOut over the panels' keys; the
+        # symmetric dQ product over all T keys (one product, so no second one to save)
+        macs = h * (keys * (n + d) + keys * 2 * d + seq_len * n)
+        scores = 2 * layers * macs
+        rest = 2 * 3 * (layers * 3 * h * d * n + d * VOCAB)
+        return rest + scores
     if chunk is not None:  # all chunks at once, the last one zero-padded to C tokens
         chunks = -(-seq_len // chunk)
         block = chunks * chunk * chunk / seq_len  # a C x C score block per chunk
@@ -449,8 +465,10 @@ def run_point(args, config: str, seq_len: int, batch_size: int, official, device
                 file=sys.stderr,
                 flush=True,
             )
-    chunk = ours_chunk(ours, seq_len, args.dtype)
-    return {"warm": warm, "times": times, "load": load, "chunk": chunk}
+    chunk, panel_rows = ours_executor(ours, seq_len, args.dtype)
+    if not hand_written_backward(args):  # the autograd form computes the whole matrix
+        panel_rows = 0
+    return {"warm": warm, "times": times, "load": load, "chunk": chunk, "panel_rows": panel_rows}
 
 
 def self_check(official, device, configs) -> None:
@@ -558,7 +576,8 @@ def main() -> None:
                 "baseline": train_flops_per_token(CONFIGS[config], seq_len, None)
                 * rate["baseline"],
                 "bdh-train": train_flops_per_token(
-                    CONFIGS[config], seq_len, r["chunk"], hand_written_backward(args)
+                    CONFIGS[config], seq_len, r["chunk"], hand_written_backward(args),
+                    r["panel_rows"],
                 )
                 * rate["bdh-train"],
             }

@@ -3,14 +3,16 @@ out) against bdh-train's model on the same weights, and its FLOP count against t
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import IN_PLACE_PRODUCTS, assert_close
 from torch.utils.flop_counter import FlopCounterMode
 
+from bdh_train.model import mixer
 from bdh_train.model.positions import rope_frequencies
 from bdh_train.train.step import LanguageTrainModel
 
@@ -54,20 +56,11 @@ def test_baseline_fp32_logits_close_to_bdh_train():
     assert bench_official.max_logit_difference(baseline, ours, CPU) < 1e-5
 
 
-def _baddbmm_flops(self_shape, a_shape, b_shape, out_shape=None, **kwargs) -> int:
-    (batch, rows, inner), cols = a_shape, b_shape[-1]
-    return 2 * batch * rows * inner * cols
-
-
-# torch's counter knows baddbmm, not its in-place form, which the executors accumulate with
-IN_PLACE_PRODUCTS = {torch.ops.aten.baddbmm_: _baddbmm_flops}
-
-
-def test_train_flops_formula_counts_what_runs():
+def test_train_flops_formula_counts_what_runs(monkeypatch):
     """train_flops_per_token equals torch's count of one train step's matmuls (forward and
-    backward) for the baseline's masked dense form and bdh-train's dense and chunked
-    executors (chunk 8 over T=30: a short last chunk), whose backward takes the symmetric
-    scores' gradient as one product."""
+    backward) for the baseline's masked dense form and bdh-train's dense (whole, and in row
+    panels of 8: a short last panel) and chunked executors (chunk 8 over T=30: a short last
+    chunk), whose backward takes the symmetric scores' gradient as one product."""
     seq_len = 30
     batch = bench_official.random_batch(seq_len, 2, CPU)
     tokens = batch.inputs.numel()
@@ -76,11 +69,16 @@ def test_train_flops_formula_counts_what_runs():
         baseline(batch.inputs, batch.targets)[1].backward()
     dense = tokens * bench_official.train_flops_per_token(SHAPE, seq_len, None)
     assert counter.get_total_flops() == pytest.approx(dense, rel=1e-12)
-    for executor, chunk in (("dense", None), ("chunked", 8)):
+    cpu = mixer.calibration_for("cpu")
+    for executor, chunk, panel_rows in (("dense", None, 0), ("dense", None, 8), ("chunked", 8, 0)):
+        calibration = dataclasses.replace(cpu, dense_panel_rows=panel_rows)
+        monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", calibration)
         _, ours = _pair(executor)
-        assert bench_official.ours_chunk(ours, seq_len) == chunk
+        assert bench_official.ours_executor(ours, seq_len) == (chunk, panel_rows)
         with FlopCounterMode(display=False, custom_mapping=IN_PLACE_PRODUCTS) as counter:
             LanguageTrainModel(ours).train_step(batch)
         # fp32 without decay: the scores' gradient is one product (the hand-written backward)
-        expected = tokens * bench_official.train_flops_per_token(SHAPE, seq_len, chunk, True)
-        assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12)
+        expected = tokens * bench_official.train_flops_per_token(
+            SHAPE, seq_len, chunk, True, panel_rows
+        )
+        assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12), panel_rows

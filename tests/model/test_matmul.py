@@ -12,6 +12,7 @@ from bdh_train.model.matmul import (
     is_heads_major,
     per_head_matmul,
     per_head_matmul_backward,
+    per_head_products,
 )
 
 
@@ -35,7 +36,11 @@ def test_equals_broadcasting_matmul_and_autograd(xs, ws, long):
     g = torch.randn_like(out)
     gx, gw = torch.autograd.grad(out, (x, w), g)
     mx, mw = per_head_matmul_backward(x.detach(), w.detach(), g)
-    assert torch.equal(mx, gx) and torch.equal(mw, gw)
+    assert torch.equal(mx, gx) and torch.equal(mw, gw)  # per-head: the Function's backward
+    if w.dim() == 3:  # its products against autograd's of the same forward products
+        ax, aw = torch.autograd.grad(per_head_products(x, w), (x, w), g)
+        torch.testing.assert_close(mx, ax, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(mw, aw, rtol=1e-12, atol=1e-12)
     bx, bw = torch.autograd.grad(x @ w, (x, w), g)
     torch.testing.assert_close(gx, bx, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gw, bw, rtol=1e-12, atol=1e-12)
@@ -85,6 +90,22 @@ def test_heads_major_inputs_give_the_same_products_and_gradients(seq_len):
     y_major = y.transpose(0, 1).contiguous().transpose(0, 1)
     wy = torch.randn(2 * 12, 5, dtype=torch.float64)
     assert torch.equal(heads_matmul(y_major, wy), heads_matmul(y, wy))
+
+
+@pytest.mark.parametrize("in_heads", [1, 2], ids=["shared-input", "per-head-input"])
+def test_a_recorded_product_runs_the_function_and_others_the_products(in_heads):
+    """With gradients recorded, a per-head product runs `_PerHeadProducts` (its backward is
+    per_head_matmul_backward); without, under autocast, or for a 2-D weight it is torch's own
+    products."""
+    x = torch.randn(3, in_heads, 13, 4, requires_grad=True)
+    w = torch.randn(2, 4, 6, requires_grad=True)
+    assert type(per_head_matmul(x, w).grad_fn).__name__ == "_PerHeadProductsBackward"
+    with torch.no_grad():
+        assert per_head_matmul(x, w).grad_fn is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert type(per_head_matmul(x, w).grad_fn).__name__ != "_PerHeadProductsBackward"
+    flat = torch.randn(4, 6, requires_grad=True)
+    assert type(per_head_matmul(x, flat).grad_fn).__name__ != "_PerHeadProductsBackward"
 
 
 def test_under_autocast_a_shared_input_is_saved_once():

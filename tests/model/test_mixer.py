@@ -18,7 +18,7 @@ import re
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import IN_PLACE_PRODUCTS, assert_close
 
 from bdh_train.model import mixer
 from bdh_train.model.matmul import is_heads_major
@@ -319,15 +319,20 @@ def test_choose_executor_thresholds(seq_len, n_neurons, n_embd, chunk_size, expe
     assert choose_executor(seq_len, n_neurons, n_embd, chunk_size) == expected
 
 
-# Dense in row panels of P = 2 covers (T + 2) / 2 keys per query: with N = 2, D = 1, C = 2
-# it costs 3 (T + 2) / 2 against chunked's 1.5 * 10 = 15, a tie at T = 8.
+# Dense in row panels of P = 2 covers (T + 2) / 2 keys per query for an even T: with N = 2,
+# D = 1, C = 2 it costs 3 (T + 2) / 2 against chunked's 1.5 * 10 = 15, a tie at T = 8; at
+# T = 9 the panels cover 2*2 + 2*4 + 2*6 + 2*8 + 1*9 = 49 pairs, 3 * 49 / 9 > 15.
 @pytest.mark.parametrize(
     ("seq_len", "expected"), [(6, "dense"), (8, "dense"), (9, "chunked"), (100, "chunked")]
 )
 def test_choose_executor_counts_dense_in_row_panels(seq_len, expected):
     assert choose_executor(seq_len, 2, 1, 2, 1.5, dense_panel_rows=2) == expected
-    assert mixer.dense_keys_per_query(seq_len, 2) == (seq_len + 2) / 2
-    assert mixer.dense_keys_per_query(seq_len, 0) == seq_len  # no panels: every key
+
+
+def test_dense_keys_per_query_counts_the_panels_pairs():
+    assert mixer.dense_keys_per_query(8, 2) == (8 + 2) / 2
+    assert mixer.dense_keys_per_query(9, 2) == 49 / 9  # a last panel of one row
+    assert mixer.dense_keys_per_query(9, 0) == 9  # no panels: every key
     assert mixer.dense_keys_per_query(2, 4) == 2  # one panel: the whole call
 
 
@@ -706,17 +711,16 @@ def check_panels_against_definition(seq_len, panel_rows, with_state, final_state
 def test_dense_in_row_panels_skips_the_blocks_above_the_diagonal(monkeypatch):
     """T = 8 in panels of 4 rows: forward covers 4*4 + 4*8 = 48 of the 64 (query, key)
     pairs for Q Q^T and A V, backward 48 for dOut V^T and A^T dOut and all 64 for
-    (dA + dA^T) Q (counted by torch, whose counter skips in-place products: the first
-    panel's A^T dOut, 16 pairs, is added with baddbmm_, so A^T dOut counts 32)."""
+    (dA + dA^T) Q (counted by torch)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     calibration = mixer.ExecutorCalibration(128, 1.5, dense_panel_rows=4)
     monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", calibration)
     (q, v), (g_out, _) = make_inputs(8, torch.float64, False, seed=8)
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=IN_PLACE_PRODUCTS) as counter:
         out, _ = mixer.dense_attention(q, v, output_final_state=False)
         out.backward(g_out)
-    assert counter.get_total_flops() == 2 * B * H * (48 * N + 48 * D + 48 * D + 64 * N + 32 * D)
+    assert counter.get_total_flops() == 2 * B * H * (48 * N + 48 * D + 48 * D + 64 * N + 48 * D)
 
 
 def test_dense_in_row_panels_passes_gradcheck():

@@ -190,13 +190,14 @@ def panel_forward(
     Panel p holds query rows start..end of the scores against keys 0..end only (its last
     block the causal one), so the blocks above the diagonal are never computed: with P
     panels, (P + 1) / 2P of the full matrix's products."""
-    outs, panels = [], []
+    out = v_rows.new_empty(v_rows.shape)
+    panels = []
     for start, end in _panel_bounds(q_rows.shape[1], panel_rows):
         scores = torch.bmm(q_rows[:, start:end], q_rows[:, :end].transpose(1, 2))
         scores[:, :, start:].tril_(diagonal=-1)
         panels.append(scores)
-        outs.append(torch.bmm(scores, v_rows[:, :end]))
-    return torch.cat(outs, dim=1), panels
+        torch.bmm(scores, v_rows[:, :end], out=out[:, start:end])
+    return out, panels
 
 
 def panel_backward(
@@ -319,6 +320,9 @@ def _run_forward(
     if heads_first and factors is not None:  # batch and heads swap places in every factor
         factors = type(factors)(*(f.transpose(0, 1) for f in factors))
     qc, vc = _pad_to_chunks(q, chunk_size), _pad_to_chunks(v, chunk_size)
+    # a value shared by the heads is copied to every head once here (its products and
+    # backward's would each broadcast it into a copy of their own)
+    vc = vc.expand(*qc.shape[:-1], vc.shape[-1]).contiguous()
     out, scores, states, writes = chunked_forward(qc, vc, rho0, final_state, factors, panel_rows)
     final = _final_state(states, writes, factors) if final_state else None
     out = out.view(batch, heads, -1, out.shape[-1])[:, :, :seq_len]

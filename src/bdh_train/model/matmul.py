@@ -52,9 +52,38 @@ def per_head_matmul(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     per-head product is heads-major for long inputs (`heads_major`), else contiguous.
 
     The weight is used once either way: `inputs @ weight` would expand (and save for
-    backward) a [B, H, D, N] copy of it."""
+    backward) a [B, H, D, N] copy of it. Recording gradients outside autocast and
+    torch.compile, a per-head product runs as `_PerHeadProducts`, whose backward is
+    `per_head_matmul_backward`."""
     if weight.dim() != 3:
         return inputs @ weight
+    recording = torch.is_grad_enabled() and (inputs.requires_grad or weight.requires_grad)
+    if (
+        recording
+        and not torch.is_autocast_enabled(inputs.device.type)
+        and not torch.compiler.is_compiling()
+    ):
+        return _PerHeadProducts.apply(inputs, weight)
+    return per_head_products(inputs, weight)
+
+
+class _PerHeadProducts(torch.autograd.Function):
+    """`per_head_products` with `per_head_matmul_backward` as its backward."""
+
+    @staticmethod
+    def forward(ctx, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inputs, weight)
+        return per_head_products(inputs, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        inputs, weight = ctx.saved_tensors
+        return per_head_matmul_backward(inputs, weight, grad)
+
+
+def per_head_products(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`per_head_matmul` of a per-head weight [H, D, N] as torch products (what autograd,
+    autocast and torch.compile see)."""
     heads, d, n = weight.shape
     batch, in_heads, seq_len, _ = inputs.shape
     if in_heads == 1:  # the dense input u, shared by all heads
@@ -119,8 +148,11 @@ class _SummedHeadProducts(torch.autograd.Function):
 def per_head_matmul_backward(
     inputs: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d inputs, d weight) of `per_head_matmul`, with the very products autograd would use,
-    so a custom autograd Function built on it has bit-identical gradients."""
+    """(d inputs, d weight) of `per_head_matmul`, with autograd's products of
+    `per_head_products` except one: a heads-major input's gradient multiplies by a
+    contiguous copy of the weight's transpose ([H, N, D], made once per call) where autograd
+    takes a transposed view (0.80 of the time on the CPU for H=4, B*T=4096, N=512,
+    D=128)."""
     if weight.dim() != 3:
         k, n = weight.shape
         rows = inputs.reshape(-1, k)
@@ -132,7 +164,7 @@ def per_head_matmul_backward(
         rows = inputs.reshape(batch * seq_len, d)
         if heads_major(inputs, weight):
             g3 = _head_rows(grad_out)
-            grad_in = torch.bmm(g3, weight.mT).sum(dim=0).view(inputs.shape)
+            grad_in = torch.bmm(g3, weight.mT.contiguous()).sum(dim=0).view(inputs.shape)
             return grad_in, torch.bmm(rows.expand(heads, batch * seq_len, d).mT, g3)
         w2 = weight.permute(1, 0, 2).reshape(d, heads * n)
         g2 = grad_out.transpose(1, 2).reshape(batch * seq_len, heads * n)
@@ -140,5 +172,6 @@ def per_head_matmul_backward(
         grad_w = (rows.mT @ g2).view(d, heads, n).permute(1, 0, 2)
         return grad_in, grad_w
     g3 = _head_rows(grad_out)
-    grad_in = torch.bmm(g3, weight.mT).view(heads, batch, seq_len, d).transpose(0, 1)
+    transposed = weight.mT.contiguous() if heads_major(inputs, weight) else weight.mT
+    grad_in = torch.bmm(g3, transposed).view(heads, batch, seq_len, d).transpose(0, 1)
     return grad_in, torch.bmm(_head_rows(inputs).mT, g3)

@@ -102,10 +102,13 @@ def calibration_for(device_type: str, dtype: torch.dtype | None = None) -> Execu
 
 def dense_keys_per_query(seq_len: int, panel_rows: int) -> float:
     """How many keys dense's products cover per query: T for the whole matrix; in row panels
-    of P queries, panel p reaches (p + 1) P keys, (T + P) / 2 on average (P dividing T)."""
+    of P queries, panel p reaches (p + 1) P keys and a last short panel all T, (T + P) / 2
+    on average when P divides T."""
     if panel_rows <= 0 or seq_len <= panel_rows:
         return float(seq_len)
-    return (seq_len + panel_rows) / 2
+    whole, rest = divmod(seq_len, panel_rows)
+    pairs = panel_rows * panel_rows * whole * (whole + 1) // 2 + rest * seq_len
+    return pairs / seq_len
 
 
 def choose_executor(

@@ -37,12 +37,13 @@ def rope_cos_sin(
 
 class RopePhases(NamedTuple):
     """rope's terms for one forward, each [B, 1, T, .]: cos and sin of the phases and, where
-    `apply_rope` multiplies complex pairs, the unit turns cos + i sin per (2k, 2k+1) pair,
-    built once for all layers (None elsewhere)."""
+    `apply_rope` multiplies complex pairs, the unit turns cos + i sin per (2k, 2k+1) pair
+    and their conjugates (backward's), built once for all layers (None elsewhere)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     turn: torch.Tensor | None
+    back: torch.Tensor | None
 
 
 def _turns_apply(n: int, dtype: torch.dtype) -> bool:
@@ -53,8 +54,10 @@ def _turns_apply(n: int, dtype: torch.dtype) -> bool:
 def rope_phases(positions: torch.Tensor, n: int, dtype: torch.dtype) -> RopePhases:
     """`RopePhases` for absolute positions [B, T] (`rope_cos_sin`'s phases)."""
     cos, sin = rope_cos_sin(positions, n, dtype)
-    turn = torch.complex(cos[..., ::2], sin[..., ::2]) if _turns_apply(n, dtype) else None
-    return RopePhases(cos, sin, turn)
+    if not _turns_apply(n, dtype):
+        return RopePhases(cos, sin, None, None)
+    turn = torch.complex(cos[..., ::2], sin[..., ::2])
+    return RopePhases(cos, sin, turn, turn.conj().resolve_conj())
 
 
 def rotate_pairs(v: torch.Tensor) -> torch.Tensor:
@@ -81,29 +84,34 @@ class _TurnPairs(torch.autograd.Function):
     backward of view_as_real would first copy it into a contiguous tensor."""
 
     @staticmethod
-    def forward(ctx, v: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(turn)
+    def forward(  # type: ignore[override]
+        ctx, v: torch.Tensor, turn: torch.Tensor, back: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(back)
         return torch.view_as_real(_as_pairs(v) * turn).reshape(v.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        (turn,) = ctx.saved_tensors
-        return torch.view_as_real(_as_pairs(grad) * turn.conj()).reshape(grad.shape), None
+        (back,) = ctx.saved_tensors
+        return torch.view_as_real(_as_pairs(grad) * back).reshape(grad.shape), None, None
 
 
 def apply_rope(
-    v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, turn: torch.Tensor | None = None
+    v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, turn: torch.Tensor | None = None,
+    back: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """v*cos + rot(v)*sin. For float32/64 with an even N this is one complex multiply per
     (2k, 2k+1) pair (both members share a frequency), instead of five elementwise passes;
-    `turn`: those pairs' cos + i sin when the caller built them (`rope_phases`)."""
+    `turn`, `back`: those pairs' cos + i sin and its conjugate when the caller built them
+    (`rope_phases`)."""
     fast = _turns_apply(v.shape[-1], v.dtype) and cos.dtype == v.dtype
     if fast and not torch.compiler.is_compiling():  # inductor does not generate complex code
-        if turn is None:
+        if turn is None or back is None:
             turn = torch.complex(cos[..., ::2], sin[..., ::2])
+            back = turn.conj()
         if cos.requires_grad or sin.requires_grad:
             return torch.view_as_real(_as_pairs(v) * turn).reshape(v.shape)
-        return _TurnPairs.apply(v, turn)
+        return _TurnPairs.apply(v, turn, back)
     return v * cos + rotate_pairs(v) * sin
 
 

@@ -108,6 +108,30 @@ def test_a_recorded_product_runs_the_function_and_others_the_products(in_heads):
     assert type(per_head_matmul(x, flat).grad_fn).__name__ != "_PerHeadProductsBackward"
 
 
+@pytest.mark.parametrize("in_heads", [1, 2], ids=["shared-input", "per-head-input"])
+@pytest.mark.parametrize(
+    "neurons", [64, 4096, 8192], ids=["copied-transpose", "at-the-bound", "transposed-view"]
+)
+def test_the_input_gradient_with_a_small_and_a_large_weight(in_heads, neurons):
+    """The heads-major input's gradient takes a contiguous transpose of a weight of at most
+    SMALL_WEIGHT elements and the transposed view of a larger one: both equal autograd's
+    products (float64, 1e-12)."""
+    from bdh_train.model.matmul import SMALL_WEIGHT, _transposed_for_rows
+
+    d = 32
+    w = torch.randn(2, d, neurons, dtype=torch.float64)
+    assert _transposed_for_rows(w).is_contiguous() == (d * neurons <= SMALL_WEIGHT)
+    x = torch.randn(2, in_heads, 200, d, dtype=torch.float64, requires_grad=True)
+    w.requires_grad_()
+    out = per_head_products(x, w)
+    assert is_heads_major(out)
+    g = torch.randn_like(out)
+    expected = torch.autograd.grad(out, (x, w), g)
+    got = per_head_matmul_backward(x.detach(), w.detach(), g)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_under_autocast_a_shared_input_is_saved_once():
     """Under autocast the heads-major product casts the shared input before expanding it over
     the heads: backward keeps one [B*T, D] low-precision copy, not H of them."""

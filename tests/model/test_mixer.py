@@ -351,6 +351,7 @@ def test_linear_attention_passes_every_argument_to_the_named_executor(monkeypatc
     monkeypatch.setattr(
         mixer, "EXECUTOR_FUNCTIONS", {name: spy(name) for name in EXECUTORS}
     )
+    monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", mixer.ExecutorCalibration(128, 1.5))
     # T = 6, N = 2, D = 1, C = 2: chunked (test_choose_executor_thresholds); T = 5: dense.
     q, v = torch.zeros(1, 1, 6, 2), torch.zeros(1, 1, 6, 1)
     state, log_decay, mask = torch.ones(1, 1, 2, 1), torch.zeros(1), torch.ones(1, 6).bool()
@@ -373,8 +374,8 @@ def test_linear_attention_passes_every_argument_to_the_named_executor(monkeypatc
             assert calls[0][3][key] is kwargs[key]
     q5, v5 = q[:, :, :5], v[:, :, :5]
     assert linear_attention(q5, v5, executor="auto", chunk_size=2)[0] == "dense"
-    # The defaults: no state, no decay, the CPU's calibrated chunk (128), the final state,
-    # no resets.
+    # The defaults: no state, no decay, the CPU's calibrated chunk (128 here), the final
+    # state, no resets.
     calls.clear()
     linear_attention(q5, v5, executor="dense")
     assert calls[0][3] == dict(
@@ -409,8 +410,11 @@ def test_a_zero_chunk_size_takes_the_device_calibration(monkeypatch):
         # The executor that measured fastest (docs/benchmarks.md, the calibration tables).
         ("cpu", 256, 512, 128, "dense"),
         ("cpu", 512, 512, 128, "dense"),
+        ("cpu", 768, 512, 128, "chunked"),
         ("cpu", 1024, 512, 128, "chunked"),
+        ("cpu", 512, 2048, 256, "dense"),
         ("cpu", 1024, 2048, 256, "dense"),
+        ("cpu", 1536, 2048, 256, "chunked"),
         ("cpu", 2048, 2048, 256, "chunked"),
         ("cpu", 256, 2048, 256, "dense"),
         ("cuda", 512, 512, 128, "dense"),

@@ -145,14 +145,26 @@ class _SummedHeadProducts(torch.autograd.Function):
         return grad_rows, grad_weight
 
 
+SMALL_WEIGHT = 1 << 17
+"""Per-head weights of at most this many elements (D * N) are copied transposed for the
+gradient product; larger ones are read through the transposed view."""
+
+
+def _transposed_for_rows(weight: torch.Tensor) -> torch.Tensor:
+    """weight [H, D, N] transposed, for the product grad [H, R, N] x [H, N, D] over R rows.
+    On the CPU the product with a contiguous copy takes 0.84 of the transposed view's time,
+    the copy included, for D=128, N=512 (R=4096), and 1.06 for D=256, N=2048 (R=2048),
+    where the copy (2 MiB) is not repaid: small weights are copied, larger ones are not."""
+    _, d, n = weight.shape
+    return weight.mT.contiguous() if d * n <= SMALL_WEIGHT else weight.mT
+
+
 def per_head_matmul_backward(
     inputs: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d inputs, d weight) of `per_head_matmul`, with autograd's products of
-    `per_head_products` except one: a heads-major input's gradient multiplies by a
-    contiguous copy of the weight's transpose ([H, N, D], made once per call) where autograd
-    takes a transposed view (0.80 of the time on the CPU for H=4, B*T=4096, N=512,
-    D=128)."""
+    `per_head_products`, a heads-major input's gradient by the weight's transpose as
+    `_transposed_for_rows` gives it."""
     if weight.dim() != 3:
         k, n = weight.shape
         rows = inputs.reshape(-1, k)
@@ -164,7 +176,7 @@ def per_head_matmul_backward(
         rows = inputs.reshape(batch * seq_len, d)
         if heads_major(inputs, weight):
             g3 = _head_rows(grad_out)
-            grad_in = torch.bmm(g3, weight.mT.contiguous()).sum(dim=0).view(inputs.shape)
+            grad_in = torch.bmm(g3, _transposed_for_rows(weight)).sum(dim=0).view(inputs.shape)
             return grad_in, torch.bmm(rows.expand(heads, batch * seq_len, d).mT, g3)
         w2 = weight.permute(1, 0, 2).reshape(d, heads * n)
         g2 = grad_out.transpose(1, 2).reshape(batch * seq_len, heads * n)
@@ -172,6 +184,6 @@ def per_head_matmul_backward(
         grad_w = (rows.mT @ g2).view(d, heads, n).permute(1, 0, 2)
         return grad_in, grad_w
     g3 = _head_rows(grad_out)
-    transposed = weight.mT.contiguous() if heads_major(inputs, weight) else weight.mT
+    transposed = _transposed_for_rows(weight) if heads_major(inputs, weight) else weight.mT
     grad_in = torch.bmm(g3, transposed).view(heads, batch, seq_len, d).transpose(0, 1)
     return grad_in, torch.bmm(_head_rows(inputs).mT, g3)

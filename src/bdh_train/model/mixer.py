@@ -67,9 +67,12 @@ class ExecutorCalibration:
 
 # CPU: config L4 D128 H4 N512, fp32, 2 threads, batch 8, train steps alternating in one
 # process: C=128 was the fastest chunk at T=512, 1024, 2048 and 4096 (C=64 and 256 3-12%
-# slower), and the cost model with a x1.5 margin picks dense at T=256 (dense 1.02x C=128)
-# and chunked from T=512 on (1.19x dense); on L6 D256 H4 N2048 it keeps dense at T=256
-# (1.12x C=128).
+# slower; at T=2048 B=2 after the panels: C=64 0.98x, C=256 0.92x). Dense in row panels of
+# 128 (1.07x the whole matrix at T=512 B=8, 1.035x on L6 D256 H4 N2048 at T=512, 1.055x at
+# T=1024; panels of 64 and 256 within 1% of 128) was faster than C=128 at T=512 (1.03x; L6
+# D256: 1.32x) and at T=1024 on L6 D256 (1.06x), slower at T=768 (0.89x) and on L6 D256 at
+# T=1536 (0.93x): margins from 0.99 to 1.34 pick the faster at every one of these points,
+# x1.15 is taken.
 # CUDA (one H200, fp32, torch 2.11, same configs): C=128 was fastest or within 1.2% of it at
 # T=2048 and 8192 (C=64 1% faster on L4 D128 at T=2048; C=256 and 512 4-19% slower); dense
 # beat C=128 by 8% at T=512 on L4 D128 and by 33% on L6 D256, where the x1.5 margin would
@@ -80,7 +83,7 @@ class ExecutorCalibration:
 # within 3% of each other; x4 picks the faster at every measured point.
 # Other devices have not been measured: they keep the previous default.
 EXECUTOR_CALIBRATION: dict[str, ExecutorCalibration] = {
-    "cpu": ExecutorCalibration(chunk_size=128, chunked_margin=1.5, dense_panel_rows=128),
+    "cpu": ExecutorCalibration(chunk_size=128, chunked_margin=1.15, dense_panel_rows=128),
     "cuda": ExecutorCalibration(chunk_size=128, chunked_margin=2.0),
     "cuda/bfloat16": ExecutorCalibration(chunk_size=128, chunked_margin=4.0),
 }

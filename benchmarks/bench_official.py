@@ -305,8 +305,8 @@ def ours_executor(model: BDH, seq_len: int, dtype: str = "fp32") -> tuple[int | 
     executor, chunk_size = resolve_executor(
         c.executor, seq_len, c.n_neurons, c.n_embd, c.chunk_size, device_type, compute_dtype
     )
-    if executor == "chunked" and chunk_size < seq_len:
-        return chunk_size, 0
+    if executor == "chunked":  # one chunk of C >= T: the whole matrix, no state term
+        return (chunk_size if chunk_size < seq_len else None), 0
     return None, calibration_for(device_type, compute_dtype).dense_panel_rows
 
 
@@ -322,6 +322,7 @@ def train_flops_per_token(
     n = shape["mlp_internal_dim_multiplier"] * d // h
     block, state, carry = float(seq_len), 0.0, 0.0
     if chunk is None and panel_rows:
+        assert symmetric_backward, "panels run only with the hand-written backward"
         keys = dense_keys_per_query(seq_len, panel_rows)
         # forward Q Q^T and A V, backward dOut V^T and A^T dOut over the panels' keys; the
         # symmetric dQ product over all T keys (one product, so no second one to save)

@@ -42,6 +42,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     "model/state.py": ["tests/model/test_model_state.py"],
     "model/mixer.py": ["tests/model/test_mixer.py"],
     "model/chunked_grad.py": ["tests/model/test_mixer.py"],
+    "model/matmul.py": ["tests/model/test_matmul.py"],
     "train/step.py": ["tests/train/test_step.py"],
 }
 """The modules under mutation testing, in the order they run, and the test files that guard

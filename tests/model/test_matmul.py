@@ -46,10 +46,11 @@ def test_equals_broadcasting_matmul_and_autograd(xs, ws, long):
     torch.testing.assert_close(gw, bw, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("seq_len", [3, 40], ids=["side-by-side", "sum-over-heads"])
+@pytest.mark.parametrize("seq_len", [3, 5, 12, 13, 40])
 def test_heads_matmul_equals_the_heads_side_by_side(seq_len):
-    """Both forms of heads_matmul (K*M + 2*T*M against T*K: 3 tokens keep the side-by-side
-    GEMM, 40 take the per-head sum for K=12, M=4) against the plain product, with gradients."""
+    """Both forms of heads_matmul (K*M + 2*T*M < T*K, 48 + 8T < 12T for K=12, M=4: up to 12
+    tokens (the tie) keep the side-by-side GEMM, from 13 on the per-head sum) against the
+    plain product, with gradients."""
     x = torch.randn(3, 2, seq_len, 12, dtype=torch.float64, requires_grad=True)
     w = torch.randn(24, 4, dtype=torch.float64, requires_grad=True)
     out = heads_matmul(x, w)
@@ -58,7 +59,7 @@ def test_heads_matmul_equals_the_heads_side_by_side(seq_len):
     assert out.shape == (3, 1, seq_len, 4)
     nodes = [out.grad_fn, *(f for f, _ in out.grad_fn.next_functions)]
     summed = any(type(f).__name__ == "_SummedHeadProductsBackward" for f in nodes)
-    assert summed == (seq_len == 40)  # the form taken
+    assert summed == (seq_len > 12)  # the form taken
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, side_by_side @ w, rtol=1e-12, atol=1e-12)
     g = torch.randn_like(out)
@@ -100,6 +101,8 @@ def test_a_recorded_product_runs_the_function_and_others_the_products(in_heads):
     x = torch.randn(3, in_heads, 13, 4, requires_grad=True)
     w = torch.randn(2, 4, 6, requires_grad=True)
     assert type(per_head_matmul(x, w).grad_fn).__name__ == "_PerHeadProductsBackward"
+    frozen = w.detach()  # a frozen weight: the input's gradient still runs the Function
+    assert type(per_head_matmul(x, frozen).grad_fn).__name__ == "_PerHeadProductsBackward"
     with torch.no_grad():
         assert per_head_matmul(x, w).grad_fn is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -130,6 +133,48 @@ def test_the_input_gradient_with_a_small_and_a_large_weight(in_heads, neurons):
     got = per_head_matmul_backward(x.detach(), w.detach(), g)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("needs", ["inputs", "weight"])
+def test_the_summed_heads_with_one_operand_taking_a_gradient(needs):
+    """The per-head sum's backward computes only the gradient asked for (frozen weights, or
+    a frozen input), equal to autograd's of the plain product."""
+    x = torch.randn(3, 2, 40, 12, dtype=torch.float64, requires_grad=needs == "inputs")
+    w = torch.randn(24, 4, dtype=torch.float64, requires_grad=needs == "weight")
+    out = heads_matmul(x, w)
+    assert type(out.grad_fn.next_functions[0][0]).__name__ == "_SummedHeadProductsBackward"
+    leaf = x if needs == "inputs" else w
+    g = torch.randn_like(out)
+    (got,) = torch.autograd.grad(out, leaf, g)
+    side_by_side = x.transpose(1, 2).reshape(3, 1, 40, 24)
+    (expected,) = torch.autograd.grad(side_by_side @ w, leaf, g)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_heads_matmul_under_autocast_runs_torch_products():
+    """Under autocast the per-head sum is torch's bmm and sum (autocast casts them): bf16
+    results within bf16 rounding of the float32 product, and no hand-written node."""
+    x = torch.randn(3, 2, 40, 12, requires_grad=True)
+    w = torch.randn(24, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = heads_matmul(x, w)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 1, 40, 4)
+    nodes = [out.grad_fn, *(f for f, _ in out.grad_fn.next_functions)]
+    assert not any("_SummedHeadProducts" in type(f).__name__ for f in nodes)
+    expected = x.transpose(1, 2).reshape(3, 1, 40, 24) @ w
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=5e-2)
+
+
+def test_the_layout_rules_at_their_thresholds():
+    """heads_major at its tie (D*N + T*D = T*N: 24 + 4T = 6T at T = 12 stays contiguous, 13
+    goes heads-major) and is_heads_major from 3 dims on ([B, H, T] from [H, B, T]; a
+    transposed matrix has no rows per head)."""
+    w = torch.randn(2, 4, 6)
+    assert not heads_major(torch.randn(1, 1, 12, 4), w)
+    assert heads_major(torch.randn(1, 1, 13, 4), w)
+    assert is_heads_major(torch.randn(3, 2, 5).transpose(0, 1))
+    assert not is_heads_major(torch.randn(3, 2).t())
+    assert not is_heads_major(torch.randn(2, 3, 5)) and not is_heads_major(torch.randn(5))
 
 
 def test_under_autocast_a_shared_input_is_saved_once():

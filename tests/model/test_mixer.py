@@ -571,14 +571,14 @@ def test_chunked_function_passes_gradcheck(decay):
     (q, v, rho0), _ = make_inputs(7, torch.float64, True, seed=11)
     log_decay = LOG_DECAY if decay else None
     assert torch.autograd.gradcheck(
-        lambda q, v, r: ChunkedAttention.apply(q, v, r, 3, True, None, False, log_decay),
+        lambda q, v, r: ChunkedAttention.apply(q, v, r, 3, True, None, False, log_decay, 0),
         (q, v, rho0),
     )
     # heads first ([H, B, ...], the layout heads-major queries run in), and no rho0
     q_first = q.detach().transpose(0, 1).contiguous().requires_grad_()
     v_first = v.detach().transpose(0, 1).contiguous().requires_grad_()
     assert torch.autograd.gradcheck(
-        lambda q, v: ChunkedAttention.apply(q, v, None, 3, True, None, True, log_decay),
+        lambda q, v: ChunkedAttention.apply(q, v, None, 3, True, None, True, log_decay, 0),
         (q_first, v_first),
     )
 
@@ -670,12 +670,13 @@ def test_dense_in_row_panels_matches_the_definition(
     calibration = mixer.ExecutorCalibration(128, 1.5, dense_panel_rows=panel_rows)
     monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", calibration)
     monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         check_panels_against_definition(seq_len, panel_rows, with_state, final_state, heads_major)
     finally:
-        torch.use_deterministic_algorithms(was_deterministic)
+        torch.use_deterministic_algorithms(was, warn_only=was_warn_only)
 
 
 def check_panels_against_definition(seq_len, panel_rows, with_state, final_state, heads_major):
@@ -710,6 +711,76 @@ def check_panels_against_definition(seq_len, panel_rows, with_state, final_state
         expected = torch.autograd.grad(r_loss, ref_inputs)
         for name, g, g_ref in zip(("q", "v", "rho0"), got, expected, strict=False):
             assert_close(g.double(), g_ref, rtol=rtol, msg=f"{what}: grad of {name}")
+
+
+@pytest.mark.parametrize("factors", ["resets", "decay"])
+def test_row_panels_run_without_resets_and_decay_only(monkeypatch, factors):
+    """Resets and decay weigh the whole score matrix: given panel rows anyway, the Function
+    computes it whole (and equals the definition, fp64 1e-10); the mixer gives dense no
+    panels for such calls and counts none in 'auto' (at T = 30, N = 5, D = 4 and C = 16,
+    dense with panels of 4 covers 508 / 30 keys a query: 152.4 < 1.15 * 184 = 211.6;
+    without them 30 * 9 = 270 > 211.6)."""
+    from bdh_train.model.chunked_grad import chunked_attention_function
+
+    calibration = mixer.ExecutorCalibration(16, 1.15, dense_panel_rows=4)
+    monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", calibration)
+    (q, v, rho0), _ = make_inputs(13, torch.float64, True, seed=13)
+    mask = reset_mask_for(13) if factors == "resets" else None
+    log_decay = LOG_DECAY if factors == "decay" else None
+    out, final = chunked_attention_function(q, v, rho0, 13, True, mask, log_decay, 4)
+    assert out.grad_fn.in_panels is False
+    if factors == "resets":
+        expected = definition_with_resets(q, v, rho0, None, mask)
+    else:
+        expected = definition(q, v, rho0, LOG_DECAY)
+    assert_close(out, expected[0], rtol=1e-10)
+    assert_close(final, expected[1], rtol=1e-10)
+    assert mixer._dense_panel_rows(q, log_decay, mask) == 0
+    assert mixer._dense_panel_rows(q, None, None) == 4
+    long_q, long_v = torch.zeros(1, H, 30, N), torch.zeros(1, 1, 30, D)
+    calls = []
+    for name in EXECUTORS:
+        monkeypatch.setitem(
+            mixer.EXECUTOR_FUNCTIONS, name, lambda q, v, name=name, **kw: calls.append(name)
+        )
+    linear_attention(long_q, long_v, executor="auto")
+    long_mask = torch.zeros(1, 30, dtype=torch.bool)
+    linear_attention(long_q, long_v, executor="auto", reset_mask=long_mask)
+    assert calls == ["dense", "chunked"]
+
+
+def test_the_chunked_executor_never_runs_row_panels(monkeypatch):
+    """One chunk of the chunked executor (C >= T) is the whole matrix: panels are dense's."""
+    calibration = mixer.ExecutorCalibration(128, 1.5, dense_panel_rows=4)
+    monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", calibration)
+    (q, v), _ = make_inputs(13, torch.float64, False, seed=14)
+    out, _ = mixer.chunked_attention(q, v, chunk_size=16)
+    assert out.grad_fn.in_panels is False
+    assert mixer.dense_attention(q, v)[0].grad_fn.in_panels is True
+
+
+@pytest.mark.parametrize("value_heads", [1, H], ids=["shared-v", "per-head-v"])
+def test_row_panels_with_a_loss_on_the_final_state_alone(monkeypatch, value_heads):
+    """Panels when only the final state takes a gradient (the output's is None in backward)
+    and with a value per head: gradients equal the definition's (fp64, 1e-10)."""
+    calibration = mixer.ExecutorCalibration(128, 1.5, dense_panel_rows=4)
+    monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", calibration)
+    (q, v, rho0), (g_out, g_rho) = make_inputs(13, torch.float64, True, seed=15)
+    if value_heads > 1:
+        v = v.detach().expand(B, value_heads, 13, D).contiguous().requires_grad_()
+    for weights in ((None, g_rho), (g_out, g_rho)):
+        out, final = mixer.dense_attention(q, v, initial_state=rho0)
+        assert out.grad_fn.in_panels
+        ref_out, ref_final = definition(q, v, rho0, None)
+
+        def loss(o, f, weights=weights):
+            total = (f * weights[1]).sum()
+            return total if weights[0] is None else total + (o * weights[0]).sum()
+
+        got = torch.autograd.grad(loss(out, final), (q, v, rho0))
+        expected = torch.autograd.grad(loss(ref_out, ref_final), (q, v, rho0))
+        for g, g_ref in zip(got, expected, strict=True):
+            assert_close(g, g_ref, rtol=1e-10)
 
 
 def test_dense_in_row_panels_skips_the_blocks_above_the_diagonal(monkeypatch):
@@ -758,7 +829,8 @@ def test_chunked_function_with_resets_passes_gradcheck(chunk_size):
     (q, v, rho0), _ = make_inputs(13, torch.float64, True, seed=12)
     mask = reset_mask_for(13)
     assert torch.autograd.gradcheck(
-        lambda q, v, r: ChunkedAttention.apply(q, v, r, chunk_size, True, mask), (q, v, rho0)
+        lambda q, v, r: ChunkedAttention.apply(q, v, r, chunk_size, True, mask, False, None, 0),
+        (q, v, rho0),
     )
 
 

@@ -179,20 +179,18 @@ def _in_panels(n_chunks: int, chunk_size: int, factors: Factors | None, panel_ro
     return n_chunks == 1 and factors is None and 0 < panel_rows < chunk_size
 
 
-def _panel_bounds(seq_len: int, panel_rows: int) -> list[tuple[int, int]]:
-    return [(start, min(start + panel_rows, seq_len)) for start in range(0, seq_len, panel_rows)]
-
-
 def panel_forward(
     q_rows: Tensor, v_rows: Tensor, panel_rows: int
 ) -> tuple[Tensor, list[Tensor]]:
     """(tril(Q Q^T, -1) V [R, T, D], the score panels) for q_rows [R, T, N], v_rows [R, T, D].
     Panel p holds query rows start..end of the scores against keys 0..end only (its last
-    block the causal one), so the blocks above the diagonal are never computed: with P
-    panels, (P + 1) / 2P of the full matrix's products."""
+    block the causal one), so the blocks above the diagonal are never computed: with m
+    panels, (m + 1) / 2m of the full matrix's products."""
     out = v_rows.new_empty(v_rows.shape)
     panels = []
-    for start, end in _panel_bounds(q_rows.shape[1], panel_rows):
+    seq_len = q_rows.shape[1]
+    for start in range(0, seq_len, panel_rows):
+        end = min(start + panel_rows, seq_len)
         scores = torch.bmm(q_rows[:, start:end], q_rows[:, :end].transpose(1, 2))
         scores[:, :, start:].tril_(diagonal=-1)
         panels.append(scores)
@@ -207,26 +205,25 @@ def panel_backward(
     into one [R, T, T] matrix (zero above the diagonal blocks), so dQ = (dA + dA^T) Q stays
     one product; dV sums each panel's A_p^T dOut_p over the keys it reaches."""
     rows, seq_len, _ = q_rows.shape
-    bounds = _panel_bounds(seq_len, panels[0].shape[1])
     d_scores = q_rows.new_empty(rows, seq_len, seq_len)
-    for start, end in bounds:
+    d_v = q_rows.new_zeros(v_rows.shape)
+    for scores in panels:  # [R, rows, keys]: query rows keys - rows .. keys
+        end = scores.shape[2]
+        start = end - scores.shape[1]
         block = d_scores[:, start:end]
         torch.bmm(d_out_rows[:, start:end], v_rows[:, :end].transpose(1, 2), out=block[:, :, :end])
         block[:, :, start:].tril_(diagonal=-1)  # the diagonal block's upper part and all after
-    d_q = torch.bmm(d_scores + d_scores.transpose(1, 2), q_rows)
-    (last_start, _), last = bounds[-1], panels[-1]
-    d_v = torch.bmm(last.transpose(1, 2), d_out_rows[:, last_start:])  # keys 0..T
-    for (start, end), scores in zip(bounds[:-1], panels[:-1], strict=True):
         d_v[:, :end].baddbmm_(scores.transpose(1, 2), d_out_rows[:, start:end])
+    d_q = torch.bmm(d_scores + d_scores.transpose(1, 2), q_rows)
     return d_q, d_v
 
 
 def chunked_forward(
     qc: Tensor, vc: Tensor, rho0: Tensor | None, final_state: bool,
-    factors: Factors | None = None, panel_rows: int = 0,
+    factors: Factors | None, panel_rows: int,
 ) -> tuple[Tensor, Tensor | list[Tensor], Tensor | None, Tensor | None]:
     """(out [B, H, K, C, D], A, S or None, W or None) for chunked queries qc [B, H, K, C, N]
-    and values vc [B, 1|H, K, C, D] (or all heads first: qc [H, B, ...], vc [1, B, ...]). One
+    and values vc [B, H, K, C, D] (or all heads first: qc [H, B, ...], vc [H, B, ...]). One
     chunk (the dense executor) computes W only for the final state and has no S without
     rho0; longer than `panel_rows` (and without resets or decay) it computes A in row panels
     (`panel_forward`: a list of [B*H, rows, keys] panels in place of A)."""
@@ -234,7 +231,7 @@ def chunked_forward(
     d = vc.shape[-1]
     if _in_panels(n_chunks, c, factors, panel_rows):
         q_rows = qc.reshape(batch * heads, c, n)
-        v_rows = vc.expand(batch, heads, 1, c, d).reshape(batch * heads, c, d)
+        v_rows = vc.reshape(batch * heads, c, d)
         out_rows, panels = panel_forward(q_rows, v_rows, panel_rows)
         out = out_rows.view(batch, heads, 1, c, d)
         states, writes = _states_and_writes(qc, vc, rho0, final_state, None)
@@ -301,7 +298,7 @@ def _final_state(
 
 def _run_forward(
     q: Tensor, v: Tensor, rho0: Tensor | None, chunk_size: int, final_state: bool,
-    reset_mask: Tensor | None, heads_first: bool, log_decay: Tensor | None, panel_rows: int = 0,
+    reset_mask: Tensor | None, heads_first: bool, log_decay: Tensor | None, panel_rows: int,
 ) -> tuple[
     Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor | list[Tensor], Tensor | None],
     Factors | None,
@@ -320,8 +317,9 @@ def _run_forward(
     if heads_first and factors is not None:  # batch and heads swap places in every factor
         factors = type(factors)(*(f.transpose(0, 1) for f in factors))
     qc, vc = _pad_to_chunks(q, chunk_size), _pad_to_chunks(v, chunk_size)
-    # a value shared by the heads is copied to every head once here (its products and
-    # backward's would each broadcast it into a copy of their own)
+    # a value shared by the heads is copied to every head once here, and saved so for
+    # backward (H times the [B, T, D] value; its products and backward's would each
+    # broadcast it into a copy of their own)
     vc = vc.expand(*qc.shape[:-1], vc.shape[-1]).contiguous()
     out, scores, states, writes = chunked_forward(qc, vc, rho0, final_state, factors, panel_rows)
     final = _final_state(states, writes, factors) if final_state else None
@@ -336,8 +334,8 @@ class ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, q: Tensor, v: Tensor, rho0: Tensor | None, chunk_size: int, final_state: bool,
-        reset_mask: Tensor | None = None, heads_first: bool = False,
-        log_decay: Tensor | None = None, panel_rows: int = 0,
+        reset_mask: Tensor | None, heads_first: bool, log_decay: Tensor | None,
+        panel_rows: int,
     ) -> tuple[Tensor, Tensor | None]:
         out, final, (qc, vc, scores, states), factors = _run_forward(
             q, v, rho0, chunk_size, final_state, reset_mask, heads_first, log_decay, panel_rows
@@ -362,7 +360,7 @@ class ChunkedAttention(torch.autograd.Function):
         if d_out is None:
             d_out = qc.new_zeros(batch, heads, seq_len, d)
         d_out_c = _pad_to_chunks(d_out, c)
-        values = vc.expand(batch, heads, n_chunks, c, d).reshape(rows, c, d)
+        values = vc.reshape(rows, c, d)
         d_out_rows = d_out_c.reshape(rows, c, d)
         q_rows = qc.reshape(rows, c, n)
 
@@ -419,7 +417,7 @@ class ChunkedAttention(torch.autograd.Function):
 
 def chunked_attention_function(
     q: Tensor, v: Tensor, initial_state: Tensor | None, chunk_size: int, final_state: bool,
-    reset_mask: Tensor | None = None, log_decay: Tensor | None = None, panel_rows: int = 0,
+    reset_mask: Tensor | None, log_decay: Tensor | None, panel_rows: int,
 ) -> tuple[Tensor, Tensor | None]:
     """The chunked executor through `ChunkedAttention` when a gradient is recorded, else its
     forward alone (nothing saved). `reset_mask` [B, T] (True where a row's new document

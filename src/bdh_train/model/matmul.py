@@ -28,8 +28,9 @@ def heads_major(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def is_heads_major(x: torch.Tensor) -> bool:
-    """Whether x [B, H, ...] is a view of a contiguous [H, B, ...] (and not itself contiguous)."""
-    return x.dim() >= 2 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous()
+    """Whether x [B, H, ...] (at least 3 dims: rows of data per batch entry and head) is a
+    view of a contiguous [H, B, ...] (and not itself contiguous)."""
+    return x.dim() >= 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous()
 
 
 def _autocast_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,8 @@ def per_head_matmul(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class _PerHeadProducts(torch.autograd.Function):
-    """`per_head_products` with `per_head_matmul_backward` as its backward."""
+    """`per_head_products` with `per_head_matmul_backward` as its backward. A heads-major
+    result is a view made inside the Function: it must not be modified in place."""
 
     @staticmethod
     def forward(ctx, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -108,10 +110,10 @@ def heads_matmul(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (2*B*H*T*M). The sum is taken from K*M + 2*T*M < T*K on: T > 256 for K = 512, M = 128.
     """
     batch, heads, seq_len, k = inputs.shape
-    m = weight.shape[-1]
+    _, m = weight.shape
     if k * m + 2 * seq_len * m < seq_len * k:
         rows, per_head = _head_rows(inputs), weight.view(heads, k, m)
-        if torch.is_autocast_enabled(inputs.device.type):
+        if torch.is_autocast_enabled(inputs.device.type) or torch.compiler.is_compiling():
             out = torch.bmm(rows, per_head).sum(dim=0)  # autocast casts the operands
         else:
             out = _SummedHeadProducts.apply(rows, per_head)
@@ -122,10 +124,9 @@ def heads_matmul(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class _SummedHeadProducts(torch.autograd.Function):
     """sum_h rows_h @ weight_h for rows [H, R, K] and weight [H, K, M] -> [R, M].
 
-    Autograd would take the weight's gradient as rows_h^T @ grad, a product whose first
-    operand is transposed [K, R]; here it is (grad^T @ rows_h)^T, the same sums with the
-    long R dimension contiguous in both operands (0.70 of the time on the CPU for R = 4096,
-    K = 512, M = 128)."""
+    Autograd would take the weight's gradient as rows_h^T @ grad ([K, M] out); here it is
+    (grad^T @ rows_h)^T ([M, K] out, transposed back as a view): the same sums, in 0.70 of
+    the time on the CPU for R = 4096, K = 512, M = 128."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -136,7 +137,7 @@ class _SummedHeadProducts(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         rows, weight = ctx.saved_tensors
         heads, r, _ = rows.shape
-        m = grad.shape[-1]
+        _, m = grad.shape
         grad_rows = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_rows = torch.bmm(grad.expand(heads, r, m), weight.mT)
@@ -146,15 +147,16 @@ class _SummedHeadProducts(torch.autograd.Function):
 
 
 SMALL_WEIGHT = 1 << 17
-"""Per-head weights of at most this many elements (D * N) are copied transposed for the
-gradient product; larger ones are read through the transposed view."""
+"""Per-head weights of at most this many elements a head (D * N) are copied transposed for
+the input gradient's product; larger ones are read through the transposed view."""
 
 
 def _transposed_for_rows(weight: torch.Tensor) -> torch.Tensor:
     """weight [H, D, N] transposed, for the product grad [H, R, N] x [H, N, D] over R rows.
     On the CPU the product with a contiguous copy takes 0.84 of the transposed view's time,
-    the copy included, for D=128, N=512 (R=4096), and 1.06 for D=256, N=2048 (R=2048),
-    where the copy (2 MiB) is not repaid: small weights are copied, larger ones are not."""
+    the copy included, for H=4, D=128, N=512 (R=4096), and 1.06 for H=4, D=256, N=2048
+    (R=2048), where the copy (8 MiB) is not repaid: small weights are copied, larger ones
+    are not."""
     _, d, n = weight.shape
     return weight.mT.contiguous() if d * n <= SMALL_WEIGHT else weight.mT
 
@@ -163,7 +165,7 @@ def per_head_matmul_backward(
     inputs: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d inputs, d weight) of `per_head_matmul`, with autograd's products of
-    `per_head_products`, a heads-major input's gradient by the weight's transpose as
+    `per_head_products`, a per-head product's input gradient by the weight's transpose as
     `_transposed_for_rows` gives it."""
     if weight.dim() != 3:
         k, n = weight.shape
@@ -184,6 +186,6 @@ def per_head_matmul_backward(
         grad_w = (rows.mT @ g2).view(d, heads, n).permute(1, 0, 2)
         return grad_in, grad_w
     g3 = _head_rows(grad_out)
-    transposed = _transposed_for_rows(weight) if heads_major(inputs, weight) else weight.mT
-    grad_in = torch.bmm(g3, transposed).view(heads, batch, seq_len, d).transpose(0, 1)
+    grad_in = torch.bmm(g3, _transposed_for_rows(weight)).view(heads, batch, seq_len, d)
+    grad_in = grad_in.transpose(0, 1)
     return grad_in, torch.bmm(_head_rows(inputs).mT, g3)

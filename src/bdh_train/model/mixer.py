@@ -134,17 +134,18 @@ def choose_executor(
 
 def resolve_executor(
     executor: str, seq_len: int, n_neurons: int, n_embd: int, chunk_size: int,
-    device_type: str, dtype: torch.dtype | None = None,
+    device_type: str, dtype: torch.dtype | None = None, dense_panels: bool = True,
 ) -> tuple[str, int]:
     """(executor, chunk size) a call runs with: a chunk_size of 0 takes the calibrated chunk
     of the device (and the queries' dtype), and 'auto' resolves through `choose_executor`
-    with its margin."""
+    with its margin, counting dense in the calibration's row panels where the call would
+    run them (`dense_panels`)."""
     calibration = calibration_for(device_type, dtype)
     chunk_size = chunk_size or calibration.chunk_size
     if executor == "auto":
         executor = choose_executor(
             seq_len, n_neurons, n_embd, chunk_size, calibration.chunked_margin,
-            calibration.dense_panel_rows,
+            calibration.dense_panel_rows if dense_panels else 0,
         )
     return executor, chunk_size
 
@@ -170,6 +171,17 @@ def _hand_written_backward_applies(
     )
 
 
+def _dense_panel_rows(q: Tensor, log_decay: Tensor | None, reset_mask: Tensor | None) -> int:
+    """The panel rows dense runs a call with: the calibration's for q's device and dtype
+    where the Function runs without resets and decay (its panels take neither), else 0 (the
+    whole matrix)."""
+    if log_decay is not None or reset_mask is not None:
+        return 0
+    if not _hand_written_backward_applies(q, None, None):
+        return 0
+    return calibration_for(q.device.type, q.dtype).dense_panel_rows
+
+
 def reset_segments(reset_mask: Tensor) -> Tensor:
     """segment(b, t) = resets at or before t in row b ([B, T] long): tokens see each other only
     within one segment, and segment 0 is the one that continues the incoming state."""
@@ -183,12 +195,13 @@ def dense_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole call at once through the masked T x T score matrix (chunk_size unused).
     Without a learned decay, and without decay and resets together, this is the chunked
-    executor's Function with one chunk."""
+    executor's Function with one chunk, which computes the matrix in row panels where
+    `_dense_panel_rows` gives them (the blocks above the diagonal skipped)."""
     seq_len = q.shape[2]
     if seq_len > 0 and _hand_written_backward_applies(q, log_decay, reset_mask):
-        panel_rows = calibration_for(q.device.type, q.dtype).dense_panel_rows
         return chunked_attention_function(
-            q, v, initial_state, seq_len, output_final_state, reset_mask, log_decay, panel_rows
+            q, v, initial_state, seq_len, output_final_state, reset_mask, log_decay,
+            _dense_panel_rows(q, log_decay, reset_mask),
         )
     rho = initial_state
     segment = None if reset_mask is None else reset_segments(reset_mask.to(q.device))
@@ -262,7 +275,7 @@ def chunked_attention(
     """
     if _hand_written_backward_applies(q, log_decay, reset_mask):
         return chunked_attention_function(
-            q, v, initial_state, chunk_size, output_final_state, reset_mask, log_decay
+            q, v, initial_state, chunk_size, output_final_state, reset_mask, log_decay, 0
         )
     if reset_mask is not None:
         return _chunk_by_chunk(
@@ -415,7 +428,8 @@ def linear_attention(
     device_type = q.device.type
     compute_dtype = _autocast_dtype(device_type) or q.dtype  # autocast's, whatever q's
     executor, chunk_size = resolve_executor(
-        executor, q.shape[2], q.shape[3], v.shape[3], chunk_size, device_type, compute_dtype
+        executor, q.shape[2], q.shape[3], v.shape[3], chunk_size, device_type, compute_dtype,
+        dense_panels=_dense_panel_rows(q, log_decay, reset_mask) > 0,
     )
     fn = EXECUTOR_FUNCTIONS.get(executor)
     if fn is None:

@@ -45,7 +45,10 @@ two leading dims as one batch, and the outputs are transposed back.
 On the CPU this Function's forward and backward take 0.72 of autograd's (403 vs 561 ms at
 B=8, H=4, T=2048, N=512, C=128), and with alibi's decay 0.21 (139 vs 626 ms at T=512, B=8).
 One chunk of the whole call is the dense executor: there no state is read without rho0 and
-W is computed only for the final state.
+W is computed only for the final state. Without resets and decay, and longer than the panel
+rows it is given, it computes A in row panels (`panel_forward`, `panel_backward`): the
+blocks above the diagonal are never computed, and dQ stays one product over the whole
+symmetric (dA + dA^T).
 tests/model/test_mixer.py checks it against the token-by-token definition and against the
 same products under autograd.
 """

@@ -4,14 +4,16 @@ executors and chunk sizes, alternating in one process.
 For each "config:T:B:name,name,..." spec (config a or b of _common.CONFIGS, vocab 256, fp32,
 dropout 0; on the CPU 2 threads and the host allocator as the trainer sets it), one model and
 one AdamW run a warm-up step per name, then --rounds rounds of one step per name in turn, so
-load from other processes falls on every name alike. Names: dense, chunked/C, and naive (the
-official masked form, `(q @ q^T).tril(-1) @ v`, patched in as an executor); a name ending in
-"+resets" runs its executor on the same batch with 3 documents starting inside every row
-(seeded positions: what `training.stream_documents = "corpus"` gives the model). tokens/s
-from the fastest step.
+load from other processes falls on every name alike. Names: dense (in the device's calibrated
+row panels), dense/P (in row panels of P queries; dense/0: the whole matrix), chunked/C, and
+naive (the official masked form, `(q @ q^T).tril(-1) @ v`, patched in as an executor); a name
+ending in "+resets" runs its executor on the same batch with 3 documents starting inside
+every row (seeded positions: what `training.stream_documents = "corpus"` gives the model).
+tokens/s from the fastest step.
 
 Run: .venv/bin/python benchmarks/bench_calibration.py            # the default specs
      .venv/bin/python benchmarks/bench_calibration.py a:512:8:dense,chunked/128
+     .venv/bin/python benchmarks/bench_calibration.py a:512:8:dense/0,dense/64,dense/128
      .venv/bin/python benchmarks/bench_calibration.py a:2048:8:chunked/128,chunked/128+resets
      python3 benchmarks/bench_calibration.py --device cuda --specs-set cuda
 """
@@ -19,6 +21,7 @@ Run: .venv/bin/python benchmarks/bench_calibration.py            # the default s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 from _common import (
@@ -42,11 +45,11 @@ DEFAULT_SPECS = (
     "b:512:4:dense,chunked/128,chunked/256",
 )
 CUDA_SPECS = (
-    "a:512:8:naive,dense,chunked/64,chunked/128,chunked/256",
-    "a:2048:8:naive,dense,chunked/64,chunked/128,chunked/256,chunked/512",
+    "a:512:8:naive,dense,dense/128,dense/256,chunked/64,chunked/128,chunked/256",
+    "a:2048:8:naive,dense,dense/256,chunked/64,chunked/128,chunked/256,chunked/512",
     "a:8192:4:dense,chunked/128,chunked/256,chunked/512",
-    "b:512:4:naive,dense,chunked/128,chunked/256",
-    "b:2048:4:dense,chunked/128,chunked/256,chunked/512",
+    "b:512:4:naive,dense,dense/128,chunked/128,chunked/256",
+    "b:2048:4:dense,dense/256,chunked/128,chunked/256,chunked/512",
 )
 SPEC_SETS = {"cpu": DEFAULT_SPECS, "cuda": CUDA_SPECS}
 RESETS_PER_ROW = 3
@@ -70,13 +73,22 @@ def run(spec: str, rounds: int, device: torch.device, autocast_dtype=None) -> li
     y = torch.randint(0, 256, (batch, seq_len), device=device)
     starts = document_starts(batch, seq_len, RESETS_PER_ROW, device)
 
+    calibrated = mixer.calibration_for(device.type)
+
     def step(name: str) -> float:
         executor_name, _, resets = name.partition("+")
-        executor, _, chunk = executor_name.partition("/")
+        executor, _, size = executor_name.partition("/")
         model.config.executor = executor
-        model.config.chunk_size = int(chunk) if chunk else 0
+        model.config.chunk_size = int(size) if size and executor != "dense" else 0
+        panel_rows = int(size) if size and executor == "dense" else calibrated.dense_panel_rows
+        mixer.EXECUTOR_CALIBRATION[device.type] = dataclasses.replace(
+            calibrated, dense_panel_rows=panel_rows
+        )
         mask = starts if resets == "resets" else None
-        return timed_train_step(model, optimizer, x, y, autocast_dtype, reset_mask=mask)
+        try:
+            return timed_train_step(model, optimizer, x, y, autocast_dtype, reset_mask=mask)
+        finally:
+            mixer.EXECUTOR_CALIBRATION[device.type] = calibrated
 
     load = load_average()
     for name in names:

@@ -2,8 +2,9 @@
 # The GPU benchmarks in one go (about 7 minutes on one CUDA device), each part time-boxed:
 #   (0)   the fast paths against a float64 reference on the device (check_device.py), and the
 #         trainer end to end there: train with TBPTT, checkpoint, resume, generate
-#   (i)   executor calibration: dense vs chunked/C vs the official masked form, alternating in
-#         one process (bench_calibration.py); the mixer's hand-written backward vs autograd,
+#   (i)   executor calibration: dense (whole, and in row panels) vs chunked/C vs the official
+#         masked form, alternating in one process (bench_calibration.py; CUDA keeps no panels
+#         until this measures them); the mixer's hand-written backward vs autograd,
 #         with and without alibi's decay (bench_chunked_backward.py); heads-major projections
 #         vs the contiguous layout (bench_layout.py); then bdh-train ('auto') vs the official
 #         model with memory (bench_official.py)
@@ -51,7 +52,7 @@ out_file="$out_dir/gpu-bench-$(date -u +%Y%m%dT%H%M%SZ).txt"
 if [ "$smoke" = 1 ]; then
     device=cpu
     grid=(--configs a --grid 64x2 --steps 1)
-    calibration=(--device cpu --rounds 1 a:128:2:naive,dense,chunked/64)
+    calibration=(--device cpu --rounds 1 a:128:2:naive,dense,dense/32,chunked/64)
     mixer=(--device cpu --rounds 1)
     layout=(--device cpu --grid a:64x2 --rounds 1)
     compile_grid=()

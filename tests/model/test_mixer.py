@@ -682,33 +682,30 @@ def test_dense_in_row_panels_matches_the_definition(
 def check_panels_against_definition(seq_len, panel_rows, with_state, final_state, heads_major):
     for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
         inputs, (g_out, g_rho) = make_inputs(seq_len, dtype, with_state, seed=7 * seq_len)
+        ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
+
+        def loss(out, final, g_out=g_out, g_rho=g_rho):
+            total = (out * g_out.to(out.dtype)).sum()
+            return total + (final * g_rho.to(out.dtype)).sum() if final_state else total
+
         q, v, *rest = inputs
-        rho0 = rest[0] if rest else None
-        ref = definition(*(x.detach().double() for x in (q, v)),
-                         None if rho0 is None else rho0.detach().double(), None)
         q_in = q.transpose(0, 1).contiguous().transpose(0, 1) if heads_major else q
         assert is_heads_major(q_in) == heads_major
         out, final = mixer.dense_attention(
-            q_in, v, initial_state=rho0, output_final_state=final_state
+            q_in, v, initial_state=rest[0] if rest else None, output_final_state=final_state
         )
+        r_q, r_v, *r_rest = ref_inputs
+        r_out, r_final = definition(r_q, r_v, r_rest[0] if r_rest else None, None)
         what = f"T={seq_len} P={panel_rows} state={with_state} {final_state=} {dtype}"
         node = out.grad_fn.next_functions[0][0] if heads_major else out.grad_fn
         assert node.in_panels == (panel_rows < seq_len), what
-        assert_close(out.detach().double(), ref[0], rtol=rtol, msg=f"{what}: out")
-        loss = (out * g_out).sum()
+        assert_close(out.detach().double(), r_out.detach(), rtol=rtol, msg=f"{what}: out")
         if final_state:
-            assert_close(final.detach().double(), ref[1], rtol=rtol, msg=f"{what}: state")
-            loss = loss + (final * g_rho).sum()
+            assert_close(final.detach().double(), r_final.detach(), rtol=rtol, msg=f"{what}: state")
         else:
             assert final is None, what
-        got = torch.autograd.grad(loss, inputs)
-        ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
-        r_q, r_v, *r_rest = ref_inputs
-        r_out, r_final = definition(r_q, r_v, r_rest[0] if r_rest else None, None)
-        r_loss = (r_out * g_out.double()).sum()
-        if final_state:
-            r_loss = r_loss + (r_final * g_rho.double()).sum()
-        expected = torch.autograd.grad(r_loss, ref_inputs)
+        got = torch.autograd.grad(loss(out, final), inputs)
+        expected = torch.autograd.grad(loss(r_out, r_final), ref_inputs)
         for name, g, g_ref in zip(("q", "v", "rho0"), got, expected, strict=False):
             assert_close(g.double(), g_ref, rtol=rtol, msg=f"{what}: grad of {name}")
 

@@ -33,6 +33,12 @@ def is_heads_major(x: torch.Tensor) -> bool:
     return x.dim() >= 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous()
 
 
+def _own_backward_applies(inputs: torch.Tensor) -> bool:
+    """Whether a product runs as one of this module's autograd Functions: outside autocast
+    (which casts torch's products itself) and torch.compile (which differentiates them)."""
+    return not torch.is_autocast_enabled(inputs.device.type) and not torch.compiler.is_compiling()
+
+
 def _autocast_rows(rows: torch.Tensor) -> torch.Tensor:
     """rows in autocast's dtype when autocast is on: cast before they are expanded over the
     heads, autocast would cast (and save for backward) the H-fold expanded copy."""
@@ -59,11 +65,7 @@ def per_head_matmul(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 3:
         return inputs @ weight
     recording = torch.is_grad_enabled() and (inputs.requires_grad or weight.requires_grad)
-    if (
-        recording
-        and not torch.is_autocast_enabled(inputs.device.type)
-        and not torch.compiler.is_compiling()
-    ):
+    if recording and _own_backward_applies(inputs):
         return _PerHeadProducts.apply(inputs, weight)
     return per_head_products(inputs, weight)
 
@@ -113,10 +115,10 @@ def heads_matmul(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _, m = weight.shape
     if k * m + 2 * seq_len * m < seq_len * k:
         rows, per_head = _head_rows(inputs), weight.view(heads, k, m)
-        if torch.is_autocast_enabled(inputs.device.type) or torch.compiler.is_compiling():
-            out = torch.bmm(rows, per_head).sum(dim=0)  # autocast casts the operands
-        else:
+        if _own_backward_applies(inputs):
             out = _SummedHeadProducts.apply(rows, per_head)
+        else:
+            out = torch.bmm(rows, per_head).sum(dim=0)
         return out.view(batch, 1, seq_len, m)
     return inputs.transpose(1, 2).reshape(batch, 1, seq_len, heads * k) @ weight
 

@@ -51,13 +51,18 @@ def _turns_apply(n: int, dtype: torch.dtype) -> bool:
     return n % 2 == 0 and dtype in (torch.float32, torch.float64)
 
 
+def _unit_turns(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos + i sin, cos - i sin) per (2k, 2k+1) pair, whose members share a phase."""
+    turn = torch.complex(cos[..., ::2], sin[..., ::2])
+    return turn, turn.conj().resolve_conj()
+
+
 def rope_phases(positions: torch.Tensor, n: int, dtype: torch.dtype) -> RopePhases:
     """`RopePhases` for absolute positions [B, T] (`rope_cos_sin`'s phases)."""
     cos, sin = rope_cos_sin(positions, n, dtype)
     if not _turns_apply(n, dtype):
         return RopePhases(cos, sin, None, None)
-    turn = torch.complex(cos[..., ::2], sin[..., ::2])
-    return RopePhases(cos, sin, turn, turn.conj().resolve_conj())
+    return RopePhases(cos, sin, *_unit_turns(cos, sin))
 
 
 def rotate_pairs(v: torch.Tensor) -> torch.Tensor:
@@ -107,8 +112,7 @@ def apply_rope(
     fast = _turns_apply(v.shape[-1], v.dtype) and cos.dtype == v.dtype
     if fast and not torch.compiler.is_compiling():  # inductor does not generate complex code
         if turn is None or back is None:
-            turn = torch.complex(cos[..., ::2], sin[..., ::2])
-            back = turn.conj()
+            turn, back = _unit_turns(cos, sin)
         if cos.requires_grad or sin.requires_grad:
             return torch.view_as_real(_as_pairs(v) * turn).reshape(v.shape)
         return _TurnPairs.apply(v, turn, back)

@@ -58,7 +58,8 @@ in Q Q^T, A V, dOut V^T and A^T dOut, and all T in the symmetric (dA + dA^T) Q.
 Run:  .venv/bin/python benchmarks/bench_official.py                  # the default grid, CPU
       .venv/bin/python benchmarks/bench_official.py --configs a --grid 512x8 --steps 3
       .venv/bin/python benchmarks/bench_official.py --official /tmp/official_bdh/bdh.py
-      .venv/bin/python benchmarks/bench_official.py --device cuda --dtype bf16 --compile
+      .venv/bin/python benchmarks/bench_official.py --compile pointwise   # the fused gate
+      .venv/bin/python benchmarks/bench_official.py --device cuda --dtype bf16 --compile layer
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ from torch import nn
 from bdh_train.batch import SequenceBatch
 from bdh_train.interop import load_official_state_dict
 from bdh_train.model import BDH
+from bdh_train.model.bdh import COMPILE_MODES, compile_mode_for
 from bdh_train.model.mixer import calibration_for, dense_keys_per_query, resolve_executor
 from bdh_train.train.allocator import HOST_ALLOCATORS, configure_host_allocator
 from bdh_train.train.step import LanguageTrainModel
@@ -266,11 +268,11 @@ def baseline_stepper(model: nn.Module, autocast, compile_model: bool):
     return step
 
 
-def ours_stepper(model: BDH, autocast, compile_model: bool, recompute: str = "none"):
-    """bdh-train's step: LanguageTrainModel.train_step (zero_grad, forward, backward) + AdamW."""
+def ours_stepper(model: BDH, autocast, compile_mode: str, recompute: str = "none"):
+    """bdh-train's step: LanguageTrainModel.train_step (zero_grad, forward, backward) + AdamW;
+    `compile_mode`: training.compile's."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    if compile_model:
-        model.compile_layers()
+    model.compile_for_training(compile_mode)
     if recompute != "none":
         model.set_recompute(recompute)
     train = LanguageTrainModel(model, autocast=autocast)
@@ -346,7 +348,23 @@ def train_flops_per_token(
 def hand_written_backward(args: argparse.Namespace) -> bool:
     """Whether bdh-train's executor runs with the hand-written backward (fp32 or fp64 without
     autocast or compile; the benchmark's configs use rope, no learned decay)."""
-    return args.dtype == "fp32" and not args.compile
+    return args.dtype == "fp32" and not baseline_compiled(args.compile, args.device)
+
+
+def baseline_compiled(compile_mode: str, device: str) -> bool:
+    """Whether the baseline is compiled too: where bdh-train compiles its whole layer (the
+    official train.py compiles the whole model); the fused gate has no official twin."""
+    return compile_mode_for(compile_mode, torch.device(device)) == "layer"
+
+
+def compile_note(args: argparse.Namespace) -> str:
+    """The title's words on compiling: nothing when neither side compiles."""
+    mode = compile_mode_for(args.compile, torch.device(args.device))
+    if mode == "off":
+        return ""
+    if mode == "layer":
+        return ", both compiled (bdh-train's layer, the baseline's model)"
+    return f", bdh-train compile {mode!r} (the baseline eager)"
 
 
 def matmul_ceiling_gflops(device: torch.device, dtype: str, threads: int) -> float:
@@ -380,7 +398,9 @@ def memory_worker(spec: dict[str, Any]) -> None:
     baseline = build_baseline(CONFIGS[spec["config"]], official).to(device)
     autocast = autocast_factory(device, spec["dtype"])
     if spec["side"] == "baseline":
-        step = baseline_stepper(baseline, autocast, spec["compile"])
+        step = baseline_stepper(
+            baseline, autocast, baseline_compiled(spec["compile"], spec["device"])
+        )
     else:
         ours = ours_from_baseline(baseline, spec["executor"]).to(device)
         del baseline
@@ -449,7 +469,9 @@ def run_point(args, config: str, seq_len: int, batch_size: int, official, device
     ours = ours_from_baseline(baseline, args.executor).to(device)
     autocast = autocast_factory(device, args.dtype)
     steps = {
-        "baseline": baseline_stepper(baseline, autocast, args.compile),
+        "baseline": baseline_stepper(
+            baseline, autocast, baseline_compiled(args.compile, args.device)
+        ),
         "bdh-train": ours_stepper(ours, autocast, args.compile, args.recompute),
     }
     batch = random_batch(seq_len, batch_size, device)
@@ -501,8 +523,10 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
     ap.add_argument(
         "--compile",
-        action="store_true",
-        help="bdh-train: model.compile_layers(); baseline: torch.compile(model), as train.py",
+        choices=COMPILE_MODES,
+        default="off",
+        help="bdh-train's training.compile; where it resolves to 'layer', the baseline is "
+        "torch.compile(model), as train.py (default off)",
     )
     ap.add_argument(
         "--executor",
@@ -637,7 +661,7 @@ def main() -> None:
     )
     title = (
         f"bdh-train vs {which}: {args.device}, {args.dtype}"
-        f"{', compiled' if args.compile else ''}, {args.threads} threads, executor "
+        f"{compile_note(args)}, {args.threads} threads, executor "
         f"{args.executor}, recompute {args.recompute}, host allocator {allocator}; steps "
         f"alternate, 1 warm-up + {args.steps} timed each. tokens/s: "
         "fastest step (median); ratio = bdh-train / baseline (fastest); % peak: share of the "

@@ -132,7 +132,7 @@ part "(i) the mixer's backward" 30 "$python" benchmarks/bench_chunked_backward.p
 part "(i) heads-major vs contiguous" 30 "$python" benchmarks/bench_layout.py "${layout[@]}"
 part "(i) bdh-train auto vs official" 100 "$python" "${bench[@]}" --executor auto \
     --memory 2048x8
-part "(ii) compiled" 100 "$python" "${bench[@]}" --configs a "${compile_grid[@]}" --compile \
+part "(ii) compiled" 100 "$python" "${bench[@]}" --configs a "${compile_grid[@]}" --compile layer \
     --memory none
 part "(iii) bf16 autocast" 40 "$python" "${bench[@]}" --dtype bf16 --memory none
 part "(iv) generation" 40 "$python" benchmarks/bench_generate.py "${gen[@]}"

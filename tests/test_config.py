@@ -214,7 +214,9 @@ def test_deep_merge_does_not_mutate() -> None:
         ("training.max_steps=30", lambda c: c.training.max_steps, 30),
         ("optimizer.lr=5e-3", lambda c: c.optimizer.lr, 5e-3),
         ("optimizer.weight_decay = 0.5", lambda c: c.optimizer.weight_decay, 0.5),
-        ("training.compile=true", lambda c: c.training.compile, True),
+        ("training.compile=true", lambda c: c.training.compile, "auto"),
+        ("training.compile=false", lambda c: c.training.compile, "off"),
+        ("training.compile=pointwise", lambda c: c.training.compile, "pointwise"),
         ("training.recompute='layer'", lambda c: c.training.recompute, "layer"),
         ('model.position="alibi"', lambda c: c.model.position, "alibi"),
         ("model.position=alibi", lambda c: c.model.position, "alibi"),
@@ -327,7 +329,10 @@ BAD_VALUES = [
     ("training.keep_checkpoints=-1", "training.keep_checkpoints must be a non-negative"),
     ("training.device=gpu", "training.device must be one of 'auto', 'cpu', 'cuda', got 'gpu'"),
     ("training.dtype=float16", "training.dtype must be one of 'float32', 'bfloat16'"),
-    ('training.compile="yes"', "training.compile must be true or false, got 'yes'"),
+    ('training.compile="yes"', "training.compile must be one of 'off', 'layer', 'pointwise', "
+     "'auto', got 'yes'"),
+    ('training.compile="layers"', "training.compile must be one of 'off', 'layer', 'pointwise', "
+     "'auto', got 'layers' (did you mean 'layer'?)"),
     ("training.recompute='layers'", "training.recompute must be one of 'none', 'layer', "
      "'mixer', got 'layers' (did you mean 'layer'?)"),
     ("training.profile=0", "training.profile must be one of 'off', 'step', 'detail', got 0"),

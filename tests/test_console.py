@@ -122,13 +122,13 @@ def test_resume_with_the_same_length_gives_no_warning(tmp_path):
 def test_the_compiling_line_comes_before_the_first_step_and_says_how_long(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(BDH, "compile_layers", lambda self: None)  # no compiler under test
+    monkeypatch.setattr(BDH, "compile_for_training", lambda self, mode: None)  # no compiler
     cfg = load_config(overrides=[*SMALL, "training.compile=true", "training.max_steps=1"])
     log = io.StringIO()
     Trainer(cfg, tmp_path, stream=log).run()
     lines = log.getvalue().splitlines()
     compiling = lines.index(
-        "compiling the model (training.compile = true): the first step takes longer…"
+        "compiling the model (training.compile = 'auto'): the first step takes longer…"
     )
     took = next(i for i, line in enumerate(lines) if line.startswith("compiled: the first step"))
     first = next(i for i, line in enumerate(lines) if line.startswith("step 1/1"))

@@ -355,7 +355,7 @@ def test_compiled_layers_train_like_eager_and_compile_once(tmp_path, monkeypatch
     evaluate = ["training.eval_every=2"]
     eager_rows, eager = _first_loss_and_params(tmp_path / "eager", [*tbptt, *evaluate])
     rows, compiled = _first_loss_and_params(
-        tmp_path / "compiled", [*tbptt, *evaluate, "training.compile=true"]
+        tmp_path / "compiled", [*tbptt, *evaluate, "training.compile='layer'"]
     )
     assert counters["stats"]["unique_graphs"] == 1
     assert abs(rows[0]["loss"] - eager_rows[0]["loss"]) < 1e-5 * eager_rows[0]["loss"]

@@ -283,8 +283,7 @@ def build_model(cfg: RunConfig, device: torch.device) -> BDH:
     torch.manual_seed(cfg.training.seed)
     model = BDH(cfg.model).to(device)
     model.set_recompute(cfg.training.recompute)
-    if cfg.training.compile:
-        model.compile_layers()
+    model.compile_for_training(cfg.training.compile)
     return model
 
 
@@ -614,10 +613,11 @@ class Trainer:
         started = time.perf_counter() - s.elapsed
         last_log_time, last_log_tokens = time.perf_counter(), s.tokens
         checkpoint: Path | None = None
-        compiling = t.compile and s.step < t.max_steps
+        compiling = t.compile != "off" and s.step < t.max_steps
         if compiling:
             self.progress.log(
-                "compiling the model (training.compile = true): the first step takes longer…"
+                f"compiling the model (training.compile = {t.compile!r}): the first step takes "
+                "longer…"
             )
         first_step_started = time.perf_counter()
         self.progress.restart_clock()

@@ -149,8 +149,10 @@ def test_fsdp_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_p
 def test_fsdp_refuses_a_pipeline_compile_and_the_detail_profiler():
     with pytest.raises(ConfigError, match=r"parallel.shard='fsdp' .* pipeline"):
         load_config(overrides=[*BASE, *FSDP, "parallel.pipeline_stages=2"]).validate()
-    with pytest.raises(ConfigError, match=r"training.compile=true"):
+    with pytest.raises(ConfigError, match=r"training.compile='auto'"):
         load_config(overrides=[*BASE, *FSDP, "training.compile=true"]).validate()
+    with pytest.raises(ConfigError, match=r"training.compile='pointwise'"):
+        load_config(overrides=[*BASE, *FSDP, "training.compile=pointwise"]).validate()
     with pytest.raises(ConfigError, match=r"training.profile='detail'"):
         load_config(overrides=[*BASE, *FSDP, "training.profile=detail"]).validate()
     with pytest.raises(ConfigError, match=r"parallel.shard"):

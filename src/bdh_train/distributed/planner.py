@@ -179,16 +179,17 @@ class ParallelConfig:
             )
         return world_size // stages, stages
 
-    def check_shard(self, compile_model: bool, profile: str, prefix: str = "parallel") -> None:
+    def check_shard(self, compile_mode: str, profile: str, prefix: str = "parallel") -> None:
         """What a sharded (FSDP) run cannot do yet: the compiled layers and the detail
-        profiler's probes run the model outside FSDP's gather hooks."""
+        profiler's probes run the model outside FSDP's gather hooks; the fused gate is not
+        tested under FSDP."""
         if self.shard != "fsdp":
             return
-        if compile_model:
+        if compile_mode != "off":
             raise ConfigError(
-                f"{prefix}.shard='fsdp' does not support training.compile=true (the compiled "
-                "layers are not traced through FSDP's parameter gathering); set "
-                f"training.compile=false or {prefix}.shard='none'"
+                f"{prefix}.shard='fsdp' does not support training.compile={compile_mode!r} (the "
+                "compiled layer is not traced through FSDP's parameter gathering, and the fused "
+                f"gate is untested under it); set training.compile=false or {prefix}.shard='none'"
             )
         if profile == "detail":
             raise ConfigError(

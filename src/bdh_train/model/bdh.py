@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bdh_train.model import generate as generation
 from bdh_train.model.config import BDHConfig
+from bdh_train.model.gate import GateKernels, gate
 from bdh_train.model.heads import (
     head_parameter_shapes,
     nca_factorized_loss,
@@ -50,6 +51,22 @@ LN_EPS = 1e-5
 
 RECOMPUTE_MODES = ("none", "layer", "mixer")
 """What backward recomputes instead of keeping: nothing, the whole shared layer, or its mixer."""
+
+COMPILE_MODES = ("off", "layer", "pointwise", "auto")
+"""What training compiles (`BDH.compile_for_training`): nothing, the whole shared layer, the
+gate's fused kernels, or the one that measured faster on the device (the layer on CUDA: 1.24x
+eager on an H200; the gate on a CPU, where the compiled layer ran 0.91-0.99x eager and the
+fused gate 1.03-1.08x)."""
+
+
+def compile_mode_for(mode: str, device: torch.device) -> str:
+    """A COMPILE_MODES mode with 'auto' resolved for `device`: 'layer' on CUDA, else
+    'pointwise'."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode {mode!r}; expected one of {COMPILE_MODES}")
+    if mode != "auto":
+        return mode
+    return "layer" if device.type == "cuda" else "pointwise"
 
 
 def _check_fits_in_memory(config: BDHConfig) -> None:
@@ -86,6 +103,7 @@ class BDH(nn.Module):
         self.quantizer = LowBitQuantizer(c.quant) if c.quant.enable else None
         self.recompute = "none"
         self._compiled_layer = None  # the training twin of layer_call, from compile_layers()
+        self._gate_kernels: GateKernels | None = None  # from use_fused_gate()
         self._summary_layers = frozenset(c.summary_memory.layers(c.n_layer))
         self.reset_parameters()
 
@@ -233,7 +251,7 @@ class BDH(nn.Module):
             )
         else:
             a, new_rho = self.mix(*mix_args)
-        y = x * F.relu(self._project("encoder_v", a, self.encoder_v))
+        y = gate(x, self._project("encoder_v", a, self.encoder_v), self._gate_kernels)
         y = F.dropout(y, self.config.dropout, self.training)
         m = self._norm(self._decode(y))
         return self._norm(u + m), new_rho
@@ -281,6 +299,21 @@ class BDH(nn.Module):
         so nothing is ever compiled twice."""
         self._compiled_layer = torch.compile(self.layer_call, dynamic=False, **options)
         self._compiled_signature = None
+
+    def use_fused_gate(self, kernels: GateKernels | None) -> None:
+        """Run the layer's gate x * relu(a @ encoder_v) through `kernels` (one fused pass each
+        way, bit-identical values and gradients); None: autograd's composition again."""
+        self._gate_kernels = kernels
+
+    def compile_for_training(self, mode: str) -> None:
+        """Apply a COMPILE_MODES mode: 'layer' compiles the whole layer (`compile_layers`),
+        'pointwise' the gate's kernels (`use_fused_gate`), 'auto' whichever measured faster on
+        the device the parameters are on, 'off' nothing."""
+        mode = compile_mode_for(mode, self.encoder.device)
+        if mode == "layer":
+            self.compile_layers()
+        elif mode == "pointwise":
+            self.use_fused_gate(GateKernels(compiled=True))
 
     def _layer_fn_for(self, u: torch.Tensor, rho, need_state: bool, reset_mask) -> tuple:
         """(layer function, state) for one call: the compiled layer where its graph fits."""

@@ -10,7 +10,7 @@ from typing import ClassVar
 from bdh_train import checks
 from bdh_train.data.loaders import logical_length_for
 from bdh_train.errors import ConfigError
-from bdh_train.model.bdh import RECOMPUTE_MODES
+from bdh_train.model.bdh import COMPILE_MODES, RECOMPUTE_MODES
 from bdh_train.train.allocator import HOST_ALLOCATORS
 from bdh_train.train.init_from import InitTransferConfig
 from bdh_train.train.profile import PROFILE_MODES
@@ -83,8 +83,12 @@ class TrainingConfig:
     else 'system'. It applies to the whole training process."""
     dtype: str = "float32"
     """'float32', or 'bfloat16' autocast."""
-    compile: bool = False
-    """torch.compile the shared layer."""
+    compile: str = "off"
+    """What torch.compile builds for training: 'off'; 'layer': the whole shared layer, one
+    graph (1.24x eager on an H200; 0.91-0.99x on a 2-core CPU); 'pointwise': only the
+    layer's gate as two fused kernels, bit-identical results (1.03-1.08x eager on a 2-core
+    CPU); 'auto': 'layer' on CUDA, 'pointwise' on the CPU. true reads as 'auto', false as
+    'off'."""
     recompute: str = "none"
     """What backward recomputes instead of keeping (activation checkpointing): 'none';
     'layer': each layer call keeps only its input and state and runs again in backward (about
@@ -162,7 +166,9 @@ class TrainingConfig:
         checks.nonneg_int(f"{p}.threads", self.threads)
         checks.choice(f"{p}.host_allocator", self.host_allocator, HOST_ALLOCATORS)
         checks.choice(f"{p}.dtype", self.dtype, DTYPES)
-        checks.boolean(f"{p}.compile", self.compile)
+        if isinstance(self.compile, bool):
+            self.compile = "auto" if self.compile else "off"
+        checks.choice(f"{p}.compile", self.compile, COMPILE_MODES)
         checks.choice(f"{p}.recompute", self.recompute, RECOMPUTE_MODES)
         checks.nonneg_int(f"{p}.max_consecutive_skips", self.max_consecutive_skips)
         if isinstance(self.profile, bool):

@@ -67,10 +67,11 @@ class _FusedGate(torch.autograd.Function):
 
 
 def gate(x: torch.Tensor, pre: torch.Tensor, kernels: GateKernels | None) -> torch.Tensor:
-    """x * relu(pre): through `kernels` where given, else (and inside torch.compile, which
-    fuses the plain form itself) autograd's composition."""
-    if kernels is None or torch.compiler.is_compiling():
+    """x * relu(pre): through `kernels` where given and a gradient is recorded (training);
+    else autograd's composition: without kernels, inside torch.compile (which fuses it
+    itself), and without gradients (evaluation and generation, whose inference mode would
+    build graphs of their own)."""
+    recording = torch.is_grad_enabled() and (x.requires_grad or pre.requires_grad)
+    if kernels is None or not recording or torch.compiler.is_compiling():
         return x * F.relu(pre)
-    if torch.is_grad_enabled() and (x.requires_grad or pre.requires_grad):
-        return _FusedGate.apply(x, pre, kernels)
-    return kernels.forward(x, pre)
+    return _FusedGate.apply(x, pre, kernels)

@@ -348,12 +348,13 @@ def train_flops_per_token(
 def hand_written_backward(args: argparse.Namespace) -> bool:
     """Whether bdh-train's executor runs with the hand-written backward (fp32 or fp64 without
     autocast or compile; the benchmark's configs use rope, no learned decay)."""
-    return args.dtype == "fp32" and not baseline_compiled(args.compile, args.device)
+    return args.dtype == "fp32" and not layer_compiled(args.compile, args.device)
 
 
-def baseline_compiled(compile_mode: str, device: str) -> bool:
-    """Whether the baseline is compiled too: where bdh-train compiles its whole layer (the
-    official train.py compiles the whole model); the fused gate has no official twin."""
+def layer_compiled(compile_mode: str, device: str) -> bool:
+    """Whether bdh-train compiles its whole layer: then the baseline is compiled too (as the
+    official train.py compiles its model; the fused gate has no official twin), and
+    bdh-train's executors take autograd's products."""
     return compile_mode_for(compile_mode, torch.device(device)) == "layer"
 
 
@@ -399,7 +400,7 @@ def memory_worker(spec: dict[str, Any]) -> None:
     autocast = autocast_factory(device, spec["dtype"])
     if spec["side"] == "baseline":
         step = baseline_stepper(
-            baseline, autocast, baseline_compiled(spec["compile"], spec["device"])
+            baseline, autocast, layer_compiled(spec["compile"], spec["device"])
         )
     else:
         ours = ours_from_baseline(baseline, spec["executor"]).to(device)
@@ -470,7 +471,7 @@ def run_point(args, config: str, seq_len: int, batch_size: int, official, device
     autocast = autocast_factory(device, args.dtype)
     steps = {
         "baseline": baseline_stepper(
-            baseline, autocast, baseline_compiled(args.compile, args.device)
+            baseline, autocast, layer_compiled(args.compile, args.device)
         ),
         "bdh-train": ours_stepper(ours, autocast, args.compile, args.recompute),
     }

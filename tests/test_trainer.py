@@ -341,44 +341,46 @@ def _first_loss_and_params(tmp_path, extra):
 
 
 @pytest.mark.slow
-def test_compiled_layers_train_like_eager_and_compile_once(tmp_path, monkeypatch):
+@pytest.mark.compiles
+def test_compiled_layers_train_like_eager_and_compile_once(tmp_path):
     """Two steps of TBPTT chunks 6 + 6 + 4 with a state carried from step to step and an
     evaluation: one graph, never recompiled (a recompile raises), and the weights of eager
     training to fp32 1e-5. The shorter tail and the evaluation run the eager layer."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True, raising=False)
     torch._dynamo.reset()
     counters.clear()
     tbptt = ["training.tbptt_chunk_size=6", "training.tbptt_persist_across_steps=true"]
     evaluate = ["training.eval_every=2"]
     eager_rows, eager = _first_loss_and_params(tmp_path / "eager", [*tbptt, *evaluate])
-    rows, compiled = _first_loss_and_params(
-        tmp_path / "compiled", [*tbptt, *evaluate, "training.compile='layer'"]
-    )
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        rows, compiled = _first_loss_and_params(
+            tmp_path / "compiled", [*tbptt, *evaluate, "training.compile='layer'"]
+        )
     assert counters["stats"]["unique_graphs"] == 1
     assert abs(rows[0]["loss"] - eager_rows[0]["loss"]) < 1e-5 * eager_rows[0]["loss"]
     for name, p in compiled.items():
         assert_close(p, eager[name], rtol=1e-5, msg=name)
 
 
-def test_the_compiled_fused_gate_trains_bit_for_bit_like_eager(tmp_path, monkeypatch):
+@pytest.mark.compiles
+def test_the_compiled_fused_gate_trains_bit_for_bit_like_eager(tmp_path):
     """training.compile = 'pointwise' (inductor's gate kernels) over TBPTT chunks 6 + 6 + 4
     with a carried state and an evaluation: the same losses and weights as eager training,
     bit for bit; one graph each way, never rebuilt for the shorter tail (a rebuild raises)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True, raising=False)
     torch._dynamo.reset()
     counters.clear()
     tbptt = ["training.tbptt_chunk_size=6", "training.tbptt_persist_across_steps=true"]
     evaluate = ["training.eval_every=2"]
     eager_rows, eager = _first_loss_and_params(tmp_path / "eager", [*tbptt, *evaluate])
-    rows, fused = _first_loss_and_params(
-        tmp_path / "fused", [*tbptt, *evaluate, "training.compile='pointwise'"]
-    )
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        rows, fused = _first_loss_and_params(
+            tmp_path / "fused", [*tbptt, *evaluate, "training.compile='pointwise'"]
+        )
     assert counters["stats"]["unique_graphs"] == 2
     assert [r["loss"] for r in rows] == [r["loss"] for r in eager_rows]
     for name, p in fused.items():

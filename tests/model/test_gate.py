@@ -9,20 +9,23 @@ import torch
 from helpers import tiny_model
 
 from bdh_train.model import QuantConfig
-from bdh_train.model.bdh import COMPILE_MODES
+from bdh_train.model.bdh import COMPILE_MODES, compile_mode_for
 from bdh_train.model.gate import GateKernels, gate
 
 DTYPES = [torch.float32, torch.float64]
 
 
 def _operands(shape, dtype, heads_major: bool, seed: int = 0):
-    """x >= 0 with exact zeros, pre of both signs with exact zeros (relu's mask edge), and
-    an upstream gradient, [B, H, T, N]; heads_major: laid out as [H, B, T, N] (the
-    projections' per-head results)."""
+    """x >= 0 with zeros of both signs, pre of both signs with zeros of both signs (relu's
+    mask edge) and NaNs, and an upstream gradient, [B, H, T, N]; heads_major: laid out as
+    [H, B, T, N] (the projections' per-head results)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g, dtype=dtype).relu()
+    x[..., 1::9] = -0.0
     pre = torch.randn(shape, generator=g, dtype=dtype)
     pre[..., ::7] = 0.0
+    pre[..., 3::7] = -0.0
+    pre[..., 5::11] = float("nan")
     grad = torch.randn(shape, generator=g, dtype=dtype)
     if heads_major:
         x, pre = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (x, pre))
@@ -61,12 +64,22 @@ def _fused_gate(x, pre, grad, kernels, wants=(True, True)):
     return out.detach(), grads
 
 
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    """The same bits (the sign of a zero included), NaN wherever the other is NaN."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    nan = a.isnan()
+    assert torch.equal(nan, b.isnan())
+    bits = {torch.float32: torch.int32, torch.float64: torch.int64}[a.dtype]
+    a, b = (torch.where(nan, 0.0, t).contiguous().view(bits) for t in (a, b))
+    assert torch.equal(a, b)
+
+
 def _assert_identical(got, want):
     (out, grads), (want_out, want_grads) = got, want
-    assert torch.equal(out, want_out)
+    assert_bits_equal(out, want_out)
     assert len(grads) == len(want_grads)
     for a, b in zip(grads, want_grads, strict=True):
-        assert torch.equal(a, b)
+        assert_bits_equal(a, b)
 
 
 @pytest.mark.parametrize("heads_major", [False, True], ids=["contiguous", "heads-major"])
@@ -80,10 +93,31 @@ def test_eager_kernels_equal_autograd_bit_for_bit(dtype, heads_major):
         )
     assert kernels.calls == {"forward": 3, "backward": 3}
     with torch.no_grad():  # no gradient recorded: autograd's form, the kernels untouched
-        assert torch.equal(gate(x, pre, kernels), x * torch.relu(pre))
-    assert torch.equal(gate(x, pre, kernels), x * torch.relu(pre))  # nothing requires grad
+        assert_bits_equal(gate(x, pre, kernels), x * torch.relu(pre))
+    assert_bits_equal(gate(x, pre, kernels), x * torch.relu(pre))  # nothing requires grad
     assert kernels.calls == {"forward": 3, "backward": 3}
-    assert torch.equal(gate(x, pre, None), x * torch.relu(pre))  # no kernels: autograd's form
+    assert_bits_equal(gate(x, pre, None), x * torch.relu(pre))  # no kernels: autograd's form
+
+
+def test_second_order_gradients_equal_autograds():
+    """Backward with create_graph records the eager form, so a loss on the gradients
+    differentiates through the gate (float64, 1e-12)."""
+    results = []
+    for kernels in (None, CountingKernels()):
+        x, pre, grad = _operands((2, 3, 5, 8), torch.float64, heads_major=False, seed=4)
+        pre = pre.nan_to_num(0.5)
+        w = torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+        w.requires_grad_()
+        x, pre = x.requires_grad_(), pre.requires_grad_()
+        grad_x, grad_pre = torch.autograd.grad(gate(x * w, pre, kernels), (x, pre), grad,
+                                               create_graph=True)
+        loss = grad_x.square().sum() + (grad_pre * pre).sum()
+        results.append(torch.autograd.grad(loss, (w, x, pre), allow_unused=True))
+        if kernels is not None:
+            assert kernels.calls["backward"] == 0  # create_graph takes the eager form
+    for got, want in zip(*results, strict=True):
+        assert want is not None
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_the_backward_kernel_masks_where_pre_is_not_positive():
@@ -96,21 +130,25 @@ def test_the_backward_kernel_masks_where_pre_is_not_positive():
     assert grad_pre.tolist() == [0.0, 0.0, 0.0, 160.0]
 
 
-def test_compiled_kernels_equal_eager_and_build_once_for_every_shape(monkeypatch):
+@pytest.mark.compiles
+def test_compiled_kernels_equal_eager_and_build_once_for_every_shape():
     """Inductor's kernels against autograd's gate, bit for bit, for two batches and lengths
     (a TBPTT tail) in float32: one forward and one backward graph, never rebuilt (a rebuild
-    raises)."""
+    raises); then the heads-major layout (graphs of its own) and float64."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True, raising=False)
     torch._dynamo.reset()
     counters.clear()
     kernels = GateKernels(compiled=True)
-    for shape in ((2, 3, 16, 8), (3, 3, 5, 8)):
-        x, pre, grad = _operands(shape, torch.float32, heads_major=False, seed=shape[2])
-        _assert_identical(_fused_gate(x, pre, grad, kernels), _autograd_gate(x, pre, grad))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for shape in ((2, 3, 16, 8), (3, 3, 5, 8)):
+            x, pre, grad = _operands(shape, torch.float32, heads_major=False, seed=shape[2])
+            _assert_identical(_fused_gate(x, pre, grad, kernels), _autograd_gate(x, pre, grad))
     assert counters["stats"]["unique_graphs"] == 2
+    for dtype, heads_major in ((torch.float32, True), (torch.float64, False)):
+        x, pre, grad = _operands((2, 3, 16, 8), dtype, heads_major, seed=7)
+        _assert_identical(_fused_gate(x, pre, grad, kernels), _autograd_gate(x, pre, grad))
 
 
 CASES = {
@@ -161,11 +199,11 @@ def test_the_model_with_the_fused_gate_trains_bit_for_bit_like_autograds(case, r
     layer_calls = 2 * 2  # two layers, two calls (evaluation runs autograd's form)
     forwards = layer_calls * (2 if recompute == "layer" else 1)  # 'layer' runs it again
     assert kernels.calls == {"forward": forwards, "backward": layer_calls}
-    assert torch.equal(loss, want_loss)
+    assert_bits_equal(loss, want_loss)
     assert len(grads) == len(want_grads) > 5
     for a, b in zip(grads, want_grads, strict=True):
-        assert torch.equal(a, b)
-    assert torch.equal(logits, want_logits)
+        assert_bits_equal(a, b)
+    assert_bits_equal(logits, want_logits)
 
 
 def test_compile_for_training_applies_each_mode():
@@ -183,3 +221,13 @@ def test_compile_for_training_applies_each_mode():
         assert kernels is None or kernels.compiled
     with pytest.raises(ValueError, match="unknown compile mode 'fast'"):
         tiny_model().compile_for_training("fast")
+
+
+def test_auto_compiles_the_layer_on_cuda_and_the_gate_elsewhere():
+    for mode in ("off", "layer", "pointwise"):
+        assert compile_mode_for(mode, torch.device("cuda")) == mode
+        assert compile_mode_for(mode, torch.device("cpu")) == mode
+    assert compile_mode_for("auto", torch.device("cuda")) == "layer"
+    assert compile_mode_for("auto", torch.device("cpu")) == "pointwise"
+    with pytest.raises(ValueError, match="unknown compile mode 'true'"):
+        compile_mode_for("true", torch.device("cpu"))

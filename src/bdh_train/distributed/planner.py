@@ -189,7 +189,7 @@ class ParallelConfig:
             raise ConfigError(
                 f"{prefix}.shard='fsdp' does not support training.compile={compile_mode!r} (the "
                 "compiled layer is not traced through FSDP's parameter gathering, and the fused "
-                f"gate is untested under it); set training.compile=false or {prefix}.shard='none'"
+                f"gate is untested under it); set training.compile='off' or {prefix}.shard='none'"
             )
         if profile == "detail":
             raise ConfigError(

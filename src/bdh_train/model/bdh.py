@@ -306,9 +306,9 @@ class BDH(nn.Module):
         self._gate_kernels = kernels
 
     def compile_for_training(self, mode: str) -> None:
-        """Apply a COMPILE_MODES mode: 'layer' compiles the whole layer (`compile_layers`),
-        'pointwise' the gate's kernels (`use_fused_gate`), 'auto' whichever measured faster on
-        the device the parameters are on, 'off' nothing."""
+        """Apply a COMPILE_MODES mode ('auto' resolved by `compile_mode_for` for the device the
+        parameters are on): 'layer' compiles the whole layer (`compile_layers`), 'pointwise'
+        the gate's kernels (`use_fused_gate`), 'off' nothing."""
         mode = compile_mode_for(mode, self.encoder.device)
         if mode == "layer":
             self.compile_layers()

@@ -8,18 +8,18 @@ each: forward reads x and pre once, backward reads the gradient, x and pre once 
 both gradients.
 
 The kernels compute exactly autograd's arithmetic (one product each, and relu's mask as a
-select), so the fused gate's values and gradients are bit-identical to `x * relu(pre)`'s: a
-run gives the same weights with or without it.
+select on the same comparison, NaN included), so the fused gate's values and gradients are
+bit-identical to `x * relu(pre)`'s: a run gives the same weights with or without it.
 
 Compiled with dynamic shapes, one graph serves every batch and length (a TBPTT tail
-included); a new memory layout of the inputs builds one more.
+included); a new memory layout or dtype of the inputs builds one more (past dynamo's recompile
+limit the functions run eagerly: the same values, slower).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 
 def gate_forward(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -31,21 +31,23 @@ def gate_backward(
     grad: torch.Tensor, x: torch.Tensor, pre: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dL/dx, dL/dpre) of x * relu(pre) for dL/dy = grad: grad * relu(pre), and grad * x
-    where pre > 0 (relu's mask), else 0."""
-    return grad * torch.relu(pre), torch.where(pre > 0, grad * x, 0.0)
+    except where pre <= 0 (relu's mask: autograd's test, so a NaN passes as it does there)."""
+    return grad * torch.relu(pre), torch.where(pre <= 0, 0.0, grad * x)
+
+
+def _compiled(function):
+    """`function` compiled by inductor as one graph, with dynamic shapes."""
+    return torch.compile(function, dynamic=True, fullgraph=True)
 
 
 class GateKernels:
     """The gate's two functions: compiled by inductor (`compiled`), or run eagerly as written
     (the twin the tests compare the compiled ones with)."""
 
-    def __init__(self, compiled: bool = True) -> None:
+    def __init__(self, compiled: bool) -> None:
         self.compiled = compiled
-        if compiled:
-            self.forward = torch.compile(gate_forward, dynamic=True, fullgraph=True)
-            self.backward = torch.compile(gate_backward, dynamic=True, fullgraph=True)
-        else:
-            self.forward, self.backward = gate_forward, gate_backward
+        kernels = (gate_forward, gate_backward)
+        self.forward, self.backward = map(_compiled, kernels) if compiled else kernels
 
 
 class _FusedGate(torch.autograd.Function):
@@ -59,10 +61,12 @@ class _FusedGate(torch.autograd.Function):
         return kernels.forward(x, pre)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, pre = ctx.saved_tensors
-        grad_x, grad_pre = ctx.kernels.backward(grad, x, pre)  # one loop writes both
+        if torch.is_grad_enabled():  # create_graph: the eager form, which autograd records
+            grad_x, grad_pre = gate_backward(grad, x, pre)
+        else:  # one loop writes both (a frozen side's is dropped by autograd)
+            grad_x, grad_pre = ctx.kernels.backward(grad, x, pre)
         return grad_x, grad_pre, None
 
 

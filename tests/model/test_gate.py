@@ -206,6 +206,18 @@ def test_the_model_with_the_fused_gate_trains_bit_for_bit_like_autograds(case, r
     assert_bits_equal(logits, want_logits)
 
 
+@pytest.mark.compiles
+@pytest.mark.parametrize("recompute", ["layer", "mixer"])
+def test_the_model_with_compiled_kernels_trains_bit_for_bit_like_autograds(recompute):
+    """Inductor's kernels in the model: dropout, QAT's blends and recomputation."""
+    for case in ("dropout", "qat"):
+        want_loss, want_grads, _ = _gradients(case, recompute, None)
+        loss, grads, _ = _gradients(case, recompute, GateKernels(compiled=True))
+        assert_bits_equal(loss, want_loss)
+        for a, b in zip(grads, want_grads, strict=True):
+            assert_bits_equal(a, b)
+
+
 def test_compile_for_training_applies_each_mode():
     """'auto' on the CPU is the fused gate (nothing is built until a call); 'layer' the
     compiled layer; 'off' neither; anything else is refused."""

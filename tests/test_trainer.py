@@ -340,12 +340,10 @@ def _first_loss_and_params(tmp_path, extra):
     return rows, dict(trainer.model.named_parameters())
 
 
-@pytest.mark.slow
-@pytest.mark.compiles
-def test_compiled_layers_train_like_eager_and_compile_once(tmp_path):
+def _eager_and_compiled(tmp_path, mode: str):
     """Two steps of TBPTT chunks 6 + 6 + 4 with a state carried from step to step and an
-    evaluation: one graph, never recompiled (a recompile raises), and the weights of eager
-    training to fp32 1e-5. The shorter tail and the evaluation run the eager layer."""
+    evaluation, eager and with training.compile = `mode` (a graph rebuilt raises) -> (eager
+    rows and parameters, compiled rows and parameters, graphs built)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -353,12 +351,21 @@ def test_compiled_layers_train_like_eager_and_compile_once(tmp_path):
     counters.clear()
     tbptt = ["training.tbptt_chunk_size=6", "training.tbptt_persist_across_steps=true"]
     evaluate = ["training.eval_every=2"]
-    eager_rows, eager = _first_loss_and_params(tmp_path / "eager", [*tbptt, *evaluate])
+    eager = _first_loss_and_params(tmp_path / "eager", [*tbptt, *evaluate])
     with torch._dynamo.config.patch(error_on_recompile=True):
-        rows, compiled = _first_loss_and_params(
-            tmp_path / "compiled", [*tbptt, *evaluate, "training.compile='layer'"]
+        compiled = _first_loss_and_params(
+            tmp_path / mode, [*tbptt, *evaluate, f"training.compile='{mode}'"]
         )
-    assert counters["stats"]["unique_graphs"] == 1
+    return eager, compiled, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+@pytest.mark.compiles
+def test_compiled_layers_train_like_eager_and_compile_once(tmp_path):
+    """training.compile = 'layer': one graph, never rebuilt, and the weights of eager training
+    to fp32 1e-5. The shorter tail and the evaluation run the eager layer."""
+    (eager_rows, eager), (rows, compiled), graphs = _eager_and_compiled(tmp_path, "layer")
+    assert graphs == 1
     assert abs(rows[0]["loss"] - eager_rows[0]["loss"]) < 1e-5 * eager_rows[0]["loss"]
     for name, p in compiled.items():
         assert_close(p, eager[name], rtol=1e-5, msg=name)
@@ -366,22 +373,10 @@ def test_compiled_layers_train_like_eager_and_compile_once(tmp_path):
 
 @pytest.mark.compiles
 def test_the_compiled_fused_gate_trains_bit_for_bit_like_eager(tmp_path):
-    """training.compile = 'pointwise' (inductor's gate kernels) over TBPTT chunks 6 + 6 + 4
-    with a carried state and an evaluation: the same losses and weights as eager training,
-    bit for bit; one graph each way, never rebuilt for the shorter tail (a rebuild raises)."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    tbptt = ["training.tbptt_chunk_size=6", "training.tbptt_persist_across_steps=true"]
-    evaluate = ["training.eval_every=2"]
-    eager_rows, eager = _first_loss_and_params(tmp_path / "eager", [*tbptt, *evaluate])
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        rows, fused = _first_loss_and_params(
-            tmp_path / "fused", [*tbptt, *evaluate, "training.compile='pointwise'"]
-        )
-    assert counters["stats"]["unique_graphs"] == 2
+    """training.compile = 'pointwise' (inductor's gate kernels): the same losses and weights
+    as eager training, bit for bit; one graph each way, never rebuilt for the shorter tail."""
+    (eager_rows, eager), (rows, fused), graphs = _eager_and_compiled(tmp_path, "pointwise")
+    assert graphs == 2
     assert [r["loss"] for r in rows] == [r["loss"] for r in eager_rows]
     for name, p in fused.items():
         assert torch.equal(p, eager[name]), name

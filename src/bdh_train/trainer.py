@@ -41,6 +41,7 @@ from bdh_train.distributed.env import DistContext, pipeline_mesh
 from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
 from bdh_train.model import BDH
+from bdh_train.model.bdh import compile_mode_for
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.accumulate import WeightedGradientAccumulator, write_to_params
 from bdh_train.train.allocator import configure_host_allocator
@@ -278,8 +279,29 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_compiler(mode: str, device: torch.device) -> None:
+    """Refuse a CPU compile where inductor finds no C++ compiler to build its kernels with,
+    before the run starts, instead of failing inside its first step."""
+    if device.type != "cpu" or compile_mode_for(mode, device) == "off":
+        return
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # another torch: inductor looks for its compiler itself
+        return
+    try:
+        get_cpp_compiler()
+    except Exception as e:  # inductor's InvalidCxxCompiler, or the search failing otherwise
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BDHTrainError(
+            f"training.compile = {mode!r} builds C++ kernels on the CPU, but torch's inductor "
+            f"found no C++ compiler ({reason}); install g++ (or point CXX at a compiler), or "
+            "set training.compile = false"
+        ) from e
+
+
 def build_model(cfg: RunConfig, device: torch.device) -> BDH:
     """A freshly initialised model from the run's seed."""
+    check_compiler(cfg.training.compile, device)
     torch.manual_seed(cfg.training.seed)
     model = BDH(cfg.model).to(device)
     model.set_recompute(cfg.training.recompute)

@@ -202,6 +202,28 @@ def test_bad_data_is_one_message_and_nothing_written(tmp_path, capsys, case):
     assert sorted(p.name for p in run_dir.iterdir()) == ["error.log"]
 
 
+def test_a_cpu_compile_without_a_cpp_compiler_is_one_message_and_nothing_written(
+    tmp_path, capsys, monkeypatch
+):
+    """Inductor builds its CPU kernels with a C++ compiler: none found refuses the run before
+    anything is written (here its search list names a compiler that does not exist)."""
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-cxx-compiler",))
+    run_dir = tmp_path / "run"
+    code = main(["train", "--run-dir", str(run_dir), *MICRO, "--set", "training.compile=true"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(
+        "error: training.compile = 'auto' builds C++ kernels on the CPU, but torch's inductor "
+        "found no C++ compiler (No working C++ compiler found in "
+    )
+    assert err.rstrip().endswith("or set training.compile = false")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["error.log"]
+    eager = ["train", "--run-dir", str(tmp_path / "eager"), *MICRO, "--set", "training.max_steps=1"]
+    assert main(eager) == 0  # an eager run needs no compiler
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [

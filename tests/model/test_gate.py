@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import tiny_model
+from torch.utils.flop_counter import FlopCounterMode
 
 from bdh_train.model import QuantConfig
 from bdh_train.model.bdh import COMPILE_MODES, compile_mode_for
-from bdh_train.model.gate import GateKernels, gate
+from bdh_train.model.gate import GateKernels, gate, gate_backward, gate_forward
 
 DTYPES = [torch.float32, torch.float64]
 
@@ -120,6 +121,11 @@ def test_second_order_gradients_equal_autograds():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_uncompiled_kernels_are_the_functions_as_written():
+    plain = GateKernels(compiled=False)
+    assert (plain.forward, plain.backward, plain.compiled) == (gate_forward, gate_backward, False)
+
+
 def test_the_backward_kernel_masks_where_pre_is_not_positive():
     """relu's mask on the pre side only: x's gradient is grad * relu(pre) wherever x is."""
     x = torch.tensor([0.0, 2.0, 3.0, 4.0])
@@ -148,6 +154,9 @@ def test_compiled_kernels_equal_eager_and_build_once_for_every_shape():
     assert counters["stats"]["unique_graphs"] == 2
     for dtype, heads_major in ((torch.float32, True), (torch.float64, False)):
         x, pre, grad = _operands((2, 3, 16, 8), dtype, heads_major, seed=7)
+        _assert_identical(_fused_gate(x, pre, grad, kernels), _autograd_gate(x, pre, grad))
+    with FlopCounterMode(display=False):  # dynamo compiles nothing under a dispatch mode
+        x, pre, grad = _operands((2, 3, 16, 8), torch.float32, heads_major=False, seed=8)
         _assert_identical(_fused_gate(x, pre, grad, kernels), _autograd_gate(x, pre, grad))
 
 

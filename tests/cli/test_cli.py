@@ -203,15 +203,18 @@ def test_bad_data_is_one_message_and_nothing_written(tmp_path, capsys, case):
 
 
 def test_a_cpu_compile_without_a_cpp_compiler_is_one_message_and_nothing_written(
-    tmp_path, capsys, monkeypatch
+    tmp_path, capsys
 ):
     """Inductor builds its CPU kernels with a C++ compiler: none found refuses the run before
-    anything is written (here its search list names a compiler that does not exist)."""
+    anything is written (here its search list names a compiler that does not exist; torch's
+    own patch, which monkeypatch's undo would break for later compiles)."""
     import torch._inductor.config
 
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-cxx-compiler",))
     run_dir = tmp_path / "run"
-    code = main(["train", "--run-dir", str(run_dir), *MICRO, "--set", "training.compile=true"])
+    with torch._inductor.config.patch({"cpp.cxx": ("no-such-cxx-compiler",)}):
+        code = main(
+            ["train", "--run-dir", str(run_dir), *MICRO, "--set", "training.compile=true"]
+        )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(

@@ -60,8 +60,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     modes = args.modes.split(",")
+    compiling = [m for m in COMPILE_MODES if m != "off"]
     for mode in modes:
-        compiling = [m for m in COMPILE_MODES if m != "off"]
         if mode not in compiling:
             ap.error(f"--modes: {mode!r} is not a compile mode ({', '.join(compiling)})")
     torch.set_num_threads(2)

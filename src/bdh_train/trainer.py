@@ -291,7 +291,8 @@ def check_compiler(mode: str, device: torch.device) -> None:
     try:
         get_cpp_compiler()
     except Exception as e:  # inductor's InvalidCxxCompiler, or the search failing otherwise
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        lines = str(e).strip().splitlines()
+        reason = lines[0] if lines else type(e).__name__
         raise BDHTrainError(
             f"training.compile = {mode!r} builds C++ kernels on the CPU, but torch's inductor "
             f"found no C++ compiler ({reason}); install g++ (or point CXX at a compiler), or "

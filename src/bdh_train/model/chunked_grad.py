@@ -64,6 +64,7 @@ from torch.autograd.function import once_differentiable
 
 from bdh_train.model.matmul import is_heads_major
 from bdh_train.model.positions import decay_powers
+from bdh_train.model.recording import records_gradient
 
 
 class ResetMasks(NamedTuple):
@@ -434,12 +435,11 @@ def chunked_attention_function(
         q, v = q.transpose(0, 1), v.transpose(0, 1)
         if initial_state is not None:
             initial_state = initial_state.transpose(0, 1)
-    inputs = (q, v) if initial_state is None else (q, v, initial_state)
     args = (
         q, v, initial_state, chunk_size, final_state, reset_mask, heads_first, log_decay,
         panel_rows,
     )
-    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+    if records_gradient(q, v, initial_state):
         out, final = ChunkedAttention.apply(*args)
     else:
         out, final, _, _ = _run_forward(*args)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bdh_train.model.recording import records_gradient
+
 
 def gate_forward(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """x * relu(pre)."""
@@ -77,7 +79,6 @@ def gate(x: torch.Tensor, pre: torch.Tensor, kernels: GateKernels | None) -> tor
     else autograd's composition: without kernels, inside torch.compile (which fuses it
     itself), and without gradients (evaluation and generation, whose inference mode would
     build graphs of their own)."""
-    recording = torch.is_grad_enabled() and (x.requires_grad or pre.requires_grad)
-    if kernels is None or not recording or torch.compiler.is_compiling():
+    if kernels is None or not records_gradient(x, pre) or torch.compiler.is_compiling():
         return x * F.relu(pre)
     return _FusedGate.apply(x, pre, kernels)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from bdh_train.model.recording import records_gradient
+
 
 def heads_major(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `per_head_matmul` of inputs [B, 1|H, T, D] and a per-head weight [H, D, N]
@@ -64,8 +66,7 @@ def per_head_matmul(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     `per_head_matmul_backward`."""
     if weight.dim() != 3:
         return inputs @ weight
-    recording = torch.is_grad_enabled() and (inputs.requires_grad or weight.requires_grad)
-    if recording and _own_backward_applies(inputs):
+    if records_gradient(inputs, weight) and _own_backward_applies(inputs):
         return _PerHeadProducts.apply(inputs, weight)
     return per_head_products(inputs, weight)
 

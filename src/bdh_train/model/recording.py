@@ -1,0 +1,13 @@
+"""Whether autograd records a gradient through a call: the one test behind every choice
+between a hand-written autograd Function (which saves tensors for its backward) and the
+same arithmetic run bare (evaluation, generation, frozen inputs: nothing saved)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def records_gradient(*tensors: torch.Tensor | None) -> bool:
+    """True when grad mode is on and any of `tensors` (None entries skipped) requires a
+    gradient: autograd will then record an operation on them."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -625,17 +625,21 @@ def test_without_gradients_the_executors_compute_the_same(executor, chunk_size, 
         assert plain[1] is None and recorded[1] is None
 
 
+@pytest.mark.parametrize("alone", ["q", "v", "rho0"])
 @pytest.mark.parametrize(("executor", "chunk_size"), [("dense", 16), ("chunked", 3)])
-def test_the_incoming_state_alone_gets_its_gradient(executor, chunk_size):
-    """Queries and values without gradients, the incoming state with one (a TBPTT chunk whose
-    inputs are data): the Function still records, and rho0's gradient is the definition's."""
+def test_one_input_alone_gets_its_gradient(executor, chunk_size, alone):
+    """One of queries, values and the incoming state taking a gradient, the other two data
+    (the incoming state alone: a TBPTT chunk whose inputs are data): the Function still
+    records, and that input's gradient is the definition's."""
     (q, v, rho0), (g_out, g_rho) = make_inputs(8, torch.float64, True, seed=6)
-    q, v = q.detach(), v.detach()
+    named = {"q": q, "v": v, "rho0": rho0}
+    q, v, rho0 = (x if name == alone else x.detach() for name, x in named.items())
+    leaf = named[alone]
     out, final = EXECUTOR_FUNCTIONS[executor](q, v, initial_state=rho0, chunk_size=chunk_size)
     assert type(out.grad_fn).__name__ == "ChunkedAttentionBackward"
-    (got,) = torch.autograd.grad((out * g_out).sum() + (final * g_rho).sum(), rho0)
+    (got,) = torch.autograd.grad((out * g_out).sum() + (final * g_rho).sum(), leaf)
     ref_out, ref_final = definition(q, v, rho0, None)
-    (expected,) = torch.autograd.grad((ref_out * g_out).sum() + (ref_final * g_rho).sum(), rho0)
+    (expected,) = torch.autograd.grad((ref_out * g_out).sum() + (ref_final * g_rho).sum(), leaf)
     assert_close(got, expected, rtol=1e-10)
 
 

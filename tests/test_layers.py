@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("distributed", ("bdh_train.distributed",)),
     ("train", ("bdh_train.train",)),
     ("config", ("bdh_train.config",)),
-    ("trainer", ("bdh_train.trainer", "bdh_train.inference")),
+    ("trainer", ("bdh_train.trainer", "bdh_train.inference", "bdh_train.completions")),
     ("cli", ("bdh_train.cli", "bdh_train.__main__", "bdh_train")),
 ]
 

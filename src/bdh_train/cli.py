@@ -147,6 +147,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="after reading the prompt, save the model's state (its size does not grow with "
         "the prompt) to FILE, to continue from later with --load-state",
     )
+    p.add_argument(
+        "--prompts-file", default=None, metavar="FILE",
+        help='complete many prompts: FILE holds one JSON object a line, {"prompt": "text"} '
+        "(other keys are copied); prints each object as a JSON line with its "
+        '"completion" and "stop" (the stop text it ended on, or null). Greedy completions '
+        "are each prompt's alone; sampled ones depend on the batch",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=16,
+        help="with --prompts-file: prompts generated together (each row's state is kept "
+        "in memory while its batch runs)",
+    )
+    p.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT",
+        help="with --prompts-file: end a completion where it samples TEXT, which must be "
+        "one token of the run's tokenizer (repeatable)",
+    )
 
     p = sub.add_parser(
         "chat",
@@ -363,15 +380,53 @@ def _summary_events(model, cfg):
     return cfg.data.summary_trigger() if model.config.summary_memory.write_gate else None
 
 
+def _check_prompts_file_args(args: argparse.Namespace) -> None:
+    """Refuse options that do not combine with --prompts-file (or need it)."""
+    if args.prompts_file is None:
+        if args.stop:
+            raise ConfigError("--stop applies to --prompts-file; add one or leave --stop out")
+        return
+    for option, value in (
+        ("--prompt", args.prompt), ("--load-state", args.load_state),
+        ("--save-state", args.save_state),
+    ):
+        if value is not None:
+            raise ConfigError(
+                f"--prompts-file and {option} do not combine: the prompts come from the file "
+                "(put this prompt in it as a line of its own)"
+            )
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be a positive integer, got {args.batch_size}")
+
+
+def _generate_from_prompts_file(args: argparse.Namespace, model, tok, events, generator) -> int:
+    import json
+
+    from bdh_train.completions import complete, read_prompts, stop_token_ids
+
+    stops = stop_token_ids(args.stop, tok)
+    records = read_prompts(args.prompts_file, tok)
+    for done in complete(
+        model, tok, records, args.max_new_tokens, args.batch_size, args.temperature,
+        args.top_k, generator, stops, events,
+    ):
+        sys.stdout.write(json.dumps(done, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from bdh_train.inference import Continuation, stream_text
 
+    _check_prompts_file_args(args)
     model, tok, cfg = _load_for_inference(args, need_text=True)
     events = _summary_events(model, cfg)
     device = model.embed.weight.device
     generator = torch.Generator(device=device).manual_seed(args.seed)
+    if args.prompts_file is not None:
+        return _generate_from_prompts_file(args, model, tok, events, generator)
     out = sys.stdout
     if args.load_state is None and args.save_state is None:  # one call: stream_generate
         text = "\n" if args.prompt is None else args.prompt

@@ -163,3 +163,117 @@ def test_training_threads_sets_torch_threads(tmp_path, capsys):
         torch.set_num_threads(before)
     assert main(["train", "--run-dir", str(tmp_path / "b"), "--set", "training.threads=-1"]) == 2
     assert "training.threads must be a non-negative integer" in capsys.readouterr().err
+
+
+def _prompts_file(tmp_path, lines: list[str], name: str = "prompts.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def _complete(capsys, run_dir, prompts, *args: str) -> list[dict]:
+    import json
+
+    out = _generate(capsys, run_dir, "--prompts-file", str(prompts), *args)
+    return [json.loads(line) for line in out.splitlines()]
+
+
+GREEDY_8 = ["--temperature", "0", "--max-new-tokens", "8"]
+
+
+def test_a_prompts_file_completes_each_prompt_as_generate_does_alone(run_dir, tmp_path, capsys):
+    """Four prompts of different lengths (an empty one: a newline, as for `generate`) in
+    batches of 3 (two batches), a blank line skipped and an extra key copied: each greedy
+    completion is what `generate --prompt` prints after that prompt, and the records come
+    back in the file's order."""
+    import json
+
+    texts = ["def add(a, b):\n", "x", "class Foo:\n    pass\n\n# a comment", ""]
+    lines = [json.dumps({"id": i, "prompt": t}) for i, t in enumerate(texts)]
+    prompts = _prompts_file(tmp_path, [lines[0], "", *lines[1:]])
+    got = _complete(capsys, run_dir, prompts, *GREEDY_8, "--batch-size", "3")
+    assert [record["id"] for record in got] == [0, 1, 2, 3]
+    for text, record in zip(texts, got, strict=True):
+        alone = _generate(capsys, run_dir, "--prompt", text, *GREEDY_8)
+        assert record["prompt"] == text and record["stop"] is None
+        assert alone == text + record["completion"] + "\n"
+        assert len(record["completion"]) > 0
+
+
+def test_a_stop_text_ends_the_completions_that_sample_it(run_dir, tmp_path, capsys):
+    """The stop is a character the first prompt's greedy completion samples after its first
+    one: that completion ends before it (the stop left out, "stop" naming it); a completion
+    that never samples it runs to the token limit, as without the stop."""
+    import json
+
+    texts = ["def add(a, b):\n", "0123456789"]
+    prompts = _prompts_file(tmp_path, [json.dumps({"prompt": t}) for t in texts])
+    plain = _complete(capsys, run_dir, prompts, *GREEDY_8)
+    completion = plain[0]["completion"]
+    # an ASCII character (one byte: one token) other than the first
+    stop = next(c for c in completion[1:] if c.isascii() and c != completion[0])
+    stopped = _complete(capsys, run_dir, prompts, *GREEDY_8, "--stop", stop)
+    before = completion[: completion.index(stop)]
+    assert before and stopped[0] == {"prompt": texts[0], "completion": before, "stop": stop}
+    if stop not in plain[1]["completion"]:
+        assert stopped[1] == plain[1]
+    else:
+        assert stopped[1]["stop"] == stop
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"prompt": "a"}', "not json"], "prompts.jsonl:2: not JSON"),
+        (['["a"]'], "prompts.jsonl:1: a JSON array, not an object"),
+        (['{"text": "a"}'], 'prompts.jsonl:1: no "prompt" key'),
+        (['{"prompt": 3}'], 'prompts.jsonl:1: "prompt" is a JSON number, not a string'),
+        (['{"prompt": null}'], 'prompts.jsonl:1: "prompt" is a JSON null, not a string'),
+        (['{"prompt": "a", "completion": "b"}'], 'the key "completion" is one generate writes'),
+        (["", "  "], "prompts.jsonl: no prompts"),
+    ],
+)
+def test_a_bad_prompts_file_is_one_line_and_prints_nothing(
+    run_dir, tmp_path, capsys, lines, message
+):
+    prompts = _prompts_file(tmp_path, lines)
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(run_dir), "--prompts-file", str(prompts)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_a_prompts_file_that_is_not_utf8_or_missing_is_one_line(run_dir, tmp_path, capsys):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes('{"prompt": "a"}\n{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    for path, message in ((bad, "latin1.jsonl:2: not UTF-8"), (tmp_path / "none", "cannot read")):
+        capsys.readouterr()
+        assert main(["generate", "--checkpoint", str(run_dir), "--prompts-file", str(path)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("error: ") and message in err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prompt", "x"], "--prompts-file and --prompt do not combine"),
+        (["--save-state", "s"], "--prompts-file and --save-state do not combine"),
+        (["--batch-size", "0"], "--batch-size must be a positive integer"),
+        (["--stop", "ab"], "--stop 'ab' is 2 tokens"),
+    ],
+)
+def test_prompts_file_options_that_do_not_fit_are_refused(
+    run_dir, tmp_path, capsys, extra, message
+):
+    prompts = _prompts_file(tmp_path, ['{"prompt": "a"}'])
+    capsys.readouterr()
+    args = ["generate", "--checkpoint", str(run_dir), "--prompts-file", str(prompts), *extra]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"error: {message}")
+
+
+def test_stop_without_a_prompts_file_is_refused(run_dir, capsys):
+    assert main(["generate", "--checkpoint", str(run_dir), "--stop", "\n"]) == 2
+    assert capsys.readouterr().err.startswith("error: --stop applies to --prompts-file")

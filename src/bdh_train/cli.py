@@ -17,9 +17,17 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bdh_train import __version__
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
+
+if TYPE_CHECKING:  # the CLI imports torch and the model only when a command runs
+    import torch
+
+    from bdh_train.data.tokenizer import Tokenizer
+    from bdh_train.model import BDH
+    from bdh_train.model.summary import SummaryEvents
 
 EXIT_USER_ERROR = 2
 EXIT_STOPPED = 75
@@ -95,6 +103,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+PROMPTS_BATCH_SIZE = 16
+"""Rows `generate --prompts-file` runs together unless --batch-size says otherwise."""
+
 DEVICES = ("auto", "cpu", "cuda")
 """--device choices: those of training.device (a test checks they agree; importing them would
 import torch, which `--help` must not pay for)."""
@@ -155,9 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         "are each prompt's alone; sampled ones depend on the batch",
     )
     p.add_argument(
-        "--batch-size", type=int, default=16,
-        help="with --prompts-file: prompts generated together (each row's state is kept "
-        "in memory while its batch runs)",
+        "--batch-size", type=int, default=None,
+        help=f"with --prompts-file: prompts generated together (each row's state is kept "
+        f"in memory while its batch runs) (default: {PROMPTS_BATCH_SIZE})",
     )
     p.add_argument(
         "--stop", action="append", default=[], metavar="TEXT",
@@ -383,8 +394,11 @@ def _summary_events(model, cfg):
 def _check_prompts_file_args(args: argparse.Namespace) -> None:
     """Refuse options that do not combine with --prompts-file (or need it)."""
     if args.prompts_file is None:
-        if args.stop:
-            raise ConfigError("--stop applies to --prompts-file; add one or leave --stop out")
+        for option, given in (("--stop", args.stop), ("--batch-size", args.batch_size)):
+            if given:
+                raise ConfigError(
+                    f"{option} applies to --prompts-file; add one or leave {option} out"
+                )
         return
     for option, value in (
         ("--prompt", args.prompt), ("--load-state", args.load_state),
@@ -395,22 +409,28 @@ def _check_prompts_file_args(args: argparse.Namespace) -> None:
                 f"--prompts-file and {option} do not combine: the prompts come from the file "
                 "(put this prompt in it as a line of its own)"
             )
+    if args.batch_size is None:
+        args.batch_size = PROMPTS_BATCH_SIZE
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be a positive integer, got {args.batch_size}")
 
 
-def _generate_from_prompts_file(args: argparse.Namespace, model, tok, events, generator) -> int:
-    import json
-
+def _generate_from_prompts_file(
+    args: argparse.Namespace, model: BDH, tok: Tokenizer, events: SummaryEvents | None,
+    generator: torch.Generator,
+) -> int:
+    """Print each prompt of --prompts-file with its completion, one JSON line each (ASCII:
+    any other character escaped, whatever the terminal's encoding)."""
     from bdh_train.completions import complete, read_prompts, stop_token_ids
 
     stops = stop_token_ids(args.stop, tok)
     records = read_prompts(args.prompts_file, tok)
     for done in complete(
-        model, tok, records, args.max_new_tokens, args.batch_size, args.temperature,
-        args.top_k, generator, stops, events,
+        model, tok, records, args.max_new_tokens, args.batch_size,
+        temperature=args.temperature, top_k=args.top_k, generator=generator, stops=stops,
+        summary_events=events,
     ):
-        sys.stdout.write(json.dumps(done, ensure_ascii=False) + "\n")
+        sys.stdout.write(json.dumps(done) + "\n")
         sys.stdout.flush()
     return 0
 

@@ -11,6 +11,7 @@ out) and "stop" (the stop text it ended on, or None when it ran to the token lim
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -52,8 +53,8 @@ def read_prompts(path: str | Path, tokenizer: Tokenizer) -> list[PromptRecord]:
     records = []
     for number, raw in enumerate(raw_lines, start=1):
         where = f"{path}:{number}"
-        try:
-            text = raw.decode("utf-8")
+        try:  # a byte-order mark (Windows editors write one) opens line 1 only
+            text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
         except UnicodeDecodeError as exc:
             raise DataError(
                 f"{where}: not UTF-8 (byte {exc.start + 1} of the line); save the prompts "
@@ -62,7 +63,7 @@ def read_prompts(path: str | Path, tokenizer: Tokenizer) -> list[PromptRecord]:
         if not text.strip():
             continue
         try:
-            fields = json.loads(text)
+            fields = json.loads(text, parse_constant=functools.partial(_refuse_constant, where))
         except json.JSONDecodeError as exc:
             raise DataError(
                 f"{where}: not JSON ({exc.msg}, column {exc.colno}); each line must be an "
@@ -89,10 +90,28 @@ def read_prompts(path: str | Path, tokenizer: Tokenizer) -> list[PromptRecord]:
                 f'{where}: the key "{taken[0]}" is one generate writes into its output; '
                 "rename it in the prompts file"
             )
-        records.append(PromptRecord(number, fields, tokenizer.encode(prompt or "\n")))
+        try:
+            ids = tokenizer.encode(prompt or "\n")
+        except UnicodeEncodeError as exc:
+            raise DataError(
+                f"{where}: the prompt holds {exc.object[exc.start:exc.end]!r}, which is not "
+                "text (a lone surrogate escape); remove it"
+            ) from exc
+        if not ids:
+            raise DataError(
+                f"{where}: the prompt is 0 tokens in this run's tokenizer (none of its "
+                "characters has a token); write it with characters the tokenizer knows"
+            )
+        records.append(PromptRecord(number, fields, ids))
     if not records:
         raise DataError(f"{path}: no prompts; write one JSON object a line, such as {EXAMPLE_LINE}")
     return records
+
+
+def _refuse_constant(where: str, name: str) -> float:
+    """json's hook for NaN, Infinity and -Infinity, which JSON itself does not have (and the
+    output could not repeat as JSON)."""
+    raise DataError(f"{where}: {name} is not a JSON value; write it as a string or a number")
 
 
 def _json_kind(value: object) -> str:

@@ -202,8 +202,8 @@ def test_a_prompts_file_completes_each_prompt_as_generate_does_alone(run_dir, tm
 
 def test_a_stop_text_ends_the_completions_that_sample_it(run_dir, tmp_path, capsys):
     """The stop is a character the first prompt's greedy completion samples after its first
-    one: that completion ends before it (the stop left out, "stop" naming it); a completion
-    that never samples it runs to the token limit, as without the stop."""
+    one: each completion ends before the stop's first place in it (the stop left out, "stop"
+    naming it), and one that never samples it runs to the token limit as without the stop."""
     import json
 
     texts = ["def add(a, b):\n", "0123456789"]
@@ -213,12 +213,68 @@ def test_a_stop_text_ends_the_completions_that_sample_it(run_dir, tmp_path, caps
     # an ASCII character (one byte: one token) other than the first
     stop = next(c for c in completion[1:] if c.isascii() and c != completion[0])
     stopped = _complete(capsys, run_dir, prompts, *GREEDY_8, "--stop", stop)
-    before = completion[: completion.index(stop)]
-    assert before and stopped[0] == {"prompt": texts[0], "completion": before, "stop": stop}
-    if stop not in plain[1]["completion"]:
-        assert stopped[1] == plain[1]
-    else:
-        assert stopped[1]["stop"] == stop
+    for text, before, after in zip(texts, plain, stopped, strict=True):
+        if stop in before["completion"]:
+            cut = before["completion"][: before["completion"].index(stop)]
+            assert after == {"prompt": text, "completion": cut, "stop": stop}
+        else:
+            assert after == before and after["stop"] is None
+    assert stopped[0]["completion"] != ""  # the stop came after the first character
+
+
+def test_stops_at_the_first_token_two_stops_and_no_new_tokens(run_dir, tmp_path, capsys):
+    """A stop sampled as the first new token gives an empty completion; of two stops the
+    first sampled ends it; with --max-new-tokens 0 nothing is sampled and no stop is met."""
+    import json
+
+    candidates = ["x", "0123456789", "def add(a, b):\n", "class Foo:\n", " ", "a = 1\n"]
+    every = _complete(
+        capsys, run_dir, _prompts_file(tmp_path, [json.dumps({"prompt": t}) for t in candidates],
+                                       "candidates.jsonl"), *GREEDY_8,
+    )
+    # a prompt whose completion starts with an ASCII character (one byte: one token) and
+    # holds another one later
+    plain = next(
+        r for r in every
+        if r["completion"][0].isascii()
+        and any(c.isascii() and c != r["completion"][0] for c in r["completion"][1:])
+    )
+    prompts = _prompts_file(tmp_path, [json.dumps({"prompt": plain["prompt"]})])
+    first = plain["completion"][0]
+    later = next(c for c in plain["completion"][1:] if c.isascii() and c != first)
+    (got,) = _complete(capsys, run_dir, prompts, *GREEDY_8, "--stop", first)
+    assert got["completion"] == "" and got["stop"] == first
+    (got,) = _complete(capsys, run_dir, prompts, *GREEDY_8, "--stop", later, "--stop", first)
+    assert got["completion"] == "" and got["stop"] == first
+    none = ["--temperature", "0", "--max-new-tokens", "0", "--stop", first]
+    (got,) = _complete(capsys, run_dir, prompts, *none)
+    assert got == {"prompt": plain["prompt"], "completion": "", "stop": None}
+
+
+def test_a_byte_order_mark_and_crlf_lines_read_as_plain_lines(run_dir, tmp_path, capsys):
+    plain = _prompts_file(tmp_path, ['{"prompt": "ab"}', '{"prompt": "cd"}'])
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b'\xef\xbb\xbf{"prompt": "ab"}\r\n{"prompt": "cd"}\r\n')
+    assert _complete(capsys, run_dir, marked, *GREEDY_8) == _complete(
+        capsys, run_dir, plain, *GREEDY_8
+    )
+
+
+def test_a_prompt_of_no_tokens_is_refused_with_its_line(tmp_path):
+    """A tokenizer without a token for a prompt's characters (a subword vocabulary without
+    byte fallback encodes them to nothing) is refused before anything is generated."""
+    from bdh_train.completions import read_prompts
+    from bdh_train.data.tokenizer import ByteTokenizer
+    from bdh_train.errors import DataError
+
+    class Sparse(ByteTokenizer):
+        def encode(self, text):
+            return [b for b in super().encode(text) if b != ord("Z")]
+
+    prompts = _prompts_file(tmp_path, ['{"prompt": "a"}', '{"prompt": "ZZ"}'])
+    with pytest.raises(DataError, match=r"prompts.jsonl:2: the prompt is 0 tokens"):
+        read_prompts(prompts, Sparse())
+    assert [r.ids for r in read_prompts(prompts, ByteTokenizer())] == [[97], [90, 90]]
 
 
 @pytest.mark.parametrize(
@@ -231,6 +287,8 @@ def test_a_stop_text_ends_the_completions_that_sample_it(run_dir, tmp_path, caps
         (['{"prompt": null}'], 'prompts.jsonl:1: "prompt" is a JSON null, not a string'),
         (['{"prompt": "a", "completion": "b"}'], 'the key "completion" is one generate writes'),
         (["", "  "], "prompts.jsonl: no prompts"),
+        (['{"prompt": "a", "x": NaN}'], "prompts.jsonl:1: NaN is not a JSON value"),
+        (['{"prompt": "a"}', '{"prompt": "a\\ud800"}'], "prompts.jsonl:2: the prompt holds"),
     ],
 )
 def test_a_bad_prompts_file_is_one_line_and_prints_nothing(
@@ -251,7 +309,8 @@ def test_a_prompts_file_that_is_not_utf8_or_missing_is_one_line(run_dir, tmp_pat
         capsys.readouterr()
         assert main(["generate", "--checkpoint", str(run_dir), "--prompts-file", str(path)]) == 2
         out, err = capsys.readouterr()
-        assert out == "" and err.startswith("error: ") and message in err
+        assert out == "" and err.startswith("error: ") and err.count("\n") == 1
+        assert message in err
 
 
 @pytest.mark.parametrize(
@@ -259,6 +318,7 @@ def test_a_prompts_file_that_is_not_utf8_or_missing_is_one_line(run_dir, tmp_pat
     [
         (["--prompt", "x"], "--prompts-file and --prompt do not combine"),
         (["--save-state", "s"], "--prompts-file and --save-state do not combine"),
+        (["--load-state", "s"], "--prompts-file and --load-state do not combine"),
         (["--batch-size", "0"], "--batch-size must be a positive integer"),
         (["--stop", "ab"], "--stop 'ab' is 2 tokens"),
     ],
@@ -274,6 +334,7 @@ def test_prompts_file_options_that_do_not_fit_are_refused(
     assert out == "" and err.startswith(f"error: {message}")
 
 
-def test_stop_without_a_prompts_file_is_refused(run_dir, capsys):
-    assert main(["generate", "--checkpoint", str(run_dir), "--stop", "\n"]) == 2
-    assert capsys.readouterr().err.startswith("error: --stop applies to --prompts-file")
+@pytest.mark.parametrize("option", [["--stop", "\n"], ["--batch-size", "4"]])
+def test_prompts_file_options_without_a_prompts_file_are_refused(run_dir, capsys, option):
+    assert main(["generate", "--checkpoint", str(run_dir), *option]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {option[0]} applies to --prompts-file")

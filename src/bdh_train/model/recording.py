@@ -1,6 +1,7 @@
-"""Whether autograd records a gradient through a call: the one test behind every choice
-between a hand-written autograd Function (which saves tensors for its backward) and the
-same arithmetic run bare (evaluation, generation, frozen inputs: nothing saved)."""
+"""Whether autograd records a gradient through a call: the test the chunked executor's
+Function, the per-head projections' and the fused gate's share to choose between the Function
+(which saves tensors for its backward) and the same arithmetic run bare (evaluation,
+generation, frozen inputs: nothing saved)."""
 
 from __future__ import annotations
 

@@ -87,6 +87,12 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT",
+        help="end a completion (in chat, a reply) where it samples TEXT, which must be one "
+        "token of the run's tokenizer; the stop is neither printed nor read into the state "
+        "(repeatable)",
+    )
+    p.add_argument(
         "--load-state", default=None, metavar="FILE",
         help="continue from a state saved with generate --save-state (same model)",
     )
@@ -169,11 +175,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size", type=int, default=None,
         help=f"with --prompts-file: prompts generated together (each row's state is kept "
         f"in memory while its batch runs) (default: {PROMPTS_BATCH_SIZE})",
-    )
-    p.add_argument(
-        "--stop", action="append", default=[], metavar="TEXT",
-        help="with --prompts-file: end a completion where it samples TEXT, which must be "
-        "one token of the run's tokenizer (repeatable)",
     )
 
     p = sub.add_parser(
@@ -394,11 +395,10 @@ def _summary_events(model, cfg):
 def _check_prompts_file_args(args: argparse.Namespace) -> None:
     """Refuse options that do not combine with --prompts-file (or need it)."""
     if args.prompts_file is None:
-        for option, given in (("--stop", args.stop), ("--batch-size", args.batch_size)):
-            if given:
-                raise ConfigError(
-                    f"{option} applies to --prompts-file; add one or leave {option} out"
-                )
+        if args.batch_size is not None:
+            raise ConfigError(
+                "--batch-size applies to --prompts-file; add one or leave --batch-size out"
+            )
         return
     for option, value in (
         ("--prompt", args.prompt), ("--load-state", args.load_state),
@@ -417,13 +417,12 @@ def _check_prompts_file_args(args: argparse.Namespace) -> None:
 
 def _generate_from_prompts_file(
     args: argparse.Namespace, model: BDH, tok: Tokenizer, events: SummaryEvents | None,
-    generator: torch.Generator,
+    generator: torch.Generator, stops: dict[int, str],
 ) -> int:
     """Print each prompt of --prompts-file with its completion, one JSON line each (ASCII:
     any other character escaped, whatever the terminal's encoding)."""
-    from bdh_train.completions import complete, read_prompts, stop_token_ids
+    from bdh_train.completions import complete, read_prompts
 
-    stops = stop_token_ids(args.stop, tok)
     records = read_prompts(args.prompts_file, tok)
     for done in complete(
         model, tok, records, args.max_new_tokens, args.batch_size,
@@ -438,15 +437,16 @@ def _generate_from_prompts_file(
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from bdh_train.inference import Continuation, stream_text
+    from bdh_train.inference import Continuation, stop_token_ids, stream_text, until_stop
 
     _check_prompts_file_args(args)
     model, tok, cfg = _load_for_inference(args, need_text=True)
     events = _summary_events(model, cfg)
     device = model.embed.weight.device
     generator = torch.Generator(device=device).manual_seed(args.seed)
+    stops = stop_token_ids(args.stop, tok)
     if args.prompts_file is not None:
-        return _generate_from_prompts_file(args, model, tok, events, generator)
+        return _generate_from_prompts_file(args, model, tok, events, generator, stops)
     out = sys.stdout
     if args.load_state is None and args.save_state is None:  # one call: stream_generate
         text = "\n" if args.prompt is None else args.prompt
@@ -457,7 +457,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt, args.max_new_tokens, args.temperature, args.top_k, generator,
             summary_events=events,
         )
-        stream_text((int(token) for token in stream), out, tok)
+        stream_text(until_stop((int(token) for token in stream), stops), out, tok)
         out.write("\n")
         return 0
     cont = Continuation(model, events)
@@ -469,9 +469,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         saved = cont.save(args.save_state)
         print(f"saved the state after {cont.tokens_read} tokens to {saved}", file=sys.stderr)
     out.write(text)
-    stream_text(
-        cont.sample(args.max_new_tokens, args.temperature, args.top_k, generator), out, tok
-    )
+    sampled = cont.sample(args.max_new_tokens, args.temperature, args.top_k, generator)
+    stream_text(until_stop(sampled, stops), out, tok)
     out.write("\n")
     return 0
 
@@ -479,9 +478,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     import torch
 
-    from bdh_train.inference import Continuation, chat
+    from bdh_train.inference import Continuation, chat, stop_token_ids
 
     model, tok, cfg = _load_for_inference(args, need_text=True)
+    stops = stop_token_ids(args.stop, tok)
     cont = Continuation(model, _summary_events(model, cfg))
     if args.load_state is not None:
         cont.load(args.load_state)
@@ -491,7 +491,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     chat(
         cont, tok, sys.stdin, sys.stdout, args.max_new_tokens, args.temperature, args.top_k,
-        generator, prompt=prompt,
+        generator, prompt=prompt, stops=stops,
     )
     return 0
 

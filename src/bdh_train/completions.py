@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from bdh_train.data.tokenizer import Tokenizer
-from bdh_train.errors import ConfigError, DataError
+from bdh_train.errors import DataError
 from bdh_train.model import BDH
 from bdh_train.model.summary import SummaryEvents
 
@@ -123,21 +123,6 @@ def _json_kind(value: object) -> str:
     if isinstance(value, (int, float)):
         return "number"
     return {list: "array", dict: "object", str: "string"}.get(type(value), type(value).__name__)
-
-
-def stop_token_ids(stops: Sequence[str], tokenizer: Tokenizer) -> dict[int, str]:
-    """{token id: text} of each stop text, which must be exactly one token of `tokenizer`
-    (ConfigError otherwise)."""
-    found: dict[int, str] = {}
-    for text in stops:
-        ids = tokenizer.encode(text)
-        if len(ids) != 1:
-            raise ConfigError(
-                f"--stop {text!r} is {len(ids)} tokens in this run's tokenizer; a stop must "
-                "be exactly one token"
-            )
-        found[ids[0]] = text
-    return found
 
 
 def complete(

@@ -14,7 +14,7 @@ import codecs
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -30,7 +30,7 @@ from bdh_train.data.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
-from bdh_train.errors import BDHTrainError, CheckpointError
+from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
 from bdh_train.export import export_tokenizer_json, load_ternary
 from bdh_train.model import BDH, BDHConfig, ModelState, sample_next_token
 from bdh_train.model.generate import FastDecoder, GenericDecoder, make_decoder
@@ -243,6 +243,37 @@ class Continuation:
         return self
 
 
+def stop_token_ids(stops: Sequence[str], tokenizer: Tokenizer) -> dict[int, str]:
+    """{token id: text} of each stop text, which must be exactly one token of `tokenizer`
+    (ConfigError otherwise)."""
+    found: dict[int, str] = {}
+    for text in stops:
+        ids = tokenizer.encode(text)
+        if len(ids) != 1:
+            raise ConfigError(
+                f"--stop {text!r} is {len(ids)} tokens in this run's tokenizer; a stop must "
+                "be exactly one token"
+            )
+        found[ids[0]] = text
+    return found
+
+
+def until_stop(tokens: Iterable[int], stops: Collection[int]) -> Iterator[int]:
+    """The tokens before the first one in `stops`. The stop itself is not yielded and, since
+    the iteration ends on it, a `Continuation.sample` stream does not read it into the state
+    (its next step never runs); `tokens` is closed then."""
+    iterator = iter(tokens)
+    try:
+        for token in iterator:
+            if token in stops:
+                return
+            yield token
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
+
+
 def stream_text(tokens: Iterable[int], out: TextIO, tokenizer: Tokenizer) -> None:
     """Write tokens to `out` as UTF-8 text as they come: each token's bytes are decoded on
     top of the ones before, so a character split across tokens prints whole (bytes that are
@@ -257,16 +288,16 @@ def stream_text(tokens: Iterable[int], out: TextIO, tokenizer: Tokenizer) -> Non
 def chat(
     continuation: Continuation, tokenizer: Tokenizer, lines: Iterable[str], out: TextIO,
     max_new_tokens: int, temperature: float, top_k: int | None, generator: torch.Generator,
-    prompt: str = "",
+    prompt: str = "", stops: Collection[int] = (),
 ) -> int:
     """A REPL: each line read (newline included) is fed on top of everything before it, then
-    `max_new_tokens` are sampled and written, then a newline. Returns the turns taken."""
+    up to `max_new_tokens` are sampled and written (a token of `stops` ends the reply,
+    unwritten and unread), then a newline. Returns the turns taken."""
     turns = 0
     for line in lines:
         continuation.feed(tokenizer.encode(line))
-        stream_text(
-            continuation.sample(max_new_tokens, temperature, top_k, generator), out, tokenizer
-        )
+        reply = continuation.sample(max_new_tokens, temperature, top_k, generator)
+        stream_text(until_stop(reply, stops), out, tokenizer)
         out.write("\n")
         out.write(prompt)
         out.flush()

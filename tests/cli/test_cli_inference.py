@@ -149,6 +149,69 @@ def test_chat_turns_continue_one_state(run_dir, capsys, monkeypatch):
     assert replies[:3] == [tok.decode(first), tok.decode(second), ""]
 
 
+def _cut_at(tokens: list[int], stop: int) -> list[int]:
+    return tokens[: tokens.index(stop)] if stop in tokens else tokens
+
+
+def test_a_stop_ends_chat_replies_unread(run_dir, capsys, monkeypatch):
+    """With --stop, each reply is the greedy reply cut before the stop's first place, and the
+    next turn continues from the conversation without the stop token (it is not read into the
+    state)."""
+    import torch
+
+    model, tok, _ = bdh_train.load_run(run_dir)
+
+    def greedy_tokens(prompt: list[int]) -> list[int]:
+        return model.generate(torch.tensor(prompt), 12, temperature=0)[len(prompt):].tolist()
+
+    turns = ["def add(a, b):\n", "    return\n"]
+    plain = greedy_tokens(tok.encode(turns[0]))
+    stop = next(t for t in plain[1:] if t < 128 and t != plain[0])  # an ASCII byte
+    first = _cut_at(plain, stop)
+    second = _cut_at(greedy_tokens(tok.encode(turns[0]) + first + tok.encode(turns[1])), stop)
+    greedy = ["--temperature", "0", "--max-new-tokens", "12", "--device", "cpu"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(turns)))
+    capsys.readouterr()
+    assert main(["chat", "--checkpoint", str(run_dir), *greedy, "--stop", chr(stop)]) == 0
+    replies = capsys.readouterr().out.split("\n")
+    assert 0 < len(first) < len(plain)
+    assert replies[:3] == [tok.decode(first), tok.decode(second), ""]
+
+
+def test_a_stop_ends_generate_and_its_continuation_alike(run_dir, tmp_path, capsys):
+    """generate --prompt with --stop prints the greedy text before the stop's first place
+    (not the stop); from a saved state (`Continuation.sample`) it ends at the same place."""
+    import torch
+
+    model, tok, _ = bdh_train.load_run(run_dir)
+    prompt = "def add(a, b):\n"
+    ids = tok.encode(prompt)
+    plain = model.generate(torch.tensor(ids), 12, temperature=0)[len(ids):].tolist()
+    stop = next(t for t in plain[1:] if t < 128 and t != plain[0])
+    cut = tok.decode(_cut_at(plain, stop))
+    greedy = ["--temperature", "0", "--max-new-tokens", "12", "--stop", chr(stop)]
+    assert _generate(capsys, run_dir, "--prompt", prompt, *greedy) == prompt + cut + "\n"
+    state = tmp_path / "prompt.state"
+    _generate(capsys, run_dir, "--prompt", prompt, "--save-state", str(state),
+              "--max-new-tokens", "0")
+    assert _generate(capsys, run_dir, "--load-state", str(state), *greedy) == cut + "\n"
+
+
+def test_until_stop_closes_the_stream_it_stops():
+    from bdh_train.inference import until_stop
+
+    closed = []
+
+    def stream():
+        try:
+            yield from (1, 2, 3, 4)
+        finally:
+            closed.append(True)
+
+    assert list(until_stop(stream(), {3})) == [1, 2] and closed == [True]
+    assert list(until_stop([5, 6], {3})) == [5, 6]
+
+
 def test_training_threads_sets_torch_threads(tmp_path, capsys):
     import torch
 
@@ -334,7 +397,6 @@ def test_prompts_file_options_that_do_not_fit_are_refused(
     assert out == "" and err.startswith(f"error: {message}")
 
 
-@pytest.mark.parametrize("option", [["--stop", "\n"], ["--batch-size", "4"]])
-def test_prompts_file_options_without_a_prompts_file_are_refused(run_dir, capsys, option):
-    assert main(["generate", "--checkpoint", str(run_dir), *option]) == 2
-    assert capsys.readouterr().err.startswith(f"error: {option[0]} applies to --prompts-file")
+def test_batch_size_without_a_prompts_file_is_refused(run_dir, capsys):
+    assert main(["generate", "--checkpoint", str(run_dir), "--batch-size", "4"]) == 2
+    assert capsys.readouterr().err.startswith("error: --batch-size applies to --prompts-file")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import assert_close
 from test_cli import MICRO
 
 import bdh_train
@@ -176,6 +177,47 @@ def test_a_stop_ends_chat_replies_unread(run_dir, capsys, monkeypatch):
     replies = capsys.readouterr().out.split("\n")
     assert 0 < len(first) < len(plain)
     assert replies[:3] == [tok.decode(first), tok.decode(second), ""]
+
+
+def test_chat_does_not_read_a_stop_into_the_state(run_dir):
+    """After two turns of `inference.chat` with a stop, the continuation's state is that of a
+    fresh one fed the turns and the replies without the stop token: the same token count,
+    state and last output."""
+    import torch
+
+    from bdh_train.inference import Continuation, chat
+
+    model, tok, _ = bdh_train.load_run(run_dir)
+    turns = ["def add(a, b):\n", "    return\n"]
+    probe = Continuation(model)
+    probe.feed(tok.encode(turns[0]))
+    plain = list(probe.sample(12, temperature=0.0))
+    stop = next(t for t in plain[1:] if t != plain[0])
+    first = _cut_at(plain, stop)
+    probe = Continuation(model)  # the second reply, greedy after the first without the stop
+    probe.feed(tok.encode(turns[0]) + first + tok.encode(turns[1]))
+    second = _cut_at(list(probe.sample(12, temperature=0.0)), stop)
+    out = io.StringIO()
+    cont = Continuation(model)
+    assert chat(cont, tok, turns, out, 12, 0.0, None, torch.Generator(), stops={stop}) == 2
+    assert out.getvalue().split("\n")[:2] == [tok.decode(first), tok.decode(second)]
+    assert 0 < len(first) < len(plain)
+    fresh = Continuation(model)
+    read = tok.encode(turns[0]) + first + tok.encode(turns[1]) + second
+    fresh.feed(read)
+    assert cont.tokens_read == fresh.tokens_read == len(read)
+    for got, want in zip(cont.state.rho, fresh.state.rho, strict=True):
+        assert_close(got, want, rtol=1e-5)
+    assert_close(cont.hidden, fresh.hidden, rtol=1e-5)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("stop, count", [("ab", 2), ("", 0)])
+def test_a_stop_of_other_than_one_token_is_one_line(run_dir, capsys, command, stop, count):
+    assert main([command, "--checkpoint", str(run_dir), "--stop", stop]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: --stop {stop!r} is {count} tokens in this run's tokenizer")
 
 
 def test_a_stop_ends_generate_and_its_continuation_alike(run_dir, tmp_path, capsys):

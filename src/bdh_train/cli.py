@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import datetime as _dt
 import functools
+import gc
 import json
 import math
 import signal
@@ -316,6 +317,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     dist_ctx = DistContext.from_env(
         resolve_device(cfg.training.device).type, cfg.parallel.collective_timeout_s
     )
+    trainer = None
     try:
         trainer = Trainer(
             cfg, run_dir, resume=resume, dist_ctx=dist_ctx, overwrite=args.overwrite,
@@ -324,6 +326,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         with _stop_on_signals(trainer.request_stop):
             result = trainer.run()
     finally:
+        # The trainer sits in reference cycles, and its wrapped model (DDP's reducer, FSDP,
+        # pipeline stages) holds the process group: left to the cycle collector, gloo's
+        # group could be freed during interpreter shutdown, where a torchrun rank once
+        # aborted ("terminate called without an active exception"). Freed here, the group
+        # goes while the interpreter is whole, then is destroyed.
+        trainer = None
+        gc.collect()
         dist_ctx.close()
     return EXIT_STOPPED if result.stopped_early else 0
 

@@ -347,3 +347,30 @@ def test_export_of_a_float_run_is_refused(tmp_path, capsys):
     assert main(["export", "--ternary", str(tmp_path), str(tmp_path / "x.safetensors")]) == 2
     assert "error:" in capsys.readouterr().err
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_train_frees_its_trainer_before_the_process_group_goes(tmp_path, monkeypatch):
+    """The Trainer sits in reference cycles and its wrapped model holds the process group:
+    `bdh-train train` frees it (cycles collected) before destroying the group, not at
+    interpreter shutdown. With the cycle collector off, no Trainer outlives the command."""
+    import gc
+    import weakref
+
+    from bdh_train import trainer as trainer_module
+
+    made: list[weakref.ref] = []
+    build = trainer_module.Trainer.__init__
+
+    def recording_init(self, *args, **kwargs):
+        made.append(weakref.ref(self))
+        build(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", recording_init)
+    one_step = ["--set", "training.max_steps=1", "--set", "training.eval_every=0",
+                "--set", "training.checkpoint_every=1"]
+    gc.disable()
+    try:
+        assert main(["train", "--run-dir", str(tmp_path / "run"), *MICRO, *one_step]) == 0
+        assert len(made) == 1 and made[0]() is None
+    finally:
+        gc.enable()

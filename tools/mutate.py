@@ -48,6 +48,7 @@ MODULE_TESTS: dict[str, list[str]] = {
         "tests/model/test_matmul.py", "tests/model/test_gate.py", "tests/model/test_mixer.py"
     ],
     "train/step.py": ["tests/train/test_step.py"],
+    "completions.py": ["tests/cli/test_cli_inference.py"],
 }
 """The modules under mutation testing, in the order they run, and the test files that guard
 each (the multiprocess and compiling tests are deselected by [tool.mutmut]

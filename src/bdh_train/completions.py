@@ -11,6 +11,7 @@ out) and "stop" (the stop text it ended on, or None when it ran to the token lim
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 from collections.abc import Iterator, Sequence
@@ -29,14 +30,18 @@ PROMPT_KEY = "prompt"
 COMPLETION_KEY = "completion"
 STOP_KEY = "stop"
 EXAMPLE_LINE = '{"prompt": "text"}'
+JSON_KINDS = {
+    type(None): "null", bool: "boolean", int: "number", float: "number", str: "string",
+    list: "array", dict: "object",
+}
+"""The JSON name of each type `json.loads` gives."""
 
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One line of a prompts file: its number (from 1), the object read and the prompt's
-    token ids (an empty prompt reads as a newline, as `generate` without --prompt does)."""
+    """One line of a prompts file: the object read and the prompt's token ids (an empty
+    prompt reads as a newline, as `generate` without --prompt does)."""
 
-    line: int
     fields: dict[str, Any]
     ids: list[int]
 
@@ -47,14 +52,15 @@ def read_prompts(path: str | Path, tokenizer: Tokenizer) -> list[PromptRecord]:
     holds a key the output writes; and for a file without prompts."""
     path = Path(path)
     try:
-        raw_lines = path.read_bytes().splitlines()
+        content = path.read_bytes()
     except OSError as exc:
         raise DataError(f"cannot read the prompts file {path}: {exc.strerror or exc}") from exc
     records = []
-    for number, raw in enumerate(raw_lines, start=1):
+    # a byte-order mark (Windows editors write one) opens the file, not a line
+    for number, raw in enumerate(content.removeprefix(codecs.BOM_UTF8).splitlines(), start=1):
         where = f"{path}:{number}"
-        try:  # a byte-order mark (Windows editors write one) opens line 1 only
-            text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        try:
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise DataError(
                 f"{where}: not UTF-8 (byte {exc.start + 1} of the line); save the prompts "
@@ -71,7 +77,7 @@ def read_prompts(path: str | Path, tokenizer: Tokenizer) -> list[PromptRecord]:
             ) from exc
         if not isinstance(fields, dict):
             raise DataError(
-                f"{where}: a JSON {_json_kind(fields)}, not an object; each line must be an "
+                f"{where}: a JSON {JSON_KINDS[type(fields)]}, not an object; each line must be an "
                 f"object such as {EXAMPLE_LINE}"
             )
         if PROMPT_KEY not in fields:
@@ -82,7 +88,7 @@ def read_prompts(path: str | Path, tokenizer: Tokenizer) -> list[PromptRecord]:
         prompt = fields[PROMPT_KEY]
         if not isinstance(prompt, str):
             raise DataError(
-                f'{where}: "{PROMPT_KEY}" is a JSON {_json_kind(prompt)}, not a string'
+                f'{where}: "{PROMPT_KEY}" is a JSON {JSON_KINDS[type(prompt)]}, not a string'
             )
         taken = [key for key in (COMPLETION_KEY, STOP_KEY) if key in fields]
         if taken:
@@ -102,7 +108,7 @@ def read_prompts(path: str | Path, tokenizer: Tokenizer) -> list[PromptRecord]:
                 f"{where}: the prompt is 0 tokens in this run's tokenizer (none of its "
                 "characters has a token); write it with characters the tokenizer knows"
             )
-        records.append(PromptRecord(number, fields, ids))
+        records.append(PromptRecord(fields, ids))
     if not records:
         raise DataError(f"{path}: no prompts; write one JSON object a line, such as {EXAMPLE_LINE}")
     return records
@@ -114,27 +120,15 @@ def _refuse_constant(where: str, name: str) -> float:
     raise DataError(f"{where}: {name} is not a JSON value; write it as a string or a number")
 
 
-def _json_kind(value: object) -> str:
-    """The JSON name of a parsed value's type."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    return {list: "array", dict: "object", str: "string"}.get(type(value), type(value).__name__)
-
-
 def complete(
     model: BDH, tokenizer: Tokenizer, records: Sequence[PromptRecord], max_new_tokens: int,
-    batch_size: int, temperature: float = 1.0, top_k: int | None = None,
-    generator: torch.Generator | None = None, stops: dict[int, str] | None = None,
-    summary_events: SummaryEvents | None = None,
+    batch_size: int, *, temperature: float, top_k: int | None,
+    generator: torch.Generator | None, stops: dict[int, str],
+    summary_events: SummaryEvents | None,
 ) -> Iterator[dict[str, Any]]:
     """Each record's fields with its "completion" and "stop", in the records' order,
     generated `batch_size` rows at a time. Greedy completions (temperature 0) are each
     prompt's alone; sampled rows share `generator`, so their draws depend on the batch."""
-    stops = stops or {}
     for start in range(0, len(records), batch_size):
         batch = records[start : start + batch_size]
         rows = model.generate_batch(

@@ -377,23 +377,44 @@ def test_a_prompt_of_no_tokens_is_refused_with_its_line(tmp_path):
             return [b for b in super().encode(text) if b != ord("Z")]
 
     prompts = _prompts_file(tmp_path, ['{"prompt": "a"}', '{"prompt": "ZZ"}'])
-    with pytest.raises(DataError, match=r"prompts.jsonl:2: the prompt is 0 tokens"):
+    with pytest.raises(DataError) as refused:
         read_prompts(prompts, Sparse())
+    assert str(refused.value) == (
+        f"{prompts}:2: the prompt is 0 tokens in this run's tokenizer (none of its characters "
+        "has a token); write it with characters the tokenizer knows"
+    )
     assert [r.ids for r in read_prompts(prompts, ByteTokenizer())] == [[97], [90, 90]]
+
+
+EXAMPLE = 'each line must be an object such as {"prompt": "text"}'
 
 
 @pytest.mark.parametrize(
     "lines, message",
     [
-        (['{"prompt": "a"}', "not json"], "prompts.jsonl:2: not JSON"),
-        (['["a"]'], "prompts.jsonl:1: a JSON array, not an object"),
-        (['{"text": "a"}'], 'prompts.jsonl:1: no "prompt" key'),
-        (['{"prompt": 3}'], 'prompts.jsonl:1: "prompt" is a JSON number, not a string'),
-        (['{"prompt": null}'], 'prompts.jsonl:1: "prompt" is a JSON null, not a string'),
-        (['{"prompt": "a", "completion": "b"}'], 'the key "completion" is one generate writes'),
-        (["", "  "], "prompts.jsonl: no prompts"),
-        (['{"prompt": "a", "x": NaN}'], "prompts.jsonl:1: NaN is not a JSON value"),
-        (['{"prompt": "a"}', '{"prompt": "a\\ud800"}'], "prompts.jsonl:2: the prompt holds"),
+        (['{"prompt": "a"}', "not json"], f"2: not JSON (Expecting value, column 1); {EXAMPLE}"),
+        (['["a"]'], f"1: a JSON array, not an object; {EXAMPLE}"),
+        (['"a"'], f"1: a JSON string, not an object; {EXAMPLE}"),
+        (['{"text": "a"}'], f'1: no "prompt" key; {EXAMPLE}'),
+        (['{"prompt": 3}'], '1: "prompt" is a JSON number, not a string'),
+        (['{"prompt": null}'], '1: "prompt" is a JSON null, not a string'),
+        (['{"prompt": true}'], '1: "prompt" is a JSON boolean, not a string'),
+        (['{"prompt": {}}'], '1: "prompt" is a JSON object, not a string'),
+        (
+            ['{"prompt": "a", "completion": "b"}'],
+            '1: the key "completion" is one generate writes into its output; rename it in the '
+            "prompts file",
+        ),
+        (
+            ['{"prompt": "a", "x": NaN}'],
+            "1: NaN is not a JSON value; write it as a string or a number",
+        ),
+        (
+            ['{"prompt": "a"}', '{"prompt": "a\\ud800"}'],
+            "2: the prompt holds '\\ud800', which is not text (a lone surrogate escape); "
+            "remove it",
+        ),
+        (["", "  "], ': no prompts; write one JSON object a line, such as {"prompt": "text"}'),
     ],
 )
 def test_a_bad_prompts_file_is_one_line_and_prints_nothing(
@@ -403,19 +424,77 @@ def test_a_bad_prompts_file_is_one_line_and_prints_nothing(
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(run_dir), "--prompts-file", str(prompts)]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.startswith("error: ") and err.count("\n") == 1
-    assert message in err
+    where = str(prompts) + ("" if message.startswith(":") else ":")
+    assert out == "" and err == f"error: {where}{message}\n"
 
 
 def test_a_prompts_file_that_is_not_utf8_or_missing_is_one_line(run_dir, tmp_path, capsys):
     bad = tmp_path / "latin1.jsonl"
     bad.write_bytes('{"prompt": "a"}\n{"prompt": "caf\xe9"}\n'.encode("latin-1"))
-    for path, message in ((bad, "latin1.jsonl:2: not UTF-8"), (tmp_path / "none", "cannot read")):
+    missing = tmp_path / "none"
+    for path, message in (
+        (bad, f"{bad}:2: not UTF-8 (byte 16 of the line); save the prompts file as UTF-8"),
+        (missing, f"cannot read the prompts file {missing}: No such file or directory"),
+    ):
         capsys.readouterr()
         assert main(["generate", "--checkpoint", str(run_dir), "--prompts-file", str(path)]) == 2
-        out, err = capsys.readouterr()
-        assert out == "" and err.startswith("error: ") and err.count("\n") == 1
-        assert message in err
+        assert capsys.readouterr() == ("", f"error: {message}\n")
+
+
+def test_sampled_completions_follow_the_seed_and_top_k(run_dir, tmp_path, capsys):
+    """At temperature 1 the completions are the seed's (the same twice, another seed's
+    differ), and --top-k 1 samples the greedy ones."""
+    import json
+
+    texts = ["def add(a, b):\n", "x", "class Foo:\n"]
+    prompts = _prompts_file(tmp_path, [json.dumps({"prompt": t}) for t in texts])
+    sample = ["--temperature", "1", "--max-new-tokens", "8"]
+    seeded = _complete(capsys, run_dir, prompts, *sample, "--seed", "3")
+    assert _complete(capsys, run_dir, prompts, *sample, "--seed", "3") == seeded
+    assert _complete(capsys, run_dir, prompts, *sample, "--seed", "4") != seeded
+    greedy = _complete(capsys, run_dir, prompts, *GREEDY_8)
+    assert _complete(capsys, run_dir, prompts, *sample, "--top-k", "1") == greedy
+    assert seeded != greedy
+
+
+def test_completions_with_a_summary_memory_mark_its_events():
+    """A model whose summary memory has a write gate: `complete` marks the events of each
+    prompt and new token as `generate_batch` does, and without the events the completions
+    differ (so the events reach the model)."""
+    import torch
+    from helpers import tiny_model
+
+    from bdh_train.completions import PromptRecord, complete
+    from bdh_train.model.config import SummaryMemoryConfig
+
+    class Digits:  # a tokenizer of the digits 0-9
+        def encode(self, text):
+            return [int(c) for c in text]
+
+        def decode(self, ids):
+            return "".join(str(i) for i in ids)
+
+    class Sevens:  # a summary event at every token 7
+        history_len = 0
+
+        def mask(self, inputs, history=None):
+            return (inputs == 7).to(torch.float32)
+
+    memory = SummaryMemoryConfig(enabled=True, chunk_tokens=2, write_gate=True)
+    model = tiny_model(torch.float64, summary_memory=memory).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # a memory strong enough to change greedy tokens
+            p.mul_(3.0)
+    prompts = ["7717", "2777", "77"]
+    records = [PromptRecord({"prompt": p}, Digits().encode(p)) for p in prompts]
+    sample = dict(temperature=0.0, top_k=None, generator=None, stops={})
+    got = list(complete(model, Digits(), records, 8, 2, summary_events=Sevens(), **sample))
+    want = model.generate_batch([r.ids for r in records], 8, 0.0, summary_events=Sevens())
+    assert [g["completion"] for g in got] == [
+        Digits().decode(w[len(r.ids):].tolist()) for w, r in zip(want, records, strict=True)
+    ]
+    plain = list(complete(model, Digits(), records, 8, 2, summary_events=None, **sample))
+    assert plain != got
 
 
 @pytest.mark.parametrize(

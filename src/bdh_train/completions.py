@@ -48,8 +48,9 @@ class PromptRecord:
 
 def read_prompts(path: str | Path, tokenizer: Tokenizer) -> list[PromptRecord]:
     """Every prompt of a JSON lines file, blank lines skipped; DataError naming the file and
-    line for a line that is not UTF-8, not a JSON object, has no string "prompt", or already
-    holds a key the output writes; and for a file without prompts."""
+    line for a line that is not UTF-8, not a JSON object (NaN and Infinity are not JSON), has
+    no string "prompt", already holds a key the output writes, or whose prompt is not text
+    (a lone surrogate) or has no tokens; and for a file without prompts."""
     path = Path(path)
     try:
         content = path.read_bytes()

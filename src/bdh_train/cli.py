@@ -16,6 +16,7 @@ import math
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -325,6 +326,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
         with _stop_on_signals(trainer.request_stop):
             result = trainer.run()
+    except BaseException as exc:
+        # the traceback's frames (Trainer.run's `self` among them) would keep the trainer
+        # alive past the collection below; the messages keep their files and lines
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         # The trainer sits in reference cycles, and its wrapped model (DDP's reducer, FSDP,
         # pipeline stages) holds the process group: left to the cycle collector, gloo's

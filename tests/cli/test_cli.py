@@ -349,28 +349,48 @@ def test_export_of_a_float_run_is_refused(tmp_path, capsys):
     assert not (tmp_path / "x.safetensors").exists()
 
 
-def test_train_frees_its_trainer_before_the_process_group_goes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ending", ["finished", "failed"])
+def test_train_frees_its_trainer_before_the_process_group_goes(tmp_path, monkeypatch, ending):
     """The Trainer sits in reference cycles and its wrapped model holds the process group:
     `bdh-train train` frees it (cycles collected) before destroying the group, not at
-    interpreter shutdown. With the cycle collector off, no Trainer outlives the command."""
+    interpreter shutdown, also when the run ends in an error (whose traceback holds the
+    trainer's frames). Checked with the cycle collector off, when the group is closed."""
     import gc
     import weakref
 
     from bdh_train import trainer as trainer_module
+    from bdh_train.distributed.env import DistContext
+    from bdh_train.errors import DataError
 
     made: list[weakref.ref] = []
-    build = trainer_module.Trainer.__init__
+    freed_at_close: list[bool] = []
+    build, run = trainer_module.Trainer.__init__, trainer_module.Trainer.run
+    close = DistContext.close
 
     def recording_init(self, *args, **kwargs):
         made.append(weakref.ref(self))
         build(self, *args, **kwargs)
 
+    def run_then_fail(self):
+        run(self)
+        raise DataError("the disk is full (a stand-in)")
+
+    def recording_close(self):
+        freed_at_close.append(made[0]() is None)
+        close(self)
+
     monkeypatch.setattr(trainer_module.Trainer, "__init__", recording_init)
+    if ending == "failed":
+        monkeypatch.setattr(trainer_module.Trainer, "run", run_then_fail)
+    monkeypatch.setattr(DistContext, "close", recording_close)
     one_step = ["--set", "training.max_steps=1", "--set", "training.eval_every=0",
                 "--set", "training.checkpoint_every=1"]
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
-        assert main(["train", "--run-dir", str(tmp_path / "run"), *MICRO, *one_step]) == 0
-        assert len(made) == 1 and made[0]() is None
+        code = main(["train", "--run-dir", str(tmp_path / "run"), *MICRO, *one_step])
+        assert code == (0 if ending == "finished" else 2)
+        assert len(made) == 1 and freed_at_close == [True]
     finally:
-        gc.enable()
+        if was_enabled:
+            gc.enable()

@@ -19,7 +19,6 @@ limit the functions run eagerly: the same values, slower).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from bdh_train.model.recording import records_gradient
 
@@ -80,5 +79,5 @@ def gate(x: torch.Tensor, pre: torch.Tensor, kernels: GateKernels | None) -> tor
     itself), and without gradients (evaluation and generation, whose inference mode would
     build graphs of their own)."""
     if kernels is None or not records_gradient(x, pre) or torch.compiler.is_compiling():
-        return x * F.relu(pre)
+        return gate_forward(x, pre)  # under autograd: its own passes, its own backward
     return _FusedGate.apply(x, pre, kernels)

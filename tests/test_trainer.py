@@ -557,10 +557,13 @@ def test_init_from_with_a_mismatched_backbone_is_refused(tmp_path):
 FIXTURE_V0_1 = Path(__file__).parent / "fixtures" / "checkpoint_v0_1"
 
 
-def test_checkpoint_written_by_v0_1_resumes_bit_exact(tmp_path, capsys):
+def test_checkpoint_written_by_v0_1_resumes_to_v0_1s_metrics(tmp_path, capsys):
     """A mid-window streaming-TBPTT checkpoint written by v0.1 (before the components owned
-    their configs, see fixtures/checkpoint_v0_1/make_fixture.py.txt) resumes and ends with the
-    same metrics, to the last bit, as v0.1's uninterrupted run."""
+    their configs, see fixtures/checkpoint_v0_1/make_fixture.py.txt) resumes and ends with
+    v0.1's uninterrupted run's metrics: step, tokens and lr exactly, loss and grad norm to
+    float32's 1e-5. Those were recorded on another machine, whose BLAS may round a product
+    differently (MKL on an Intel Xeon and on an AMD EPYC gave grad norms 1e-7 apart); that a
+    resume on one machine is bit-exact is test_resume_is_bit_exact's."""
     import json
     import shutil
 
@@ -572,9 +575,12 @@ def test_checkpoint_written_by_v0_1_resumes_bit_exact(tmp_path, capsys):
     assert (trainer.state.step, trainer.state.micro) == (4, 1)
     trainer.run()
     expected = json.loads((FIXTURE_V0_1 / "expected_metrics.json").read_text())
-    keys = ("step", "tokens", "loss", "lr", "grad_norm")
-    got = [{k: r[k] for k in keys} for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
-    assert got == expected
+    got = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert [(r["step"], r["tokens"], r["lr"]) for r in got] == [
+        (r["step"], r["tokens"], r["lr"]) for r in expected
+    ]
+    for name in ("loss", "grad_norm"):
+        assert [r[name] for r in got] == pytest.approx([r[name] for r in expected], rel=1e-5)
 
 
 def test_optimizer_steps_with_the_scheduled_lr_of_that_step_and_logs_it(tmp_path, monkeypatch):

@@ -858,8 +858,10 @@ def test_heads_major_queries_compute_what_contiguous_ones_do(
 ):
     """Queries laid out heads-major (as the projections leave them for long inputs) run
     through the Function on that layout: outputs, final state and the gradients of q, v and
-    rho0 equal the contiguous call's bit for bit, with and without a gradient recorded; the
-    final state is a contiguous [B, H, N, D]."""
+    rho0 equal the contiguous call's, with and without a gradient recorded; the final state
+    is a contiguous [B, H, N, D]. The sums are the same but a BLAS may pick its kernel, and so
+    its order of summation, by the operands' strides (MKL on an AMD EPYC did, for dense):
+    float64 to 1e-12."""
     from bdh_train.model.matmul import is_heads_major
 
     (q, v, rho0), (g_out, g_rho) = make_inputs(13, torch.float64, True, seed=14)
@@ -886,7 +888,8 @@ def test_heads_major_queries_compute_what_contiguous_ones_do(
         ("out", "final", "dq", "dv", "drho0", "no-grad out", "no-grad final"), *results,
         strict=True,
     ):
-        assert got.shape == expected.shape and torch.equal(got, expected), name
+        assert got.shape == expected.shape, name
+        assert_close(got, expected, rtol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize("decay", [False, True], ids=["no-decay", "decay"])

@@ -72,7 +72,9 @@ class ExecutorCalibration:
 # T=1024; panels of 64 and 256 within 1% of 128) was faster than C=128 at T=512 (1.03x; L6
 # D256: 1.32x) and at T=1024 on L6 D256 (1.06x), slower at T=768 (0.89x) and on L6 D256 at
 # T=1536 (0.93x): margins from 0.99 to 1.34 pick the faster at every one of these points,
-# x1.15 is taken.
+# x1.15 is taken. Those points were measured on an Intel Xeon; on an AMD EPYC (same torch and
+# MKL) dense/128 was again the fastest at T=512 (L4 D128 B=8 and L6 D256 B=4) and C=128 at
+# T=2048 B=2 (C=64 0.97x, C=256 0.91x), so one "cpu" entry serves both.
 # CUDA (one H200, fp32, torch 2.11, same configs): C=128 was fastest or within 1.2% of it at
 # T=2048 and 8192 (C=64 1% faster on L4 D128 at T=2048; C=256 and 512 4-19% slower); dense
 # beat C=128 by 8% at T=512 on L4 D128 and by 33% on L6 D256, where the x1.5 margin would

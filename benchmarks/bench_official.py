@@ -39,20 +39,22 @@ is counted from the multiply-adds of each side's executed form, per token:
                          (the K/C term twice, not three times: see below)
                          - 2 * L * H * C * N where the scores' gradient is one product
 
-3*H*D*N: the encoder, encoder_v and decoder projections; H*C*(N + D): the C x C score block of
-each chunk (C*N per token) and its product with the values (C*D); 2*H*N*D: every chunk reads
-its state (q @ S_k) and writes its part (q^T @ v); H*N*D*K/C: the K chunk states as one
-[K, K] product over the K chunk writes (its [K, K] factor is a constant, so backward computes
-one product for it, not two); D*V: lm_head (C | T assumed in the formula; the code
-counts exactly: the last chunk is zero-padded to C tokens and computed as such). For
-bdh-train C is its chunk size when its executor is chunked (C = T and no state term when
-dense); for the baseline's masked dense form C = T and the state term is 0. The masked half of
-each score block is counted, because it is computed. bdh-train's fp32 executors (no learned
-decay) take the gradient of the symmetric score block Q Q^T as one product, (dA + dA^T) Q
-(model/chunked_grad.py), where autograd (the baseline; bf16 autocast; compile) takes two.
-bdh-train's fp32 dense executor computes its scores in row panels of P queries where the
-device's calibration sets P (CPU: 128): each query then covers (T + P) / 2 keys on average
-in Q Q^T, A V, dOut V^T and A^T dOut, and all T in the symmetric (dA + dA^T) Q.
+3*H*D*N: the encoder, encoder_v and decoder projections; H*C*(N + D): the C x C score block
+of each chunk (C*N per token) and its product with the values (C*D); 2*H*N*D: every chunk
+reads its state (q @ S_k) and writes its part (q^T @ v); H*N*D*K/C: the K chunk states as
+one [K, K] product over the K chunk writes (its [K, K] factor is a constant, so backward
+computes one product for it, not two), on a GPU; the CPU takes them as running sums instead,
+whose adds are not counted (chunked_grad.sums_by_product); D*V: lm_head (C | T assumed in
+the formula; the code counts exactly: the last chunk is zero-padded to C tokens and computed
+as such). For bdh-train C is its chunk size when its executor is chunked (C = T and no state
+term when dense); for the baseline's masked dense form C = T and the state term is 0. The
+masked half of each score block is counted, because it is computed. bdh-train's fp32
+executors (no learned decay) take the gradient of the symmetric score block Q Q^T as one
+product, (dA + dA^T) Q (model/chunked_grad.py), where autograd (the baseline; bf16 autocast;
+compile) takes two. bdh-train's fp32 dense executor computes its scores in row panels of P
+queries where the device's calibration sets P (CPU: 128): each query then covers (T + P) / 2
+keys on average in Q Q^T, A V, dOut V^T and A^T dOut, and all T in the symmetric (dA + dA^T)
+Q.
 "% peak" = FLOPs/token * tokens/s / ceiling.
 
 Run:  .venv/bin/python benchmarks/bench_official.py                  # the default grid, CPU
@@ -97,6 +99,7 @@ from bdh_train.batch import SequenceBatch
 from bdh_train.interop import load_official_state_dict
 from bdh_train.model import BDH
 from bdh_train.model.bdh import COMPILE_MODES, compile_mode_for
+from bdh_train.model.chunked_grad import sums_by_product
 from bdh_train.model.mixer import calibration_for, dense_keys_per_query, resolve_executor
 from bdh_train.train.allocator import HOST_ALLOCATORS, configure_host_allocator
 from bdh_train.train.step import LanguageTrainModel
@@ -314,12 +317,14 @@ def ours_executor(model: BDH, seq_len: int, dtype: str = "fp32") -> tuple[int | 
 
 def train_flops_per_token(
     shape: dict[str, int], seq_len: int, chunk: int | None, symmetric_backward: bool = False,
-    panel_rows: int = 0,
+    panel_rows: int = 0, states_by_product: bool = True,
 ) -> float:
     """2 * 3 * forward MACs per token (formula in the module docstring); chunk None = dense;
     `symmetric_backward`: the scores' gradient is one product, not two; `panel_rows`: dense
     computes the scores in row panels (keys per query `dense_keys_per_query`, except the
-    scores' gradient product (dA + dA^T) Q, which covers all T)."""
+    scores' gradient product (dA + dA^T) Q, which covers all T); `states_by_product`: the
+    chunk states are the [K, K] product, not running sums (`chunked_grad.sums_by_product`;
+    a sum's adds, like every elementwise pass, are not counted)."""
     layers, d, h = shape["n_layer"], shape["n_embd"], shape["n_head"]
     n = shape["mlp_internal_dim_multiplier"] * d // h
     block, state, carry = float(seq_len), 0.0, 0.0
@@ -339,7 +344,8 @@ def train_flops_per_token(
         state = h * n * d * 2 * chunks * chunk / seq_len
         # the chunk states: one [K, K] product over the chunk writes (K^2 N D); its [K, K]
         # factor is a constant, so backward computes only the writes' gradient
-        carry = layers * h * n * d * chunks * chunks / seq_len
+        if states_by_product:
+            carry = layers * h * n * d * chunks * chunks / seq_len
     forward = layers * (3 * h * d * n + h * block * (n + d) + state) + d * VOCAB
     saved = layers * h * block * n if symmetric_backward else 0.0
     return 2 * (3 * forward + 2 * carry - saved)
@@ -603,7 +609,7 @@ def main() -> None:
                 * rate["baseline"],
                 "bdh-train": train_flops_per_token(
                     CONFIGS[config], seq_len, r["chunk"], hand_written_backward(args),
-                    r["panel_rows"],
+                    r["panel_rows"], sums_by_product(args.device),
                 )
                 * rate["bdh-train"],
             }

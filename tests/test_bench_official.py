@@ -13,6 +13,7 @@ from helpers import IN_PLACE_PRODUCTS, assert_close
 from torch.utils.flop_counter import FlopCounterMode
 
 from bdh_train.model import mixer
+from bdh_train.model.chunked_grad import sums_by_product
 from bdh_train.model.positions import rope_frequencies
 from bdh_train.train.step import LanguageTrainModel
 
@@ -60,7 +61,8 @@ def test_train_flops_formula_counts_what_runs(monkeypatch):
     """train_flops_per_token equals torch's count of one train step's matmuls (forward and
     backward) for the baseline's masked dense form and bdh-train's dense (whole, and in row
     panels of 8: a short last panel) and chunked executors (chunk 8 over T=30: a short last
-    chunk), whose backward takes the symmetric scores' gradient as one product."""
+    chunk), whose backward takes the symmetric scores' gradient as one product. On the CPU the
+    chunk states are running sums (no product)."""
     seq_len = 30
     batch = bench_official.random_batch(seq_len, 2, CPU)
     tokens = batch.inputs.numel()
@@ -79,6 +81,6 @@ def test_train_flops_formula_counts_what_runs(monkeypatch):
             LanguageTrainModel(ours).train_step(batch)
         # fp32 without decay: the scores' gradient is one product (the hand-written backward)
         expected = tokens * bench_official.train_flops_per_token(
-            SHAPE, seq_len, chunk, True, panel_rows
+            SHAPE, seq_len, chunk, True, panel_rows, sums_by_product("cpu")
         )
         assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12), panel_rows

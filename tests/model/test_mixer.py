@@ -985,3 +985,22 @@ def test_a_one_token_dense_call_runs_the_function():
     (q, v, rho0), _ = make_inputs(1, torch.float64, True, seed=19)
     out, _ = mixer.dense_attention(q, v, initial_state=rho0)
     assert type(out.grad_fn).__name__ == "ChunkedAttentionBackward"
+
+
+@pytest.mark.parametrize("n_chunks", [1, 2, 5])
+@pytest.mark.parametrize("earlier", [True, False], ids=["earlier", "later"])
+def test_running_sums_are_the_carry_products(n_chunks, earlier):
+    """The CPU's chunk states (a running sum over the chunks) equal the [K, K] carry product
+    other devices take, float64 to 1e-12, for the states (sums of earlier chunks) and for
+    their gradient (sums of later ones); the first (last) chunk's sum is exactly 0."""
+    from bdh_train.model.chunked_grad import carry_sums, running_sums
+
+    generator = torch.Generator().manual_seed(3)
+    parts = torch.randn(2, 3, n_chunks, 4, 5, dtype=torch.float64, generator=generator)
+    got, expected = running_sums(parts, earlier), carry_sums(parts, earlier)
+    assert_close(got, expected, rtol=1e-12)
+    edge = 0 if earlier else -1
+    assert torch.equal(got[:, :, edge], torch.zeros_like(got[:, :, edge]))
+    if n_chunks > 1:
+        second = 1 if earlier else -2
+        assert torch.equal(got[:, :, second], parts[:, :, edge])

@@ -43,18 +43,18 @@ is counted from the multiply-adds of each side's executed form, per token:
 of each chunk (C*N per token) and its product with the values (C*D); 2*H*N*D: every chunk
 reads its state (q @ S_k) and writes its part (q^T @ v); H*N*D*K/C: the K chunk states as
 one [K, K] product over the K chunk writes (its [K, K] factor is a constant, so backward
-computes one product for it, not two), on a GPU; the CPU takes them as running sums instead,
-whose adds are not counted (chunked_grad.sums_by_product); D*V: lm_head (C | T assumed in
-the formula; the code counts exactly: the last chunk is zero-padded to C tokens and computed
-as such). For bdh-train C is its chunk size when its executor is chunked (C = T and no state
-term when dense); for the baseline's masked dense form C = T and the state term is 0. The
-masked half of each score block is counted, because it is computed. bdh-train's fp32
-executors (no learned decay) take the gradient of the symmetric score block Q Q^T as one
-product, (dA + dA^T) Q (model/chunked_grad.py), where autograd (the baseline; bf16 autocast;
-compile) takes two. bdh-train's fp32 dense executor computes its scores in row panels of P
-queries where the device's calibration sets P (CPU: 128): each query then covers (T + P) / 2
-keys on average in Q Q^T, A V, dOut V^T and A^T dOut, and all T in the symmetric (dA + dA^T)
-Q.
+computes one product for it, not two); with the hand-written backward on the CPU they are
+running sums instead, whose adds are not counted (chunked_grad.sums_by_product); D*V:
+lm_head (C | T assumed in the formula; the code counts exactly: the last chunk is zero-
+padded to C tokens and computed as such). For bdh-train C is its chunk size when its
+executor is chunked (C = T and no state term when dense); for the baseline's masked dense
+form C = T and the state term is 0. The masked half of each score block is counted, because
+it is computed. bdh-train's fp32 executors (no learned decay) take the gradient of the
+symmetric score block Q Q^T as one product, (dA + dA^T) Q (model/chunked_grad.py), where
+autograd (the baseline; bf16 autocast; compile) takes two. bdh-train's fp32 dense executor
+computes its scores in row panels of P queries where the device's calibration sets P (CPU:
+128): each query then covers (T + P) / 2 keys on average in Q Q^T, A V, dOut V^T and A^T
+dOut, and all T in the symmetric (dA + dA^T) Q.
 "% peak" = FLOPs/token * tokens/s / ceiling.
 
 Run:  .venv/bin/python benchmarks/bench_official.py                  # the default grid, CPU
@@ -609,7 +609,8 @@ def main() -> None:
                 * rate["baseline"],
                 "bdh-train": train_flops_per_token(
                     CONFIGS[config], seq_len, r["chunk"], hand_written_backward(args),
-                    r["panel_rows"], sums_by_product(args.device),
+                    r["panel_rows"],
+                    sums_by_product(args.device) or not hand_written_backward(args),
                 )
                 * rate["bdh-train"],
             }

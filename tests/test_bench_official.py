@@ -12,7 +12,7 @@ import torch
 from helpers import IN_PLACE_PRODUCTS, assert_close
 from torch.utils.flop_counter import FlopCounterMode
 
-from bdh_train.model import mixer
+from bdh_train.model import chunked_grad, mixer
 from bdh_train.model.chunked_grad import sums_by_product
 from bdh_train.model.positions import rope_frequencies
 from bdh_train.train.step import LanguageTrainModel
@@ -62,7 +62,8 @@ def test_train_flops_formula_counts_what_runs(monkeypatch):
     backward) for the baseline's masked dense form and bdh-train's dense (whole, and in row
     panels of 8: a short last panel) and chunked executors (chunk 8 over T=30: a short last
     chunk), whose backward takes the symmetric scores' gradient as one product. On the CPU the
-    chunk states are running sums (no product)."""
+    chunk states are running sums (no product); as the [K, K] product (a GPU's) they are
+    counted too."""
     seq_len = 30
     batch = bench_official.random_batch(seq_len, 2, CPU)
     tokens = batch.inputs.numel()
@@ -84,3 +85,9 @@ def test_train_flops_formula_counts_what_runs(monkeypatch):
             SHAPE, seq_len, chunk, True, panel_rows, sums_by_product("cpu")
         )
         assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12), panel_rows
+    # the chunk states as the [K, K] product, as a GPU computes them
+    monkeypatch.setattr(chunked_grad, "sums_by_product", lambda device_type: True)
+    with FlopCounterMode(display=False, custom_mapping=IN_PLACE_PRODUCTS) as counter:
+        LanguageTrainModel(ours).train_step(batch)
+    expected = tokens * bench_official.train_flops_per_token(SHAPE, seq_len, 8, True, 0, True)
+    assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12), "states by product"

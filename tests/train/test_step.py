@@ -179,7 +179,7 @@ def backprop_through_chunks(model, batch_, chunk_size):
 
 
 @pytest.mark.parametrize("case", sorted(LOW_BIT_CASES))
-def test_quantized_tbptt_with_all_chunks_in_one_backward_is_full_backprop(case):
+def test_quantized_tbptt_with_all_chunks_in_one_backward_is_backprop_through_the_chunks(case):
     """QAT and TBPTT together: int8 activations are quantized per token and ternary weights
     per tensor, so cutting the block into chunks changes nothing; with one backward over all
     chunks the loss and gradients are those of backprop through the same chunks undetached:

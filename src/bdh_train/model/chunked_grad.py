@@ -177,13 +177,17 @@ def _carry_matrix(n_chunks: int, like: Tensor) -> Tensor:
     return (index.view(-1, 1) > index.view(1, -1)).to(like.dtype)
 
 
+def _carry_product(carry: Tensor, parts: Tensor) -> Tensor:
+    """carry [..., K, K] @ parts [B, H, K, N, D] over the chunk dimension -> [B, H, K, N, D]."""
+    return torch.matmul(carry, parts.flatten(-2)).view_as(parts)
+
+
 def carry_sums(parts: Tensor, earlier: bool) -> Tensor:
     """For parts [B, H, K, N, D], each chunk's sum of the parts of the chunks before it
     (`earlier`: S = carry @ W) or after it (carry^T @ dS), 0 for the first (last) chunk: one
     [K, K] product over the K parts."""
     carry = _carry_matrix(parts.shape[2], parts)
-    carry = carry if earlier else carry.transpose(0, 1)
-    return torch.matmul(carry, parts.flatten(-2)).view_as(parts)
+    return _carry_product(carry if earlier else carry.transpose(0, 1), parts)
 
 
 def running_sums(parts: Tensor, earlier: bool) -> Tensor:
@@ -202,12 +206,14 @@ def running_sums(parts: Tensor, earlier: bool) -> Tensor:
 
 
 def sums_by_product(device_type: str) -> bool:
-    """Whether the chunk states are `carry_sums` (a product) on a device, or `running_sums`:
-    both read and write the same bytes. On an AMD EPYC (2 threads) the product ran 3.7x slower
-    (2.75 against 0.74 ms for B*H = 8, K = 16, N*D = 65536; 2.5x at B*H = 32), and a whole
-    L4 D128 N512 train step at T=2048 1.04x faster with the sums; on an Intel Xeon the sums
-    had run 1.2x slower than the product (13.6 against 11.3 ms at B*H = 32), a term of about
-    1% of that step. On a GPU the product is one kernel instead of K - 1."""
+    """Whether the Function's unweighted chunk states (no resets, no decay: those weigh the
+    [K, K] factor, which stays a product) are `carry_sums` on a device, or `running_sums`.
+    Both are memory-bound passes over the K parts. On an AMD EPYC (2 threads) the product
+    ran 3.7x slower (2.75 against 0.74 ms for B*H = 8, K = 16, N*D = 65536; 2.5x at
+    B*H = 32), and a whole L4 D128 N512 train step at T=2048 1.04x faster with the sums; on
+    an Intel Xeon the sums had run 1.2x slower than the product (13.6 against 11.3 ms at
+    B*H = 32), a term of about 1% of that step. On a GPU the product is one kernel instead
+    of K - 1."""
     return device_type != "cpu"
 
 
@@ -297,8 +303,7 @@ def _states_and_writes(
 ) -> tuple[Tensor | None, Tensor | None]:
     """(S, W) of the chunks: W only where a later chunk or the final state reads it, S only
     where some chunk reads a state (more than one chunk, or rho0)."""
-    batch, heads, n_chunks, c, n = qc.shape
-    d = vc.shape[-1]
+    n_chunks = qc.shape[2]
     writes = None
     if n_chunks > 1 or final_state:
         written = vc if factors is None else vc * factors.writes
@@ -309,8 +314,7 @@ def _states_and_writes(
         if factors is None:
             states = _sums_of_others(writes, earlier=True)  # S without rho0
         else:
-            states = torch.matmul(factors.carry, writes.flatten(-2))
-            states = states.view(batch, heads, n_chunks, n, d)  # S without rho0
+            states = _carry_product(factors.carry, writes)  # S without rho0
         if rho0 is not None:
             rho0_part = rho0.unsqueeze(2)
             states.add_(rho0_part if factors is None else rho0_part * factors.from_rho0)
@@ -437,8 +441,7 @@ class ChunkedAttention(torch.autograd.Function):
             if factors is None:
                 d_writes = _sums_of_others(d_states, earlier=False)
             else:
-                d_writes = torch.matmul(factors.carry.transpose(-1, -2), d_states.flatten(-2))
-                d_writes = d_writes.view_as(d_states)
+                d_writes = _carry_product(factors.carry.transpose(-1, -2), d_states)
             if d_final is not None:
                 d_writes[:, :, -1] += d_final
         elif d_final is not None:

@@ -267,7 +267,9 @@ def chunked_attention(
         out_t = d^(t - kC) q_t.S_k + the chunk's own dense part
 
     S is one [K, K] matrix product over the chunks' writes, so a call costs a fixed number of
-    batched products whatever T is, and its shapes follow T symbolically under torch.compile.
+    batched products whatever T is, and its shapes follow T symbolically under torch.compile
+    (the Function below takes S without resets or decay as a running sum over the chunks on
+    the CPU instead: `chunked_grad.sums_by_product`).
     The final state continues from the last chunk's S with that chunk's real tokens only.
     Outside autocast and torch.compile, the same products run as one autograd Function with
     a backward of fewer products and no [B, H, T, N] gradient sums, resets (0/1 factors) or a

@@ -1004,3 +1004,29 @@ def test_running_sums_are_the_carry_products(n_chunks, earlier):
     if n_chunks > 1:
         second = 1 if earlier else -2
         assert torch.equal(got[:, :, second], parts[:, :, edge])
+
+
+@pytest.mark.parametrize("by_product", [False, True], ids=["running-sums", "carry-product"])
+def test_the_chunk_states_follow_the_device_choice(monkeypatch, by_product):
+    """The CPU takes the chunk states (forward's S and backward's dW) as running sums
+    (`sums_by_product('cpu')` is False; a GPU's True): the chunked Function runs the form
+    chosen, twice a call, and either form gives the definition's outputs and gradients
+    (float64 1e-10; 4 chunks with an incoming state and the final state)."""
+    from bdh_train.model import chunked_grad
+
+    assert chunked_grad.sums_by_product("cpu") is False
+    assert chunked_grad.sums_by_product("cuda") is True
+    calls = {"carry_sums": 0, "running_sums": 0}
+    for name in calls:
+        real = getattr(chunked_grad, name)
+
+        def counted(parts, earlier, real=real, name=name):
+            calls[name] += 1
+            return real(parts, earlier)
+
+        monkeypatch.setattr(chunked_grad, name, counted)
+    if by_product:
+        monkeypatch.setattr(chunked_grad, "sums_by_product", lambda device_type: True)
+    check_against_definition("chunked", 4, 13, False, True, torch.float64, rtol=1e-10)
+    ran = "carry_sums" if by_product else "running_sums"
+    assert calls == {**{name: 0 for name in calls}, ran: 2}

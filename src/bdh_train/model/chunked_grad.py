@@ -254,7 +254,7 @@ def panel_backward(
     """(dQ, dV) of `panel_forward`'s output. dQ = (dA + dA^T) Q stays one product: panel by
     panel, dA's blocks are written below the diagonal and their transposes above it, so the
     symmetric [R, T, T] matrix is built without a pass that adds a transposed copy of it
-    (on the CPU such a pass read T x T strided, 3% of an L4 D128 H4 N512 train step at
+    (on the CPU such a pass read T x T strided, 2-3% of an L4 D128 H4 N512 train step at
     T=512). dV sums each panel's A_p^T dOut_p over the keys it reaches."""
     rows, seq_len, _ = q_rows.shape
     d_scores = q_rows.new_empty(rows, seq_len, seq_len)

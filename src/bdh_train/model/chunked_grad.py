@@ -55,6 +55,7 @@ same products under autograd.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -193,15 +194,11 @@ def carry_sums(parts: Tensor, earlier: bool) -> Tensor:
 def running_sums(parts: Tensor, earlier: bool) -> Tensor:
     """`carry_sums` as a running sum, K - 1 adds of one chunk's [B, H, N, D]."""
     n_chunks = parts.shape[2]
+    order = list(range(n_chunks)) if earlier else list(range(n_chunks - 1, -1, -1))
     sums = torch.empty_like(parts)
-    order = range(n_chunks) if earlier else range(n_chunks - 1, -1, -1)
-    previous = None
-    for k in order:
-        if previous is None:
-            sums[:, :, k].zero_()
-        else:
-            torch.add(sums[:, :, previous], parts[:, :, previous], out=sums[:, :, k])
-        previous = k
+    sums[:, :, order[0]].zero_()
+    for previous, k in itertools.pairwise(order):
+        torch.add(sums[:, :, previous], parts[:, :, previous], out=sums[:, :, k])
     return sums
 
 

@@ -151,6 +151,53 @@ def test_stop_tokens_end_rows_and_stopped_rows_leave_the_batch(monkeypatch, stat
         assert column[:n] == cut(free[row]) and all(t == -7 for t in column[n:]), f"row {row}"
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-shape"])
+def test_the_state_read_by_rows_is_the_batched_product(monkeypatch, static):
+    """float32 on the CPU reads q.rho as weighted row sums (`F.embedding_bag`); the batched
+    product is its twin. Three rows at different positions step 6 times, two of them (in
+    the other order) step 5 more: logits agree to fp32 1e-5 at every step, and each form is
+    the one that ran (row sums once per layer and step); only float32 on the CPU chooses
+    the row sums."""
+    monkeypatch.setattr(generation, "FOLD_TOKENS", 4)
+    model = _model(torch.float32, "rope")
+    choose = generation.reads_state_by_rows
+    bags: list[int] = []
+    real_bag = generation.F.embedding_bag
+    monkeypatch.setattr(
+        generation.F, "embedding_bag", lambda *a, **k: bags.append(1) or real_bag(*a, **k)
+    )
+
+    def logits_when(by_rows: bool) -> torch.Tensor:
+        monkeypatch.setattr(generation, "reads_state_by_rows", lambda weight: by_rows)
+        bags.clear()
+        states = []
+        for prompt in ([3, 1, 4], [1], [5, 9, 2, 6, 5]):
+            state = model.init_state(1)
+            model.forward_hidden(torch.tensor([prompt]), state)
+            states.append(state)
+        decoder = FastDecoder(model, type(states[0]).concat(states), static=static)
+        steps = []
+        for step in range(11):
+            if step == 6:
+                decoder.keep_rows(torch.tensor([2, 0]))
+            hidden = decoder.step(torch.arange(decoder.state.batch_size) + step % 7)
+            steps.append(model.logits_from_hidden(hidden))
+        return torch.cat(steps)
+
+    with torch.no_grad():
+        by_product = logits_when(False)
+        assert not bags, "the product form ran row sums"
+        by_rows = logits_when(True)
+    assert len(bags) == 11 * model.config.n_layer
+    assert_close(by_rows, by_product, rtol=1e-5)
+    for weight, expected in (
+        (torch.zeros(1), True),
+        (torch.zeros(1, dtype=torch.float64), False),
+        (torch.zeros(1, device="meta"), False),  # a device other than the CPU
+    ):
+        assert choose(weight) == expected, weight
+
+
 def test_all_rows_stopping_ends_the_stream():
     model = _model(torch.float32, "alibi")
     first = model.generate_batch([[1, 2], [3]], 1, 0.0)

@@ -132,6 +132,17 @@ def pending_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q.reshape(b * h, 1, n), keys.reshape(b * h, k, n).mT).view(b, h, k)
 
 
+def reads_state_by_rows(weight: torch.Tensor) -> bool:
+    """Whether the fast decoder reads the state q.rho as one weighted sum of rho's rows per
+    (row, head) (`F.embedding_bag`) instead of a batched row-times-matrix product (`bmm`).
+
+    On the CPU in float32 the row sums run at the memory's bandwidth: for config L4 D128 H4
+    N512 they took 0.6-1.0 ms against the product's 2.3 ms at batch 16 (4 layers), and 0.05
+    against 0.16 ms at batch 1. In float64 the row sums were slower (4.5 against 3.1 ms);
+    CUDA keeps the product."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
 class FastDecoder:
     """The generic step's arithmetic with the per-generation constants folded once.
 
@@ -170,6 +181,8 @@ class FastDecoder:
         self.pending_v = weight.new_zeros(len(self.rho), batch, k, d)
         self.pending = 0
         self.layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.by_rows = reads_state_by_rows(weight)
+        self.state_rows = self.row_offsets = weight.new_empty(0, dtype=torch.long)
         self._split_layers()
         self.decay_powers = None  # [H, K + 1]: d_h^m for m = 0..K
         self.decay_powers_reversed = None  # [H, K + 1]: d_h^(K - i) for i = 0..K
@@ -219,6 +232,10 @@ class FastDecoder:
         self.layers = list(
             zip(rho, self.pending_q.unbind(0), self.pending_v.unbind(0), strict=True)
         )
+        if self.by_rows:  # (row, head) i sums rho's rows i*N .. (i+1)*N - 1 weighted by q
+            b, h, n = self.rho.shape[1:4]
+            self.state_rows = torch.arange(b * h * n, device=self.rho.device)
+            self.row_offsets = torch.arange(0, b * h * n, n, device=self.rho.device)
 
     def _rope_table_for_rows(self) -> torch.Tensor:
         """The rope table, moved on first when the rows' positions left it."""
@@ -303,7 +320,13 @@ class FastDecoder:
         if rotation is not None:
             pairs = torch.view_as_complex(x.view(b, h, n // 2, 2))
             q = torch.view_as_real(pairs * rotation).view(b, h, n)
-        attn = torch.bmm(q.view(b * h, 1, n), rho.view(b * h, n, d)).view(b, h, d)
+        if self.by_rows:
+            attn = F.embedding_bag(
+                self.state_rows, rho.view(b * h * n, d), self.row_offsets, mode="sum",
+                per_sample_weights=q.reshape(b * h * n),
+            ).view(b, h, d)
+        else:
+            attn = torch.bmm(q.view(b * h, 1, n), rho.view(b * h, n, d)).view(b, h, d)
         return x, q, attn
 
     def _layer_output(self, u: torch.Tensor, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

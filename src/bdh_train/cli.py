@@ -424,9 +424,7 @@ def _check_prompts_file_args(args: argparse.Namespace) -> None:
                 f"--prompts-file and {option} do not combine: the prompts come from the file "
                 "(put this prompt in it as a line of its own)"
             )
-    if args.batch_size is None:
-        args.batch_size = PROMPTS_BATCH_SIZE
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise ConfigError(f"--batch-size must be a positive integer, got {args.batch_size}")
 
 
@@ -440,7 +438,8 @@ def _generate_from_prompts_file(
 
     records = read_prompts(args.prompts_file, tok)
     for done in complete(
-        model, tok, records, args.max_new_tokens, args.batch_size,
+        model, tok, records, args.max_new_tokens,
+        PROMPTS_BATCH_SIZE if args.batch_size is None else args.batch_size,
         temperature=args.temperature, top_k=args.top_k, generator=generator, stops=stops,
         summary_events=events,
     ):

@@ -49,6 +49,12 @@ MODULE_TESTS: dict[str, list[str]] = {
     ],
     "train/step.py": ["tests/train/test_step.py"],
     "completions.py": ["tests/cli/test_cli_inference.py"],
+    "model/generate.py": [
+        "tests/model/test_fast_decode.py", "tests/model/test_generation_api.py",
+        "tests/model/test_model_generate.py",
+        "tests/model/test_summary_memory.py", "tests/model/test_alibi_learned.py",
+        "tests/model/test_nca_head.py", "tests/test_inference.py", "tests/test_api.py",
+    ],
 }
 """The modules under mutation testing, in the order they run, and the test files that guard
 each (the multiprocess and compiling tests are deselected by [tool.mutmut]

@@ -159,7 +159,6 @@ class FastDecoder:
             raise ValueError(f"the fast decoder does not support {reason}; use the generic one")
         c = model.config
         self.heads, self.dim, self.neurons = h, d, n = c.n_head, c.n_embd, c.n_neurons
-        self.model = model
         weight = model.embed.weight
         self.embed = weight.detach()
         self.encoder = model.encoder.detach().permute(1, 0, 2).reshape(d, h * n).contiguous()
@@ -182,7 +181,6 @@ class FastDecoder:
         self.pending = 0
         self.layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.by_rows = reads_state_by_rows(weight)
-        self.state_rows = self.row_offsets = weight.new_empty(0, dtype=torch.long)
         self._split_layers()
         self.decay_powers = None  # [H, K + 1]: d_h^m for m = 0..K
         self.decay_powers_reversed = None  # [H, K + 1]: d_h^(K - i) for i = 0..K
@@ -232,10 +230,16 @@ class FastDecoder:
         self.layers = list(
             zip(rho, self.pending_q.unbind(0), self.pending_v.unbind(0), strict=True)
         )
-        if self.by_rows:  # (row, head) i sums rho's rows i*N .. (i+1)*N - 1 weighted by q
+        # (rows, offsets) of the state read by rows: (row, head) i sums rho's rows
+        # i*N .. (i+1)*N - 1, weighted by q
+        self.row_sums: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.by_rows:
             b, h, n = self.rho.shape[1:4]
-            self.state_rows = torch.arange(b * h * n, device=self.rho.device)
-            self.row_offsets = torch.arange(0, b * h * n, n, device=self.rho.device)
+            device = self.rho.device
+            self.row_sums = (
+                torch.arange(b * h * n, device=device),
+                torch.arange(0, b * h * n, n, device=device),
+            )
 
     def _rope_table_for_rows(self) -> torch.Tensor:
         """The rope table, moved on first when the rows' positions left it."""
@@ -320,9 +324,10 @@ class FastDecoder:
         if rotation is not None:
             pairs = torch.view_as_complex(x.view(b, h, n // 2, 2))
             q = torch.view_as_real(pairs * rotation).view(b, h, n)
-        if self.by_rows:
+        if self.row_sums is not None:
+            rows, offsets = self.row_sums
             attn = F.embedding_bag(
-                self.state_rows, rho.view(b * h * n, d), self.row_offsets, mode="sum",
+                rows, rho.view(b * h * n, d), offsets, mode="sum",
                 per_sample_weights=q.reshape(b * h * n),
             ).view(b, h, d)
         else:

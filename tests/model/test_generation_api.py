@@ -132,6 +132,21 @@ def test_n_new_tokens_take_n_minus_1_steps(monkeypatch):
         assert len(steps) == count - 1
 
 
+@pytest.mark.parametrize("name", ["generate", "stream_generate", "generate_batch",
+                                  "stream_generate_batch"])
+def test_each_call_steps_with_the_decoder_asked_for(monkeypatch, name):
+    model = tiny_model().eval()
+    fast_steps: list[int] = []
+    real_step = FastDecoder.step
+    monkeypatch.setattr(
+        FastDecoder, "step", lambda self, t: fast_steps.append(1) or real_step(self, t)
+    )
+    for decoder, want in (("generic", 0), ("fast", 7)):
+        fast_steps.clear()
+        CALLS[name](model, temperature=0.0, decoder=decoder)
+        assert len(fast_steps) == want, decoder
+
+
 def test_no_new_tokens_give_back_the_prompt():
     model = tiny_model().eval()
     for prompt in (torch.tensor([3, 1]), torch.tensor([[3, 1], [2, 2]])):

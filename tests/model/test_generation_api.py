@@ -5,7 +5,6 @@ decoder on a state that read nothing, at batch 1, and which of its steps ran."""
 from __future__ import annotations
 
 import re
-from functools import partial
 
 import pytest
 import torch
@@ -51,10 +50,20 @@ def _sharp_model():
 
 
 @pytest.mark.parametrize("name", list(CALLS))
-def test_the_defaults_are_temperature_1_and_the_auto_decoder(name):
+def test_the_defaults_are_temperature_1_and_the_auto_decoder(monkeypatch, name):
+    """The module functions' own defaults (the model's methods pass theirs): the default
+    call draws what temperature 1 draws, and steps with the fast decoder (auto's choice
+    for this model; both decoders draw the same tokens, so the steps are counted)."""
     model = _sharp_model()
     call = CALLS[name]
+    fast_steps: list[int] = []
+    real_step = FastDecoder.step
+    monkeypatch.setattr(
+        FastDecoder, "step", lambda self, t: fast_steps.append(1) or real_step(self, t)
+    )
     default = call(model, generator=_seeded())
+    assert len(fast_steps) == 7
+    monkeypatch.undo()
     explicit = call(model, temperature=1.0, decoder="auto", generator=_seeded())
     assert _tokens(default) == _tokens(explicit)
     for other in (0.0, 2.0):
@@ -78,7 +87,7 @@ def test_make_decoder_defaults_to_the_fast_one_where_it_applies():
     assert isinstance(generation.make_decoder(summary, summary.init_state(1)), GenericDecoder)
 
 
-@pytest.mark.parametrize("batch", [False, True], ids=["one prompt", "batch"])
+@pytest.mark.parametrize("batch", [False, True], ids=["stream_generate_batch", "generate_batch"])
 def test_a_batch_samples_with_its_top_k_and_generator(batch):
     """One prompt in a batch draws what it draws alone: the same generator and top-k."""
     model = tiny_model().eval()
@@ -217,9 +226,10 @@ def test_the_fast_decoder_on_a_state_that_read_nothing(monkeypatch, dtype, posit
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-shape"])
 def test_one_row_steps_at_its_own_rope_phase(monkeypatch, static):
-    """Batch 1 takes its rope rotation by the row's position (no per-row gather): logits
-    agree with the generic step's at every token of 11, past a prompt, while the table of
-    3 positions moves on; the table is refilled only when the row leaves it."""
+    """Batch 1 takes its rope rotation by the row's position (the eager step without a
+    per-row gather): the logits of 11 steps past a prompt agree with the generic step's
+    (fp32 1e-5 over all of them) while the table of 3 positions moves on; the table is
+    refilled only when the row leaves it."""
     monkeypatch.setattr(generation, "ROPE_TABLE_TOKENS", 3)
     monkeypatch.setattr(generation, "FOLD_TOKENS", 4)
     model = tiny_model().eval()
@@ -254,7 +264,6 @@ def test_the_fixed_shape_step_runs_where_asked_and_is_off_on_the_cpu(monkeypatch
             assert decoder.static is bool(want)
             _steps(decoder, model, [[1, 2]] * 3)
             assert len(runs) == want, static
-    assert partial(FastDecoder, static=None)  # the CPU default above is static=None
 
 
 # ------------------------------------------------------------- summary events in a batch
@@ -307,3 +316,31 @@ def test_the_history_before_a_short_prompt_is_no_token():
     assert recent.tolist() == [[-1, 0]]
     _, _, recent = generation._read_prompt(model, torch.tensor([[3, 1, 0]]), trigger)
     assert recent.tolist() == [[1, 0]]
+
+
+def test_the_generic_decoder_without_recent_tokens_starts_the_history_there(monkeypatch):
+    """Built with summary events and no recent tokens, the generic decoder finds events as if
+    the row began at its first step: its history starts as -1 (no token), so a 2-token
+    trigger cannot reach before it, and fills with the tokens it reads."""
+    trigger = SummaryEventTrigger(sequence=(1, 2))
+    memory = SummaryMemoryConfig(
+        enabled=True, chunk_tokens=3, write_gate=True, residual_scale=1.0
+    )
+    model = tiny_model(torch.float64, vocab_size=4, summary_memory=memory).eval()
+    passed: list[torch.Tensor] = []
+    forward_hidden = model.forward_hidden
+
+    def recording(idx, *args, summary_event_mask=None, **kwargs):
+        passed.append(summary_event_mask)
+        return forward_hidden(idx, *args, summary_event_mask=summary_event_mask, **kwargs)
+
+    monkeypatch.setattr(model, "forward_hidden", recording)
+    tokens = torch.tensor([[2, 1, 2, 3, 1, 2]])
+    with torch.no_grad():
+        decoder = GenericDecoder(model, model.init_state(1), trigger)
+        assert decoder.recent is not None and decoder.recent.tolist() == [[-1]]
+        for t in range(tokens.shape[1]):
+            decoder.step(tokens[:, t])
+    monkeypatch.undo()
+    assert trigger.mask(tokens).tolist() == [[False, False, True, False, False, True]]
+    assert torch.equal(torch.cat(passed, dim=1), trigger.mask(tokens))

@@ -307,6 +307,30 @@ def test_a_batch_marks_each_rows_summary_events(monkeypatch):
     assert len(passed) == len(prompts) + 5
 
 
+def test_one_stream_marks_an_event_that_spans_the_prompts_end(monkeypatch):
+    """The prompt's last tokens are the first step's history: a 2-token trigger whose first
+    token ends the prompt is an event at the first new token."""
+    trigger = SummaryEventTrigger(sequence=(2, 2))
+    memory = SummaryMemoryConfig(
+        enabled=True, chunk_tokens=3, write_gate=True, residual_scale=1.0
+    )
+    model = tiny_model(torch.float64, vocab_size=4, summary_memory=memory).eval()
+    passed: list[torch.Tensor] = []
+    forward_hidden = model.forward_hidden
+
+    def recording(idx, *args, summary_event_mask=None, **kwargs):
+        passed.append(summary_event_mask)
+        return forward_hidden(idx, *args, summary_event_mask=summary_event_mask, **kwargs)
+
+    monkeypatch.setattr(model, "forward_hidden", recording)
+    prompt = torch.tensor([[3, 0, 1, 2]])
+    out = generation.generate(model, prompt, 4, 0.0, summary_events=trigger)
+    monkeypatch.undo()
+    want = trigger.mask(out)
+    assert out[0, 4] == 2 and bool(want[0, 4]), "the first new token does not end an event"
+    assert torch.equal(torch.cat(passed, dim=1), want[:, :-1])
+
+
 def test_the_history_before_a_short_prompt_is_no_token():
     """A prompt shorter than the events' history leaves -1 (no token, matching no trigger)
     before it, never a token id."""

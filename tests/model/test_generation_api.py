@@ -267,20 +267,13 @@ def test_the_fixed_shape_step_runs_where_asked_and_is_off_on_the_cpu(monkeypatch
 
 
 # ------------------------------------------------------------- summary events in a batch
-def test_a_batch_marks_each_rows_summary_events(monkeypatch):
-    """A write-gated summary memory in a batch (the generic decoder): every call is passed
-    the events of the tokens it reads, found with each row's own history (a 2-token
-    trigger reaches one token back), also after a row stopped and left the batch. The
-    masks passed are those of each row's whole sequence."""
-    trigger = SummaryEventTrigger(sequence=(2, 2))
+def _write_gated_model(monkeypatch) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """A float64 model of 4 tokens whose summary memory has a write gate, and the list that
+    records the event mask each of its `forward_hidden` calls is passed, in order."""
     memory = SummaryMemoryConfig(
         enabled=True, chunk_tokens=3, write_gate=True, residual_scale=1.0
     )
     model = tiny_model(torch.float64, vocab_size=4, summary_memory=memory).eval()
-    prompts = [[3, 0, 1, 2], [1], [2, 2, 0]]
-    free = generation.generate_batch(model, prompts, 6, 0.0, summary_events=trigger)
-    stop = int(free[2][3])  # row 2's first new token, which rows 0 and 1 never draw
-    assert all(stop not in free[r][len(prompts[r]) :].tolist() for r in (0, 1))
     passed: list[torch.Tensor] = []
     forward_hidden = model.forward_hidden
 
@@ -289,10 +282,24 @@ def test_a_batch_marks_each_rows_summary_events(monkeypatch):
         return forward_hidden(idx, *args, summary_event_mask=summary_event_mask, **kwargs)
 
     monkeypatch.setattr(model, "forward_hidden", recording)
+    return model, passed
+
+
+def test_a_batch_marks_each_rows_summary_events(monkeypatch):
+    """A write-gated summary memory in a batch (the generic decoder): every call is passed
+    the events of the tokens it reads, found with each row's own history (a 2-token
+    trigger reaches one token back), also after a row stopped and left the batch. The
+    masks passed are those of each row's whole sequence."""
+    trigger = SummaryEventTrigger(sequence=(2, 2))
+    model, passed = _write_gated_model(monkeypatch)
+    prompts = [[3, 0, 1, 2], [1], [2, 2, 0]]
+    free = generation.generate_batch(model, prompts, 6, 0.0, summary_events=trigger)
+    stop = int(free[2][3])  # row 2's first new token, which rows 0 and 1 never draw
+    assert all(stop not in free[r][len(prompts[r]) :].tolist() for r in (0, 1))
+    passed.clear()
     out = generation.generate_batch(
         model, prompts, 6, 0.0, stop_tokens=[stop], summary_events=trigger
     )
-    monkeypatch.undo()
     want = [trigger.mask(row.view(1, -1))[0] for row in out]
     assert sum(int(w[len(p) :].sum()) for w, p in zip(want, prompts, strict=True)) >= 6
     for row, prompt in enumerate(prompts):  # each prompt is read alone
@@ -311,21 +318,9 @@ def test_one_stream_marks_an_event_that_spans_the_prompts_end(monkeypatch):
     """The prompt's last tokens are the first step's history: a 2-token trigger whose first
     token ends the prompt is an event at the first new token."""
     trigger = SummaryEventTrigger(sequence=(2, 2))
-    memory = SummaryMemoryConfig(
-        enabled=True, chunk_tokens=3, write_gate=True, residual_scale=1.0
-    )
-    model = tiny_model(torch.float64, vocab_size=4, summary_memory=memory).eval()
-    passed: list[torch.Tensor] = []
-    forward_hidden = model.forward_hidden
-
-    def recording(idx, *args, summary_event_mask=None, **kwargs):
-        passed.append(summary_event_mask)
-        return forward_hidden(idx, *args, summary_event_mask=summary_event_mask, **kwargs)
-
-    monkeypatch.setattr(model, "forward_hidden", recording)
+    model, passed = _write_gated_model(monkeypatch)
     prompt = torch.tensor([[3, 0, 1, 2]])
     out = generation.generate(model, prompt, 4, 0.0, summary_events=trigger)
-    monkeypatch.undo()
     want = trigger.mask(out)
     assert out[0, 4] == 2 and bool(want[0, 4]), "the first new token does not end an event"
     assert torch.equal(torch.cat(passed, dim=1), want[:, :-1])
@@ -347,24 +342,12 @@ def test_the_generic_decoder_without_recent_tokens_starts_the_history_there(monk
     the row began at its first step: its history starts as -1 (no token), so a 2-token
     trigger cannot reach before it, and fills with the tokens it reads."""
     trigger = SummaryEventTrigger(sequence=(1, 2))
-    memory = SummaryMemoryConfig(
-        enabled=True, chunk_tokens=3, write_gate=True, residual_scale=1.0
-    )
-    model = tiny_model(torch.float64, vocab_size=4, summary_memory=memory).eval()
-    passed: list[torch.Tensor] = []
-    forward_hidden = model.forward_hidden
-
-    def recording(idx, *args, summary_event_mask=None, **kwargs):
-        passed.append(summary_event_mask)
-        return forward_hidden(idx, *args, summary_event_mask=summary_event_mask, **kwargs)
-
-    monkeypatch.setattr(model, "forward_hidden", recording)
+    model, passed = _write_gated_model(monkeypatch)
     tokens = torch.tensor([[2, 1, 2, 3, 1, 2]])
     with torch.no_grad():
         decoder = GenericDecoder(model, model.init_state(1), trigger)
         assert decoder.recent is not None and decoder.recent.tolist() == [[-1]]
         for t in range(tokens.shape[1]):
             decoder.step(tokens[:, t])
-    monkeypatch.undo()
     assert trigger.mask(tokens).tolist() == [[False, False, True, False, False, True]]
     assert torch.equal(torch.cat(passed, dim=1), trigger.mask(tokens))

@@ -168,7 +168,7 @@ def test_the_state_read_by_rows_is_the_batched_product(monkeypatch, static):
     )
 
     def logits_when(by_rows: bool) -> torch.Tensor:
-        monkeypatch.setattr(generation, "reads_state_by_rows", lambda weight: by_rows)
+        monkeypatch.setattr(generation, "reads_state_by_rows", lambda rho: by_rows)
         bags.clear()
         states = []
         for prompt in ([3, 1, 4], [1], [5, 9, 2, 6, 5]):
@@ -190,12 +190,12 @@ def test_the_state_read_by_rows_is_the_batched_product(monkeypatch, static):
         by_rows = logits_when(True)
     assert len(bags) == 11 * model.config.n_layer
     assert_close(by_rows, by_product, rtol=1e-5)
-    for weight, expected in (
+    for rho, expected in (
         (torch.zeros(1), True),
         (torch.zeros(1, dtype=torch.float64), False),
         (torch.zeros(1, device="meta"), False),  # a device other than the CPU
     ):
-        assert choose(weight) == expected, weight
+        assert choose(rho) == expected, rho
 
 
 def test_all_rows_stopping_ends_the_stream():

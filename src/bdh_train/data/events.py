@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-NO_TOKEN = -1
-"""Stands in `history` for positions before the row's sequence began (matches no trigger)."""
+from bdh_train.model.summary import NO_TOKEN
 
 
 @dataclass(frozen=True)

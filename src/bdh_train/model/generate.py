@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from bdh_train.model.positions import alibi_log_decay, learned_alibi_log_decay, rope_cos_sin
 from bdh_train.model.state import ModelState
-from bdh_train.model.summary import SummaryEvents
+from bdh_train.model.summary import NO_TOKEN, SummaryEvents
 
 if TYPE_CHECKING:
     from bdh_train.model.bdh import BDH
@@ -76,7 +76,7 @@ class GenericDecoder:
     """One token per row through `forward_hidden(..., executor="recurrent")` on `state`.
 
     `summary_events` marks the summary events of each new token; `recent` [B, history_len]
-    holds the tokens read before it (-1 before the start; None: the rows start here)."""
+    holds the tokens read before it (NO_TOKEN before the start; None: the rows start here)."""
 
     def __init__(
         self, model: BDH, state: ModelState, summary_events: SummaryEvents | None = None,
@@ -85,7 +85,7 @@ class GenericDecoder:
         self.model, self.state, self.events = model, state, summary_events
         if summary_events is not None and recent is None:
             recent = torch.full(
-                (state.batch_size, summary_events.history_len), -1, dtype=torch.long,
+                (state.batch_size, summary_events.history_len), NO_TOKEN, dtype=torch.long,
                 device=model.embed.weight.device,
             )
         self.recent = recent
@@ -137,15 +137,16 @@ def pending_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q.reshape(b * h, 1, n), keys.reshape(b * h, k, n).mT).view(b, h, k)
 
 
-def reads_state_by_rows(weight: torch.Tensor) -> bool:
-    """Whether the fast decoder reads the state q.rho as one weighted sum of rho's rows per
-    (row, head) (`F.embedding_bag`) instead of a batched row-times-matrix product (`bmm`).
+def reads_state_by_rows(rho: torch.Tensor) -> bool:
+    """Whether the fast decoder reads the state q.rho (of rho's device and dtype) as one
+    weighted sum of rho's rows per (row, head) (`F.embedding_bag`) instead of a batched
+    row-times-matrix product (`bmm`).
 
     On the CPU in float32 the row sums run at the memory's bandwidth: for config L4 D128 H4
     N512 they took 0.6-1.0 ms against the product's 2.35 ms at batch 16 (4 layers), and 0.05
     against 0.16 ms at batch 1. In float64 the row sums were slower (4.5 against 3.1 ms);
     CUDA keeps the product."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32
+    return rho.device.type == "cpu" and rho.dtype == torch.float32
 
 
 class FastDecoder:
@@ -185,7 +186,6 @@ class FastDecoder:
         self.pending_v = weight.new_zeros(len(self.rho), batch, k, d)
         self.pending = 0
         self.layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.by_rows = reads_state_by_rows(weight)
         self._split_layers()
         self.decay_powers = None  # [H, K + 1]: d_h^m for m = 0..K
         self.decay_powers_reversed = None  # [H, K + 1]: d_h^(K - i) for i = 0..K
@@ -238,7 +238,7 @@ class FastDecoder:
         # (rows, offsets) of the state read by rows: (row, head) i sums rho's rows
         # i*N .. (i+1)*N - 1, weighted by q
         self.row_sums: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.by_rows:
+        if reads_state_by_rows(self.rho):
             b, h, n = self.rho.shape[1:4]
             device = self.rho.device
             self.row_sums = (
@@ -483,7 +483,7 @@ def _read_prompt(
     if summary_events is None:
         return state, hidden, None
     keep = summary_events.history_len
-    recent = F.pad(prompt, (keep, 0), value=-1)[:, prompt.shape[1] :]
+    recent = F.pad(prompt, (keep, 0), value=NO_TOKEN)[:, prompt.shape[1] :]
     return state, hidden, recent
 
 

@@ -34,6 +34,11 @@ WRITE_GATE_EPS = 1e-6
 """gate = hits / (hits + WRITE_GATE_EPS): one event opens the gate almost fully."""
 
 
+NO_TOKEN = -1
+"""Stands in a summary-event history for positions before the row's sequence began (it
+matches no trigger)."""
+
+
 class SummaryEvents(Protocol):
     """Finds summary events in tokens (the data layer's write trigger is one); generation
     uses it to mark the events in the tokens it produces."""
@@ -45,7 +50,7 @@ class SummaryEvents(Protocol):
 
     def mask(self, inputs: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T] events of inputs [B, T]; history [B, history_len] holds the tokens before
-        them (-1 where there were none)."""
+        them (NO_TOKEN where there were none)."""
         ...
 
 

@@ -103,12 +103,22 @@ def test_a_batch_samples_with_its_top_k_and_generator(batch):
     assert wide.tolist() != alone.tolist(), "top-k 3 drew what all 32 tokens draw"
 
 
+STOP_PROMPTS = [[2, 8], [6]]
+
+
+def _row_1_stop(model, new_tokens: int) -> tuple[list[torch.Tensor], int]:
+    """(STOP_PROMPTS generated greedily without stops, row 1's first new token): a stop that
+    ends row 1 at once and that row 0 never draws."""
+    free = model.generate_batch(STOP_PROMPTS, new_tokens, temperature=0)
+    stop = int(free[1][1])
+    assert stop not in free[0].tolist()
+    return free, stop
+
+
 def test_stopped_rows_are_padded_with_0_by_default():
     model = tiny_model(torch.float64).eval()
-    prompts = [[2, 8], [6]]
-    free = model.generate_batch(prompts, 4, temperature=0)
-    stop = int(free[1][1])  # row 1's first new token, which row 0 does not draw
-    assert stop not in free[0].tolist()
+    prompts = STOP_PROMPTS
+    free, stop = _row_1_stop(model, 4)
     steps = list(generation.stream_generate_batch(model, prompts, 4, 0.0, stop_tokens=[stop]))
     assert [int(step[0]) for step in steps] == free[0][2:].tolist()
     assert [int(step[1]) for step in steps] == [stop, 0, 0, 0]
@@ -168,10 +178,8 @@ def test_no_new_tokens_give_back_the_prompt():
 def test_rows_are_cut_only_when_one_stops(monkeypatch):
     """The batch is narrowed (its state rows copied) only at a step where a row stopped."""
     model = tiny_model(torch.float64).eval()
-    prompts = [[2, 8], [6]]
-    free = model.generate_batch(prompts, 5, temperature=0)
-    stop = int(free[1][1])  # row 1's first new token, which row 0 does not draw
-    assert stop not in free[0].tolist()
+    prompts = STOP_PROMPTS
+    _, stop = _row_1_stop(model, 5)
     cuts: list[list[int]] = []
     real = FastDecoder.keep_rows
     monkeypatch.setattr(

@@ -11,7 +11,7 @@ import torch
 from helpers import assert_close, tiny_model
 
 from bdh_train.data.events import SummaryEventTrigger
-from bdh_train.model import QuantConfig
+from bdh_train.model import BDH, QuantConfig
 from bdh_train.model import generate as generation
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.model.generate import FastDecoder, GenericDecoder
@@ -51,8 +51,8 @@ def _sharp_model():
 
 @pytest.mark.parametrize("name", list(CALLS))
 def test_the_defaults_are_temperature_1_and_the_auto_decoder(monkeypatch, name):
-    """The module functions' own defaults (the model's methods pass theirs): the default
-    call draws what temperature 1 draws, and steps with the fast decoder (auto's choice
+    """The module functions' own defaults (the model's methods are these functions): the
+    default call draws what temperature 1 draws, and steps with the fast decoder (auto's choice
     for this model; both decoders draw the same tokens, so the steps are counted)."""
     model = _sharp_model()
     call = CALLS[name]
@@ -69,6 +69,19 @@ def test_the_defaults_are_temperature_1_and_the_auto_decoder(monkeypatch, name):
     for other in (0.0, 2.0):
         drawn = call(model, temperature=other, generator=_seeded())
         assert _tokens(default) != _tokens(drawn), f"temperature {other} drew the same"
+
+
+def test_the_models_generation_methods_are_the_module_functions():
+    """BDH.generate and its three siblings are generate.py's functions themselves, so their
+    defaults and documentation live in one place; called on a model they generate what the
+    functions generate."""
+    for name in CALLS:
+        assert getattr(BDH, name) is getattr(generation, name)
+    model = tiny_model().eval()
+    prompt = torch.tensor([3, 1])
+    assert torch.equal(
+        model.generate(prompt, 6, temperature=0), generation.generate(model, prompt, 6, 0)
+    )
 
 
 def test_sample_next_token_defaults_to_temperature_1():

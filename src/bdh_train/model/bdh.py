@@ -20,7 +20,6 @@ It is active only while gradients are recorded in training mode.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +44,7 @@ from bdh_train.model.positions import (
 )
 from bdh_train.model.quant import LowBitQuantizer
 from bdh_train.model.state import ModelState
-from bdh_train.model.summary import SummaryEvents, summary_branch
+from bdh_train.model.summary import summary_branch
 
 LN_EPS = 1e-5
 
@@ -437,54 +436,12 @@ class BDH(nn.Module):
         return logits, loss
 
     # ---------------------------------------------------------------- generation
-    def stream_generate(
-        self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-        top_k: int | None = None, generator: torch.Generator | None = None,
-        summary_events: SummaryEvents | None = None, decoder: str = "auto",
-    ) -> Iterator[torch.Tensor]:
-        """Yield new tokens [B] one at a time: `generate.stream_generate`."""
-        return generation.stream_generate(
-            self, prompt_ids, max_new_tokens, temperature, top_k, generator, summary_events,
-            decoder,
-        )
-
-    def generate(
-        self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-        top_k: int | None = None, generator: torch.Generator | None = None,
-        summary_events: SummaryEvents | None = None, decoder: str = "auto",
-    ) -> torch.Tensor:
-        """Prompt followed by `max_new_tokens` sampled tokens ([B, T + new]):
-        `generate.generate`."""
-        return generation.generate(
-            self, prompt_ids, max_new_tokens, temperature, top_k, generator, summary_events,
-            decoder,
-        )
-
-    def stream_generate_batch(
-        self, prompts: Sequence[torch.Tensor | Sequence[int]], max_new_tokens: int,
-        temperature: float = 1.0, top_k: int | None = None,
-        generator: torch.Generator | None = None, stop_tokens: Sequence[int] = (),
-        pad_id: int = 0, summary_events: SummaryEvents | None = None, decoder: str = "auto",
-    ) -> Iterator[torch.Tensor]:
-        """New tokens [B] per step for prompts of any lengths, with stop tokens:
-        `generate.stream_generate_batch`."""
-        return generation.stream_generate_batch(
-            self, prompts, max_new_tokens, temperature, top_k, generator, stop_tokens, pad_id,
-            summary_events, decoder,
-        )
-
-    def generate_batch(
-        self, prompts: Sequence[torch.Tensor | Sequence[int]], max_new_tokens: int,
-        temperature: float = 1.0, top_k: int | None = None,
-        generator: torch.Generator | None = None, stop_tokens: Sequence[int] = (),
-        summary_events: SummaryEvents | None = None, decoder: str = "auto",
-    ) -> list[torch.Tensor]:
-        """Per prompt, the prompt and its new tokens through its stop token:
-        `generate.generate_batch`."""
-        return generation.generate_batch(
-            self, prompts, max_new_tokens, temperature, top_k, generator, stop_tokens,
-            summary_events, decoder,
-        )
+    # Each of model/generate.py's generation functions takes the model first, so the function
+    # itself is the method: its defaults and its documentation have that one home.
+    stream_generate = generation.stream_generate
+    generate = generation.generate
+    stream_generate_batch = generation.stream_generate_batch
+    generate_batch = generation.generate_batch
 
 
 def token_positions(

@@ -9,10 +9,11 @@ import torch
 
 from bdh_train.config import RunConfig
 from bdh_train.data import DataConfig, RandomWindowLoader, StreamingDocumentLoader, eval_batches
-from bdh_train.data.events import NO_TOKEN, SummaryEventTrigger
+from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.errors import ConfigError
 from bdh_train.model import BDHConfig
 from bdh_train.model.config import SummaryMemoryConfig
+from bdh_train.model.summary import NO_TOKEN
 
 # a small alphabet so the trigger occurs often, also across window boundaries
 STREAM = np.random.default_rng(0).integers(0, 4, 2000).astype(np.int64)

@@ -22,9 +22,10 @@ import torch
 
 from bdh_train import checks
 from bdh_train.batch import IGNORE_INDEX, SequenceBatch
-from bdh_train.data.events import NO_TOKEN, SummaryEventTrigger
+from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.data.sources import TokenData
 from bdh_train.errors import ConfigError, DataError
+from bdh_train.model.summary import NO_TOKEN
 
 TokenSource = TokenData | np.ndarray | torch.Tensor
 """What the loaders accept: a TokenData, a 1-D integer numpy array/memmap or tensor."""

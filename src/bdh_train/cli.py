@@ -13,6 +13,7 @@ import functools
 import gc
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -382,6 +383,15 @@ def _check_inference_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--top-k must be a positive integer (or left out), got {top_k}")
     if args.threads < 0:
         raise ConfigError(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
+    cpus = os.cpu_count() or 1
+    if args.threads > cpus:  # torch's thread pool crashed the process at 100000
+        raise ConfigError(
+            f"--threads {args.threads} is more than this machine's {cpus} CPUs; give at most "
+            f"{cpus} (0 = torch's default)"
+        )
+    seed = getattr(args, "seed", 0)
+    if not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed takes
+        raise ConfigError(f"--seed must be an integer from -2**63 to 2**64 - 1, got {seed}")
 
 
 def _load_for_inference(args: argparse.Namespace, need_text: bool):
@@ -451,7 +461,13 @@ def _generate_from_prompts_file(
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from bdh_train.inference import Continuation, stop_token_ids, stream_text, until_stop
+    from bdh_train.inference import (
+        Continuation,
+        encode_text,
+        stop_token_ids,
+        stream_text,
+        until_stop,
+    )
 
     _check_prompts_file_args(args)
     model, tok, cfg = _load_for_inference(args, need_text=True)
@@ -464,7 +480,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = sys.stdout
     if args.load_state is None and args.save_state is None:  # one call: stream_generate
         text = "\n" if args.prompt is None else args.prompt
-        prompt = torch.tensor(tok.encode(text or "\n"), dtype=torch.long, device=device)
+        prompt = torch.tensor(
+            encode_text(tok, text or "\n", "--prompt"), dtype=torch.long, device=device
+        )
         out.write(text)
         out.flush()
         stream = model.stream_generate(
@@ -476,9 +494,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     cont = Continuation(model, events)
     text = args.prompt if args.prompt is not None else ("" if args.load_state else "\n")
+    if args.load_state is None:  # an empty prompt with nothing read before reads a newline
+        text = text or "\n"
+    ids = encode_text(tok, text, "--prompt")
     if args.load_state is not None:
         cont.load(args.load_state)
-    cont.feed(tok.encode(text))
+    cont.feed(ids)
     if args.save_state is not None:
         saved = cont.save(args.save_state)
         print(f"saved the state after {cont.tokens_read} tokens to {saved}", file=sys.stderr)
@@ -654,7 +675,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     from bdh_train.data.tokenizer import HFTokenizer
     from bdh_train.export import export_ternary
     from bdh_train.inference import load_run
+    from bdh_train.train.checkpoint import resolve_checkpoint
 
+    if Path(args.run_dir).is_dir():
+        source = resolve_checkpoint(args.run_dir)
+        if Path(args.out).resolve().is_relative_to(source.resolve()):
+            raise ConfigError(
+                f"OUT {args.out} is inside the checkpoint {source} it exports, which it would "
+                "damage; write the export outside it"
+            )
     model, tok, _ = load_run(args.run_dir)
     tokenizer_json = tok.to_json() if isinstance(tok, HFTokenizer) else None
     print(export_ternary(model, args.out, tokenizer_json))

@@ -23,6 +23,7 @@ import torch
 
 from bdh_train.data.tokenizer import Tokenizer
 from bdh_train.errors import DataError
+from bdh_train.inference import encode_text
 from bdh_train.model import BDH
 from bdh_train.model.summary import SummaryEvents
 
@@ -97,13 +98,7 @@ def read_prompts(path: str | Path, tokenizer: Tokenizer) -> list[PromptRecord]:
                 f'{where}: the key "{taken[0]}" is one generate writes into its output; '
                 "rename it in the prompts file"
             )
-        try:
-            ids = tokenizer.encode(prompt or "\n")
-        except UnicodeEncodeError as exc:
-            raise DataError(
-                f"{where}: the prompt holds {exc.object[exc.start:exc.end]!r}, which is not "
-                "text (a lone surrogate escape); remove it"
-            ) from exc
+        ids = encode_text(tokenizer, prompt or "\n", f"{where}: the prompt")
         if not ids:
             raise DataError(
                 f"{where}: the prompt is 0 tokens in this run's tokenizer (none of its "

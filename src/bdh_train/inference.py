@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TextIO
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from bdh_train.config import RunConfig, load_config
@@ -30,7 +30,7 @@ from bdh_train.data.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
-from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
+from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError, DataError
 from bdh_train.export import export_tokenizer_json, load_ternary
 from bdh_train.model import BDH, BDHConfig, ModelState, sample_next_token
 from bdh_train.model.generate import FastDecoder, GenericDecoder, make_decoder
@@ -79,8 +79,14 @@ def load_run(
         _check_tokenizer_fits(tok, model.config, f"the export '{path}'")
         return model, tok, RunConfig(model=model.config)
     directory = ckpt.resolve_checkpoint(path)
-    with safe_open(str(directory / ckpt.MODEL_FILE), "pt") as handle:
-        meta = handle.metadata() or {}
+    try:
+        with safe_open(str(directory / ckpt.MODEL_FILE), "pt") as handle:
+            meta = handle.metadata() or {}
+    except SafetensorError as exc:  # a checkpoint without a manifest is not verified first
+        raise CheckpointError(
+            f"cannot read {directory / ckpt.MODEL_FILE}: {exc}; it is damaged or not a "
+            "safetensors file: pass --checkpoint an intact checkpoint"
+        ) from None
     if "bdh_config" not in meta:
         raise CheckpointError(
             f"{directory / ckpt.MODEL_FILE} has no bdh_config metadata; "
@@ -243,12 +249,26 @@ class Continuation:
         return self
 
 
+def encode_text(tokenizer: Tokenizer, text: str, where: str) -> list[int]:
+    """The ids of `text` in `tokenizer`. Bytes that are not UTF-8 reach Python's strings from a
+    command line or a stream as lone surrogate escapes, which are no text and which no
+    tokenizer encodes: such a text is a DataError that begins with `where`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(
+            f"{where} holds {exc.object[exc.start : exc.end]!r}, which is not text (a lone "
+            "surrogate escape); remove it"
+        ) from exc
+    return tokenizer.encode(text)
+
+
 def stop_token_ids(stops: Sequence[str], tokenizer: Tokenizer) -> dict[int, str]:
     """{token id: text} of each stop text, which must be exactly one token of `tokenizer`
     (ConfigError otherwise)."""
     found: dict[int, str] = {}
     for text in stops:
-        ids = tokenizer.encode(text)
+        ids = encode_text(tokenizer, text, f"--stop {text!r}")
         if len(ids) != 1:
             raise ConfigError(
                 f"--stop {text!r} is {len(ids)} tokens in this run's tokenizer; a stop must "
@@ -294,8 +314,8 @@ def chat(
     up to `max_new_tokens` are sampled and written (a token of `stops` ends the reply,
     unwritten and unread), then a newline. Returns the turns taken."""
     turns = 0
-    for line in lines:
-        continuation.feed(tokenizer.encode(line))
+    for number, line in enumerate(lines, 1):
+        continuation.feed(encode_text(tokenizer, line, f"line {number} of the chat input"))
         reply = continuation.sample(max_new_tokens, temperature, top_k, generator)
         stream_text(until_stop(reply, stops), out, tokenizer)
         out.write("\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import os
 import sys
 import tempfile
@@ -104,6 +105,8 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w") -> Iterator[typi
     gets the mode a plain `open()` would give it (0o666 less the umask), not mkstemp's 0o600.
     """
     path = Path(path)
+    if path.is_dir():  # else the rename's error would name the temporary file
+        raise IsADirectoryError(errno.EISDIR, "Is a directory, not a file", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -339,6 +339,24 @@ def test_export_ternary_of_a_bitnet_run(tmp_path, capsys):
     text.write_text("def f(x):\n    return x + 1\n" * 40)
     assert main(["eval", "--checkpoint", str(out), "--data", str(text), "--batches", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["val_loss"] > 0
+    # an export is never written into the checkpoint it reads (it would damage it) nor as
+    # a directory, and either refusal leaves the files as they were
+    from bdh_train.train.checkpoint import resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(run_dir)
+    weights = checkpoint / "model.safetensors"
+    before = weights.read_bytes()
+    for inside in (weights, checkpoint, checkpoint / "sub" / "x.safetensors"):
+        assert main(["export", "--ternary", str(run_dir), str(inside)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: OUT {inside} is inside the checkpoint {checkpoint} it exports, which it "
+            "would damage; write the export outside it\n"
+        )
+    assert weights.read_bytes() == before and not (checkpoint / "sub").exists()
+    assert main(["export", "--ternary", str(run_dir), str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: Is a directory, not a file: {tmp_path}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", out.name, text.name])
+    assert main(["generate", "--checkpoint", str(run_dir), *greedy]) == 0  # still intact
 
 
 def test_export_of_a_float_run_is_refused(tmp_path, capsys):

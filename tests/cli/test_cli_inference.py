@@ -61,6 +61,9 @@ def test_device_choices_are_those_of_the_training_config():
         (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
         (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
         (["--threads", "-2"], "--threads must be >= 0"),
+        (["--threads", "100000"], "--threads 100000 is more than this machine's"),
+        (["--seed", str(2**64)], "--seed must be an integer from -2**63 to 2**64 - 1"),
+        (["--seed", str(-(2**63) - 1)], "--seed must be an integer from -2**63 to 2**64 - 1"),
     ],
 )
 @pytest.mark.parametrize("command", ["generate", "chat"])
@@ -114,6 +117,61 @@ def test_save_state_then_load_state_equals_the_whole_prompt(run_dir, tmp_path, c
     assert resumed.startswith(second) and whole.startswith(first + second)
     assert resumed[len(second):] == whole[len(first + second):]
     assert len(resumed) > len(second) + 1
+
+
+def test_an_empty_prompt_reads_a_newline_when_its_state_is_saved_too(run_dir, tmp_path, capsys):
+    """--prompt '' reads a newline (the one-call path does), also with --save-state."""
+    state = tmp_path / "empty.state"
+    greedy = ["--temperature", "0", "--max-new-tokens", "6"]
+    saved = _generate(capsys, run_dir, "--prompt", "", "--save-state", str(state), *greedy)
+    assert saved == _generate(capsys, run_dir, "--prompt", "\n", *greedy)
+    assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "", "--save-state",
+                 str(state), "--max-new-tokens", "0"]) == 0
+    assert "saved the state after 1 tokens" in capsys.readouterr().err
+
+
+NOT_UTF8 = "a\udcffb"  # how Python holds the bytes b"a\xffb" read as a command-line argument
+
+
+@pytest.mark.parametrize(
+    "extra, where",
+    [
+        (["--prompt", NOT_UTF8], "--prompt"),
+        (["--prompt", NOT_UTF8, "--save-state", "STATE"], "--prompt"),
+        (["--prompt", "a", "--stop", NOT_UTF8], f"--stop {NOT_UTF8!r}"),
+    ],
+    ids=["prompt", "prompt-saved", "stop"],
+)
+def test_generate_text_that_is_not_utf8_is_one_line(run_dir, tmp_path, capsys, extra, where):
+    state = tmp_path / "s.state"
+    extra = [str(state) if a == "STATE" else a for a in extra]
+    assert main(["generate", "--checkpoint", str(run_dir), "--device", "cpu", *extra]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and not state.exists()
+    assert err == (
+        f"error: {where} holds '\\udcff', which is not text (a lone surrogate escape); "
+        "remove it\n"
+    )
+
+
+def test_a_chat_line_that_is_not_utf8_is_one_line(run_dir, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"ok\n{NOT_UTF8}\n"))
+    greedy = ["--temperature", "0", "--max-new-tokens", "2", "--device", "cpu"]
+    assert main(["chat", "--checkpoint", str(run_dir), *greedy]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: line 2 of the chat input holds '\\udcff', which is not text (a lone "
+        "surrogate escape); remove it\n"
+    )
+
+
+def test_a_checkpoint_whose_weights_are_not_safetensors_is_one_line(tmp_path, capsys):
+    """A directory holding a damaged model.safetensors and no manifest to verify it by."""
+    (tmp_path / "model.safetensors").write_bytes(b"garbage\n")
+    assert main(["generate", "--checkpoint", str(tmp_path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot read {tmp_path / 'model.safetensors'}: ")
+    assert err.endswith("pass --checkpoint an intact checkpoint\n") and err.count("\n") == 1
 
 
 def test_a_state_saved_from_another_model_is_refused(run_dir, tmp_path, capsys):

@@ -93,6 +93,23 @@ def test_sample_next_token_defaults_to_temperature_1():
     assert not torch.equal(torch.stack(draws), torch.stack(hot))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", ["1e-300", "tiny/2", "2 tiny", "1e30 tiny"])
+def test_a_temperature_near_0_draws_the_largest_logit(dtype, scale):
+    """1e-300 is 0 in float32 (a Python float that is not 0); tiny is the dtype's smallest
+    normal number, and just above it logits over the temperature overflow. Each draws the
+    row's largest logit, as temperature 0 does, not from nan."""
+    tiny = torch.finfo(dtype).tiny
+    temperature = {"1e-300": 1e-300, "tiny/2": tiny / 2, "2 tiny": 2 * tiny}.get(scale, 1e30 * tiny)
+    logits = (torch.randn(5, 40, generator=_seeded(2)) * 20).to(dtype)
+    greedy = logits.argmax(dim=-1)
+    for seed in range(4):
+        drawn = generation.sample_next_token(logits, temperature, generator=_seeded(seed))
+        assert torch.equal(drawn, greedy), (temperature, seed)
+        top = generation.sample_next_token(logits, temperature, 3, generator=_seeded(seed))
+        assert torch.equal(top, greedy), (temperature, seed)
+
+
 def test_make_decoder_defaults_to_the_fast_one_where_it_applies():
     model = tiny_model().eval()
     assert isinstance(generation.make_decoder(model, model.init_state(1)), FastDecoder)

@@ -61,9 +61,11 @@ def sample_next_token(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """One token per row from logits [B, V]: greedy at temperature 0, else top-k sampling."""
-    if temperature <= 0:
+    if temperature < torch.finfo(logits.dtype).tiny:  # 0 in the logits' dtype: greedy
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    # Shifted so that each row's largest logit is 0: where the logits over the temperature
+    # overflow, the largest stays 0 and the rest become -inf (not inf - inf = nan).
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -72,7 +72,8 @@ def _add_inference_args(p: argparse.ArgumentParser) -> None:
         help="where the model runs (auto: CUDA when available)",
     )
     p.add_argument(
-        "--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)"
+        "--threads", type=int, default=0,
+        help="CPU threads for torch, at most the machine's CPUs (0: torch's default)",
     )
 
 

@@ -339,7 +339,8 @@ def test_a_pointer_to_a_missing_checkpoint_offers_the_newest_intact(tmp_path: Pa
         ckpt.resolve_checkpoint(tmp_path)
     assert str(err.value) == (
         f"{root / ckpt.LATEST} points to step-0000009, which is missing; the newest intact "
-        f"checkpoint is {root / 'step-0000002'} (resume from it with --resume-fallback)"
+        f"checkpoint is {root / 'step-0000002'} (resume from it with --resume-fallback; "
+        "generate, eval and export read it as --checkpoint)"
     )
     (root / "step-0000002" / ckpt.MODEL_FILE).write_bytes(b"damaged")
     assert ckpt.newest_intact_checkpoint(root) == first

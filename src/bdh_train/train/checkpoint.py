@@ -257,7 +257,9 @@ def resolve_checkpoint(path: str | Path, fallback: bool = False) -> Path:
                 return intact
             offer = (
                 f"; the newest intact checkpoint is {intact} (resume from it with "
-                "--resume-fallback)" if intact is not None else "; no intact checkpoint is left"
+                "--resume-fallback; generate, eval and export read it as --checkpoint)"
+                if intact is not None
+                else "; no intact checkpoint is left"
             )
             raise CheckpointError(f"{exc}{offer}") from None
     raise CheckpointError(

@@ -327,6 +327,8 @@ BAD_VALUES = [
     ("training.eval_steps=0", "training.eval_steps must be a positive integer"),
     ("training.checkpoint_every=-5", "training.checkpoint_every must be a non-negative"),
     ("training.keep_checkpoints=-1", "training.keep_checkpoints must be a non-negative"),
+    ("training.threads=-1", "training.threads must be a non-negative integer, got -1"),
+    ("training.threads=100000", "training.threads = 100000 is more than this machine's"),
     ("training.device=gpu", "training.device must be one of 'auto', 'cpu', 'cuda', got 'gpu'"),
     ("training.dtype=float16", "training.dtype must be one of 'float32', 'bfloat16'"),
     ('training.compile="yes"', "training.compile must be one of 'off', 'layer', 'pointwise', "

@@ -5,6 +5,7 @@ rule is written once and reads the same wherever it is reported."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +51,19 @@ def positive_int(path: str, value: Any) -> int:
 
 def nonneg_int(path: str, value: Any) -> int:
     return int_at_least(path, value, 0)
+
+
+def cpu_threads(path: str, value: Any) -> int:
+    """A count of CPU threads for torch: 0 (torch's default) up to this machine's CPUs
+    (torch's thread pool crashed the process at 100000)."""
+    nonneg_int(path, value)
+    cpus = os.cpu_count() or 1
+    if value > cpus:
+        raise ConfigError(
+            f"{path} = {value} is more than this machine's {cpus} CPUs; give at most {cpus} "
+            "(0 = torch's default)"
+        )
+    return int(value)
 
 
 def interval(path: str, value: Any) -> int:

@@ -13,7 +13,6 @@ import functools
 import gc
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -382,14 +381,9 @@ def _check_inference_args(args: argparse.Namespace) -> None:
     top_k = getattr(args, "top_k", None)
     if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k must be a positive integer (or left out), got {top_k}")
-    if args.threads < 0:
-        raise ConfigError(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
-    cpus = os.cpu_count() or 1
-    if args.threads > cpus:  # torch's thread pool crashed the process at 100000
-        raise ConfigError(
-            f"--threads {args.threads} is more than this machine's {cpus} CPUs; give at most "
-            f"{cpus} (0 = torch's default)"
-        )
+    from bdh_train import checks  # numpy: not imported for --help
+
+    checks.cpu_threads("--threads", args.threads)
     seed = getattr(args, "seed", 0)
     if not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed takes
         raise ConfigError(f"--seed must be an integer from -2**63 to 2**64 - 1, got {seed}")

@@ -190,6 +190,23 @@ def test_binary_source_is_one_line_and_writes_nothing(tmp_path: Path, capsys) ->
     assert not (tmp_path / "out").exists()
 
 
+def test_a_bpe_vocabulary_too_large_to_train_is_one_line_and_writes_nothing(
+    tmp_path: Path, capsys
+) -> None:
+    """The tokenizers trainer allocates for every id up front (100e9 ids aborted the process
+    and left the temporary output behind); the size is refused before anything is made."""
+    source = tmp_path / "a.txt"
+    source.write_text("hello world\n")
+    out = tmp_path / "made" / "o"
+    args = ["prepare", str(source), "--out", str(out), "--quiet", "--train-tokenizer", "bpe"]
+    assert main([*args, "--vocab-size", "100000000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: a byte-level BPE needs a vocab_size from 257") and err.count(
+        "\n"
+    ) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
 def test_existing_output_needs_force(tmp_path: Path, capsys) -> None:
     source = write_jsonl(tmp_path / "c.jsonl", CORPUS[:5])
     out = tmp_path / "prep"

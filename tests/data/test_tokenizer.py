@@ -58,6 +58,7 @@ def test_encode_rejects_other_types() -> None:
 
 from bdh_train.data.tokenizer import (  # noqa: E402
     EOT_TOKEN,
+    MAX_BPE_VOCAB,
     HFTokenizer,
     load_tokenizer,
     train_bpe,
@@ -103,8 +104,13 @@ def test_load_tokenizer_errors_are_one_clear_line(tmp_path) -> None:
         load_tokenizer(bad)
     with pytest.raises(DataError, match="outside the vocabulary 0..399"):
         _bpe().decode([400])
-    with pytest.raises(DataError, match="vocab_size >= 257"):
-        train_bpe(_CORPUS, 256)
+    for size in (256, MAX_BPE_VOCAB + 1):
+        with pytest.raises(DataError) as refused:
+            train_bpe(_CORPUS, size)
+        assert str(refused.value) == (
+            f"a byte-level BPE needs a vocab_size from 257 (256 bytes + {EOT_TOKEN}) to "
+            f"1,048,576, got {size}"
+        )
 
 
 def test_a_rewritten_tokenizer_file_is_read_again(tmp_path) -> None:

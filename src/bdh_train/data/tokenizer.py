@@ -293,6 +293,11 @@ def _load_tokenizer_file(path: str, mtime_ns: int, size: int) -> HFTokenizer:
     return HFTokenizer.from_file(path)
 
 
+MAX_BPE_VOCAB = 1 << 20
+"""The largest vocabulary `train_bpe` trains: four times the largest in common use (256k).
+The trainer allocates for every id up front: at 5e9 ids it aborted the process."""
+
+
 def train_bpe(
     texts: Iterable[str], vocab_size: int, *, length: int | None = None,
     show_progress: bool = False,
@@ -302,10 +307,10 @@ def train_bpe(
     from tokenizers import Tokenizer as _HF
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 257:
+    if not 257 <= vocab_size <= MAX_BPE_VOCAB:
         raise DataError(
-            f"a byte-level BPE needs vocab_size >= 257 (256 bytes + {EOT_TOKEN}), got "
-            f"{vocab_size}"
+            f"a byte-level BPE needs a vocab_size from 257 (256 bytes + {EOT_TOKEN}) to "
+            f"{MAX_BPE_VOCAB:,}, got {vocab_size}"
         )
     tok = _HF(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -249,6 +249,14 @@ def test_binary_file_is_one_clear_line(tmp_path: Path) -> None:
          r"line 1 .* no field 'text' \(it has \['body'\]\).*--text-field / data.text_field"),
         (b'{"text": 3}\n', r"field 'text' is a int, not a string"),
         (b'{"text": "\xff"}\n', r"c.jsonl' is not UTF-8 text"),
+        (b'{"text": "ok"}\n{"text": "a\\ud800b"}\n',
+         r"c.jsonl' is not UTF-8 text \(a lone surrogate in field 'text' on line 2\)"),
+        (b'{"text": "a\xed\xa0\x80b"}\n',  # json.loads reads raw surrogate bytes too
+         r"c.jsonl' is not UTF-8 text \(a lone surrogate in field 'text' on line 1\)"),
+        (b'{"text": "a", "n": ' + b"9" * 5000 + b"}\n",
+         r"line 1 of .*c.jsonl' is not JSON \(Exceeds the limit \(4300 digits\)"),
+        (b"[" * 100_000 + b"]" * 100_000 + b"\n",
+         r"line 1 of .*c.jsonl' is not JSON \(maximum recursion depth exceeded"),
     ],
 )
 def test_bad_json_lines(tmp_path: Path, content: bytes, expected: str) -> None:
@@ -272,6 +280,11 @@ def test_other_text_field_and_parquet_errors(tmp_path: Path) -> None:
     broken = tmp_path / "b.jsonl.gz"
     broken.write_bytes(b"not gzip at all")
     with pytest.raises(DataError, match=r"cannot read .*b.jsonl.gz'.*not gz compressed"):
+        list(iter_documents([broken]))
+    body = bytearray(gzip.compress(bytes(range(97, 123)) * 8000, mtime=0))
+    body[20:120] = bytes(b ^ 255 for b in body[20:120])  # a deflate stream zlib refuses
+    broken.write_bytes(bytes(body))
+    with pytest.raises(DataError, match=r"cannot read .*b.jsonl.gz': Error -3 while decomp"):
         list(iter_documents([broken]))
 
 

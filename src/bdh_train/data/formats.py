@@ -47,6 +47,7 @@ import os
 import re
 import shutil
 import tempfile
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -303,7 +304,7 @@ def open_binary(path: Path) -> Iterator[tuple[BinaryIO, _CountingReader]]:
             stream = io.BufferedReader(raw, READ_BYTES)  # type: ignore[assignment]
         with stream:
             yield stream, raw
-    except (OSError, EOFError) as exc:
+    except (OSError, EOFError, zlib.error) as exc:  # zlib.error: a damaged gzip body
         raise DataError(
             f"cannot read '{path}': {exc}; the file is damaged or not {kind or 'readable'} "
             f"compressed data"
@@ -480,9 +481,11 @@ def _json_lines(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece
                 raise binary_file_error(
                     path, f"invalid UTF-8 on line {number}: {exc.reason}"
                 ) from None
-            except json.JSONDecodeError as exc:
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError;
+                # a number of over 4300 digits is one too, and nesting too deep recurses
+                why = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
                 raise DataError(
-                    f"{where} is not JSON ({exc.msg}): .jsonl/.json files are read as JSON "
+                    f"{where} is not JSON ({why}): .jsonl/.json files are read as JSON "
                     f"lines, one object per line with the text in field '{text_field}'"
                 ) from None
             if not isinstance(record, dict) or text_field not in record:
@@ -499,6 +502,13 @@ def _json_lines(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece
                 )
             if "\x00" in text:
                 raise binary_file_error(path, f"NUL character on line {number}")
+            if not text.isascii():  # json.loads reads escaped and raw lone surrogates
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise binary_file_error(
+                        path, f"a lone surrogate in field '{text_field}' on line {number}"
+                    ) from None
             consumed, seen = counter.consumed - seen, counter.consumed
             if text:
                 yield from document_pieces(text, cuts, consumed)

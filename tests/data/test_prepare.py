@@ -17,8 +17,10 @@ from bdh_train.data import DataConfig, load_splits, load_tokens
 from bdh_train.data.prepared import (
     META_FILE,
     in_validation,
+    is_prepared,
     load_prepared,
     prepare_corpus,
+    read_meta,
 )
 from bdh_train.data.tokenizer import load_tokenizer, train_bpe
 from bdh_train.errors import DataError
@@ -267,6 +269,23 @@ def test_meta_that_disagrees_with_the_files_is_refused_before_mapping(
     monkeypatch.setattr(np, "memmap", no_mapping)
     with pytest.raises(DataError, match=expected):
         load_prepared(out)
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('{"format": "bdh-train prepared corpus", "n": ' + "9" * 5000 + "}",
+         "Exceeds the limit (4300 digits)"),
+        ("[" * 100_000 + "]" * 100_000, "maximum recursion depth"),
+    ],
+    ids=["digits", "nesting"],
+)
+def test_a_meta_json_too_deep_or_too_long_to_parse_is_one_error(tmp_path: Path, text, why):
+    (tmp_path / META_FILE).write_text(text)
+    assert not is_prepared(tmp_path)
+    with pytest.raises(DataError) as refused:
+        read_meta(tmp_path)
+    assert str(refused.value).startswith(f"'{tmp_path / META_FILE}' is not valid JSON ({why}")
 
 
 def test_damaged_index_and_wrong_tokenizer_are_refused(tmp_path: Path) -> None:

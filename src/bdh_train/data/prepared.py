@@ -51,12 +51,14 @@ import numpy as np
 from bdh_train import checks
 from bdh_train.data import formats
 from bdh_train.data.sources import (
+    JSON_MAX_BYTES,
     TOKEN_DTYPES,
     VAL_FRACTION,
     TokenData,
     split_doc_starts,
     token_dtype_for,
     validation_cut,
+    vocab_fits,
 )
 from bdh_train.data.tokenizer import (
     BYTES,
@@ -75,8 +77,6 @@ FORMAT_VERSION = 1
 META_FILE = formats.PREPARED_MARKER
 SPLITS = ("train", "val")
 INDEX_DTYPE = np.dtype("<u8")
-META_MAX_BYTES = 1 << 20
-"""A meta.json larger than this is refused unread (it is a few hundred bytes)."""
 BATCH_CHARS = 4 << 20
 """Characters of text tokenized per `encode_batch` call."""
 _COPY_TOKENS = 1 << 22
@@ -105,10 +105,10 @@ def is_prepared(path: str | os.PathLike[str]) -> bool:
     some other meta.json is not one."""
     meta = Path(path) / META_FILE
     try:
-        if not meta.is_file() or meta.stat().st_size > META_MAX_BYTES:
+        if not meta.is_file() or meta.stat().st_size > JSON_MAX_BYTES:
             return False
         parsed = json.loads(meta.read_bytes())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(parsed, dict) and parsed.get("format") == FORMAT_NAME
 
@@ -543,12 +543,14 @@ def read_meta(directory: Path) -> dict[str, Any]:
     redo = f"prepare the corpus again with `bdh-train prepare ... --out {directory} --force`"
     try:
         size = path.stat().st_size
-        if size > META_MAX_BYTES:
-            raise DataError(f"'{path}' has {size} bytes, too large for a prepared corpus meta")
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_bytes() if size <= JSON_MAX_BYTES else None
     except OSError as exc:
         raise DataError(f"cannot read '{path}': {exc.strerror or exc}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    if text is None:
+        raise DataError(f"'{path}' has {size} bytes, too large for a prepared corpus meta")
+    try:
+        meta = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, too many digits or levels
         raise DataError(f"'{path}' is not valid JSON ({exc}); {redo}") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise DataError(f"'{path}' is not the meta of a {FORMAT_NAME}; {redo}")
@@ -564,7 +566,7 @@ def read_meta(directory: Path) -> dict[str, Any]:
     if meta.get("dtype") not in TOKEN_DTYPES:
         raise bad(f"dtype {meta.get('dtype')!r} is not one of {', '.join(TOKEN_DTYPES)}")
     vocab = meta.get("vocab_size")
-    if not checks.is_int(vocab) or not 0 < vocab <= np.iinfo(meta["dtype"]).max + 1:
+    if not vocab_fits(vocab, meta["dtype"]):
         raise bad(f"vocab_size {vocab!r} is not a positive integer that fits {meta['dtype']}")
     eot = meta.get("eot_id")
     if eot is not None and (not checks.is_int(eot) or not 0 <= eot < vocab):

@@ -403,6 +403,16 @@ def header_path(path: str | os.PathLike[str]) -> Path:
     return p.with_name(p.name + ".json")
 
 
+JSON_MAX_BYTES = 1 << 20
+"""The largest token header or prepared-corpus meta.json read: both are a few hundred bytes
+as written, so a larger one is damaged or not one, and is not read into memory."""
+
+
+def vocab_fits(vocab: object, dtype: str) -> bool:
+    """Whether `vocab` is a positive vocabulary size whose ids all fit `dtype`."""
+    return checks.is_int(vocab) and 0 < vocab <= np.iinfo(dtype).max + 1  # type: ignore[operator]
+
+
 def read_header(path: Path) -> dict[str, object]:
     """Parse and check a token file's header; every defect is a DataError that says what the
     header must look like."""
@@ -415,10 +425,18 @@ def read_header(path: Path) -> dict[str, object]:
             f"set data.bin_dtype to its id dtype (uint16 or uint32)"
         )
     try:
-        header = json.loads(hpath.read_text(encoding="utf-8"))
+        size = hpath.stat().st_size
+        text = hpath.read_bytes() if size <= JSON_MAX_BYTES else None
     except OSError as exc:
         raise DataError(f"cannot read token header '{hpath}': {exc.strerror or exc}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    if text is None:
+        raise DataError(
+            f"token header '{hpath}' has {size} bytes, more than a header's "
+            f"{JSON_MAX_BYTES}; expected {expected}"
+        )
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, too many digits or levels
         raise DataError(
             f"token header '{hpath}' is not valid JSON ({exc}); expected {expected}"
         ) from exc
@@ -433,9 +451,10 @@ def read_header(path: Path) -> dict[str, object]:
             f"{', '.join(TOKEN_DTYPES)}"
         )
     vocab = header.get("vocab_size")
-    if not checks.is_int(vocab) or vocab <= 0:
+    if not vocab_fits(vocab, dtype):
         raise DataError(
-            f"token header '{hpath}' needs a positive integer 'vocab_size', got {vocab!r}"
+            f"token header '{hpath}' needs a positive integer 'vocab_size' whose ids fit "
+            f"{dtype}, got {vocab!r}"
         )
     return header
 

@@ -225,6 +225,17 @@ def test_directory_is_recursive_sorted_and_skips_other_files(tmp_path: Path) -> 
     assert list(iter_documents([tmp_path])) == ["a", "b/x", "c", "site/meta", "site/page"]
 
 
+def test_a_folder_reached_again_through_links_is_read_once(tmp_path: Path) -> None:
+    """A link back up (a loop) and a second link to a folder: each file is one document."""
+    corpus = tmp_path / "corpus"
+    (corpus / "b").mkdir(parents=True)
+    (corpus / "a.txt").write_text("a")
+    (corpus / "b" / "x.txt").write_text("b/x")
+    (corpus / "b" / "up").symlink_to("..")
+    (corpus / "c").symlink_to("b")
+    assert list(iter_documents([corpus])) == ["a", "b/x"]
+
+
 def test_binary_file_is_one_clear_line(tmp_path: Path) -> None:
     blob = tmp_path / "weights.dat"
     blob.write_bytes(bytes(range(256)) * 4)

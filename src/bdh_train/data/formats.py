@@ -141,13 +141,18 @@ def is_hf_dataset(path: Path) -> bool:
 def list_files(directory: Path) -> list[Path]:
     """The corpus files (and saved Hugging Face datasets) under `directory`: recursive, sorted
     by relative path, hidden names and prepared corpus directories skipped, only the formats
-    in `DIRECTORY_SUFFIXES`."""
+    in `DIRECTORY_SUFFIXES`; a folder reached twice through links is walked once."""
     from bdh_train.data.prepared import is_prepared
 
     found: list[Path] = []
+    visited: set[tuple[int, int]] = set()  # (device, inode) of every folder walked
 
     def walk(folder: Path) -> None:
         try:
+            status = folder.stat()
+            if (status.st_dev, status.st_ino) in visited:
+                return  # a link back to a folder already walked: its files are found once
+            visited.add((status.st_dev, status.st_ino))
             entries = sorted(folder.iterdir(), key=lambda p: p.name)
         except OSError as exc:
             raise DataError(

@@ -288,6 +288,16 @@ def test_other_text_field_and_parquet_errors(tmp_path: Path) -> None:
     pq.write_table(pa.table({"text": [1, 2]}), table)
     with pytest.raises(DataError, match=r"column 'text' is int64, not a string column"):
         list(iter_documents([table]))
+    offsets = pa.py_buffer(np.array([0, 6], dtype=np.int32).tobytes())
+    not_utf8 = pa.Array.from_buffers(pa.string(), 1, [None, offsets, pa.py_buffer(b"ab\xff\xfecd")])
+    pq.write_table(pa.table({"text": not_utf8}), table)
+    with pytest.raises(DataError, match=r"t.parquet' is not UTF-8 text \(invalid UTF-8 in column "
+                       r"'text': invalid start byte\)"):
+        list(iter_documents([table]))
+    pq.write_table(pa.table({"text": ["fine", "a\x00b"]}), table)
+    with pytest.raises(DataError, match=r"t.parquet' is not UTF-8 text \(NUL character in column "
+                       r"'text'\)"):
+        list(iter_documents([table]))
     broken = tmp_path / "b.jsonl.gz"
     broken.write_bytes(b"not gzip at all")
     with pytest.raises(DataError, match=r"cannot read .*b.jsonl.gz'.*not gz compressed"):

@@ -521,9 +521,11 @@ def _json_lines(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece
             yield Piece("", False, counter.consumed - seen)
 
 
-def _string_column(batch, text_field: str, where: str) -> list[str | None]:  # type: ignore[no-untyped-def]
+def _string_column(batch, text_field: str, path: Path) -> list[str | None]:  # type: ignore[no-untyped-def]
+    """The texts of a batch's string column, checked as a text file's are (UTF-8, no NUL)."""
     import pyarrow as pa
 
+    where = f"parquet file '{path}'"
     names = batch.schema.names
     if text_field not in names:
         raise DataError(
@@ -532,7 +534,15 @@ def _string_column(batch, text_field: str, where: str) -> list[str | None]:  # t
     column = batch.column(names.index(text_field))
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise DataError(f"{where}: column '{text_field}' is {column.type}, not a string column")
-    return column.to_pylist()
+    try:
+        texts = column.to_pylist()
+    except UnicodeDecodeError as exc:  # arrow strings are not validated when written
+        raise binary_file_error(
+            path, f"invalid UTF-8 in column '{text_field}': {exc.reason}"
+        ) from None
+    if any("\x00" in text for text in texts if text):
+        raise binary_file_error(path, f"NUL character in column '{text_field}'")
+    return texts
 
 
 def _parquet(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece]:
@@ -550,7 +560,7 @@ def _parquet(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece]:
                 for batch in reader.iter_batches(
                     batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=columns
                 ):
-                    for text in _string_column(batch, text_field, f"parquet file '{path}'"):
+                    for text in _string_column(batch, text_field, path):
                         if text:
                             yield from document_pieces(text, cuts)
                 done = size * (group + 1) // groups

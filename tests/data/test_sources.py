@@ -221,7 +221,7 @@ def test_ids_beyond_header_vocab(tmp_path: Path) -> None:
          r"is not valid JSON \(Exceeds the limit \(4300 digits\)"),
         ("[" * 100_000 + "]" * 100_000, r"is not valid JSON \(maximum recursion depth"),
         (" " * (1 << 20) + '{"dtype": "uint16", "vocab_size": 256}',
-         r"t\.bin\.json' has 1048614 bytes, more than a header's 1048576"),
+         r"t\.bin\.json' has 1048614 bytes, more than the 1048576 read; expected"),
     ],
 )
 def test_bad_headers(tmp_path: Path, header: str | None, message: str) -> None:

@@ -55,6 +55,7 @@ from bdh_train.data.sources import (
     TOKEN_DTYPES,
     VAL_FRACTION,
     TokenData,
+    read_json_file,
     split_doc_starts,
     token_dtype_for,
     validation_cut,
@@ -541,17 +542,7 @@ def read_meta(directory: Path) -> dict[str, Any]:
     """The checked meta.json of a prepared corpus (sizes not yet compared with the files)."""
     path = directory / META_FILE
     redo = f"prepare the corpus again with `bdh-train prepare ... --out {directory} --force`"
-    try:
-        size = path.stat().st_size
-        text = path.read_bytes() if size <= JSON_MAX_BYTES else None
-    except OSError as exc:
-        raise DataError(f"cannot read '{path}': {exc.strerror or exc}") from exc
-    if text is None:
-        raise DataError(f"'{path}' has {size} bytes, too large for a prepared corpus meta")
-    try:
-        meta = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, too many digits or levels
-        raise DataError(f"'{path}' is not valid JSON ({exc}); {redo}") from exc
+    meta = read_json_file(path, f"'{path}'", redo)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise DataError(f"'{path}' is not the meta of a {FORMAT_NAME}; {redo}")
     if meta.get("version") != FORMAT_VERSION:

@@ -408,6 +408,22 @@ JSON_MAX_BYTES = 1 << 20
 as written, so a larger one is damaged or not one, and is not read into memory."""
 
 
+def read_json_file(path: Path, label: str, fix: str) -> object:
+    """The JSON value in `path` (at most JSON_MAX_BYTES); every failure is a DataError that
+    begins with `label` (how the message names the file) and ends with `fix`."""
+    try:
+        size = path.stat().st_size
+        text = path.read_bytes() if size <= JSON_MAX_BYTES else None
+    except OSError as exc:
+        raise DataError(f"cannot read {label}: {exc.strerror or exc}") from exc
+    if text is None:
+        raise DataError(f"{label} has {size} bytes, more than the {JSON_MAX_BYTES} read; {fix}")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, too many digits or levels
+        raise DataError(f"{label} is not valid JSON ({exc}); {fix}") from exc
+
+
 def vocab_fits(vocab: object, dtype: str) -> bool:
     """Whether `vocab` is a positive vocabulary size whose ids all fit `dtype`."""
     return checks.is_int(vocab) and 0 < vocab <= np.iinfo(dtype).max + 1  # type: ignore[operator]
@@ -424,22 +440,7 @@ def read_header(path: Path) -> dict[str, object]:
             f"(bdh_train.data.write_token_file does this), or for a headerless (nanoGPT) file "
             f"set data.bin_dtype to its id dtype (uint16 or uint32)"
         )
-    try:
-        size = hpath.stat().st_size
-        text = hpath.read_bytes() if size <= JSON_MAX_BYTES else None
-    except OSError as exc:
-        raise DataError(f"cannot read token header '{hpath}': {exc.strerror or exc}") from exc
-    if text is None:
-        raise DataError(
-            f"token header '{hpath}' has {size} bytes, more than a header's "
-            f"{JSON_MAX_BYTES}; expected {expected}"
-        )
-    try:
-        header = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, too many digits or levels
-        raise DataError(
-            f"token header '{hpath}' is not valid JSON ({exc}); expected {expected}"
-        ) from exc
+    header = read_json_file(hpath, f"token header '{hpath}'", f"expected {expected}")
     if not isinstance(header, dict):
         raise DataError(f"token header '{hpath}' must be a JSON object like {expected}")
     dtype = header.get("dtype")

@@ -203,9 +203,9 @@ def test_a_bpe_vocabulary_too_large_to_train_is_one_line_and_writes_nothing(
     args = ["prepare", str(source), "--out", str(out), "--quiet", "--train-tokenizer", "bpe"]
     assert main([*args, "--vocab-size", "100000000000"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: a byte-level BPE needs a vocab_size from 257") and err.count(
-        "\n"
-    ) == 1
+    assert err.startswith(
+        "error: a byte-level BPE needs a vocab_size (--vocab-size) from 257 "
+    ) and "to 1,048,576, got 100000000000" in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
 
 

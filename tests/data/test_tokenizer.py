@@ -108,8 +108,8 @@ def test_load_tokenizer_errors_are_one_clear_line(tmp_path) -> None:
         with pytest.raises(DataError) as refused:
             train_bpe(_CORPUS, size)
         assert str(refused.value) == (
-            f"a byte-level BPE needs a vocab_size from 257 (256 bytes + {EOT_TOKEN}) to "
-            f"1,048,576, got {size}"
+            f"a byte-level BPE needs a vocab_size (--vocab-size) from 257 (256 bytes + "
+            f"{EOT_TOKEN}) to 1,048,576, got {size}"
         )
 
 

@@ -294,8 +294,9 @@ def _load_tokenizer_file(path: str, mtime_ns: int, size: int) -> HFTokenizer:
 
 
 MAX_BPE_VOCAB = 1 << 20
-"""The largest vocabulary `train_bpe` trains: four times the largest in common use (256k).
-The trainer allocates for every id up front: at 5e9 ids it aborted the process."""
+"""The largest vocabulary `train_bpe` trains: four times the largest in common use (256k),
+and ids far inside uint32, the prepared format's widest dtype. The trainer allocates for every
+id up front: 1e11 ids asked for 4.5 TB and aborted the process."""
 
 
 def train_bpe(
@@ -309,8 +310,8 @@ def train_bpe(
 
     if not 257 <= vocab_size <= MAX_BPE_VOCAB:
         raise DataError(
-            f"a byte-level BPE needs a vocab_size from 257 (256 bytes + {EOT_TOKEN}) to "
-            f"{MAX_BPE_VOCAB:,}, got {vocab_size}"
+            f"a byte-level BPE needs a vocab_size (--vocab-size) from 257 (256 bytes + "
+            f"{EOT_TOKEN}) to {MAX_BPE_VOCAB:,}, got {vocab_size}"
         )
     tok = _HF(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

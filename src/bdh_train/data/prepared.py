@@ -51,7 +51,6 @@ import numpy as np
 from bdh_train import checks
 from bdh_train.data import formats
 from bdh_train.data.sources import (
-    JSON_MAX_BYTES,
     TOKEN_DTYPES,
     VAL_FRACTION,
     TokenData,
@@ -105,11 +104,11 @@ def is_prepared(path: str | os.PathLike[str]) -> bool:
     `FORMAT_NAME` (any version; `read_meta` checks the rest). A directory that merely holds
     some other meta.json is not one."""
     meta = Path(path) / META_FILE
+    if not meta.is_file():
+        return False
     try:
-        if not meta.is_file() or meta.stat().st_size > JSON_MAX_BYTES:
-            return False
-        parsed = json.loads(meta.read_bytes())
-    except (OSError, ValueError, RecursionError):
+        parsed = read_json_file(meta, f"'{meta}'", "not a prepared corpus")
+    except DataError:  # unreadable, too large or not JSON: not a prepared corpus
         return False
     return isinstance(parsed, dict) and parsed.get("format") == FORMAT_NAME
 

@@ -670,14 +670,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     from bdh_train.data.tokenizer import HFTokenizer
     from bdh_train.export import export_ternary
     from bdh_train.inference import load_run
-    from bdh_train.train.checkpoint import resolve_checkpoint
+    from bdh_train.train.checkpoint import CHECKPOINTS
 
-    if Path(args.run_dir).is_dir():
-        source = resolve_checkpoint(args.run_dir)
-        if Path(args.out).resolve().is_relative_to(source.resolve()):
+    source = Path(args.run_dir)
+    if source.is_dir():  # load_run verifies the checkpoint; this only looks at paths
+        kept = source / CHECKPOINTS if (source / CHECKPOINTS).is_dir() else source
+        if Path(args.out).resolve().is_relative_to(kept.resolve()):
             raise ConfigError(
-                f"OUT {args.out} is inside the checkpoint {source} it exports, which it would "
-                "damage; write the export outside it"
+                f"OUT {args.out} is inside {kept}, the checkpoints it exports from, which it "
+                "would damage; write the export outside it"
             )
     model, tok, _ = load_run(args.run_dir)
     tokenizer_json = tok.to_json() if isinstance(tok, HFTokenizer) else None

@@ -349,8 +349,8 @@ def test_export_ternary_of_a_bitnet_run(tmp_path, capsys):
     for inside in (weights, checkpoint, checkpoint / "sub" / "x.safetensors"):
         assert main(["export", "--ternary", str(run_dir), str(inside)]) == 2
         assert capsys.readouterr().err == (
-            f"error: OUT {inside} is inside the checkpoint {checkpoint} it exports, which it "
-            "would damage; write the export outside it\n"
+            f"error: OUT {inside} is inside {run_dir / 'checkpoints'}, the checkpoints it "
+            "exports from, which it would damage; write the export outside it\n"
         )
     assert weights.read_bytes() == before and not (checkpoint / "sub").exists()
     assert main(["export", "--ternary", str(run_dir), str(tmp_path)]) == 2

@@ -73,17 +73,36 @@ def main() -> None:
         for mode in ("system", "retain"):
             load = load_average()
             out = subprocess.run(
-                [sys.executable, __file__, "--worker", mode, "--seq-len", str(args.seq_len),
-                 "--batch", str(args.batch), "--steps", str(args.steps)],
-                capture_output=True, text=True, check=True,
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    mode,
+                    "--seq-len",
+                    str(args.seq_len),
+                    "--batch",
+                    str(args.batch),
+                    "--steps",
+                    str(args.steps),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
             ).stdout
             line = next(x for x in out.splitlines() if x.startswith(MARKER))
-            r = json.loads(line[len(MARKER):])
-            rows.append([
-                round_index + 1, r["mode"], f"{r['tok_s']:.0f}", f"{r['user_s']:.1f}",
-                f"{r['sys_s']:.1f}", f"{r['faults']:.0f}", f"{r['peak_mib']:.0f}",
-                f"{load:.2f}",
-            ])
+            r = json.loads(line[len(MARKER) :])
+            rows.append(
+                [
+                    round_index + 1,
+                    r["mode"],
+                    f"{r['tok_s']:.0f}",
+                    f"{r['user_s']:.1f}",
+                    f"{r['sys_s']:.1f}",
+                    f"{r['faults']:.0f}",
+                    f"{r['peak_mib']:.0f}",
+                    f"{load:.2f}",
+                ]
+            )
     print_table(
         f"config (a) T={args.seq_len} B={args.batch}, fp32, 2 threads, executor auto; "
         "per timed step: user/sys CPU seconds and minor page faults",

@@ -55,8 +55,16 @@ SPEC_SETS = {"cpu": DEFAULT_SPECS, "cuda": CUDA_SPECS}
 RESETS_PER_ROW = 3
 
 
-def naive_attention(q, v, *, initial_state=None, log_decay=None, chunk_size=0,
-                    output_final_state=True, reset_mask=None):
+def naive_attention(
+    q,
+    v,
+    *,
+    initial_state=None,
+    log_decay=None,
+    chunk_size=0,
+    output_final_state=True,
+    reset_mask=None,
+):
     """The official masked form: no state, no decay (what a rope model without a carried
     state needs)."""
     return (q @ q.transpose(-1, -2)).tril(diagonal=-1) @ v, None
@@ -107,12 +115,20 @@ def run(spec: str, rounds: int, device: torch.device, autocast_dtype=None) -> li
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("specs", nargs="*", help="config:T:B:names specs (default: --specs-set's)")
-    ap.add_argument("--specs-set", choices=sorted(SPEC_SETS), default=None,
-                    help="the default specs of a device type (default: --device's)")
+    ap.add_argument(
+        "--specs-set",
+        choices=sorted(SPEC_SETS),
+        default=None,
+        help="the default specs of a device type (default: --device's)",
+    )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                    help="bf16: the forward under bf16 autocast")
+    ap.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: the forward under bf16 autocast",
+    )
     args = ap.parse_args()
     autocast_dtype = torch.bfloat16 if args.dtype == "bf16" else None
     device = torch.device(args.device)

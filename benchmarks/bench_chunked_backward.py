@@ -41,8 +41,10 @@ RESETS_PER_ROW = 3
 def inputs(batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     shapes = {
-        "q": (batch, HEADS, seq_len, NEURONS), "v": (batch, 1, seq_len, EMBD),
-        "rho0": (batch, HEADS, NEURONS, EMBD), "d_out": (batch, HEADS, seq_len, EMBD),
+        "q": (batch, HEADS, seq_len, NEURONS),
+        "v": (batch, 1, seq_len, EMBD),
+        "rho0": (batch, HEADS, NEURONS, EMBD),
+        "d_out": (batch, HEADS, seq_len, EMBD),
         "d_final": (batch, HEADS, NEURONS, EMBD),
     }
     drawn = {name: torch.randn(shape, generator=g).to(device) for name, shape in shapes.items()}
@@ -104,17 +106,36 @@ def main() -> None:
         name = "dense" if chunk == seq_len else f"chunked/{chunk}"
         ratio = best["autograd"] / best["function"]
         decay_ratio = best["decay autograd"] / best["decay function"]
-        rows.append((batch, seq_len, name, f"{best['function'] * 1e3:.0f}",
-                     f"{best['autograd'] * 1e3:.0f}", f"{ratio:.2f}x",
-                     f"{best['resets'] * 1e3:.0f}", f"{best['decay function'] * 1e3:.0f}",
-                     f"{best['decay autograd'] * 1e3:.0f}", f"{decay_ratio:.2f}x"))
+        rows.append(
+            (
+                batch,
+                seq_len,
+                name,
+                f"{best['function'] * 1e3:.0f}",
+                f"{best['autograd'] * 1e3:.0f}",
+                f"{ratio:.2f}x",
+                f"{best['resets'] * 1e3:.0f}",
+                f"{best['decay function'] * 1e3:.0f}",
+                f"{best['decay autograd'] * 1e3:.0f}",
+                f"{decay_ratio:.2f}x",
+            )
+        )
     print_table(
         f"mixer forward + backward on {args.device}, H={HEADS} N={NEURONS} D={EMBD}, fp32 "
         f"({args.threads} CPU threads), with an incoming and a final state; ms, fastest of "
         f"{args.rounds} alternating calls",
-        ("B", "T", "executor", "function ms", "autograd ms", "autograd / function",
-         f"function, {RESETS_PER_ROW} resets per row, ms", "alibi decay: function ms",
-         "autograd ms", "autograd / function"),
+        (
+            "B",
+            "T",
+            "executor",
+            "function ms",
+            "autograd ms",
+            "autograd / function",
+            f"function, {RESETS_PER_ROW} resets per row, ms",
+            "alibi decay: function ms",
+            "autograd ms",
+            "autograd / function",
+        ),
         rows,
     )
 

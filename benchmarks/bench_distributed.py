@@ -38,7 +38,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "data parallel x4": (4, []),
     "pipeline x2": (2, ["parallel.pipeline_stages=2", "parallel.microbatches=2"]),
     "mesh 2 dp x 2 pp": (
-        4, ["parallel.pipeline_stages=2", "parallel.data_parallel=2", "parallel.microbatches=2"]
+        4,
+        ["parallel.pipeline_stages=2", "parallel.data_parallel=2", "parallel.microbatches=2"],
     ),
 }
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather_object", "barrier")
@@ -67,7 +68,10 @@ def _worker(rank: int, world: int, store: str, overrides: list[str], out: str) -
     steps_done: list[float] = []
     if world > 1:
         dist.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=600),
         )
         for name in COLLECTIVES:
@@ -100,15 +104,22 @@ def measure(layout: str, args: argparse.Namespace) -> dict[str, float]:
     processes, extra = LAYOUTS[layout]
     model = [f"model.{key}={value}" for key, value in CONFIGS["a"].items()]
     overrides = [
-        *model, "model.dropout=0.0", f"training.block_size={args.block}",
-        f"training.batch_size={args.batch}", f"training.max_steps={args.steps}",
-        "training.log_every=1", "training.eval_every=0", "training.checkpoint_every=0",
+        *model,
+        "model.dropout=0.0",
+        f"training.block_size={args.block}",
+        f"training.batch_size={args.batch}",
+        f"training.max_steps={args.steps}",
+        "training.log_every=1",
+        "training.eval_every=0",
+        "training.checkpoint_every=0",
         *extra,
     ]
     with tempfile.TemporaryDirectory() as out:
         store = os.path.join(out, "store")
         mp.start_processes(
-            _worker, args=(processes, store, overrides, out), nprocs=processes,
+            _worker,
+            args=(processes, store, overrides, out),
+            nprocs=processes,
             start_method="spawn",
         )
         results = [torch.load(Path(out, f"rank{r}.pt")) for r in range(processes)]

@@ -147,9 +147,7 @@ def resolve_auto(config: str, seq_len: int, suffix: str = "") -> str:
 
     _, d, _, n = model_dims(config)
     cpu = calibration_for("cpu")
-    choice = choose_executor(
-        seq_len, n, d, AUTO_CHUNK, cpu.chunked_margin, cpu.dense_panel_rows
-    )
+    choice = choose_executor(seq_len, n, d, AUTO_CHUNK, cpu.chunked_margin, cpu.dense_panel_rows)
     return ("dense" if choice == "dense" else f"chunked/{AUTO_CHUNK}") + suffix
 
 

@@ -124,10 +124,18 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096, help="batch-1 fast run, new tokens")
     ap.add_argument("--generic-tokens", type=int, default=1088)
     ap.add_argument("--batch-tokens", type=int, default=512, help="batch-16 new tokens per row")
-    ap.add_argument("--rerun", type=int, default=0, metavar="N",
-                    help="also re-run the whole prefix for N new tokens (slow: ~76 s for 1024)")
     ap.add_argument(
-        "--wait-quiet", type=float, default=0.0, metavar="S",
+        "--rerun",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also re-run the whole prefix for N new tokens (slow: ~76 s for 1024)",
+    )
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
         help="before each run wait up to S seconds for other processes to leave the CPUs",
     )
     args = ap.parse_args()
@@ -170,16 +178,39 @@ def main() -> None:
         w = windows(per_token)
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         flat = "-" if w["end"] is None or w["~1"] is None else f"{w['end'] / w['~1']:.2f}"
-        rows.append((label, n, fmt(w["~1"]), fmt(w["~1024"]), fmt(w["end"]), flat,
-                     f"{n / sum(per_token):.0f}", f"{CPU_SECONDS[-1] / n * 1e3:.3f}", others,
-                     load))
+        rows.append(
+            (
+                label,
+                n,
+                fmt(w["~1"]),
+                fmt(w["~1024"]),
+                fmt(w["end"]),
+                flat,
+                f"{n / sum(per_token):.0f}",
+                f"{CPU_SECONDS[-1] / n * 1e3:.3f}",
+                others,
+                load,
+            )
+        )
     if args.rerun:
         per_token, others, load = measure("rerun", lambda: rerun(model, prompt, args.rerun))
         w = windows(per_token)
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         flat = "-" if w["end"] is None or w["~1"] is None else f"{w['end'] / w['~1']:.2f}"
-        rows.append(("rerun", args.rerun, fmt(w["~1"]), fmt(w["~1024"]), fmt(w["end"]), flat,
-                     f"{args.rerun / sum(per_token):.0f}", "-", others, load))
+        rows.append(
+            (
+                "rerun",
+                args.rerun,
+                fmt(w["~1"]),
+                fmt(w["~1024"]),
+                fmt(w["end"]),
+                flat,
+                f"{args.rerun / sum(per_token):.0f}",
+                "-",
+                others,
+                load,
+            )
+        )
     common = min(len(tokens_by["fast"]), len(tokens_by["generic"]))
     same = tokens_by["fast"][:common] == tokens_by["generic"][:common]
     print_table(
@@ -188,13 +219,24 @@ def main() -> None:
         f"(end); tok/s = new tokens / wall time (prompt included); fast and generic tokens "
         f"agree: {'yes' if same else 'NO'} (first {common}); others %: CPU capacity other "
         "processes used meanwhile",
-        ("decoder", "new tokens", "ms ~1", "ms ~1024", "ms end", "end / ~1", "tok/s",
-         "CPU ms/token", "others %", "load"),
+        (
+            "decoder",
+            "new tokens",
+            "ms ~1",
+            "ms ~1024",
+            "ms end",
+            "end / ~1",
+            "tok/s",
+            "CPU ms/token",
+            "others %",
+            "load",
+        ),
         rows,
     )
 
     brows = []
     for label, (decoder, context) in variants.items():
+
         def run(d=decoder, context=context):
             with context():
                 t0 = time.perf_counter()
@@ -207,15 +249,33 @@ def main() -> None:
         (prompt_s, per_step, _), others, load = measure(label, run)
         decode_s = sum(per_step)
         steps = len(per_step)
-        brows.append((label, BATCH, args.batch_tokens, f"{prompt_s * 1e3:.1f}",
-                      f"{statistics.median(per_step) * 1e3:.3f}",
-                      f"{BATCH * steps / decode_s:.0f}",
-                      f"{BATCH * steps / CPU_SECONDS[-1]:.0f}", others, load))
+        brows.append(
+            (
+                label,
+                BATCH,
+                args.batch_tokens,
+                f"{prompt_s * 1e3:.1f}",
+                f"{statistics.median(per_step) * 1e3:.3f}",
+                f"{BATCH * steps / decode_s:.0f}",
+                f"{BATCH * steps / CPU_SECONDS[-1]:.0f}",
+                others,
+                load,
+            )
+        )
     print_table(
         f"batch {BATCH}, config (a), {PROMPT_TOKENS}-token prompts, greedy: tokens/s = "
         f"{BATCH} x new tokens after the first / wall time of those steps",
-        ("decoder", "batch", "new tokens", "prompts ms", "ms per step", "tokens/s",
-         "tokens per CPU s", "others %", "load"),
+        (
+            "decoder",
+            "batch",
+            "new tokens",
+            "prompts ms",
+            "ms per step",
+            "tokens/s",
+            "tokens per CPU s",
+            "others %",
+            "load",
+        ),
         brows,
     )
 

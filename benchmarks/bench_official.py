@@ -316,8 +316,12 @@ def ours_executor(model: BDH, seq_len: int, dtype: str = "fp32") -> tuple[int | 
 
 
 def train_flops_per_token(
-    shape: dict[str, int], seq_len: int, chunk: int | None, symmetric_backward: bool = False,
-    panel_rows: int = 0, states_by_product: bool = True,
+    shape: dict[str, int],
+    seq_len: int,
+    chunk: int | None,
+    symmetric_backward: bool = False,
+    panel_rows: int = 0,
+    states_by_product: bool = True,
 ) -> float:
     """2 * 3 * forward MACs per token (formula in the module docstring); chunk None = dense;
     `symmetric_backward`: the scores' gradient is one product, not two; `panel_rows`: dense
@@ -405,9 +409,7 @@ def memory_worker(spec: dict[str, Any]) -> None:
     baseline = build_baseline(CONFIGS[spec["config"]], official).to(device)
     autocast = autocast_factory(device, spec["dtype"])
     if spec["side"] == "baseline":
-        step = baseline_stepper(
-            baseline, autocast, layer_compiled(spec["compile"], spec["device"])
-        )
+        step = baseline_stepper(baseline, autocast, layer_compiled(spec["compile"], spec["device"]))
     else:
         ours = ours_from_baseline(baseline, spec["executor"]).to(device)
         del baseline
@@ -476,9 +478,7 @@ def run_point(args, config: str, seq_len: int, batch_size: int, official, device
     ours = ours_from_baseline(baseline, args.executor).to(device)
     autocast = autocast_factory(device, args.dtype)
     steps = {
-        "baseline": baseline_stepper(
-            baseline, autocast, layer_compiled(args.compile, args.device)
-        ),
+        "baseline": baseline_stepper(baseline, autocast, layer_compiled(args.compile, args.device)),
         "bdh-train": ours_stepper(ours, autocast, args.compile, args.recompute),
     }
     batch = random_batch(seq_len, batch_size, device)
@@ -490,8 +490,7 @@ def run_point(args, config: str, seq_len: int, batch_size: int, official, device
         for name, step in steps.items():
             times[name].append(timed(step, batch, device))
             print(
-                f"  T={seq_len} B={batch_size} timed step {i + 1} {name}: "
-                f"{times[name][-1]:.2f} s",
+                f"  T={seq_len} B={batch_size} timed step {i + 1} {name}: {times[name][-1]:.2f} s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -608,7 +607,10 @@ def main() -> None:
                 "baseline": train_flops_per_token(CONFIGS[config], seq_len, None)
                 * rate["baseline"],
                 "bdh-train": train_flops_per_token(
-                    CONFIGS[config], seq_len, r["chunk"], hand_written_backward(args),
+                    CONFIGS[config],
+                    seq_len,
+                    r["chunk"],
+                    hand_written_backward(args),
                     r["panel_rows"],
                     sums_by_product(args.device) or not hand_written_backward(args),
                 )

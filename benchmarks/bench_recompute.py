@@ -102,7 +102,11 @@ def worker(spec: dict[str, Any]) -> None:
         model.train()
         model.loss_from_hidden(model.forward_hidden(batch.inputs), batch.targets)
     executor, chunk_size = resolve_executor(
-        config.executor, spec["seq_len"], config.n_neurons, config.n_embd, config.chunk_size,
+        config.executor,
+        spec["seq_len"],
+        config.n_neurons,
+        config.n_embd,
+        config.chunk_size,
         "cpu",
     )
     if executor == "chunked":

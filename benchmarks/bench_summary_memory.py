@@ -100,7 +100,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="timed steps per variant and round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--wait-quiet", type=float, default=0.0, metavar="S",
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
         help="before each round wait up to S seconds for other processes to leave the CPUs",
     )
     args = ap.parse_args()

@@ -51,8 +51,9 @@ def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float(diff.norm() / reference.norm().clamp_min(1e-30))
 
 
-def step_outputs(model: BDH, idx: torch.Tensor, targets: torch.Tensor,
-                 reset_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def step_outputs(
+    model: BDH, idx: torch.Tensor, targets: torch.Tensor, reset_mask: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Logits, loss and gradients of one forward/backward."""
     model.zero_grad(set_to_none=True)
     hidden = model.forward_hidden(idx, reset_mask=reset_mask)
@@ -68,18 +69,19 @@ def worst(outputs: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) 
     return max(relative_error(outputs[k], reference[k]) for k in reference)
 
 
-def executor_rows(model: BDH, on: tuple, resets: torch.Tensor,
-                  reference: dict, reference_reset: dict) -> list[tuple[str, float]]:
+def executor_rows(
+    model: BDH, on: tuple, resets: torch.Tensor, reference: dict, reference_reset: dict
+) -> list[tuple[str, float]]:
     """(name, worst error) of each executor setting against the references."""
     rows = []
     for executor, chunk in (("dense", 0), ("chunked", 64), ("chunked", 100), ("chunked", 0)):
         model.config.executor, model.config.chunk_size = executor, chunk
         label = "dense" if executor == "dense" else f"chunked/{chunk or 'calibrated'}"
-        rows.append((label,
-                     worst(step_outputs(model, *on), reference)))
+        rows.append((label, worst(step_outputs(model, *on), reference)))
     model.config.executor, model.config.chunk_size = "chunked", 64
-    rows.append(("chunked/64, reset at token 150",
-                 worst(step_outputs(model, *on, resets), reference_reset)))
+    rows.append(
+        ("chunked/64, reset at token 150", worst(step_outputs(model, *on, resets), reference_reset))
+    )
     model.config.executor, model.config.chunk_size = "auto", 0
     model.set_recompute("layer")
     rows.append(("auto, recompute=layer", worst(step_outputs(model, *on), reference)))
@@ -120,8 +122,9 @@ def main() -> int:
     for name, error in float32_rows:
         rows.append((f"{name} vs CPU float64 dense", torch.float32, error))
     model.compile_layers()
-    rows.append(("compiled vs CPU float64 dense", torch.float32,
-                 worst(step_outputs(model, *on), reference)))
+    rows.append(
+        ("compiled vs CPU float64 dense", torch.float32, worst(step_outputs(model, *on), reference))
+    )
 
     model.eval()
     prompt = on[0][:1, :16]
@@ -142,24 +145,34 @@ def main() -> int:
     rope_error = fixed_shape_vs_eager_rope(device)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device {device} ({name}), torch {torch.__version__}; ||value - reference|| / "
-          "||reference||, the worst tensor of logits, loss and gradients")
+    print(
+        f"device {device} ({name}), torch {torch.__version__}; ||value - reference|| / "
+        "||reference||, the worst tensor of logits, loss and gradients"
+    )
     failed = 0
     for label, dtype, error in rows:
         ok = error < TOLERANCE[dtype]
         failed += not ok
-        print(f"  {str(dtype)[6:]:7s} {label:44s} {error:.2e} (< {TOLERANCE[dtype]:.2g}) "
-              f"{'ok' if ok else 'FAIL'}")
-    print(f"  generate 200 tokens, fast vs generic decoder: tokens equal {same_tokens} "
-          f"{'ok' if same_tokens else 'FAIL'}")
+        print(
+            f"  {str(dtype)[6:]:7s} {label:44s} {error:.2e} (< {TOLERANCE[dtype]:.2g}) "
+            f"{'ok' if ok else 'FAIL'}"
+        )
+    print(
+        f"  generate 200 tokens, fast vs generic decoder: tokens equal {same_tokens} "
+        f"{'ok' if same_tokens else 'FAIL'}"
+    )
     batch_ok = same_batches and stopped_apart
-    print(f"  generate_batch, 3 prompts, stop tokens (rows of {lengths} tokens), fast vs "
-          f"generic: equal {same_batches}, rows stopped apart {stopped_apart} "
-          f"{'ok' if batch_ok else 'FAIL'}")
+    print(
+        f"  generate_batch, 3 prompts, stop tokens (rows of {lengths} tokens), fast vs "
+        f"generic: equal {same_batches}, rows stopped apart {stopped_apart} "
+        f"{'ok' if batch_ok else 'FAIL'}"
+    )
     rope_ok = rope_error < TOLERANCE[torch.float64]
-    print(f"  float64 rope decoding, fixed-shape (graph) vs eager step, 3 rows, the rope table "
-          f"moving every 5 positions: hidden states {rope_error:.2e} "
-          f"(< {TOLERANCE[torch.float64]:g}) {'ok' if rope_ok else 'FAIL'}")
+    print(
+        f"  float64 rope decoding, fixed-shape (graph) vs eager step, 3 rows, the rope table "
+        f"moving every 5 positions: hidden states {rope_error:.2e} "
+        f"(< {TOLERANCE[torch.float64]:g}) {'ok' if rope_ok else 'FAIL'}"
+    )
     return 0 if failed == 0 and same_tokens and batch_ok and rope_ok else 1
 
 

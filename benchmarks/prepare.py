@@ -100,8 +100,20 @@ def train_tokenizer(corpus: Path, vocab: int, out_dir: Path) -> Path:
 
 def measure(corpus: Path, out: Path, tokenizer: str) -> dict[str, float]:
     """One `bdh-train prepare` in a fresh process: wall seconds, peak RSS, text bytes."""
-    cmd = [sys.executable, "-m", "bdh_train.cli", "prepare", str(corpus), "--out", str(out),
-           "--quiet", "--val-fraction", "0.01", "--tokenizer", tokenizer]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bdh_train.cli",
+        "prepare",
+        str(corpus),
+        "--out",
+        str(out),
+        "--quiet",
+        "--val-fraction",
+        "0.01",
+        "--tokenizer",
+        tokenizer,
+    ]
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     started = time.perf_counter()
     with tempfile.TemporaryFile("w+") as stdout:
@@ -117,8 +129,13 @@ def measure(corpus: Path, out: Path, tokenizer: str) -> dict[str, float]:
     meta = json.loads((out / "meta.json").read_text())
     text = sum(s["text_bytes"] for s in meta["splits"].values())
     tokens = sum(s["tokens"] for s in meta["splits"].values())
-    return {"seconds": seconds, "rss_mib": usage.ru_maxrss / 1024, "text_bytes": text,
-            "tokens": tokens, "prepare_seconds": float(inside.group(1)) if inside else seconds}
+    return {
+        "seconds": seconds,
+        "rss_mib": usage.ru_maxrss / 1024,
+        "text_bytes": text,
+        "tokens": tokens,
+        "prepare_seconds": float(inside.group(1)) if inside else seconds,
+    }
 
 
 def main() -> None:
@@ -142,8 +159,11 @@ def main() -> None:
             started = time.perf_counter()
             docs = write_corpus(corpus, int(mb * 1e6), words)
             corpora[mb] = corpus
-            print(f"corpus {corpus.name}: {docs} documents, {corpus.stat().st_size / 1e6:.1f} "
-                  f"MB on disk, written in {time.perf_counter() - started:.1f}s", flush=True)
+            print(
+                f"corpus {corpus.name}: {docs} documents, {corpus.stat().st_size / 1e6:.1f} "
+                f"MB on disk, written in {time.perf_counter() - started:.1f}s",
+                flush=True,
+            )
         bpe = train_tokenizer(corpora[min(corpora)], args.bpe_vocab, work / "bpe")
         rows = []
         for mb, corpus in corpora.items():
@@ -152,18 +172,33 @@ def main() -> None:
                 shutil.rmtree(out, ignore_errors=True)
                 r = measure(corpus, out, tok)
                 mb_text = r["text_bytes"] / 1e6
-                rows.append([
-                    f"{mb:g} MB", name, f"{mb_text:.1f}", f"{r['tokens']:,}",
-                    f"{r['seconds']:.2f}", f"{mb_text / r['seconds']:.1f}",
-                    f"{mb_text / r['prepare_seconds']:.1f}", f"{r['rss_mib']:.0f}",
-                ])
+                rows.append(
+                    [
+                        f"{mb:g} MB",
+                        name,
+                        f"{mb_text:.1f}",
+                        f"{r['tokens']:,}",
+                        f"{r['seconds']:.2f}",
+                        f"{mb_text / r['seconds']:.1f}",
+                        f"{mb_text / r['prepare_seconds']:.1f}",
+                        f"{r['rss_mib']:.0f}",
+                    ]
+                )
                 if not args.keep:
                     shutil.rmtree(out, ignore_errors=True)
         print_table(
             "bdh-train prepare (one fresh process per row; seconds and MB/s include Python "
             "start and imports, 'MB/s prepare' is the command's own timing of the work)",
-            ["corpus", "tokenizer", "text MB", "tokens", "seconds", "MB/s", "MB/s prepare",
-             "peak RSS MiB"],
+            [
+                "corpus",
+                "tokenizer",
+                "text MB",
+                "tokens",
+                "seconds",
+                "MB/s",
+                "MB/s prepare",
+                "peak RSS MiB",
+            ],
             rows,
         )
     finally:

@@ -82,8 +82,12 @@ def train_for(
     val = TokenData(val_ids, tokenizer.vocab_size, f"{name} validation split")
     trainer.model.eval()
     measured = evaluate(
-        LanguageTrainModel(trainer.model), val, args.block_size, args.batch_size,
-        args.eval_batches, byte_lengths=tokenizer.token_byte_lengths(),
+        LanguageTrainModel(trainer.model),
+        val,
+        args.block_size,
+        args.batch_size,
+        args.eval_batches,
+        byte_lengths=tokenizer.token_byte_lengths(),
         head=trainer.model.config.language_head,
     )
     return {
@@ -101,20 +105,35 @@ def train_for(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--data", type=Path, default=DEFAULT_DATA if DEFAULT_DATA.is_file() else None,
+        "--data",
+        type=Path,
+        default=DEFAULT_DATA if DEFAULT_DATA.is_file() else None,
         help=f"a UTF-8 text file (default: {DEFAULT_DATA} when it exists)",
     )
     parser.add_argument("--budget-s", type=float, default=120.0, help="training seconds per run")
-    parser.add_argument("--vocab", type=int, nargs="+", default=[2000, 8000],
-                        help="BPE vocabulary sizes (bytes always runs)")
-    parser.add_argument("--model", choices=sorted(CONFIGS), default="a",
-                        help="model shape (benchmarks/_common.CONFIGS)")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        nargs="+",
+        default=[2000, 8000],
+        help="BPE vocabulary sizes (bytes always runs)",
+    )
+    parser.add_argument(
+        "--model",
+        choices=sorted(CONFIGS),
+        default="a",
+        help="model shape (benchmarks/_common.CONFIGS)",
+    )
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--val-fraction", type=float, default=0.1)
-    parser.add_argument("--eval-batches", type=int, default=None,
-                        help="at most this many validation batches (default: the whole split)")
+    parser.add_argument(
+        "--eval-batches",
+        type=int,
+        default=None,
+        help="at most this many validation batches (default: the whole split)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     if args.data is None:
@@ -134,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.vocab:
             started = time.perf_counter()
             tokenizers.append(train_bpe([train_text], size))
-            print(f"trained a BPE of {size} on the train split in "
-                  f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+            print(
+                f"trained a BPE of {size} on the train split in "
+                f"{time.perf_counter() - started:.1f} s",
+                file=sys.stderr,
+            )
         for i, tok in enumerate(tokenizers):
             rows.append(train_for(tok, train_text, val_text, args, Path(tmp) / str(i)))
             print(f"done: {rows[-1]['tokenizer']}", file=sys.stderr)

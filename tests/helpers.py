@@ -277,8 +277,14 @@ DISTRIBUTED_RUN = [
 and 6."""
 
 
-def train_in_group(run_dir: Path, overrides: list[str], rank: int = 0, world: int = 1,
-                   resume: bool = False, stop_after: int | None = None):
+def train_in_group(
+    run_dir: Path,
+    overrides: list[str],
+    rank: int = 0,
+    world: int = 1,
+    resume: bool = False,
+    stop_after: int | None = None,
+):
     """Run a Trainer on `overrides` as rank `rank` of a `world`-process group (already joined,
     as `run_multiprocess` does; world 1 is one plain process), quietly; returns it."""
     import io
@@ -289,7 +295,10 @@ def train_in_group(run_dir: Path, overrides: list[str], rank: int = 0, world: in
 
     ctx = DistContext(rank, world, rank) if world > 1 else None
     trainer = Trainer(
-        load_config(overrides=overrides), run_dir, resume=resume, stream=io.StringIO(),
+        load_config(overrides=overrides),
+        run_dir,
+        resume=resume,
+        stream=io.StringIO(),
         dist_ctx=ctx,
     )
     trainer.run(stop_after)

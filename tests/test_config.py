@@ -331,15 +331,26 @@ BAD_VALUES = [
     ("training.threads=100000", "training.threads = 100000 is more than this machine's"),
     ("training.device=gpu", "training.device must be one of 'auto', 'cpu', 'cuda', got 'gpu'"),
     ("training.dtype=float16", "training.dtype must be one of 'float32', 'bfloat16'"),
-    ('training.compile="yes"', "training.compile must be one of 'off', 'layer', 'pointwise', "
-     "'auto', got 'yes'"),
-    ('training.compile="layers"', "training.compile must be one of 'off', 'layer', 'pointwise', "
-     "'auto', got 'layers' (did you mean 'layer'?)"),
-    ("training.recompute='layers'", "training.recompute must be one of 'none', 'layer', "
-     "'mixer', got 'layers' (did you mean 'layer'?)"),
+    (
+        'training.compile="yes"',
+        "training.compile must be one of 'off', 'layer', 'pointwise', 'auto', got 'yes'",
+    ),
+    (
+        'training.compile="layers"',
+        "training.compile must be one of 'off', 'layer', 'pointwise', "
+        "'auto', got 'layers' (did you mean 'layer'?)",
+    ),
+    (
+        "training.recompute='layers'",
+        "training.recompute must be one of 'none', 'layer', "
+        "'mixer', got 'layers' (did you mean 'layer'?)",
+    ),
     ("training.profile=0", "training.profile must be one of 'off', 'step', 'detail', got 0"),
-    ("training.profile='details'", "training.profile must be one of 'off', 'step', 'detail', got "
-     "'details' (did you mean 'detail'?)"),
+    (
+        "training.profile='details'",
+        "training.profile must be one of 'off', 'step', 'detail', got "
+        "'details' (did you mean 'detail'?)",
+    ),
     ("training.profile_memory=1", "training.profile_memory must be true or false, got 1"),
     ("training.max_consecutive_skips=-1", "training.max_consecutive_skips must be"),
     ("training.gradient_scales=3", "training.gradient_scales must be a list of tables"),

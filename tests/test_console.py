@@ -48,8 +48,19 @@ def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypat
     elsewhere.mkdir()
     (home / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 60)
     monkeypatch.chdir(home)
-    assert main(["train", "--set", "data.source='corpus.txt'", *sum(
-        (["--set", item] for item in SMALL), []), "--run-dir", str(run)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--set",
+                "data.source='corpus.txt'",
+                *sum((["--set", item] for item in SMALL), []),
+                "--run-dir",
+                str(run),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     cfg = load_config([run / "config.toml"], default_preset=False)
     assert cfg.data.source == str(home / "corpus.txt")  # stored absolute
@@ -119,9 +130,7 @@ def test_resume_with_the_same_length_gives_no_warning(tmp_path):
     assert "resumed from" in log.getvalue() and "warning" not in log.getvalue()
 
 
-def test_the_compiling_line_comes_before_the_first_step_and_says_how_long(
-    tmp_path, monkeypatch
-):
+def test_the_compiling_line_comes_before_the_first_step_and_says_how_long(tmp_path, monkeypatch):
     monkeypatch.setattr(BDH, "compile_for_training", lambda self, mode: None)  # no compiler
     cfg = load_config(overrides=[*SMALL, "training.compile=true", "training.max_steps=1"])
     log = io.StringIO()
@@ -145,8 +154,13 @@ class FakeClock:
 
 
 def row(step: int, tokens_per_step: int = 100) -> dict:
-    return {"step": step, "tokens": step * tokens_per_step, "loss": 2.0, "lr": 1e-3,
-            "grad_norm": 0.5}
+    return {
+        "step": step,
+        "tokens": step * tokens_per_step,
+        "loss": 2.0,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+    }
 
 
 def test_pipe_lines_come_at_the_first_step_every_log_every_and_every_heartbeat():
@@ -157,12 +171,48 @@ def test_pipe_lines_come_at_the_first_step_every_log_every_and_every_heartbeat()
         progress.update(step, row(step))
     steps = [int(line.split()[1].split("/")[0]) for line in out.getvalue().splitlines()]
     # the first step, then every 30 s (3 steps), and the log_every step
-    assert steps == [1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 34, 37, 40, 43, 46, 49, 52, 55,
-                     58, 61, 64, 67, 70, 73, 76, 79, 82, 85, 88, 91, 94, 97, 100]
+    assert steps == [
+        1,
+        4,
+        7,
+        10,
+        13,
+        16,
+        19,
+        22,
+        25,
+        28,
+        31,
+        34,
+        37,
+        40,
+        43,
+        46,
+        49,
+        52,
+        55,
+        58,
+        61,
+        64,
+        67,
+        70,
+        73,
+        76,
+        79,
+        82,
+        85,
+        88,
+        91,
+        94,
+        97,
+        100,
+    ]
     first = out.getvalue().splitlines()[0]
     # 100 tokens in 10 s; 999 steps left at 10 s each
-    assert first == ("step    1/1000 | loss 2.0000 | lr 1.00e-03 | grad_norm 0.500 | 100 tok | "
-                     f"10 tok/s | ETA {format_duration(9990)}")
+    assert first == (
+        "step    1/1000 | loss 2.0000 | lr 1.00e-03 | grad_norm 0.500 | 100 tok | "
+        f"10 tok/s | ETA {format_duration(9990)}"
+    )
     assert format_duration(9990) == "2h46m"
     assert (format_duration(42), format_duration(185)) == ("42s", "3m05s")
 
@@ -194,7 +244,9 @@ def test_on_a_terminal_the_loss_lines_are_written_above_the_bar():
     # tqdm.write puts each line on its own, outside the bar's carriage-return redraws
     lines = [seg for line in text.split("\n") for seg in line.split("\r") if "| loss" in seg]
     assert [line.split(" | ")[0] for line in lines if line.startswith("step ")] == [
-        "step 1/4", "step 2/4", "step 4/4"
+        "step 1/4",
+        "step 2/4",
+        "step 4/4",
     ]  # no heartbeat lines on a terminal: the bar moves instead
     assert "4/4" in text.split("\n")[-1] or "4/4" in text  # the bar itself reached the end
 
@@ -211,9 +263,13 @@ def test_an_evaluation_over_no_tokens_is_refused_not_zero():
 def test_a_resume_past_the_end_is_refused_before_anything_is_written(tmp_path):
     cfg = load_config(overrides=[*SMALL, "training.max_steps=2", "training.eval_every=0"])
     Trainer(cfg, tmp_path, stream=io.StringIO()).run()
+
     def written() -> dict:  # the run's files; the lock file records each trainer that looks
-        return {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")
-                if p.is_file() and p.name != LOCK_FILE}
+        return {
+            p: p.stat().st_mtime_ns
+            for p in tmp_path.rglob("*")
+            if p.is_file() and p.name != LOCK_FILE
+        }
 
     before = written()
     cfg.training.max_steps = 1

@@ -54,8 +54,6 @@ MICRO = [
 SETS = [a for o in MICRO for a in ("--set", o)]
 
 
-
-
 def assert_same_run(a: Path, b: Path) -> None:
     wa, wb = checkpoint_weights(a), checkpoint_weights(b)
     assert wa.keys() == wb.keys()
@@ -76,7 +74,8 @@ def test_resume_fallback_continues_from_the_newest_intact_checkpoint(tmp_path, c
     assert main(["train", "--run-dir", str(whole), *SETS]) == 0
     assert main(["train", "--run-dir", str(run), *SETS, "--set", "training.max_steps=3"]) == 0
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == [
-        "step-0000002", "step-0000003"
+        "step-0000002",
+        "step-0000003",
     ]
     damaged = run / "checkpoints" / "step-0000003" / ckpt.MODEL_FILE
     data = bytearray(damaged.read_bytes())
@@ -88,9 +87,10 @@ def test_resume_fallback_continues_from_the_newest_intact_checkpoint(tmp_path, c
     line = one_error_line(capsys)
     assert "SHA-256" in line and "step-0000002" in line and "--resume-fallback" in line
 
-    assert main(
-        ["train", "--resume", str(run), "--resume-fallback", "--set", "training.max_steps=4"]
-    ) == 0
+    assert (
+        main(["train", "--resume", str(run), "--resume-fallback", "--set", "training.max_steps=4"])
+        == 0
+    )
     assert "resumed from " + str(run / "checkpoints" / "step-0000002") in capsys.readouterr().out
     assert_same_run(whole, run)
 
@@ -162,8 +162,19 @@ def test_damaged_checkpoint_parts_are_one_line(base_run, tmp_path, capsys, part,
 
 
 def test_untrusted_model_sizes_are_refused_before_allocation(base_run, tmp_path, capsys):
-    assert main(["train", "--run-dir", str(tmp_path / "r"), *SETS,
-                 "--set", "model.vocab_size=1000000000000"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--run-dir",
+                str(tmp_path / "r"),
+                *SETS,
+                "--set",
+                "model.vocab_size=1000000000000",
+            ]
+        )
+        == 2
+    )
     assert one_error_line(capsys).startswith(
         "error: model.vocab_size=1000000000000 (with model.n_embd=32, model.n_head=2) makes a "
         "model of 6.4e+13 parameters, more than the 1e+11 allowed; lower model.vocab_size"
@@ -198,14 +209,22 @@ def test_a_model_larger_than_memory_is_refused_before_allocation(monkeypatch):
     [
         {},
         {"position": "alibi_learned", "norm": "layernorm_affine", "vocab_size": 300},
-        {"language_head": {"type": "nca_factorized_patch", "state_count": 2, "patch_size": 2,
-                           "frame_special_tokens": True}, "vocab_size": 40},
+        {
+            "language_head": {
+                "type": "nca_factorized_patch",
+                "state_count": 2,
+                "patch_size": 2,
+                "frame_special_tokens": True,
+            },
+            "vocab_size": 40,
+        },
     ],
     ids=["token", "alibi-learned-affine", "nca-head"],
 )
 def test_parameter_count_from_sizes_equals_the_built_model(overrides):
-    cfg = BDHConfig.from_dict({"n_layer": 2, "n_embd": 32, "n_head": 4,
-                               "mlp_internal_dim_multiplier": 4, **overrides})
+    cfg = BDHConfig.from_dict(
+        {"n_layer": 2, "n_embd": 32, "n_head": 4, "mlp_internal_dim_multiplier": 4, **overrides}
+    )
     assert cfg.parameter_count() == sum(p.numel() for p in BDH(cfg).parameters())
 
 
@@ -215,8 +234,11 @@ def test_file_size_limit_during_a_save_keeps_the_last_checkpoint(base_run, tmp_p
     run = copy_run(base_run, tmp_path / "run")
     limit = (run / "checkpoints" / "step-0000002" / "optimizer.pt").stat().st_size // 2
 
-    proc = fork_cli(["train", "--resume", str(run), "--set", "training.max_steps=4"],
-                    tmp_path / "limited", file_size_limit=limit)
+    proc = fork_cli(
+        ["train", "--resume", str(run), "--set", "training.max_steps=4"],
+        tmp_path / "limited",
+        file_size_limit=limit,
+    )
     proc.join(120)
     stderr = (tmp_path / "limited.err").read_text()
     assert proc.exitcode == 2, stderr[-2000:]
@@ -243,7 +265,8 @@ def small_tmpfs(tmp_path):
     mount.mkdir()
     made = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     if made.returncode != 0:
         reason = f"cannot mount a tmpfs here ({made.stderr.strip() or made.returncode})"
@@ -278,14 +301,26 @@ def test_disk_full_and_read_only_run_dir_keep_the_last_checkpoint(base_run, smal
 # ------------------------------------------------------------------ a signal to one rank
 def _torchrun(run: Path, processes: int, *args: str) -> list[str]:
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    return [torchrun, "--standalone", "--nproc-per-node", str(processes), "-m", "bdh_train",
-            "train", "--run-dir", str(run), *args]
+    return [
+        torchrun,
+        "--standalone",
+        "--nproc-per-node",
+        str(processes),
+        "-m",
+        "bdh_train",
+        "train",
+        "--run-dir",
+        str(run),
+        *args,
+    ]
 
 
 LAYOUTS = {
     "ddp-2": (2, []),
-    "mesh-2x2": (4, ["parallel.pipeline_stages=2", "parallel.data_parallel=2",
-                     "parallel.microbatches=2"]),
+    "mesh-2x2": (
+        4,
+        ["parallel.pipeline_stages=2", "parallel.data_parallel=2", "parallel.microbatches=2"],
+    ),
 }
 
 
@@ -299,13 +334,24 @@ def test_sigterm_to_one_rank_stops_all_with_one_checkpoint(tmp_path, layout):
     processes, layout_sets = LAYOUTS[layout]
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    sets = [*SETS, "--set", "training.max_steps=100000", "--set", "training.checkpoint_every=5",
-            "--set", "training.gradient_accumulation_steps=2",
-            "--set", "parallel.collective_timeout_s=20"]
+    sets = [
+        *SETS,
+        "--set",
+        "training.max_steps=100000",
+        "--set",
+        "training.checkpoint_every=5",
+        "--set",
+        "training.gradient_accumulation_steps=2",
+        "--set",
+        "parallel.collective_timeout_s=20",
+    ]
     sets += [a for o in layout_sets for a in ("--set", o)]
     launcher = subprocess.Popen(
-        _torchrun(run, processes, *sets), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env,
+        _torchrun(run, processes, *sets),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         deadline = time.monotonic() + 150
@@ -337,8 +383,11 @@ def test_sigterm_to_one_rank_stops_all_with_one_checkpoint(tmp_path, layout):
     assert state["step"] == steps[-1]
     position = ckpt.checkpoint_position(stopped.name)
     assert position == (state["step"], state["micro"])
-    same = [p for p in ckpt.list_checkpoints(run / "checkpoints")
-            if ckpt.checkpoint_position(p.name) == position]
+    same = [
+        p
+        for p in ckpt.list_checkpoints(run / "checkpoints")
+        if ckpt.checkpoint_position(p.name) == position
+    ]
     assert same == [stopped] and leftovers(run) == []
 
     if layout != "ddp-2":
@@ -354,10 +403,12 @@ def _resume_to(rank: int, world: int, run: Path, max_steps: int) -> None:
     from bdh_train.distributed.env import DistContext
     from bdh_train.trainer import CONFIG_FILE, Trainer
 
-    cfg = load_config([run / CONFIG_FILE], [f"training.max_steps={max_steps}"],
-                      default_preset=False)
-    Trainer(cfg, run, resume=True, dist_ctx=DistContext(rank, world, rank),
-            stream=io.StringIO()).run()
+    cfg = load_config(
+        [run / CONFIG_FILE], [f"training.max_steps={max_steps}"], default_preset=False
+    )
+    Trainer(
+        cfg, run, resume=True, dist_ctx=DistContext(rank, world, rank), stream=io.StringIO()
+    ).run()
 
 
 # ------------------------------------------------------------------ SIGKILL loop

@@ -41,10 +41,13 @@ def assert_state_is_the_whole_sequence(cont: Continuation, model, events, seq: l
 
 def one_call(model, events, prompt: list[int], n: int, temperature: float, seed: int):
     out = model.generate(
-        torch.tensor(prompt), n, temperature, generator=torch.Generator().manual_seed(seed),
+        torch.tensor(prompt),
+        n,
+        temperature,
+        generator=torch.Generator().manual_seed(seed),
         summary_events=events,
     )
-    return out[len(prompt):].tolist()
+    return out[len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -56,8 +56,6 @@ STREAMING_TBPTT = [
 ]
 
 
-
-
 @pytest.mark.parametrize(
     "overrides", [RANDOM_ACCUM, STREAMING_TBPTT], ids=["random-windows-accum3", "streaming-tbptt"]
 )
@@ -108,9 +106,12 @@ def test_corpus_document_streaming_resume_mid_document_is_bit_exact(tmp_path, mo
     _with_documents(monkeypatch)
     monkeypatch.setattr(Trainer, "sample", lambda self, *args, **kwargs: None)  # not under test
     overrides = [
-        *STREAMING_TBPTT, "training.min_logical_block_size=0",
-        "training.stream_documents='corpus'", "training.max_steps=4",
-        "training.eval_every=2", "training.checkpoint_every=2",
+        *STREAMING_TBPTT,
+        "training.min_logical_block_size=0",
+        "training.stream_documents='corpus'",
+        "training.max_steps=4",
+        "training.eval_every=2",
+        "training.checkpoint_every=2",
     ]
     whole = tmp_path / "whole"
     Trainer(load_config(overrides=overrides), whole, stream=io.StringIO()).run()
@@ -203,9 +204,22 @@ def train_one_and_two_processes(tmp_path: Path, overrides: list[str], two_only: 
     extra = [a for o in two_only for a in ("--set", o)]
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     two = subprocess.Popen(
-        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "bdh_train",
-         "train", "--run-dir", str(tmp_path / "two"), *sets, *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "bdh_train",
+            "train",
+            "--run-dir",
+            str(tmp_path / "two"),
+            *sets,
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
@@ -275,8 +289,9 @@ def test_pipeline_without_enough_processes_is_refused(tmp_path):
     from bdh_train.errors import ConfigError
 
     cfg = load_config(overrides=[*MICRO, "parallel.pipeline_stages=2", "parallel.microbatches=2"])
-    with pytest.raises(ConfigError, match="needs a multiple of 2 processes .* got 1; or set "
-                       "parallel.emulate=true"):
+    with pytest.raises(
+        ConfigError, match="needs a multiple of 2 processes .* got 1; or set parallel.emulate=true"
+    ):
         Trainer(cfg, tmp_path)
     assert not any(tmp_path.iterdir())
 
@@ -438,12 +453,17 @@ def test_profiling_from_the_environment_leaves_training_bit_identical(tmp_path, 
     for bit, as the unprofiled run, and only it writes profile rows."""
     monkeypatch.setattr(Trainer, "sample", lambda self, *args, **kwargs: None)  # not under test
     overrides = [
-        *MICRO, "training.max_steps=2", "training.eval_every=0", "training.checkpoint_every=0",
+        *MICRO,
+        "training.max_steps=2",
+        "training.eval_every=0",
+        "training.checkpoint_every=0",
         "training.gradient_accumulation_steps=2",
     ]
     runs = {}
-    for name, env in (("plain", {}), ("profiled", {"BDH_PROFILE": "detail",
-                                                   "BDH_PROFILE_MEMORY": "1"})):
+    for name, env in (
+        ("plain", {}),
+        ("profiled", {"BDH_PROFILE": "detail", "BDH_PROFILE_MEMORY": "1"}),
+    ):
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         trainer = Trainer(load_config(overrides=overrides), tmp_path / name, stream=io.StringIO())
@@ -452,8 +472,10 @@ def test_profiling_from_the_environment_leaves_training_bit_identical(tmp_path, 
         runs[name] = (rows, {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
     (plain_rows, plain), (profiled_rows, profiled) = runs["plain"], runs["profiled"]
     assert not any("forward_s" in r for r in plain_rows)
-    assert all("probe_model_forward_backward_s" in r and "mem_after_forward_mib" in r
-               for r in profiled_rows)
+    assert all(
+        "probe_model_forward_backward_s" in r and "mem_after_forward_mib" in r
+        for r in profiled_rows
+    )
     assert [r["loss"] for r in plain_rows] == [r["loss"] for r in profiled_rows]
     for name, p in plain.items():
         assert torch.equal(p, profiled[name]), name
@@ -736,7 +758,9 @@ def test_a_fresh_run_refuses_a_directory_holding_another_run(tmp_path):
         Trainer(load_config(overrides=MICRO), run, stream=io.StringIO())
     assert sorted(p.name for p in run.iterdir()) == before
     fresh = Trainer(
-        load_config(overrides=[*MICRO, "training.max_steps=1"]), run, stream=io.StringIO(),
+        load_config(overrides=[*MICRO, "training.max_steps=1"]),
+        run,
+        stream=io.StringIO(),
         overwrite=True,
     )
     fresh.run()
@@ -761,9 +785,19 @@ def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(
     # Its output goes to a file: a pipe nobody reads would fill and block it mid-run.
     console = open(tmp_path / "first.out", "w")  # noqa: SIM115 - closed below
     first = subprocess.Popen(
-        [sys.executable, "-m", "bdh_train", "train", "--run-dir", str(run),
-         *[f"--set={o}" for o in overrides]],
-        stdout=console, stderr=subprocess.STDOUT, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "bdh_train",
+            "train",
+            "--run-dir",
+            str(run),
+            *[f"--set={o}" for o in overrides],
+        ],
+        stdout=console,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     try:
         deadline = time.monotonic() + 120
@@ -795,8 +829,9 @@ def test_a_second_trainer_is_refused_before_it_touches_the_run(tmp_path):
     run (and may be half-way through a save) must be refused before that, leaving the first
     one's temporary directory alone."""
     run = tmp_path / "run"
-    Trainer(load_config(overrides=[*MICRO, "training.max_steps=5"]), run,
-            stream=io.StringIO()).run()
+    Trainer(
+        load_config(overrides=[*MICRO, "training.max_steps=5"]), run, stream=io.StringIO()
+    ).run()
     overrides = [*MICRO, "training.max_steps=6"]
     holder = Trainer(load_config(overrides=overrides), run, resume=True, stream=io.StringIO())
     saving = run / "checkpoints" / ".tmp-step-0000006-abc"  # the holder's save in progress

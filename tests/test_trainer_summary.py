@@ -51,8 +51,9 @@ def test_summary_memory_run_resumes_bit_exact(tmp_path, monkeypatch):
     split = tmp_path / "split"
     first = Trainer(load_config(overrides=SUMMARY_STREAMING), split, stream=io.StringIO())
     assert first.run(stop_after_micro_steps=5).stopped_early
-    Trainer(load_config(overrides=SUMMARY_STREAMING), split, resume=True,
-            stream=io.StringIO()).run()
+    Trainer(
+        load_config(overrides=SUMMARY_STREAMING), split, resume=True, stream=io.StringIO()
+    ).run()
     a = load_file(str(ckpt.resolve_checkpoint(tmp_path / "whole") / ckpt.MODEL_FILE))
     b = load_file(str(ckpt.resolve_checkpoint(split) / ckpt.MODEL_FILE))
     for name in a:

@@ -62,8 +62,13 @@ def _two_processes(rank: int, world: int, base: str) -> tuple[float, int, int]:
     for mode, overrides in MODES.items():
         train_in_group(Path(base, mode, "whole"), overrides, rank, world)
         accumulation = 2
-        train_in_group(Path(base, mode, "split"), overrides, rank, world,
-               stop_after=STOP_AT_STEP * accumulation)
+        train_in_group(
+            Path(base, mode, "split"),
+            overrides,
+            rank,
+            world,
+            stop_after=STOP_AT_STEP * accumulation,
+        )
     return _evaluate(rank, world)
 
 
@@ -102,7 +107,9 @@ def test_a_two_process_run_resumes_on_one_and_on_four_processes_and_evaluates_sp
             )
             # step 6's validation: split over 2 ranks in `whole`, over 1 or 4 here
             assert_close(
-                metric_column(run, "val_loss")[-1], metric_column(whole, "val_loss")[-1], rtol=1e-5,
+                metric_column(run, "val_loss")[-1],
+                metric_column(whole, "val_loss")[-1],
+                rtol=1e-5,
                 msg=f"{mode} {copy} val_loss",
             )
 
@@ -115,13 +122,20 @@ def test_regrouping_deals_the_global_rows_of_the_carried_state():
             "position": torch.tensor(rows),
             "rho.0": torch.tensor(rows, dtype=torch.float32).view(-1, 1, 1, 1),
         }
-        return {"rng": tag, "train_step": {"gradient_scales": {}, "carried_state": carried},
-                "accumulator": "empty", "gradient_scales": {}}
+        return {
+            "rng": tag,
+            "train_step": {"gradient_scales": {}, "carried_state": carried},
+            "accumulator": "empty",
+            "gradient_scales": {},
+        }
 
     two = [payload([0, 1, 2, 3], 0), payload([4, 5, 6, 7], 1)]
     four = [regroup_rank_payloads(two, rank, 4) for rank in range(4)]
     assert [p["train_step"]["carried_state"]["position"].tolist() for p in four] == [
-        [0, 1], [2, 3], [4, 5], [6, 7]
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
     ]
     assert [p["rng"] for p in four] == [0, 0, 1, 1]
     one = regroup_rank_payloads(two, 0, 1)
@@ -129,8 +143,16 @@ def test_regrouping_deals_the_global_rows_of_the_carried_state():
 
 
 def test_resume_on_another_process_count_is_refused_mid_window_and_for_uneven_rows(tmp_path):
-    counters = {"step": 1, "micro": 1, "tokens": 96, "skips": 0, "window_loss": 5.0,
-                "window_count": 32.0, "elapsed": 1.0, "world_size": 2}
+    counters = {
+        "step": 1,
+        "micro": 1,
+        "tokens": 96,
+        "skips": 0,
+        "window_loss": 5.0,
+        "window_count": 32.0,
+        "elapsed": 1.0,
+        "world_size": 2,
+    }
     with pytest.raises(CheckpointError, match="1 micro-step.*by 2 processes; resume it with 2"):
         TrainerState(world_size=1).load_state_dict(counters)
     TrainerState(world_size=4).load_state_dict({**counters, "micro": 0})  # a step boundary

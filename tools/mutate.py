@@ -45,15 +45,21 @@ MODULE_TESTS: dict[str, list[str]] = {
     "model/matmul.py": ["tests/model/test_matmul.py"],
     "model/gate.py": ["tests/model/test_gate.py"],
     "model/recording.py": [
-        "tests/model/test_matmul.py", "tests/model/test_gate.py", "tests/model/test_mixer.py"
+        "tests/model/test_matmul.py",
+        "tests/model/test_gate.py",
+        "tests/model/test_mixer.py",
     ],
     "train/step.py": ["tests/train/test_step.py"],
     "completions.py": ["tests/cli/test_cli_inference.py"],
     "model/generate.py": [
-        "tests/model/test_fast_decode.py", "tests/model/test_generation_api.py",
+        "tests/model/test_fast_decode.py",
+        "tests/model/test_generation_api.py",
         "tests/model/test_model_generate.py",
-        "tests/model/test_summary_memory.py", "tests/model/test_alibi_learned.py",
-        "tests/model/test_nca_head.py", "tests/test_inference.py", "tests/test_api.py",
+        "tests/model/test_summary_memory.py",
+        "tests/model/test_alibi_learned.py",
+        "tests/model/test_nca_head.py",
+        "tests/test_inference.py",
+        "tests/test_api.py",
     ],
 }
 """The modules under mutation testing, in the order they run, and the test files that guard
@@ -137,7 +143,11 @@ def _survivors(workdir: Path, module: str) -> list[Survivor]:
     diffs = json.loads(
         subprocess.run(
             [sys.executable, "-c", _DIFFS, *checked],
-            cwd=workdir, env=env, check=True, capture_output=True, text=True,
+            cwd=workdir,
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout.splitlines()[-1]
     )
     equivalents = [e for e in _load_equivalents() if e["module"] == module]

@@ -39,7 +39,8 @@ class SequenceBatch:
                 f"{tuple(self.inputs.shape)} and {tuple(self.targets.shape)}"
             )
         if self.reset is not None and self.reset.shape not in (
-            self.inputs.shape[:1], self.inputs.shape
+            self.inputs.shape[:1],
+            self.inputs.shape,
         ):
             raise ValueError(
                 f"SequenceBatch.reset must have shape [B]=({self.inputs.shape[0]},) or "

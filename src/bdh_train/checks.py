@@ -69,9 +69,7 @@ def cpu_threads(path: str, value: Any) -> int:
 def interval(path: str, value: Any) -> int:
     """An `*_every` setting: a step interval where 0 switches the action off."""
     if not is_int(value) or value < 0:
-        raise ConfigError(
-            f"{path} must be a non-negative integer (0 disables it), got {value!r}"
-        )
+        raise ConfigError(f"{path} must be a non-negative integer (0 disables it), got {value!r}")
     return int(value)
 
 

@@ -53,7 +53,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         help="override one value, e.g. training.max_steps=30",
     )
     p.add_argument(
-        "--preset", default=None,
+        "--preset",
+        default=None,
         help="start from a preset: tiny | small | pathway (default: tiny when no --config)",
     )
 
@@ -67,11 +68,15 @@ def _add_inference_args(p: argparse.ArgumentParser) -> None:
         "`bdh-train export --ternary` file",
     )
     p.add_argument(
-        "--device", default="auto", choices=DEVICES,
+        "--device",
+        default="auto",
+        choices=DEVICES,
         help="where the model runs (auto: CUDA when available)",
     )
     p.add_argument(
-        "--threads", type=int, default=0,
+        "--threads",
+        type=int,
+        default=0,
         help="CPU threads for torch, at most the machine's CPUs (0: torch's default)",
     )
 
@@ -81,22 +86,31 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
         "--max-new-tokens", type=int, default=200, help="tokens to generate (per turn in chat)"
     )
     p.add_argument(
-        "--temperature", type=float, default=0.8,
+        "--temperature",
+        type=float,
+        default=0.8,
         help="sampling temperature; 0 = greedy (always the most likely token)",
     )
     p.add_argument(
-        "--top-k", type=int, default=None,
+        "--top-k",
+        type=int,
+        default=None,
         help="sample only from the k most likely tokens (default: all of them)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument(
-        "--stop", action="append", default=[], metavar="TEXT",
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
         help="end a completion (in chat, a reply) where it samples TEXT, which must be one "
         "token of the run's tokenizer; the stop is neither printed nor read into the state "
         "(repeatable)",
     )
     p.add_argument(
-        "--load-state", default=None, metavar="FILE",
+        "--load-state",
+        default=None,
+        metavar="FILE",
         help="continue from a state saved with generate --save-state (same model)",
     )
 
@@ -158,24 +172,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream text from a checkpoint (O(1) per token)")
     _add_inference_args(p)
     p.add_argument(
-        "--prompt", default=None,
+        "--prompt",
+        default=None,
         help="text to continue (default: a newline; with --load-state: nothing more)",
     )
     _add_sampling_args(p)
     p.add_argument(
-        "--save-state", default=None, metavar="FILE",
+        "--save-state",
+        default=None,
+        metavar="FILE",
         help="after reading the prompt, save the model's state (its size does not grow with "
         "the prompt) to FILE, to continue from later with --load-state",
     )
     p.add_argument(
-        "--prompts-file", default=None, metavar="FILE",
+        "--prompts-file",
+        default=None,
+        metavar="FILE",
         help='complete many prompts: FILE holds one JSON object a line, {"prompt": "text"} '
         "(other keys are copied); prints each object as a JSON line with its "
         '"completion" and "stop" (the stop text it ended on, or null). Greedy completions '
         "are each prompt's alone; sampled ones depend on the batch",
     )
     p.add_argument(
-        "--batch-size", type=int, default=None,
+        "--batch-size",
+        type=int,
+        default=None,
         help=f"with --prompts-file: prompts generated together (each row's state is kept "
         f"in memory while its batch runs) (default: {PROMPTS_BATCH_SIZE})",
     )
@@ -204,29 +225,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="the prepared corpus directory")
     tok = p.add_mutually_exclusive_group()
     tok.add_argument(
-        "--tokenizer", default=None, metavar="PATH",
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
         help="'bytes' or a Hugging Face tokenizer.json (or a directory holding one) "
         "(default: bytes)",
     )
     tok.add_argument(
-        "--train-tokenizer", choices=("bpe",), default=None,
+        "--train-tokenizer",
+        choices=("bpe",),
+        default=None,
         help="train a byte-level BPE of --vocab-size ids on the training documents and store "
         "it in DIR",
     )
     p.add_argument("--vocab-size", type=int, default=None, help="with --train-tokenizer")
     val = p.add_mutually_exclusive_group()
     val.add_argument(
-        "--val-fraction", type=float, default=None,
+        "--val-fraction",
+        type=float,
+        default=None,
         help="about this share of the documents goes to validation, picked by a hash of "
         "their index (when that picks none: the last share of the tokens) "
         "(default: that of data.val_fraction)",
     )
     val.add_argument(
-        "--val", nargs="+", default=None, metavar="SOURCE",
+        "--val",
+        nargs="+",
+        default=None,
+        metavar="SOURCE",
         help="validation sources instead of --val-fraction",
     )
     p.add_argument(
-        "--text-field", default=None,
+        "--text-field",
+        default=None,
         help="the field of JSON lines, column of parquet files and saved datasets that holds "
         "the text (default: that of data.text_field)",
     )
@@ -262,9 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of metrics.jsonl (train with training.profile = 'step' or 'detail')",
     )
     p.add_argument("run_dir")
-    p.add_argument(
-        "--png", default=None, metavar="PATH", help="draw the bars to PATH instead"
-    )
+    p.add_argument("--png", default=None, metavar="PATH", help="draw the bars to PATH instead")
 
     p = sub.add_parser("plan", help="print a pipeline schedule's timeline and bubble")
     p.add_argument("--layers", type=int, required=True)
@@ -273,7 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--schedule", default="gpipe", help="gpipe | 1f1b | interleaved_1f1b")
     p.add_argument(
-        "--data-parallel", type=int, default=1, metavar="N",
+        "--data-parallel",
+        type=int,
+        default=1,
+        metavar="N",
         help="data-parallel replicas of the pipeline: show the N x stages process mesh",
     )
     p.add_argument("--png", default=None, metavar="PATH", help="also draw it to PATH")
@@ -322,7 +354,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = None
     try:
         trainer = Trainer(
-            cfg, run_dir, resume=resume, dist_ctx=dist_ctx, overwrite=args.overwrite,
+            cfg,
+            run_dir,
+            resume=resume,
+            dist_ctx=dist_ctx,
+            overwrite=args.overwrite,
             resume_fallback=args.resume_fallback,
         )
         with _stop_on_signals(trainer.request_stop):
@@ -421,7 +457,8 @@ def _check_prompts_file_args(args: argparse.Namespace) -> None:
             )
         return
     for option, value in (
-        ("--prompt", args.prompt), ("--load-state", args.load_state),
+        ("--prompt", args.prompt),
+        ("--load-state", args.load_state),
         ("--save-state", args.save_state),
     ):
         if value is not None:
@@ -434,8 +471,12 @@ def _check_prompts_file_args(args: argparse.Namespace) -> None:
 
 
 def _generate_from_prompts_file(
-    args: argparse.Namespace, model: BDH, tok: Tokenizer, events: SummaryEvents | None,
-    generator: torch.Generator, stops: dict[int, str],
+    args: argparse.Namespace,
+    model: BDH,
+    tok: Tokenizer,
+    events: SummaryEvents | None,
+    generator: torch.Generator,
+    stops: dict[int, str],
 ) -> int:
     """Print each prompt of --prompts-file with its completion, one JSON line each (ASCII:
     any other character escaped, whatever the terminal's encoding)."""
@@ -443,9 +484,15 @@ def _generate_from_prompts_file(
 
     records = read_prompts(args.prompts_file, tok)
     for done in complete(
-        model, tok, records, args.max_new_tokens,
+        model,
+        tok,
+        records,
+        args.max_new_tokens,
         PROMPTS_BATCH_SIZE if args.batch_size is None else args.batch_size,
-        temperature=args.temperature, top_k=args.top_k, generator=generator, stops=stops,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        generator=generator,
+        stops=stops,
         summary_events=events,
     ):
         sys.stdout.write(json.dumps(done) + "\n")
@@ -481,7 +528,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out.write(text)
         out.flush()
         stream = model.stream_generate(
-            prompt, args.max_new_tokens, args.temperature, args.top_k, generator,
+            prompt,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_k,
+            generator,
             summary_events=events,
         )
         stream_text(until_stop((int(token) for token in stream), stops), out, tok)
@@ -520,8 +571,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sys.stdout.write(prompt)
     sys.stdout.flush()
     chat(
-        cont, tok, sys.stdin, sys.stdout, args.max_new_tokens, args.temperature, args.top_k,
-        generator, prompt=prompt, stops=stops,
+        cont,
+        tok,
+        sys.stdin,
+        sys.stdout,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        generator,
+        prompt=prompt,
+        stops=stops,
     )
     return 0
 
@@ -564,8 +623,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tok = tok if tok is not None else ByteTokenizer()  # the ids of a byte run's text are bytes
     text_of = tok if is_text_of(source, tok.kind == BYTES) else None
     result = evaluate(
-        step, data, t.block_size, t.batch_size, args.batches,
-        summary_trigger=cfg.data.summary_trigger(), device=model.embed.weight.device,
+        step,
+        data,
+        t.block_size,
+        t.batch_size,
+        args.batches,
+        summary_trigger=cfg.data.summary_trigger(),
+        device=model.embed.weight.device,
         byte_lengths=None if text_of is None else text_of.token_byte_lengths(),
         head=model.config.language_head,
     )
@@ -580,16 +644,20 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if (args.train_tokenizer is None) != (args.vocab_size is None):
         raise ConfigError("--train-tokenizer bpe and --vocab-size N go together")
     given = {  # options left out take prepare_corpus's defaults
-        key: value for key, value in (
-            ("val_fraction", args.val_fraction), ("text_field", args.text_field)
-        ) if value is not None
+        key: value
+        for key, value in (("val_fraction", args.val_fraction), ("text_field", args.text_field))
+        if value is not None
     }
     started = time.perf_counter()
     meta = prepare_corpus(
-        args.sources, args.out,
+        args.sources,
+        args.out,
         tokenizer=None if args.tokenizer is None else load_tokenizer(args.tokenizer),
-        train_bpe_vocab=args.vocab_size, val_sources=args.val, force=args.force,
-        progress=not args.quiet, **given,
+        train_bpe_vocab=args.vocab_size,
+        val_sources=args.val,
+        force=args.force,
+        progress=not args.quiet,
+        **given,
     )
     splits = ", ".join(
         f"{name} {counts['tokens']:,} tokens ({counts['documents']:,} documents)"

@@ -32,8 +32,13 @@ COMPLETION_KEY = "completion"
 STOP_KEY = "stop"
 EXAMPLE_LINE = '{"prompt": "text"}'
 JSON_KINDS = {
-    type(None): "null", bool: "boolean", int: "number", float: "number", str: "string",
-    list: "array", dict: "object",
+    type(None): "null",
+    bool: "boolean",
+    int: "number",
+    float: "number",
+    str: "string",
+    list: "array",
+    dict: "object",
 }
 """The JSON name of each type `json.loads` gives."""
 
@@ -117,9 +122,16 @@ def _refuse_constant(where: str, name: str) -> float:
 
 
 def complete(
-    model: BDH, tokenizer: Tokenizer, records: Sequence[PromptRecord], max_new_tokens: int,
-    batch_size: int, *, temperature: float, top_k: int | None,
-    generator: torch.Generator | None, stops: dict[int, str],
+    model: BDH,
+    tokenizer: Tokenizer,
+    records: Sequence[PromptRecord],
+    max_new_tokens: int,
+    batch_size: int,
+    *,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None,
+    stops: dict[int, str],
     summary_events: SummaryEvents | None,
 ) -> Iterator[dict[str, Any]]:
     """Each record's fields with its "completion" and "stop", in the records' order,
@@ -128,8 +140,13 @@ def complete(
     for start in range(0, len(records), batch_size):
         batch = records[start : start + batch_size]
         rows = model.generate_batch(
-            [record.ids for record in batch], max_new_tokens, temperature, top_k, generator,
-            stop_tokens=list(stops), summary_events=summary_events,
+            [record.ids for record in batch],
+            max_new_tokens,
+            temperature,
+            top_k,
+            generator,
+            stop_tokens=list(stops),
+            summary_events=summary_events,
         )
         for record, row in zip(batch, rows, strict=True):
             new = row[len(record.ids) :].tolist()

@@ -189,7 +189,10 @@ class Continuation:
 
     @torch.no_grad()
     def sample(
-        self, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+        self,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
         generator: torch.Generator | None = None,
     ) -> Iterator[int]:
         """Draw tokens one at a time, each read back in before the next is drawn (one
@@ -306,9 +309,16 @@ def stream_text(tokens: Iterable[int], out: TextIO, tokenizer: Tokenizer) -> Non
 
 
 def chat(
-    continuation: Continuation, tokenizer: Tokenizer, lines: Iterable[str], out: TextIO,
-    max_new_tokens: int, temperature: float, top_k: int | None, generator: torch.Generator,
-    prompt: str = "", stops: Collection[int] = (),
+    continuation: Continuation,
+    tokenizer: Tokenizer,
+    lines: Iterable[str],
+    out: TextIO,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator,
+    prompt: str = "",
+    stops: Collection[int] = (),
 ) -> int:
     """A REPL: each line read (newline included) is fed on top of everything before it, then
     up to `max_new_tokens` are sampled and written (a token of `stops` ends the reply,

@@ -431,8 +431,12 @@ class Trainer:
             self._load_checkpoint(self.resumed_from)
             self.resume_notes = self._check_resumed_length(self.resumed_from)
         self.progress = Progress(
-            t.max_steps, self.state.step, stream, enabled=self.dist.is_main,
-            log_every=t.log_every, initial_tokens=self.state.tokens,
+            t.max_steps,
+            self.state.step,
+            stream,
+            enabled=self.dist.is_main,
+            log_every=t.log_every,
+            initial_tokens=self.state.tokens,
         )
 
     # ------------------------------------------------------------------ construction
@@ -451,8 +455,11 @@ class Trainer:
         plan = None
         if p.pipeline_stages > 1:
             plan = build_pipeline_plan(
-                self.cfg.model.n_layer, p.pipeline_stages, p.virtual_stages_per_rank,
-                p.microbatches, p.schedule,
+                self.cfg.model.n_layer,
+                p.pipeline_stages,
+                p.virtual_stages_per_rank,
+                p.microbatches,
+                p.schedule,
             )
         if plan is not None and stages > 1:
             from bdh_train.distributed.pipeline import PipelineRunner  # ~2 s of imports
@@ -478,16 +485,32 @@ class Trainer:
         t, dp = self.cfg.training, self.data_parallel
         if t.stream_documents == "corpus":
             return StreamingCorpusLoader(
-                self.train_data, t.block_size, t.batch_size, t.seed, dp.rank, dp.world_size,
+                self.train_data,
+                t.block_size,
+                t.batch_size,
+                t.seed,
+                dp.rank,
+                dp.world_size,
                 summary_trigger=self.cfg.data.summary_trigger(),
             )
         if t.streaming:
             return StreamingDocumentLoader(
-                self.train_data, t.block_size, t.batch_size, t.logical_block_size, t.seed,
-                dp.rank, dp.world_size, summary_trigger=self.cfg.data.summary_trigger(),
+                self.train_data,
+                t.block_size,
+                t.batch_size,
+                t.logical_block_size,
+                t.seed,
+                dp.rank,
+                dp.world_size,
+                summary_trigger=self.cfg.data.summary_trigger(),
             )
         return RandomWindowLoader(
-            self.train_data, t.block_size, t.batch_size, t.seed, dp.rank, dp.world_size,
+            self.train_data,
+            t.block_size,
+            t.batch_size,
+            t.seed,
+            dp.rank,
+            dp.world_size,
             accumulation_steps=self.accumulation_steps,
             summary_trigger=self.cfg.data.summary_trigger(),
         )
@@ -610,8 +633,12 @@ class Trainer:
             save_config(self.saved_cfg, self.run_dir / CONFIG_FILE)
         resume_step = s.step if self.resumed_from is not None else None
         self.metrics = MetricsReporter(
-            self.run_dir, self.cfg.metrics, resume_step, enabled=self.dist.is_main,
-            config=self.saved_cfg.to_dict(), config_text=dump_toml(self.saved_cfg),
+            self.run_dir,
+            self.cfg.metrics,
+            resume_step,
+            enabled=self.dist.is_main,
+            config=self.saved_cfg.to_dict(),
+            config_text=dump_toml(self.saved_cfg),
         )
         for line in self.banner_lines():
             self.progress.log(line)
@@ -728,8 +755,7 @@ class Trainer:
             f"run directory  {self.run_dir.resolve()}",
             f"device         {device}",
             f"model          {params / 1e6:.2f} M parameters ({params:,})",
-            f"data           {self.cfg.data.source}: {len(self.train_data):,} train tokens, "
-            f"{val}",
+            f"data           {self.cfg.data.source}: {len(self.train_data):,} train tokens, {val}",
             *tokenizer,
             f"per step       {t.batch_size} x {t.block_size} tokens{accum} = {per_step:,} tokens",
             f"length         {steps} ({t.max_steps * per_step:,} tokens in all)",
@@ -899,8 +925,13 @@ class Trainer:
         dp = self.data_parallel  # pipeline ranks evaluate every batch together instead
         with fsdp.gathered(self.model):
             result = evaluate(
-                self.executor, self.val_data, t.block_size, t.batch_size, t.eval_steps,
-                self.device, self.cfg.data.summary_trigger(),
+                self.executor,
+                self.val_data,
+                t.block_size,
+                t.batch_size,
+                t.eval_steps,
+                self.device,
+                self.cfg.data.summary_trigger(),
                 byte_lengths=None if text_of is None else text_of.token_byte_lengths(),
                 head=self.cfg.model.language_head,
                 part=(dp.rank, dp.world_size),
@@ -939,9 +970,9 @@ class Trainer:
             summary_events=self.cfg.data.summary_trigger(),
         )
         self.model.train()
-        text = tok.decode(out[len(prompt):].tolist())
+        text = tok.decode(out[len(prompt) :].tolist())
         self.progress.log(
-            f"--- sample (prompt: {tok.decode(out[:len(prompt)].tolist())!r}) ---\n{text}\n---"
+            f"--- sample (prompt: {tok.decode(out[: len(prompt)].tolist())!r}) ---\n{text}\n---"
         )
         return text
 
@@ -950,8 +981,10 @@ class Trainer:
         s = self.state
         sharded = self.cfg.parallel.shard == "fsdp"
         path = self.checkpointer.save(
-            ckpt.checkpoint_name(s.step, s.micro), self._checkpoint_parts(sharded=sharded),
-            before_rename, ckpt.ShardedState(self.model, self.optimizer) if sharded else None,
+            ckpt.checkpoint_name(s.step, s.micro),
+            self._checkpoint_parts(sharded=sharded),
+            before_rename,
+            ckpt.ShardedState(self.model, self.optimizer) if sharded else None,
         )
         self.dist.barrier()
         return path if path is not None else self.run_dir / ckpt.CHECKPOINTS

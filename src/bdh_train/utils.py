@@ -79,10 +79,16 @@ def build_dataclass(cls: type[T], data: Any, prefix: str) -> T:
         if kind is None or value is None:
             kwargs[key] = value
         elif kind[0] == "list":
-            kwargs[key] = value if not isinstance(value, list) else [
-                build_dataclass(kind[1], item, f"{where}[{i}]") if isinstance(item, dict) else item
-                for i, item in enumerate(value)
-            ]
+            kwargs[key] = (
+                value
+                if not isinstance(value, list)
+                else [
+                    build_dataclass(kind[1], item, f"{where}[{i}]")
+                    if isinstance(item, dict)
+                    else item
+                    for i, item in enumerate(value)
+                ]
+            )
         elif kind[0] == "optional" and not isinstance(value, dict):
             kwargs[key] = value
         else:

@@ -54,8 +54,13 @@ def test_default_train_then_generate_and_eval(tmp_path, capsys):
     on the run it wrote (in this process: the script's start-up was shown once)."""
     run_dir = tmp_path / "run"
     proc = run_cli(
-        "train", "--run-dir", str(run_dir), "--set", "training.max_steps=3",
-        "--set", "training.log_every=1",
+        "train",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "training.max_steps=3",
+        "--set",
+        "training.log_every=1",
     )
     assert proc.returncode == 0, proc.stderr
     assert "--- sample" in proc.stdout
@@ -136,12 +141,21 @@ def test_profile_shows_where_the_time_goes(tmp_path, capsys):
     step as 'other', the probes, in-use and reserved memory; and the stacked bar PNG."""
     rows = [{"step": 1, "loss": 5.0}]  # a row without a profile is skipped
     for step, forward in ((1, 0.010), (2, 0.030)):
-        rows.append({
-            "step": step, "loss": 4.0, "forward_s": forward, "backward_s": 0.040,
-            "probe_embed_s": 0.001, "probe_model_forward_s": 0.004, "step_s": 0.100,
-            "mem_before_mib": 100.0, "mem_before_reserved_mib": 128.0,
-            "mem_after_forward_mib": 300.0, "mem_after_forward_reserved_mib": 512.0,
-        })
+        rows.append(
+            {
+                "step": step,
+                "loss": 4.0,
+                "forward_s": forward,
+                "backward_s": 0.040,
+                "probe_embed_s": 0.001,
+                "probe_model_forward_s": 0.004,
+                "step_s": 0.100,
+                "mem_before_mib": 100.0,
+                "mem_before_reserved_mib": 128.0,
+                "mem_after_forward_mib": 300.0,
+                "mem_after_forward_reserved_mib": 512.0,
+            }
+        )
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["profile", str(tmp_path)]) == 0
     lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
@@ -202,9 +216,7 @@ def test_bad_data_is_one_message_and_nothing_written(tmp_path, capsys, case):
     assert sorted(p.name for p in run_dir.iterdir()) == ["error.log"]
 
 
-def test_a_cpu_compile_without_a_cpp_compiler_is_one_message_and_nothing_written(
-    tmp_path, capsys
-):
+def test_a_cpu_compile_without_a_cpp_compiler_is_one_message_and_nothing_written(tmp_path, capsys):
     """Inductor builds its CPU kernels with a C++ compiler: none found refuses the run before
     anything is written (here its search list names a compiler that does not exist; torch's
     own patch, which monkeypatch's undo would break for later compiles)."""
@@ -212,9 +224,7 @@ def test_a_cpu_compile_without_a_cpp_compiler_is_one_message_and_nothing_written
 
     run_dir = tmp_path / "run"
     with torch._inductor.config.patch({"cpp.cxx": ("no-such-cxx-compiler",)}):
-        code = main(
-            ["train", "--run-dir", str(run_dir), *MICRO, "--set", "training.compile=true"]
-        )
+        code = main(["train", "--run-dir", str(run_dir), *MICRO, "--set", "training.compile=true"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(
@@ -401,8 +411,14 @@ def test_train_frees_its_trainer_before_the_process_group_goes(tmp_path, monkeyp
     if ending == "failed":
         monkeypatch.setattr(trainer_module.Trainer, "run", run_then_fail)
     monkeypatch.setattr(DistContext, "close", recording_close)
-    one_step = ["--set", "training.max_steps=1", "--set", "training.eval_every=0",
-                "--set", "training.checkpoint_every=1"]
+    one_step = [
+        "--set",
+        "training.max_steps=1",
+        "--set",
+        "training.eval_every=0",
+        "--set",
+        "training.checkpoint_every=1",
+    ]
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -33,9 +33,20 @@ def bpe_run(tmp_path_factory):
     tok, tok_path, data = bpe_corpus(root / "corpus")
     bitnet = Path(__file__).parents[2] / "configs" / "bitnet.toml"
     run_dir = root / "run"
-    args = ["train", "--run-dir", str(run_dir), "--config", str(bitnet), *SMALL,
-            "--set", "model.quant.warmup_steps=0", "--set", f"data.source='{data}'",
-            "--set", f"data.tokenizer='{tok_path}'"]
+    args = [
+        "train",
+        "--run-dir",
+        str(run_dir),
+        "--config",
+        str(bitnet),
+        *SMALL,
+        "--set",
+        "model.quant.warmup_steps=0",
+        "--set",
+        f"data.source='{data}'",
+        "--set",
+        f"data.tokenizer='{tok_path}'",
+    ]
     import contextlib
     import io
 
@@ -73,7 +84,7 @@ def test_generate_and_eval_decode_with_the_run_tokenizer(bpe_run, capsys):
     assert loaded.fingerprint() == tok.fingerprint() and cfg.model.vocab_size == tok.vocab_size
     prompt = "ROMEO 3: the quick"
     ids = torch.tensor(tok.encode(prompt))
-    expected = prompt + tok.decode(model.generate(ids, 8, temperature=0)[len(ids):]) + "\n"
+    expected = prompt + tok.decode(model.generate(ids, 8, temperature=0)[len(ids) :]) + "\n"
     for checkpoint in (run_dir, export):
         capsys.readouterr()
         assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", prompt, *GREEDY]) == 0
@@ -104,8 +115,20 @@ def test_a_moved_run_loads_with_its_checkpoint_copy(bpe_run, tmp_path):
 def test_a_vocab_size_against_the_tokenizer_is_one_line_and_no_run(tmp_path, capsys):
     tok, tok_path, data = bpe_corpus(tmp_path / "corpus")
     run_dir = tmp_path / "run"
-    code = main(["train", "--run-dir", str(run_dir), *SMALL, "--set", f"data.source='{data}'",
-                 "--set", f"data.tokenizer='{tok_path}'", "--set", "model.vocab_size=256"])
+    code = main(
+        [
+            "train",
+            "--run-dir",
+            str(run_dir),
+            *SMALL,
+            "--set",
+            f"data.source='{data}'",
+            "--set",
+            f"data.tokenizer='{tok_path}'",
+            "--set",
+            "model.vocab_size=256",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert "model.vocab_size = 256" in err and f"has {tok.vocab_size} ids" in err
@@ -122,8 +145,17 @@ def test_a_resume_with_another_tokenizer_is_refused(bpe_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    code = main(["train", "--resume", str(run), "--set", "training.max_steps=6",
-                 "--set", f"data.tokenizer='{other.save(tmp_path)}'"])
+    code = main(
+        [
+            "train",
+            "--resume",
+            str(run),
+            "--set",
+            "training.max_steps=6",
+            "--set",
+            f"data.tokenizer='{other.save(tmp_path)}'",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "is not the tokenizer the checkpoint" in err
     assert load_fingerprint(run / TOKENIZER_FILE) == tok.fingerprint()  # the run's copy kept

@@ -109,13 +109,16 @@ def test_save_state_then_load_state_equals_the_whole_prompt(run_dir, tmp_path, c
     first, second = "class Foo:\n    def __init__(self):\n" * 3, "        self."
     state = tmp_path / "doc.state"
     greedy = ["--temperature", "0", "--max-new-tokens", "16"]
-    assert _generate(
-        capsys, run_dir, "--prompt", first, "--save-state", str(state), "--max-new-tokens", "0"
-    ) == first + "\n"
+    assert (
+        _generate(
+            capsys, run_dir, "--prompt", first, "--save-state", str(state), "--max-new-tokens", "0"
+        )
+        == first + "\n"
+    )
     resumed = _generate(capsys, run_dir, "--load-state", str(state), "--prompt", second, *greedy)
     whole = _generate(capsys, run_dir, "--prompt", first + second, *greedy)
     assert resumed.startswith(second) and whole.startswith(first + second)
-    assert resumed[len(second):] == whole[len(first + second):]
+    assert resumed[len(second) :] == whole[len(first + second) :]
     assert len(resumed) > len(second) + 1
 
 
@@ -125,8 +128,22 @@ def test_an_empty_prompt_reads_a_newline_when_its_state_is_saved_too(run_dir, tm
     greedy = ["--temperature", "0", "--max-new-tokens", "6"]
     saved = _generate(capsys, run_dir, "--prompt", "", "--save-state", str(state), *greedy)
     assert saved == _generate(capsys, run_dir, "--prompt", "\n", *greedy)
-    assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "", "--save-state",
-                 str(state), "--max-new-tokens", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(run_dir),
+                "--prompt",
+                "",
+                "--save-state",
+                str(state),
+                "--max-new-tokens",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert "saved the state after 1 tokens" in capsys.readouterr().err
 
 
@@ -149,8 +166,7 @@ def test_generate_text_that_is_not_utf8_is_one_line(run_dir, tmp_path, capsys, e
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and not state.exists()
     assert err == (
-        f"error: {where} holds '\\udcff', which is not text (a lone surrogate escape); "
-        "remove it\n"
+        f"error: {where} holds '\\udcff', which is not text (a lone surrogate escape); remove it\n"
     )
 
 
@@ -176,12 +192,20 @@ def test_a_checkpoint_whose_weights_are_not_safetensors_is_one_line(tmp_path, ca
 
 def test_a_state_saved_from_another_model_is_refused(run_dir, tmp_path, capsys):
     other = tmp_path / "other"
-    wider = [*MICRO, "--set", "model.n_embd=16", "--set", "training.max_steps=1",
-             "--set", "training.checkpoint_every=1", "--set", "training.eval_every=0"]
+    wider = [
+        *MICRO,
+        "--set",
+        "model.n_embd=16",
+        "--set",
+        "training.max_steps=1",
+        "--set",
+        "training.checkpoint_every=1",
+        "--set",
+        "training.eval_every=0",
+    ]
     assert main(["train", "--run-dir", str(other), *wider]) == 0
     state = tmp_path / "s.state"
-    _generate(capsys, other, "--prompt", "abc", "--save-state", str(state),
-              "--max-new-tokens", "0")
+    _generate(capsys, other, "--prompt", "abc", "--save-state", str(state), "--max-new-tokens", "0")
     assert main(["generate", "--checkpoint", str(run_dir), "--load-state", str(state)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "another config" in err
@@ -201,7 +225,7 @@ def test_chat_turns_continue_one_state(run_dir, capsys, monkeypatch):
     model, tok, _ = bdh_train.load_run(run_dir)
 
     def greedy_tokens(prompt: list[int]) -> list[int]:
-        return model.generate(torch.tensor(prompt), 6, temperature=0)[len(prompt):].tolist()
+        return model.generate(torch.tensor(prompt), 6, temperature=0)[len(prompt) :].tolist()
 
     first = greedy_tokens(tok.encode(turns[0]))
     second = greedy_tokens(tok.encode(turns[0]) + first + tok.encode(turns[1]))
@@ -221,7 +245,7 @@ def test_a_stop_ends_chat_replies_unread(run_dir, capsys, monkeypatch):
     model, tok, _ = bdh_train.load_run(run_dir)
 
     def greedy_tokens(prompt: list[int]) -> list[int]:
-        return model.generate(torch.tensor(prompt), 12, temperature=0)[len(prompt):].tolist()
+        return model.generate(torch.tensor(prompt), 12, temperature=0)[len(prompt) :].tolist()
 
     turns = ["def add(a, b):\n", "    return\n"]
     plain = greedy_tokens(tok.encode(turns[0]))
@@ -286,14 +310,15 @@ def test_a_stop_ends_generate_and_its_continuation_alike(run_dir, tmp_path, caps
     model, tok, _ = bdh_train.load_run(run_dir)
     prompt = "def add(a, b):\n"
     ids = tok.encode(prompt)
-    plain = model.generate(torch.tensor(ids), 12, temperature=0)[len(ids):].tolist()
+    plain = model.generate(torch.tensor(ids), 12, temperature=0)[len(ids) :].tolist()
     stop = next(t for t in plain[1:] if t < 128 and t != plain[0])
     cut = tok.decode(_cut_at(plain, stop))
     greedy = ["--temperature", "0", "--max-new-tokens", "12", "--stop", chr(stop)]
     assert _generate(capsys, run_dir, "--prompt", prompt, *greedy) == prompt + cut + "\n"
     state = tmp_path / "prompt.state"
-    _generate(capsys, run_dir, "--prompt", prompt, "--save-state", str(state),
-              "--max-new-tokens", "0")
+    _generate(
+        capsys, run_dir, "--prompt", prompt, "--save-state", str(state), "--max-new-tokens", "0"
+    )
     assert _generate(capsys, run_dir, "--load-state", str(state), *greedy) == cut + "\n"
 
 
@@ -318,8 +343,16 @@ def test_training_threads_sets_torch_threads(tmp_path, capsys):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        one = ["--set", "training.threads=1", "--set", "training.max_steps=1",
-               "--set", "training.eval_every=0", "--set", "training.checkpoint_every=1"]
+        one = [
+            "--set",
+            "training.threads=1",
+            "--set",
+            "training.max_steps=1",
+            "--set",
+            "training.eval_every=0",
+            "--set",
+            "training.checkpoint_every=1",
+        ]
         assert main(["train", "--run-dir", str(tmp_path / "a"), *MICRO, *one]) == 0
         assert torch.get_num_threads() == 1
     finally:
@@ -392,13 +425,18 @@ def test_stops_at_the_first_token_two_stops_and_no_new_tokens(run_dir, tmp_path,
 
     candidates = ["x", "0123456789", "def add(a, b):\n", "class Foo:\n", " ", "a = 1\n"]
     every = _complete(
-        capsys, run_dir, _prompts_file(tmp_path, [json.dumps({"prompt": t}) for t in candidates],
-                                       "candidates.jsonl"), *GREEDY_8,
+        capsys,
+        run_dir,
+        _prompts_file(
+            tmp_path, [json.dumps({"prompt": t}) for t in candidates], "candidates.jsonl"
+        ),
+        *GREEDY_8,
     )
     # a prompt whose completion starts with an ASCII character (one byte: one token) and
     # holds another one later
     plain = next(
-        r for r in every
+        r
+        for r in every
         if r["completion"][0].isascii()
         and any(c.isascii() and c != r["completion"][0] for c in r["completion"][1:])
     )
@@ -469,8 +507,7 @@ EXAMPLE = 'each line must be an object such as {"prompt": "text"}'
         ),
         (
             ['{"prompt": "a"}', '{"prompt": "a\\ud800"}'],
-            "2: the prompt holds '\\ud800', which is not text (a lone surrogate escape); "
-            "remove it",
+            "2: the prompt holds '\\ud800', which is not text (a lone surrogate escape); remove it",
         ),
         (["", "  "], ': no prompts; write one JSON object a line, such as {"prompt": "text"}'),
     ],
@@ -549,7 +586,7 @@ def test_completions_with_a_summary_memory_mark_its_events():
     got = list(complete(model, Digits(), records, 8, 2, summary_events=Sevens(), **sample))
     want = model.generate_batch([r.ids for r in records], 8, 0.0, summary_events=Sevens())
     assert [g["completion"] for g in got] == [
-        Digits().decode(w[len(r.ids):].tolist()) for w, r in zip(want, records, strict=True)
+        Digits().decode(w[len(r.ids) :].tolist()) for w, r in zip(want, records, strict=True)
     ]
     plain = list(complete(model, Digits(), records, 8, 2, summary_events=None, **sample))
     assert plain != got

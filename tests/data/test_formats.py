@@ -166,7 +166,8 @@ def test_crlf_text_streams_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert any(p.endswith("\r") for p in pieces)
     assert [i for ids in bpe.encode_batch(pieces) for i in ids] == bpe.encode(text)
     assert load_tokens(str(path), 300, tokenizer=bpe).tokens.tolist() == [
-        *bpe.encode(text), bpe.eot_id
+        *bpe.encode(text),
+        bpe.eot_id,
     ]
     long_line = " ".join(f"w{i}" for i in range(60))
     path.write_text(long_line)
@@ -192,8 +193,10 @@ def test_other_tokenizers_get_whole_documents(
     text = "".join(f"line {i} has words\n" for i in range(40))
     hf = HF(models.BPE(unk_token="[UNK]"))
     hf.pre_tokenizer = pre_tokenizers.Metaspace()
-    hf.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=120, special_tokens=["[UNK]", "</s>"], show_progress=False))
+    hf.train_from_iterator(
+        [text],
+        trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]", "</s>"], show_progress=False),
+    )
     metaspace = HFTokenizer(hf)
     assert piece_cuts(metaspace) is None
     monkeypatch.setattr(formats, "PIECE_CHARS", 30)
@@ -250,8 +253,11 @@ def test_binary_file_is_one_clear_line(tmp_path: Path) -> None:
         assert re.search(r"weights.dat' is not UTF-8 text .*bdh-train prepare", message)
     tokens = tmp_path / "tokens.bin"
     tokens.write_bytes(bytes(range(256)))
-    with pytest.raises(DataError, match=r"tokens.bin' is not UTF-8 .*holds token ids, which "
-                       r"`bdh-train prepare` does not read: train on it with data.source"):
+    with pytest.raises(
+        DataError,
+        match=r"tokens.bin' is not UTF-8 .*holds token ids, which "
+        r"`bdh-train prepare` does not read: train on it with data.source",
+    ):
         list(iter_documents([tokens]))
 
 
@@ -259,18 +265,28 @@ def test_binary_file_is_one_clear_line(tmp_path: Path) -> None:
     ("content", "expected"),
     [
         (b'{"text": "ok"}\nnot json\n', r"line 2 of .*c.jsonl' is not JSON"),
-        (b'{"body": "x"}\n',
-         r"line 1 .* no field 'text' \(it has \['body'\]\).*--text-field / data.text_field"),
+        (
+            b'{"body": "x"}\n',
+            r"line 1 .* no field 'text' \(it has \['body'\]\).*--text-field / data.text_field",
+        ),
         (b'{"text": 3}\n', r"field 'text' is a int, not a string"),
         (b'{"text": "\xff"}\n', r"c.jsonl' is not UTF-8 text"),
-        (b'{"text": "ok"}\n{"text": "a\\ud800b"}\n',
-         r"c.jsonl' is not UTF-8 text \(a lone surrogate in field 'text' on line 2\)"),
-        (b'{"text": "a\xed\xa0\x80b"}\n',  # json.loads reads raw surrogate bytes too
-         r"c.jsonl' is not UTF-8 text \(a lone surrogate in field 'text' on line 1\)"),
-        (b'{"text": "a", "n": ' + b"9" * 5000 + b"}\n",
-         r"line 1 of .*c.jsonl' is not JSON \(Exceeds the limit \(4300 digits\)"),
-        (b"[" * 100_000 + b"]" * 100_000 + b"\n",
-         r"line 1 of .*c.jsonl' is not JSON \(maximum recursion depth exceeded"),
+        (
+            b'{"text": "ok"}\n{"text": "a\\ud800b"}\n',
+            r"c.jsonl' is not UTF-8 text \(a lone surrogate in field 'text' on line 2\)",
+        ),
+        (
+            b'{"text": "a\xed\xa0\x80b"}\n',  # json.loads reads raw surrogate bytes too
+            r"c.jsonl' is not UTF-8 text \(a lone surrogate in field 'text' on line 1\)",
+        ),
+        (
+            b'{"text": "a", "n": ' + b"9" * 5000 + b"}\n",
+            r"line 1 of .*c.jsonl' is not JSON \(Exceeds the limit \(4300 digits\)",
+        ),
+        (
+            b"[" * 100_000 + b"]" * 100_000 + b"\n",
+            r"line 1 of .*c.jsonl' is not JSON \(maximum recursion depth exceeded",
+        ),
     ],
 )
 def test_bad_json_lines(tmp_path: Path, content: bytes, expected: str) -> None:
@@ -294,12 +310,18 @@ def test_other_text_field_and_parquet_errors(tmp_path: Path) -> None:
     offsets = pa.py_buffer(np.array([0, 6], dtype=np.int32).tobytes())
     not_utf8 = pa.Array.from_buffers(pa.string(), 1, [None, offsets, pa.py_buffer(b"ab\xff\xfecd")])
     pq.write_table(pa.table({"text": not_utf8}), table)
-    with pytest.raises(DataError, match=r"t.parquet' is not UTF-8 text \(invalid UTF-8 in column "
-                       r"'text': invalid start byte\)"):
+    with pytest.raises(
+        DataError,
+        match=r"t.parquet' is not UTF-8 text \(invalid UTF-8 in column "
+        r"'text': invalid start byte\)",
+    ):
         list(iter_documents([table]))
     pq.write_table(pa.table({"text": ["fine", "a\x00b"]}), table)
-    with pytest.raises(DataError, match=r"t.parquet' is not UTF-8 text \(NUL character in column "
-                       r"'text'\)"):
+    with pytest.raises(
+        DataError,
+        match=r"t.parquet' is not UTF-8 text \(NUL character in column "
+        r"'text'\)",
+    ):
         list(iter_documents([table]))
     broken = tmp_path / "b.jsonl.gz"
     broken.write_bytes(b"not gzip at all")

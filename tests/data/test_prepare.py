@@ -61,8 +61,24 @@ def test_trained_bpe_round_trips_every_document(tmp_path: Path, capsys) -> None:
     assert len(train_bpe(corpus, 320).encode("qqqqqqqq")) < 8  # trained on all: "qq" merges
     source = write_jsonl(tmp_path / "c.jsonl", corpus)
     out = tmp_path / "prep"
-    assert main(["prepare", str(source), "--out", str(out), "--train-tokenizer", "bpe",
-                 "--vocab-size", "320", "--val-fraction", "0.2", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                str(source),
+                "--out",
+                str(out),
+                "--train-tokenizer",
+                "bpe",
+                "--vocab-size",
+                "320",
+                "--val-fraction",
+                "0.2",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert "train" in capsys.readouterr().out
     meta = json.loads((out / META_FILE).read_text())
     tok = load_tokenizer(out)
@@ -91,7 +107,12 @@ def test_prepare_is_byte_identical_across_runs(tmp_path: Path) -> None:
         prepare_corpus([source], out, train_bpe_vocab=300, val_fraction=0.3, progress=False)
     first, second = (files_of(o) for o in outs)
     assert sorted(first) == [
-        "meta.json", "tokenizer.json", "train.bin", "train.idx.npy", "val.bin", "val.idx.npy",
+        "meta.json",
+        "tokenizer.json",
+        "train.bin",
+        "train.idx.npy",
+        "val.bin",
+        "val.idx.npy",
     ]
     assert first == second
     assert str(tmp_path) not in first["meta.json"].decode().replace(str(source), "")
@@ -173,10 +194,18 @@ def test_headerless_bin_loads_with_bin_dtype(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"token id 154 at position 22 .* >= vocab_size 150"):
         cfg.load_source(str(path), 150)
     # and it trains: one step of a tiny model on it, no sidecar written
-    settings = ["model.n_layer=1", "model.n_embd=16", "model.n_head=2",
-                "model.mlp_internal_dim_multiplier=2", "training.block_size=8",
-                "training.batch_size=2", "training.max_steps=1", "training.eval_every=0",
-                f"data.source='{path}'", "data.bin_dtype='uint16'"]
+    settings = [
+        "model.n_layer=1",
+        "model.n_embd=16",
+        "model.n_head=2",
+        "model.mlp_internal_dim_multiplier=2",
+        "training.block_size=8",
+        "training.batch_size=2",
+        "training.max_steps=1",
+        "training.eval_every=0",
+        f"data.source='{path}'",
+        "data.bin_dtype='uint16'",
+    ]
     result = Trainer(load_config(overrides=settings), tmp_path / "run", stream=io.StringIO()).run()
     assert result.step == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["run", "train.bin"]
 
@@ -203,9 +232,11 @@ def test_a_bpe_vocabulary_too_large_to_train_is_one_line_and_writes_nothing(
     args = ["prepare", str(source), "--out", str(out), "--quiet", "--train-tokenizer", "bpe"]
     assert main([*args, "--vocab-size", "100000000000"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(
-        "error: a byte-level BPE needs a vocab_size (--vocab-size) from 257 "
-    ) and "to 1,048,576, got 100000000000" in err and err.count("\n") == 1
+    assert (
+        err.startswith("error: a byte-level BPE needs a vocab_size (--vocab-size) from 257 ")
+        and "to 1,048,576, got 100000000000" in err
+        and err.count("\n") == 1
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
 
 
@@ -274,8 +305,10 @@ def test_meta_that_disagrees_with_the_files_is_refused_before_mapping(
 @pytest.mark.parametrize(
     "text, why",
     [
-        ('{"format": "bdh-train prepared corpus", "n": ' + "9" * 5000 + "}",
-         "Exceeds the limit (4300 digits)"),
+        (
+            '{"format": "bdh-train prepared corpus", "n": ' + "9" * 5000 + "}",
+            "Exceeds the limit (4300 digits)",
+        ),
         ("[" * 100_000 + "]" * 100_000, "maximum recursion depth"),
     ],
     ids=["digits", "nesting"],
@@ -293,8 +326,11 @@ def test_damaged_index_and_wrong_tokenizer_are_refused(tmp_path: Path) -> None:
     out = tmp_path / "prep"
     prepare_corpus([source], out, val_fraction=0, progress=False)
     bpe = train_bpe(CORPUS, 300)
-    with pytest.raises(DataError, match=r"tokenized with the byte tokenizer .* data.tokenizer = "
-                       r"'bytes'"):
+    with pytest.raises(
+        DataError,
+        match=r"tokenized with the byte tokenizer .* data.tokenizer = "
+        r"'bytes'",
+    ):
         load_prepared(out, tokenizer=bpe)
     saved = bpe.save(tmp_path / "bpe")
     with pytest.raises(DataError, match=r"tokenized with the byte tokenizer"):
@@ -321,8 +357,10 @@ def test_documents_that_encode_to_nothing_are_no_documents(tmp_path: Path) -> No
         hf = HF(models.BPE())
         if pre is not None:
             hf.pre_tokenizer = pre
-        hf.train_from_iterator(["ab ba\n"] * 4, trainers.BpeTrainer(
-            vocab_size=20, special_tokens=special, show_progress=False))
+        hf.train_from_iterator(
+            ["ab ba\n"] * 4,
+            trainers.BpeTrainer(vocab_size=20, special_tokens=special, show_progress=False),
+        )
         return HFTokenizer(hf)
 
     source = write_jsonl(tmp_path / "c.jsonl", ["ab ab", "zzz", "ba", "zz"])
@@ -339,8 +377,11 @@ def test_documents_that_encode_to_nothing_are_no_documents(tmp_path: Path) -> No
         assert train.doc_starts.tolist() == [0, len(first) + len(between)]
     no_newline = bpe([], pre_tokenizers.Whitespace())
     assert no_newline.eot_id is None and no_newline.encode("\n") == []
-    with pytest.raises(DataError, match=r"no end-of-document token .* encodes a newline to "
-                       r"nothing"):
+    with pytest.raises(
+        DataError,
+        match=r"no end-of-document token .* encodes a newline to "
+        r"nothing",
+    ):
         prepare_corpus([source], tmp_path / "bad", tokenizer=no_newline, progress=False)
     assert not (tmp_path / "bad").exists()
 

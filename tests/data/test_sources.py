@@ -212,16 +212,26 @@ def test_ids_beyond_header_vocab(tmp_path: Path) -> None:
         ("[1, 2]", r"must be a JSON object"),
         ('{"vocab_size": 256}', r"has no 'dtype'"),
         ('{"dtype": "int64", "vocab_size": 256}', r"unsupported dtype 'int64'; supported: uint16"),
-        ('{"dtype": "uint16"}', r"needs a positive integer 'vocab_size' whose ids fit uint16, "
-         r"got None"),
-        ('{"dtype": "uint16", "vocab_size": "256"}', r"'vocab_size' whose ids fit uint16, "
-         r"got '256'"),
+        (
+            '{"dtype": "uint16"}',
+            r"needs a positive integer 'vocab_size' whose ids fit uint16, "
+            r"got None",
+        ),
+        (
+            '{"dtype": "uint16", "vocab_size": "256"}',
+            r"'vocab_size' whose ids fit uint16, "
+            r"got '256'",
+        ),
         ('{"dtype": "uint16", "vocab_size": 65537}', r"whose ids fit uint16, got 65537"),
-        ('{"dtype": "uint32", "vocab_size": ' + "9" * 5000 + "}",
-         r"is not valid JSON \(Exceeds the limit \(4300 digits\)"),
+        (
+            '{"dtype": "uint32", "vocab_size": ' + "9" * 5000 + "}",
+            r"is not valid JSON \(Exceeds the limit \(4300 digits\)",
+        ),
         ("[" * 100_000 + "]" * 100_000, r"is not valid JSON \(maximum recursion depth"),
-        (" " * (1 << 20) + '{"dtype": "uint16", "vocab_size": 256}',
-         r"t\.bin\.json' has 1048614 bytes, more than the 1048576 read; expected"),
+        (
+            " " * (1 << 20) + '{"dtype": "uint16", "vocab_size": 256}',
+            r"t\.bin\.json' has 1048614 bytes, more than the 1048576 read; expected",
+        ),
     ],
 )
 def test_bad_headers(tmp_path: Path, header: str | None, message: str) -> None:

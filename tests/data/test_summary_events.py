@@ -39,8 +39,10 @@ def test_trigger_mask_equals_the_loop() -> None:
     assert got.long().tolist() == [loop_mask(r, TRIGGER) for r in inputs.tolist()]
     assert got.any() and not got.all()
     history = torch.tensor([[NO_TOKEN, 1], [1, 2], [2, 1], [NO_TOKEN, NO_TOKEN]])
-    rows = [[1] if h[0] == NO_TOKEN and h[1] != NO_TOKEN else [x for x in h if x != NO_TOKEN]
-            for h in history.tolist()]
+    rows = [
+        [1] if h[0] == NO_TOKEN and h[1] != NO_TOKEN else [x for x in h if x != NO_TOKEN]
+        for h in history.tolist()
+    ]
     with_history = TRIGGER.mask(inputs, history)
     for r, before in enumerate(rows):
         assert with_history[r].long().tolist() == loop_mask(inputs[r].tolist(), TRIGGER, before)
@@ -50,8 +52,9 @@ def test_trigger_mask_equals_the_loop() -> None:
 
 def test_random_windows_carry_their_mask_and_the_same_state() -> None:
     plain = RandomWindowLoader(STREAM, 16, 4, seed=3, accumulation_steps=2)
-    marked = RandomWindowLoader(STREAM, 16, 4, seed=3, accumulation_steps=2,
-                                summary_trigger=TRIGGER)
+    marked = RandomWindowLoader(
+        STREAM, 16, 4, seed=3, accumulation_steps=2, summary_trigger=TRIGGER
+    )
     for _ in range(3):
         a, b = plain.next_batch(), marked.next_batch()
         assert a.summary_event_mask is None
@@ -60,8 +63,9 @@ def test_random_windows_carry_their_mask_and_the_same_state() -> None:
             loop_mask(r, TRIGGER) for r in b.inputs.tolist()
         ]
     assert plain.state_dict() == marked.state_dict()  # nothing new in the loader state
-    resumed = RandomWindowLoader(STREAM, 16, 4, seed=3, accumulation_steps=2,
-                                 summary_trigger=TRIGGER)
+    resumed = RandomWindowLoader(
+        STREAM, 16, 4, seed=3, accumulation_steps=2, summary_trigger=TRIGGER
+    )
     resumed.load_state_dict(marked.state_dict())
     nxt, again = marked.next_batch(), resumed.next_batch()
     assert torch.equal(nxt.summary_event_mask, again.summary_event_mask)
@@ -94,8 +98,9 @@ def test_streamed_documents_get_the_mask_of_the_whole_document() -> None:
     assert marked.state_dict() == plain.state_dict()  # nothing new in the loader state
     resumed = StreamingDocumentLoader(stream, block, 2, length, seed=1, summary_trigger=TRIGGER)
     resumed.load_state_dict(marked.state_dict())
-    assert torch.equal(marked.next_batch().summary_event_mask,
-                       resumed.next_batch().summary_event_mask)
+    assert torch.equal(
+        marked.next_batch().summary_event_mask, resumed.next_batch().summary_event_mask
+    )
 
 
 def test_eval_batches_carry_per_window_masks() -> None:
@@ -115,8 +120,10 @@ def test_data_trigger_config() -> None:
     for fields, message in [
         ({"summary_write_trigger_text": ""}, "data.summary_write_trigger_text must be a non-empty"),
         ({"summary_write_trigger_token_ids": []}, "data.summary_write_trigger_token_ids must be"),
-        ({"summary_write_trigger_token_ids": [1, -2]},
-         r"data.summary_write_trigger_token_ids\[\] must be a non-negative integer"),
+        (
+            {"summary_write_trigger_token_ids": [1, -2]},
+            r"data.summary_write_trigger_token_ids\[\] must be a non-negative integer",
+        ),
     ]:
         with pytest.raises(ConfigError, match=message):
             DataConfig(**fields).validate()
@@ -132,24 +139,34 @@ def _run(text=None, ids=None, vocab=256, **summary) -> RunConfig:
 def test_trigger_and_write_gate_go_together() -> None:
     _run("##", enabled=True, write_gate=True).validate()
     _run(ids=[5], enabled=True, write_gate=True).validate()
-    with pytest.raises(ConfigError, match="set model.summary_memory.enabled=true and "
-                                          "model.summary_memory.write_gate=true"):
+    with pytest.raises(
+        ConfigError,
+        match="set model.summary_memory.enabled=true and model.summary_memory.write_gate=true",
+    ):
         _run("##").validate()
     with pytest.raises(ConfigError, match="write_gate=true writes only at summary events"):
         _run(enabled=True, write_gate=True).validate()
-    with pytest.raises(ConfigError, match=r"trigger_token_ids holds token id 40, outside "
-                                          r"model.vocab_size \(32\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"trigger_token_ids holds token id 40, outside "
+        r"model.vocab_size \(32\)",
+    ):
         _run(ids=[3, 40], vocab=32, enabled=True, write_gate=True).validate()
     with pytest.raises(ConfigError, match=r"trigger_text holds token id 122"):
         _run("z", vocab=100, enabled=True, write_gate=True).validate()
 
 
 def test_notes_name_calls_that_do_not_align_with_summary_chunks() -> None:
-    cfg = RunConfig.from_dict({
-        "model": {"summary_memory": {"enabled": True, "chunk_tokens": 32}},
-        "training": {"block_size": 100, "tbptt_chunk_size": 48,
-                     "tbptt_persist_across_steps": True},
-    })
+    cfg = RunConfig.from_dict(
+        {
+            "model": {"summary_memory": {"enabled": True, "chunk_tokens": 32}},
+            "training": {
+                "block_size": 100,
+                "tbptt_chunk_size": 48,
+                "tbptt_persist_across_steps": True,
+            },
+        }
+    )
     notes = cfg.notes()
     assert len(notes) == 2
     assert "training.tbptt_chunk_size (48) is not a multiple of " in notes[0]

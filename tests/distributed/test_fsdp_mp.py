@@ -100,8 +100,13 @@ def _two_processes(rank: int, world: int, base: str) -> dict[str, torch.Tensor]:
     unsharded = Path(base, "unsharded")
     train_in_group(unsharded, [*BASE, "training.max_steps=1", "training.eval_every=0"], rank, world)
     with pytest.raises(CheckpointError, match="without parallel.shard='fsdp'"):
-        Trainer(load_config(overrides=[*BASE, *FSDP]), unsharded, resume=True,
-                dist_ctx=DistContext(rank, world, rank), stream=io.StringIO())
+        Trainer(
+            load_config(overrides=[*BASE, *FSDP]),
+            unsharded,
+            resume=True,
+            dist_ctx=DistContext(rank, world, rank),
+            stream=io.StringIO(),
+        )
     return gradients
 
 
@@ -141,8 +146,10 @@ def test_fsdp_equals_one_process_and_its_checkpoint_resumes_on_one_process(tmp_p
                 assert_close(weights[name], value, rtol=1e-5, msg=f"{mode} {run} {name}")
             for key in ("loss", "grad_norm", "val_loss"):
                 assert_close(
-                    metric_column(tmp_path / mode / run, key), metric_column(reference, key),
-                    rtol=1e-5, msg=f"{mode} {run} {key}",
+                    metric_column(tmp_path / mode / run, key),
+                    metric_column(reference, key),
+                    rtol=1e-5,
+                    msg=f"{mode} {run} {key}",
                 )
 
 

@@ -83,8 +83,10 @@ def test_two_by_two_mesh_equals_one_process(tmp_path):
     for name, value in expected.items():
         assert_close(got[name], value, rtol=1e-5, msg=name)
     assert_close(
-        metric_column(tmp_path / "mesh", "val_loss")[-1], metric_column(one, "val_loss")[-1],
-        rtol=1e-5, msg="val_loss",
+        metric_column(tmp_path / "mesh", "val_loss")[-1],
+        metric_column(one, "val_loss")[-1],
+        rtol=1e-5,
+        msg="val_loss",
     )
 
 

@@ -232,7 +232,10 @@ def test_runner_weights_by_what_the_head_counts(single_process_group: None) -> N
     """NCA head, targets with id 19 (neither patch nor special): the runner's loss, gradient
     and weight are the head's own mean and count, not the count of non-ignored targets."""
     head = LanguageHeadConfig(
-        type="nca_factorized_patch", state_count=2, patch_size=2, frame_special_tokens=True,
+        type="nca_factorized_patch",
+        state_count=2,
+        patch_size=2,
+        frame_special_tokens=True,
         eos_id=18,
     )
     model = tiny_model(torch.float64, seed=0, n_layer=2, vocab_size=20, language_head=head)

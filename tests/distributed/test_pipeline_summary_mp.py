@@ -18,8 +18,12 @@ from bdh_train.model.heads import count_targets
 
 N_LAYER, MICROBATCHES = 4, 4
 GATED = SummaryMemoryConfig(
-    enabled=True, chunk_tokens=2, write_gate=True, residual_scale=1.0,
-    surprise_gate_threshold=0.3, surprise_gate_sharpness=2.0,
+    enabled=True,
+    chunk_tokens=2,
+    write_gate=True,
+    residual_scale=1.0,
+    surprise_gate_threshold=0.3,
+    surprise_gate_sharpness=2.0,
 )
 
 

@@ -64,7 +64,8 @@ def test_at_init_equals_alibi_bit_for_bit(executor):
                 logits, loss = model(b.inputs[:, 5:], b.targets[:, 5:], state)
             outs.append((logits, loss, state.rho))
         for a, c in zip(
-            (outs[0][0], outs[0][1], *outs[0][2]), (outs[1][0], outs[1][1], *outs[1][2]),
+            (outs[0][0], outs[0][1], *outs[0][2]),
+            (outs[1][0], outs[1][1], *outs[1][2]),
             strict=True,
         ):
             if recorded:

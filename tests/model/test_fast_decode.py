@@ -79,11 +79,13 @@ def test_fast_step_logits_equal_generic_step_and_full_forward(
         want = full[b][start : start + 9]
         assert_close(got["fast"][b], want, rtol=TOLERANCE[dtype], msg=f"fast, row {b}")
         for name in ("fast", "static"):
-            assert_close(got[name][b], got["generic"][b], rtol=TOLERANCE[dtype],
-                         msg=f"{name}, row {b}")
+            assert_close(
+                got[name][b], got["generic"][b], rtol=TOLERANCE[dtype], msg=f"{name}, row {b}"
+            )
     for name in ("fast", "static"):
-        assert_close(rho[name], rho["generic"], rtol=TOLERANCE[dtype],
-                     msg=f"{name}: state after a flush")
+        assert_close(
+            rho[name], rho["generic"], rtol=TOLERANCE[dtype], msg=f"{name}: state after a flush"
+        )
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi", "alibi_learned"])

@@ -110,8 +110,9 @@ def test_second_order_gradients_equal_autograds():
         w = torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
         w.requires_grad_()
         x, pre = x.requires_grad_(), pre.requires_grad_()
-        grad_x, grad_pre = torch.autograd.grad(gate(x * w, pre, kernels), (x, pre), grad,
-                                               create_graph=True)
+        grad_x, grad_pre = torch.autograd.grad(
+            gate(x * w, pre, kernels), (x, pre), grad, create_graph=True
+        )
         loss = grad_x.square().sum() + (grad_pre * pre).sum()
         results.append(torch.autograd.grad(loss, (w, x, pre), allow_unused=True))
         if kernels is not None:
@@ -232,7 +233,9 @@ def test_compile_for_training_applies_each_mode():
     compiled layer; 'off' neither; anything else is refused."""
     assert COMPILE_MODES == ("off", "layer", "pointwise", "auto")
     for mode, gated, layer in (
-        ("off", False, False), ("pointwise", True, False), ("auto", True, False),
+        ("off", False, False),
+        ("pointwise", True, False),
+        ("auto", True, False),
         ("layer", False, True),
     ):
         model = tiny_model()

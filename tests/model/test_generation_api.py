@@ -181,8 +181,9 @@ def test_n_new_tokens_take_n_minus_1_steps(monkeypatch):
         assert len(steps) == count - 1
 
 
-@pytest.mark.parametrize("name", ["generate", "stream_generate", "generate_batch",
-                                  "stream_generate_batch"])
+@pytest.mark.parametrize(
+    "name", ["generate", "stream_generate", "generate_batch", "stream_generate_batch"]
+)
 def test_each_call_steps_with_the_decoder_asked_for(monkeypatch, name):
     model = tiny_model().eval()
     fast_steps: list[int] = []
@@ -232,8 +233,10 @@ def test_bad_batch_prompts_get_the_whole_message():
 
 def test_unsupported_models_are_named_exactly():
     cases = (
-        (tiny_model(summary_memory=SummaryMemoryConfig(enabled=True, chunk_tokens=2)),
-         "the summary memory"),
+        (
+            tiny_model(summary_memory=SummaryMemoryConfig(enabled=True, chunk_tokens=2)),
+            "the summary memory",
+        ),
         (tiny_model(quant=QuantConfig(enable=True)), "a quantized model"),
         (tiny_model(dropout=0.1).train(), "dropout in train mode"),
         (tiny_model(torch.bfloat16), "dtype torch.bfloat16"),
@@ -308,9 +311,7 @@ def test_the_fixed_shape_step_runs_where_asked_and_is_off_on_the_cpu(monkeypatch
 def _write_gated_model(monkeypatch) -> tuple[torch.nn.Module, list[torch.Tensor]]:
     """A float64 model of 4 tokens whose summary memory has a write gate, and the list that
     records the event mask each of its `forward_hidden` calls is passed, in order."""
-    memory = SummaryMemoryConfig(
-        enabled=True, chunk_tokens=3, write_gate=True, residual_scale=1.0
-    )
+    memory = SummaryMemoryConfig(enabled=True, chunk_tokens=3, write_gate=True, residual_scale=1.0)
     model = tiny_model(torch.float64, vocab_size=4, summary_memory=memory).eval()
     passed: list[torch.Tensor] = []
     forward_hidden = model.forward_hidden
@@ -344,7 +345,8 @@ def test_a_batch_marks_each_rows_summary_events(monkeypatch):
         assert torch.equal(passed[row], want[row][: len(prompt)].view(1, -1))
     for k, mask in enumerate(passed[len(prompts) :]):  # step k + 1 reads new token k
         stepped = [
-            r for r, p in enumerate(prompts)
+            r
+            for r, p in enumerate(prompts)
             if k < len(out[r]) - len(p) and int(out[r][len(p) + k]) != stop
         ]
         expected = torch.stack([want[r][len(prompts[r]) + k] for r in stepped])

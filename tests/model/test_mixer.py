@@ -172,7 +172,6 @@ def test_linear_attention_dispatches_by_name(executor):
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-
 # Row 0: documents start at 3, 4 (a one-token document) and 9, and the row continues rho0
 # until 3; row 1 drops rho0 at once and starts its last document at the final token. With
 # chunk size 3 the starts 3 and 9 fall on a chunk's first token, 4 inside a chunk; with 4
@@ -265,8 +264,10 @@ def test_chunked_with_resets_equals_dense_over_several_chunks(need_state, decay)
     mask = torch.zeros(B, 7, dtype=torch.bool)
     mask[0, 4] = mask[1, 2] = True
     kwargs = dict(
-        initial_state=rho0, log_decay=LOG_DECAY if decay else None,
-        output_final_state=need_state, reset_mask=mask,
+        initial_state=rho0,
+        log_decay=LOG_DECAY if decay else None,
+        output_final_state=need_state,
+        reset_mask=mask,
     )
     ref = mixer.dense_attention(q, v, **kwargs)
     got = mixer.chunked_attention(q, v, chunk_size=3, **kwargs)
@@ -286,7 +287,11 @@ def test_an_all_false_reset_mask_changes_nothing():
     for name, fn in EXECUTOR_FUNCTIONS.items():
         plain = fn(q, v, initial_state=rho0, log_decay=LOG_DECAY, chunk_size=3)
         masked = fn(
-            q, v, initial_state=rho0, log_decay=LOG_DECAY, chunk_size=3,
+            q,
+            v,
+            initial_state=rho0,
+            log_decay=LOG_DECAY,
+            chunk_size=3,
             reset_mask=torch.zeros(B, 8, dtype=torch.bool),
         )
         if name in ("chunked", "dense"):
@@ -348,15 +353,16 @@ def test_linear_attention_passes_every_argument_to_the_named_executor(monkeypatc
 
         return executor
 
-    monkeypatch.setattr(
-        mixer, "EXECUTOR_FUNCTIONS", {name: spy(name) for name in EXECUTORS}
-    )
+    monkeypatch.setattr(mixer, "EXECUTOR_FUNCTIONS", {name: spy(name) for name in EXECUTORS})
     monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", mixer.ExecutorCalibration(128, 1.5))
     # T = 6, N = 2, D = 1, C = 2: chunked (test_choose_executor_thresholds); T = 5: dense.
     q, v = torch.zeros(1, 1, 6, 2), torch.zeros(1, 1, 6, 1)
     state, log_decay, mask = torch.ones(1, 1, 2, 1), torch.zeros(1), torch.ones(1, 6).bool()
     kwargs = dict(
-        initial_state=state, log_decay=log_decay, chunk_size=2, output_final_state=False,
+        initial_state=state,
+        log_decay=log_decay,
+        chunk_size=2,
+        output_final_state=False,
         reset_mask=mask,
     )
     for executor, expected in [
@@ -379,7 +385,10 @@ def test_linear_attention_passes_every_argument_to_the_named_executor(monkeypatc
     calls.clear()
     linear_attention(q5, v5, executor="dense")
     assert calls[0][3] == dict(
-        initial_state=None, log_decay=None, chunk_size=128, output_final_state=True,
+        initial_state=None,
+        log_decay=None,
+        chunk_size=128,
+        output_final_state=True,
         reset_mask=None,
     )
 
@@ -429,8 +438,7 @@ def test_a_zero_chunk_size_takes_the_device_calibration(monkeypatch):
         ("cuda/bfloat16", 8192, 2048, 256, "chunked"),
     ],
 )
-def test_auto_picks_the_executor_measured_fastest(device_type, seq_len, n_neurons, n_embd,
-                                                  fastest):
+def test_auto_picks_the_executor_measured_fastest(device_type, seq_len, n_neurons, n_embd, fastest):
     device_type, _, dtype = device_type.partition("/")
     dtype = getattr(torch, dtype) if dtype else None
     executor, chunk = mixer.resolve_executor(
@@ -519,7 +527,11 @@ def products_and_function(
         executor, chunk_size = mixer.dense_attention, seq_len
     got = run(
         lambda q, v, r: executor(
-            q, v, initial_state=r, chunk_size=chunk_size, output_final_state=final_state,
+            q,
+            v,
+            initial_state=r,
+            chunk_size=chunk_size,
+            output_final_state=final_state,
             log_decay=log_decay,
         )
     )
@@ -534,7 +546,8 @@ def products_and_function(
 @pytest.mark.parametrize("value_heads", [1, H], ids=["shared-v", "per-head-v"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "carried-state"])
 @pytest.mark.parametrize(
-    ("seq_len", "chunk_size"), [(13, 4), (12, 4), (5, 16), (8, 1), (9, None)],
+    ("seq_len", "chunk_size"),
+    [(13, 4), (12, 4), (5, 16), (8, 1), (9, None)],
     ids=["padded", "whole-chunks", "one-padded-chunk", "one-token-chunks", "dense"],
 )
 def test_chunked_function_equals_autograd_of_its_products(
@@ -660,9 +673,16 @@ def test_dense_without_a_state_computes_only_the_score_products():
 @pytest.mark.parametrize("final_state", [True, False], ids=["final-state", "out-only"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "carried-state"])
 @pytest.mark.parametrize(
-    ("seq_len", "panel_rows"), [(13, 4), (12, 4), (13, 1), (8, 7), (8, 8), (5, 16)],
-    ids=["last-panel-short", "whole-panels", "one-row-panels", "two-panels", "one-panel",
-         "panel-longer-than-call"],
+    ("seq_len", "panel_rows"),
+    [(13, 4), (12, 4), (13, 1), (8, 7), (8, 8), (5, 16)],
+    ids=[
+        "last-panel-short",
+        "whole-panels",
+        "one-row-panels",
+        "two-panels",
+        "one-panel",
+        "panel-longer-than-call",
+    ],
 )
 def test_dense_in_row_panels_matches_the_definition(
     monkeypatch, seq_len, panel_rows, with_state, final_state, heads_major
@@ -885,7 +905,8 @@ def test_heads_major_queries_compute_what_contiguous_ones_do(
             plain = fn(qq, vv, initial_state=rr, **kwargs)
         results.append((out.detach(), final.detach(), *grads, *plain))
     for name, got, expected in zip(
-        ("out", "final", "dq", "dv", "drho0", "no-grad out", "no-grad final"), *results,
+        ("out", "final", "dq", "dv", "drho0", "no-grad out", "no-grad final"),
+        *results,
         strict=True,
     ):
         assert got.shape == expected.shape, name
@@ -947,9 +968,13 @@ def test_a_learned_decay_matches_the_definition_with_its_gradient(executor, chun
 @pytest.mark.parametrize(
     ("executor", "log_decay", "runs_as_it_lies"),
     [
-        ("dense", None, True), ("chunked", None, True), ("chunked", "fixed", True),
-        ("chunked", "learned", False), ("dense", "learned", False),
-        ("chunked", "fixed+resets", False), ("recurrent", None, False),
+        ("dense", None, True),
+        ("chunked", None, True),
+        ("chunked", "fixed", True),
+        ("chunked", "learned", False),
+        ("dense", "learned", False),
+        ("chunked", "fixed+resets", False),
+        ("recurrent", None, False),
     ],
 )
 def test_only_the_function_takes_heads_major_queries_as_they_lie(
@@ -960,12 +985,17 @@ def test_only_the_function_takes_heads_major_queries_as_they_lie(
     output is the contiguous call's either way."""
     (q, v, rho0), _ = make_inputs(13, torch.float64, True, seed=18)
     decay = {
-        None: None, "fixed": LOG_DECAY, "fixed+resets": LOG_DECAY,
+        None: None,
+        "fixed": LOG_DECAY,
+        "fixed+resets": LOG_DECAY,
         "learned": LOG_DECAY.clone().requires_grad_(),
     }
     mask = reset_mask_for(13) if log_decay == "fixed+resets" else None
     kwargs = dict(
-        executor=executor, initial_state=rho0, log_decay=decay[log_decay], chunk_size=4,
+        executor=executor,
+        initial_state=rho0,
+        log_decay=decay[log_decay],
+        chunk_size=4,
         reset_mask=mask,
     )
     seen = []

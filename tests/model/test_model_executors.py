@@ -80,7 +80,6 @@ def test_unknown_executor_is_rejected():
         linear_attention(q, v, executor="fast", chunk_size=4)
 
 
-
 def definition_attention(q, v, log_decay):
     """out_t = sum_{s<t} d^(t-s) (q_t . q_s) v_s and rho_T = sum_s d^(T-s) q_s^T v_s, as
     plain loops over t and s in float64 (rho0 = 0), all heads at once."""
@@ -121,7 +120,11 @@ def test_chunked_without_incoming_state_equals_dense_at_op_level(decay, need_sta
         q = q0.to(dtype).requires_grad_()
         v = v0.to(dtype).requires_grad_()
         out, rho = executor(
-            q, v, initial_state=None, log_decay=log_decay, output_final_state=need_state,
+            q,
+            v,
+            initial_state=None,
+            log_decay=log_decay,
+            output_final_state=need_state,
             **chunking,
         )
         objective = (out * grad_out.to(dtype)).sum()

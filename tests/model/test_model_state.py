@@ -140,13 +140,16 @@ def test_detach_cuts_summary_and_keeps_none():
     state = _filled_state(2)
     weight = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
     state.rho[0] = state.rho[0] * weight
-    state.summary[0] = SummaryCarry(*(t * weight if t.is_floating_point() else t
-                                      for t in state.summary[0]))
+    state.summary[0] = SummaryCarry(
+        *(t * weight if t.is_floating_point() else t for t in state.summary[0])
+    )
     expected = _filled_state(2)
     expected.rho[0] = expected.rho[0] * 2
-    expected.summary[0] = SummaryCarry(expected.summary[0].memory * 2,
-                                       expected.summary[0].chunk_sum * 2,
-                                       expected.summary[0].chunk_hits)
+    expected.summary[0] = SummaryCarry(
+        expected.summary[0].memory * 2,
+        expected.summary[0].chunk_sum * 2,
+        expected.summary[0].chunk_hits,
+    )
     assert state.detach_() is state
     assert not any(t.requires_grad for t in state.summary[0])
     assert not state.rho[0].requires_grad
@@ -214,11 +217,19 @@ def test_state_dict_keys_values_and_round_trip():
     state.rho[0] = state.rho[0] * weight
     state.summary[0] = SummaryCarry(state.summary[0].memory * weight, *state.summary[0][1:])
     sd = state.state_dict()
-    assert sorted(sd) == sorted([
-        "position", "rho.0", "rho.2",
-        "summary_memory.0", "summary_chunk_sum.0", "summary_chunk_hits.0",
-        "summary_memory.2", "summary_chunk_sum.2", "summary_chunk_hits.2",
-    ])
+    assert sorted(sd) == sorted(
+        [
+            "position",
+            "rho.0",
+            "rho.2",
+            "summary_memory.0",
+            "summary_chunk_sum.0",
+            "summary_chunk_hits.0",
+            "summary_memory.2",
+            "summary_chunk_sum.2",
+            "summary_chunk_hits.2",
+        ]
+    )
     assert not any(t.requires_grad for t in sd.values())
     assert torch.equal(sd["summary_chunk_hits.0"], torch.tensor([7, 14]))
     for t in sd.values():  # copies: writing into them leaves the state alone
@@ -254,40 +265,75 @@ def _position(batch: int = 2) -> dict[str, torch.Tensor]:
     ("entries", "message"),
     [
         ({}, "model state checkpoint has no 'position' entry"),
-        ({"position": torch.zeros(2, 1, dtype=torch.long)},
-         "model state 'position' must be a 1-D long tensor, got (2, 1) torch.int64"),
-        ({"position": torch.zeros(2, dtype=torch.int32)},
-         "model state 'position' must be a 1-D long tensor, got (2,) torch.int32"),
-        ({**_position(), "rho.3": torch.zeros(2, 1, 1, 1)},
-         "unexpected model state entry 'rho.3' for a 3-layer model"),
-        ({**_position(), "rho.x": torch.zeros(2, 1, 1, 1)},
-         "unexpected model state entry 'rho.x' for a 3-layer model"),
-        ({**_position(), "rho": torch.zeros(2, 1, 1, 1)},
-         "unexpected model state entry 'rho' for a 3-layer model"),
-        ({**_position(), "summary_other.0": torch.zeros(2, 1, 1, 1)},
-         "unexpected model state entry 'summary_other.0' for a 3-layer model"),
-        ({**_position(), "summary_memory.3": torch.zeros(2, 1, 1, 4)},
-         "unexpected model state entry 'summary_memory.3' for a 3-layer model"),
-        ({**_position(), "rho.0": torch.zeros(2, 1, 1)},
-         "model state 'rho.0' must be [B, H, N, D] with B=2, got (2, 1, 1)"),
-        ({**_position(), "rho.2": torch.zeros(3, 1, 1, 1)},
-         "model state 'rho.2' must be [B, H, N, D] with B=2, got (3, 1, 1, 1)"),
-        ({**_position(), "summary_chunk_hits.1": torch.zeros(2, dtype=torch.int32)},
-         "model state 'summary_chunk_hits.1' must be [2] long, got (2,) torch.int32"),
-        ({**_position(), "summary_chunk_hits.1": torch.zeros(3, dtype=torch.long)},
-         "model state 'summary_chunk_hits.1' must be [2] long, got (3,) torch.int64"),
-        ({**_position(), "summary_memory.0": torch.zeros(2, 1, 4)},
-         "model state 'summary_memory.0' must be [2, 1, 1, D], got (2, 1, 4) torch.float32"),
-        ({**_position(), "summary_chunk_sum.0": torch.zeros(2, 1, 2, 4)},
-         "model state 'summary_chunk_sum.0' must be [2, 1, 1, D], got (2, 1, 2, 4) torch.float32"),
-        ({**_position(), "summary_memory.0": torch.zeros(3, 1, 1, 4)},
-         "model state 'summary_memory.0' must be [2, 1, 1, D], got (3, 1, 1, 4) torch.float32"),
-        ({**_position(), "summary_memory.2": torch.zeros(2, 1, 1, 4)},
-         "model state layer 2 has a partial summary memory: missing summary_chunk_hits.2, "
-         "summary_chunk_sum.2"),
-        ({**_position(), "summary_chunk_hits.1": torch.zeros(2, dtype=torch.long),
-          "summary_chunk_sum.1": torch.zeros(2, 1, 1, 4)},
-         "model state layer 1 has a partial summary memory: missing summary_memory.1"),
+        (
+            {"position": torch.zeros(2, 1, dtype=torch.long)},
+            "model state 'position' must be a 1-D long tensor, got (2, 1) torch.int64",
+        ),
+        (
+            {"position": torch.zeros(2, dtype=torch.int32)},
+            "model state 'position' must be a 1-D long tensor, got (2,) torch.int32",
+        ),
+        (
+            {**_position(), "rho.3": torch.zeros(2, 1, 1, 1)},
+            "unexpected model state entry 'rho.3' for a 3-layer model",
+        ),
+        (
+            {**_position(), "rho.x": torch.zeros(2, 1, 1, 1)},
+            "unexpected model state entry 'rho.x' for a 3-layer model",
+        ),
+        (
+            {**_position(), "rho": torch.zeros(2, 1, 1, 1)},
+            "unexpected model state entry 'rho' for a 3-layer model",
+        ),
+        (
+            {**_position(), "summary_other.0": torch.zeros(2, 1, 1, 1)},
+            "unexpected model state entry 'summary_other.0' for a 3-layer model",
+        ),
+        (
+            {**_position(), "summary_memory.3": torch.zeros(2, 1, 1, 4)},
+            "unexpected model state entry 'summary_memory.3' for a 3-layer model",
+        ),
+        (
+            {**_position(), "rho.0": torch.zeros(2, 1, 1)},
+            "model state 'rho.0' must be [B, H, N, D] with B=2, got (2, 1, 1)",
+        ),
+        (
+            {**_position(), "rho.2": torch.zeros(3, 1, 1, 1)},
+            "model state 'rho.2' must be [B, H, N, D] with B=2, got (3, 1, 1, 1)",
+        ),
+        (
+            {**_position(), "summary_chunk_hits.1": torch.zeros(2, dtype=torch.int32)},
+            "model state 'summary_chunk_hits.1' must be [2] long, got (2,) torch.int32",
+        ),
+        (
+            {**_position(), "summary_chunk_hits.1": torch.zeros(3, dtype=torch.long)},
+            "model state 'summary_chunk_hits.1' must be [2] long, got (3,) torch.int64",
+        ),
+        (
+            {**_position(), "summary_memory.0": torch.zeros(2, 1, 4)},
+            "model state 'summary_memory.0' must be [2, 1, 1, D], got (2, 1, 4) torch.float32",
+        ),
+        (
+            {**_position(), "summary_chunk_sum.0": torch.zeros(2, 1, 2, 4)},
+            "model state 'summary_chunk_sum.0' must be [2, 1, 1, D], got (2, 1, 2, 4) torch.float32",
+        ),
+        (
+            {**_position(), "summary_memory.0": torch.zeros(3, 1, 1, 4)},
+            "model state 'summary_memory.0' must be [2, 1, 1, D], got (3, 1, 1, 4) torch.float32",
+        ),
+        (
+            {**_position(), "summary_memory.2": torch.zeros(2, 1, 1, 4)},
+            "model state layer 2 has a partial summary memory: missing summary_chunk_hits.2, "
+            "summary_chunk_sum.2",
+        ),
+        (
+            {
+                **_position(),
+                "summary_chunk_hits.1": torch.zeros(2, dtype=torch.long),
+                "summary_chunk_sum.1": torch.zeros(2, 1, 1, 4),
+            },
+            "model state layer 1 has a partial summary memory: missing summary_memory.1",
+        ),
     ],
 )
 def test_load_state_dict_refusals_change_nothing(entries, message):
@@ -304,5 +350,8 @@ def test_checked_summary_entry_accepts_its_shapes():
     memory = torch.zeros(2, 1, 1, 5)
     assert _checked_summary_entry("k", "memory", memory, 2) is memory
     assert _checked_summary_entry("k", "chunk_sum", memory, 2) is memory
-    assert SUMMARY_KEYS == {"memory": "summary_memory", "chunk_sum": "summary_chunk_sum",
-                            "chunk_hits": "summary_chunk_hits"}
+    assert SUMMARY_KEYS == {
+        "memory": "summary_memory",
+        "chunk_sum": "summary_chunk_sum",
+        "chunk_hits": "summary_chunk_hits",
+    }

@@ -78,8 +78,9 @@ def reference(weights, idx, n_layer, position, sm: SummaryMemoryConfig, mask=Non
                         updated = sm.state_decay * m_prev + sm.state_update_scale * s
                     if sm.surprise_gate_threshold > 0 and m_prev is not None:
                         dist = (s - m_prev).abs().mean(-1, keepdim=True)
-                        r = torch.relu((dist - sm.surprise_gate_threshold)
-                                       * sm.surprise_gate_sharpness)
+                        r = torch.relu(
+                            (dist - sm.surprise_gate_threshold) * sm.surprise_gate_sharpness
+                        )
                         g = r / (r + 1)
                         updated = m_prev + g * (updated - m_prev)
                     if sm.write_gate:
@@ -179,7 +180,11 @@ def test_off_adds_no_parameter_buffer_or_state_and_changes_no_bit():
     )
     assert [n for n, _ in off.named_parameters()] == [n for n, _ in default.named_parameters()]
     assert sorted(off.state_dict()) == [
-        "decoder", "embed.weight", "encoder", "encoder_v", "lm_head"
+        "decoder",
+        "embed.weight",
+        "encoder",
+        "encoder_v",
+        "lm_head",
     ]
     expected, _ = default(idx)
     state = off.init_state(2)
@@ -192,9 +197,7 @@ def test_off_adds_no_parameter_buffer_or_state_and_changes_no_bit():
 def test_a_mask_without_the_write_gate_has_no_effect():
     model = tiny_model(summary_memory=summary())
     idx = torch.randint(0, VOCAB, (2, 9))
-    assert torch.equal(
-        model(idx, summary_event_mask=torch.ones(2, 9))[0], model(idx)[0]
-    )
+    assert torch.equal(model(idx, summary_event_mask=torch.ones(2, 9))[0], model(idx)[0])
 
 
 # ------------------------------------------------------------------ calls, executors, generation
@@ -214,8 +217,11 @@ def test_split_calls_equal_one_call_with_gradients_fp32(splits, executor):
         state, hidden, start = model.init_state(2), [], 0
         for size in pieces:
             end = start + size
-            hidden.append(model.forward_hidden(idx[:, start:end], state, summary_event_mask=(
-                mask[:, start:end])))
+            hidden.append(
+                model.forward_hidden(
+                    idx[:, start:end], state, summary_event_mask=(mask[:, start:end])
+                )
+            )
             start = end
         hidden = torch.cat(hidden, 1)
         model.loss_from_hidden(hidden, targets).backward()
@@ -272,8 +278,9 @@ def test_generation_marks_the_events_of_the_tokens_it_produces(monkeypatch):
 
     monkeypatch.setattr(model, "forward_hidden", recording)
     prompt = torch.tensor([[3, 0, 1, 2], [1, 2, 1, 2]])
-    fast = model.generate(prompt, 40, generator=torch.Generator().manual_seed(0),
-                          summary_events=trigger)
+    fast = model.generate(
+        prompt, 40, generator=torch.Generator().manual_seed(0), summary_events=trigger
+    )
     monkeypatch.undo()
     expected = trigger.mask(fast)
     assert expected[:, 5:].sum() >= 2  # events among the generated tokens
@@ -313,8 +320,11 @@ def test_reset_clears_that_rows_carry_only():
             assert torch.equal(t[0], t_old[0]) and not t[1].any()
     both = model.forward_hidden(second, state, summary_event_mask=m2)
     solo = model.init_state(1)
-    row0 = model.forward_hidden(torch.cat([first[:1], second[:1]], 1), solo,
-                                summary_event_mask=torch.cat([m1[:1], m2[:1]], 1))[:, 7:]
+    row0 = model.forward_hidden(
+        torch.cat([first[:1], second[:1]], 1),
+        solo,
+        summary_event_mask=torch.cat([m1[:1], m2[:1]], 1),
+    )[:, 7:]
     row1 = model.forward_hidden(second[1:], summary_event_mask=m2[1:])
     assert_close(both[:1], row0, rtol=1e-12)
     assert_close(both[1:], row1, rtol=1e-12)
@@ -323,8 +333,7 @@ def test_reset_clears_that_rows_carry_only():
 def test_carry_detach_clone_to_and_state_dict_round_trip():
     model = tiny_model(summary_memory=summary(last_layers=1, write_gate=True))
     state = model.init_state(2)
-    model.forward_hidden(torch.randint(0, VOCAB, (2, 7)), state,
-                         summary_event_mask=events(2, 7))
+    model.forward_hidden(torch.randint(0, VOCAB, (2, 7)), state, summary_event_mask=events(2, 7))
     assert state.summary[0] is None  # only the last layer has a memory
     assert state.summary[1].memory.requires_grad
     state.detach_()

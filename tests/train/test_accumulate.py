@@ -411,9 +411,7 @@ def test_bad_gradient_is_rejected_without_mutation(case: int, weight: float) -> 
     model, acc = primed(torch.float64)
     _, grads, message = _bad_gradients(model)[case]
     for method in (acc.accumulate_sum, acc.accumulate_mean):
-        err = expect_rejected(
-            acc, lambda m=method: m(grads, weight=weight), GradientError, message
-        )
+        err = expect_rejected(acc, lambda m=method: m(grads, weight=weight), GradientError, message)
         assert isinstance(err, WeightedAccumulationError)
 
 
@@ -529,7 +527,8 @@ def test_state_with_the_rust_dtype_name_loads(
     resumed.load_state_dict({**saved, "state": {**saved["state"], "dtype": name}})
     assert resumed.state == source.state
     for got, want in zip(
-        resumed.finish_mean().gradients.values(), source.finish_mean().gradients.values(),
+        resumed.finish_mean().gradients.values(),
+        source.finish_mean().gradients.values(),
         strict=True,
     ):
         assert torch.equal(got, want)
@@ -539,33 +538,87 @@ def _state_edits() -> list[tuple[str, dict[str, Any], type[Exception], str, str 
     """(case, edit of a stored state of 1 microbatch of weight 3, error, str(error), detail)."""
     scalar = "invalid scalar: loss scale must be positive, finite and representable in "
     return [
-        ("dtype f16", {"dtype": "float16"}, InvalidStateError, STATE_MSG,
-         DTYPE_DETAIL + "'float16'"),
+        (
+            "dtype f16",
+            {"dtype": "float16"},
+            InvalidStateError,
+            STATE_MSG,
+            DTYPE_DETAIL + "'float16'",
+        ),
         ("dtype rust F16", {"dtype": "F16"}, InvalidStateError, STATE_MSG, DTYPE_DETAIL + "'F16'"),
-        ("dtype lower f32", {"dtype": "f32"}, InvalidStateError, STATE_MSG,
-         DTYPE_DETAIL + "'f32'"),
-        ("dtype torch", {"dtype": "torch.float64"}, InvalidStateError, STATE_MSG,
-         DTYPE_DETAIL + "'torch.float64'"),
+        ("dtype lower f32", {"dtype": "f32"}, InvalidStateError, STATE_MSG, DTYPE_DETAIL + "'f32'"),
+        (
+            "dtype torch",
+            {"dtype": "torch.float64"},
+            InvalidStateError,
+            STATE_MSG,
+            DTYPE_DETAIL + "'torch.float64'",
+        ),
         ("dtype int", {"dtype": 64}, InvalidStateError, STATE_MSG, DTYPE_DETAIL + "64"),
-        ("negative total", {"total_weight": -1.0}, InvalidStateError, STATE_MSG,
-         "total_weight -1.0 is not a valid effective weight"),
-        ("nan total", {"total_weight": math.nan}, InvalidStateError, STATE_MSG,
-         "total_weight nan is not a valid effective weight"),
-        ("no batches", {"microbatches": 0, "total_weight": 3.0}, InvalidStateError, STATE_MSG,
-         "total_weight 3.0 with zero microbatches"),
-        ("counter > u64", {"microbatches": U64_MAX + 1}, InvalidStateError, STATE_MSG,
-         f"microbatches {U64_MAX + 1} is not an unsigned 64-bit integer"),
-        ("counter < 0", {"microbatches": -1}, InvalidStateError, STATE_MSG,
-         "microbatches -1 is not an unsigned 64-bit integer"),
-        ("counter float", {"microbatches": 2.0}, InvalidStateError, STATE_MSG,
-         "microbatches must be an integer, got 2.0"),
-        ("zero weight, pending", {"total_weight": 0.0}, InvalidStateError, STATE_MSG,
-         "pending gradients in a window with zero total weight"),
-        ("pending dtype", {"dtype": "float32"}, InvalidStateError, STATE_MSG,
-         "pending gradient 'fc1.weight' is torch.float64, work dtype is torch.float32"),
+        (
+            "negative total",
+            {"total_weight": -1.0},
+            InvalidStateError,
+            STATE_MSG,
+            "total_weight -1.0 is not a valid effective weight",
+        ),
+        (
+            "nan total",
+            {"total_weight": math.nan},
+            InvalidStateError,
+            STATE_MSG,
+            "total_weight nan is not a valid effective weight",
+        ),
+        (
+            "no batches",
+            {"microbatches": 0, "total_weight": 3.0},
+            InvalidStateError,
+            STATE_MSG,
+            "total_weight 3.0 with zero microbatches",
+        ),
+        (
+            "counter > u64",
+            {"microbatches": U64_MAX + 1},
+            InvalidStateError,
+            STATE_MSG,
+            f"microbatches {U64_MAX + 1} is not an unsigned 64-bit integer",
+        ),
+        (
+            "counter < 0",
+            {"microbatches": -1},
+            InvalidStateError,
+            STATE_MSG,
+            "microbatches -1 is not an unsigned 64-bit integer",
+        ),
+        (
+            "counter float",
+            {"microbatches": 2.0},
+            InvalidStateError,
+            STATE_MSG,
+            "microbatches must be an integer, got 2.0",
+        ),
+        (
+            "zero weight, pending",
+            {"total_weight": 0.0},
+            InvalidStateError,
+            STATE_MSG,
+            "pending gradients in a window with zero total weight",
+        ),
+        (
+            "pending dtype",
+            {"dtype": "float32"},
+            InvalidStateError,
+            STATE_MSG,
+            "pending gradient 'fc1.weight' is torch.float64, work dtype is torch.float32",
+        ),
         ("zero scale", {"loss_scale": 0.0}, GradientError, scalar + "float64, got 0.0", None),
-        ("f32 scale overflow", {"dtype": "float32", "loss_scale": 1e39}, GradientError,
-         scalar + "float32, got 1e+39", None),
+        (
+            "f32 scale overflow",
+            {"dtype": "float32", "loss_scale": 1e39},
+            GradientError,
+            scalar + "float32, got 1e+39",
+            None,
+        ),
     ]
 
 
@@ -597,9 +650,7 @@ def test_checkpoint_with_foreign_gradients_is_rejected(
     sd = round_trip(source.state_dict(), tmp_path)
     sd["gradients"] = edit(sd["gradients"])
     _, target = primed(torch.float64, seed=9)
-    expect_rejected(
-        target, lambda: target.load_state_dict(sd), GradientError, message, exact=False
-    )
+    expect_rejected(target, lambda: target.load_state_dict(sd), GradientError, message, exact=False)
 
 
 def test_malformed_state_is_rejected() -> None:
@@ -651,20 +702,44 @@ def _state_dict_edits() -> list[tuple[Any, type[Exception], str, str | None]]:
     return [
         ([], InvalidStateError, STATE_MSG, entries),
         ({"state": F64_STATE}, InvalidStateError, STATE_MSG, entries),
-        ({"gradients": {}, "state": {}}, InvalidStateError, STATE_MSG,
-         "state is missing ['dtype', 'loss_scale', 'microbatches', 'total_weight']"),
-        ({"gradients": [], "state": F64_STATE}, InvalidStateError, STATE_MSG,
-         "'gradients' must be a mapping name -> tensor"),
-        ({"gradients": {"fc1.bias": one}, "state": {**F64_STATE, "total_weight": 0.0}},
-         InvalidStateError, STATE_MSG, "pending gradients in a window with zero total weight"),
-        ({"gradients": {"fc1.bias": [1.0]}, "state": F64_STATE}, InvalidStateError, STATE_MSG,
-         "pending gradient 'fc1.bias' is <class 'list'>, work dtype is torch.float64"),
-        ({"gradients": {"fc1.bias": one.float()}, "state": F64_STATE}, InvalidStateError,
-         STATE_MSG, "pending gradient 'fc1.bias' is torch.float32, work dtype is torch.float64"),
+        (
+            {"gradients": {}, "state": {}},
+            InvalidStateError,
+            STATE_MSG,
+            "state is missing ['dtype', 'loss_scale', 'microbatches', 'total_weight']",
+        ),
+        (
+            {"gradients": [], "state": F64_STATE},
+            InvalidStateError,
+            STATE_MSG,
+            "'gradients' must be a mapping name -> tensor",
+        ),
+        (
+            {"gradients": {"fc1.bias": one}, "state": {**F64_STATE, "total_weight": 0.0}},
+            InvalidStateError,
+            STATE_MSG,
+            "pending gradients in a window with zero total weight",
+        ),
+        (
+            {"gradients": {"fc1.bias": [1.0]}, "state": F64_STATE},
+            InvalidStateError,
+            STATE_MSG,
+            "pending gradient 'fc1.bias' is <class 'list'>, work dtype is torch.float64",
+        ),
+        (
+            {"gradients": {"fc1.bias": one.float()}, "state": F64_STATE},
+            InvalidStateError,
+            STATE_MSG,
+            "pending gradient 'fc1.bias' is torch.float32, work dtype is torch.float64",
+        ),
         # devices are not checked: a pending gradient is moved to its parameter's device, and
         # one that cannot be moved (meta holds no data) is refused with the reason
-        ({"gradients": {"fc1.bias": one.to("meta")}, "state": F64_STATE}, GradientError,
-         "pending gradient for parameter 'fc1.bias' cannot be moved to cpu: ", None),
+        (
+            {"gradients": {"fc1.bias": one.to("meta")}, "state": F64_STATE},
+            GradientError,
+            "pending gradient for parameter 'fc1.bias' cannot be moved to cpu: ",
+            None,
+        ),
     ]
 
 
@@ -680,22 +755,36 @@ def test_refused_state_dicts_name_the_reason_and_change_nothing(case: int) -> No
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda m: WeightedGradientAccumulator(m, dtype=torch.float16),
-         "invalid work dtype torch.float16: weighted accumulation needs torch.float32 or "
-         "torch.float64"),
-        (lambda m: WeightedGradientAccumulator(m, loss_scale=-1.0),
-         "invalid scalar: loss scale must be positive, finite and representable in float32, "
-         "got -1.0"),
-        (lambda m: WeightedGradientAccumulator([("fc1.bias",)]),
-         "expected (name, parameter) pairs, got ('fc1.bias',)"),
-        (lambda m: WeightedGradientAccumulator([("fc1.bias", 1.0)]),
-         "expected (str, Tensor) pairs, got ('fc1.bias', <class 'float'>)"),
-        (lambda m: WeightedGradientAccumulator([(1, m.fc1.bias)]),
-         "expected (str, Tensor) pairs, got (1, <class 'torch.nn.parameter.Parameter'>)"),
-        (lambda m: WeightedGradientAccumulator([("b", m.fc1.bias), ("b", m.fc2.bias)]),
-         "duplicate parameter name 'b'"),
-        (lambda m: WeightedGradientAccumulator(m).accumulate_sum([m.fc1.bias], weight=1),
-         "gradients must be a mapping name -> tensor, got <class 'list'>"),
+        (
+            lambda m: WeightedGradientAccumulator(m, dtype=torch.float16),
+            "invalid work dtype torch.float16: weighted accumulation needs torch.float32 or "
+            "torch.float64",
+        ),
+        (
+            lambda m: WeightedGradientAccumulator(m, loss_scale=-1.0),
+            "invalid scalar: loss scale must be positive, finite and representable in float32, "
+            "got -1.0",
+        ),
+        (
+            lambda m: WeightedGradientAccumulator([("fc1.bias",)]),
+            "expected (name, parameter) pairs, got ('fc1.bias',)",
+        ),
+        (
+            lambda m: WeightedGradientAccumulator([("fc1.bias", 1.0)]),
+            "expected (str, Tensor) pairs, got ('fc1.bias', <class 'float'>)",
+        ),
+        (
+            lambda m: WeightedGradientAccumulator([(1, m.fc1.bias)]),
+            "expected (str, Tensor) pairs, got (1, <class 'torch.nn.parameter.Parameter'>)",
+        ),
+        (
+            lambda m: WeightedGradientAccumulator([("b", m.fc1.bias), ("b", m.fc2.bias)]),
+            "duplicate parameter name 'b'",
+        ),
+        (
+            lambda m: WeightedGradientAccumulator(m).accumulate_sum([m.fc1.bias], weight=1),
+            "gradients must be a mapping name -> tensor, got <class 'list'>",
+        ),
     ],
 )
 def test_bad_arguments_are_named(make: Callable[[nn.Module], object], message: str) -> None:

@@ -73,9 +73,14 @@ def test_the_trainer_applies_the_configured_policy(tmp_path, mode, recompute):
     from bdh_train.trainer import Trainer
 
     overrides = [
-        "model.n_layer=1", "model.n_embd=16", "model.n_head=1",
-        "model.mlp_internal_dim_multiplier=2", "training.block_size=8",
-        "training.batch_size=2", "training.device='cpu'", f"training.host_allocator='{mode}'",
+        "model.n_layer=1",
+        "model.n_embd=16",
+        "model.n_head=1",
+        "model.mlp_internal_dim_multiplier=2",
+        "training.block_size=8",
+        "training.batch_size=2",
+        "training.device='cpu'",
+        f"training.host_allocator='{mode}'",
         f"training.recompute='{recompute}'",
     ]
     trainer = Trainer(load_config(overrides=overrides), tmp_path / "run")

@@ -162,7 +162,8 @@ def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path: Path) 
     (tmp_path / "b.bin").write_bytes(b"x" * 3)
     (tmp_path / "sub" / "deeper" / "a.txt").write_bytes(b"")
     assert ckpt._checkpoint_files(tmp_path) == [
-        tmp_path / "b.bin", tmp_path / "sub" / "deeper" / "a.txt"
+        tmp_path / "b.bin",
+        tmp_path / "sub" / "deeper" / "a.txt",
     ]
     ckpt._write_manifest(tmp_path)
     ckpt._write_manifest(tmp_path)  # a second manifest does not list the first
@@ -242,7 +243,8 @@ def test_save_writes_the_manifest_before_the_hook_and_latest_after(tmp_path: Pat
     assert seen == [[ckpt.MANIFEST, ckpt.MODEL_FILE, "sub"]]
     assert (tmp_path / "checkpoints" / ckpt.LATEST).read_text() == "step-0000002\n"
     assert set(json.loads((final / ckpt.MANIFEST).read_text())["files"]) == {
-        ckpt.MODEL_FILE, "sub/shard"
+        ckpt.MODEL_FILE,
+        "sub/shard",
     }
     ckpt.verify_checkpoint(final)
 
@@ -296,7 +298,10 @@ def test_recovery_keeps_checkpoints_and_drops_debris(tmp_path: Path) -> None:
     (root / ".old-step-0000007-d").write_bytes(b"")
     ckpt.recover_checkpoints(root)
     assert sorted(p.name for p in root.iterdir()) == [
-        ".old-step-0000007-d", ".tmp-file", ckpt.LATEST, "step-0000005"
+        ".old-step-0000007-d",
+        ".tmp-file",
+        ckpt.LATEST,
+        "step-0000005",
     ]
     assert (root / "step-0000005" / ckpt.MODEL_FILE).read_bytes() == b"new5"
 
@@ -385,8 +390,10 @@ def test_load_into_model_lists_every_mismatch(tmp_path: Path) -> None:
     wrong = {k: v.t() if v.dim() == 2 else v for k, v in two.state_dict().items()}
     with pytest.raises(CheckpointError) as err:
         ckpt.load_into_model(two, wrong, tmp_path)
-    assert "(mismatched shapes: 0.weight: checkpoint [2, 3] vs model [3, 2]; 1.weight: " \
+    assert (
+        "(mismatched shapes: 0.weight: checkpoint [2, 3] vs model [3, 2]; 1.weight: "
         "checkpoint [3, 1] vs model [1, 3]); check" in str(err.value)
+    )
     ckpt.load_into_model(model, _linear().state_dict(), tmp_path)
     assert torch.equal(model.weight, _linear().weight) and torch.equal(model.bias, _linear().bias)
 
@@ -542,9 +549,7 @@ def test_checkpointer_load_wraps_what_a_part_refuses(tmp_path: Path) -> None:
     for error in (ValueError("v"), KeyError("k"), TypeError("t"), IndexError("i")):
         with pytest.raises(CheckpointError) as err:
             saver.load(final, {"a.json": _Part(error=error)})
-        assert str(err.value) == (
-            f"checkpoint {final} does not fit this run (a.json): {error}"
-        )
+        assert str(err.value) == (f"checkpoint {final} does not fit this run (a.json): {error}")
         assert err.value.__cause__ is error
     own = ConfigError("world size")
     with pytest.raises(ConfigError) as err:

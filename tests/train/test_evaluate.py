@@ -30,8 +30,9 @@ def test_bits_per_byte_of_byte_text_is_the_loss_over_ln_2(text: bool) -> None:
     lengths = ByteTokenizer().token_byte_lengths() if text else None
     for seed in range(6 if text else 1):  # a reordered formula differs in the last bit of some
         step = LanguageTrainModel(tiny_model(vocab_size=32, seed=seed))
-        result = evaluate(step, data, block_size=8, batch_size=4, max_batches=None,
-                          byte_lengths=lengths)
+        result = evaluate(
+            step, data, block_size=8, batch_size=4, max_batches=None, byte_lengths=lengths
+        )
         windows = (len(ids) - 1) // 8
         assert result.tokens == windows * 8
         if text:
@@ -49,14 +50,16 @@ def test_bits_per_byte_of_a_bpe_model_by_hand(tmp_path) -> None:
     ids = np.array(tok.encode("ROMEO 7: the quick brown fox — ünïcödé 日本 jumps over 49 lazy"))
     data = TokenData(ids, tok.vocab_size, "bpe text")
     model = tiny_model(torch.float64, vocab_size=tok.vocab_size).eval()
-    result = evaluate(LanguageTrainModel(model), data, 5, 2, None,
-                      byte_lengths=tok.token_byte_lengths())
+    result = evaluate(
+        LanguageTrainModel(model), data, 5, 2, None, byte_lengths=tok.token_byte_lengths()
+    )
     nats, text_bytes, counted = 0.0, 0, 0
     for batch in eval_batches(data, 5, 2):
         with torch.no_grad():
             logits, _ = model(batch.inputs)
-        nats += F.cross_entropy(logits.reshape(-1, tok.vocab_size), batch.targets.reshape(-1),
-                                reduction="sum").item()
+        nats += F.cross_entropy(
+            logits.reshape(-1, tok.vocab_size), batch.targets.reshape(-1), reduction="sum"
+        ).item()
         text_bytes += sum(len(tok.decode_bytes([t])) for t in batch.targets.reshape(-1).tolist())
         counted += batch.targets.numel()
     assert text_bytes > counted  # merges: a token is more than one byte here

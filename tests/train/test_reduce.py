@@ -258,11 +258,14 @@ def test_one_rank_zero_gradient_stays_present(single_process_group):
     gradient is returned (as zeros), a missing one is not."""
     model = TinyMLP()
     state = WeightedAccumulationState(torch.float64, 2.0, 4.0, 1)
-    grads = {"unused": torch.zeros(2, dtype=torch.float64),
-             "fc2.bias": torch.tensor([8.0, -4.0, 2.0], dtype=torch.float64)}
+    grads = {
+        "unused": torch.zeros(2, dtype=torch.float64),
+        "fc2.bias": torch.tensor([8.0, -4.0, 2.0], dtype=torch.float64),
+    }
     got = all_reduce_accumulated(AccumulatedGradients(grads, state), model)
     assert {name: g.tolist() for name, g in got.items()} == {
-        "fc2.bias": [1.0, -0.5, 0.25], "unused": [0.0, 0.0]
+        "fc2.bias": [1.0, -0.5, 0.25],
+        "unused": [0.0, 0.0],
     }
 
 
@@ -315,8 +318,9 @@ class EmulatedPeer:
             tensor.add_(peer)
 
 
-def _as_two_ranks(monkeypatch, rank1: AccumulatedGradients, rank0: AccumulatedGradients,
-                  group=None):
+def _as_two_ranks(
+    monkeypatch, rank1: AccumulatedGradients, rank0: AccumulatedGradients, group=None
+):
     """rank 0's result when rank 1 sends what it sends with `rank1`."""
     recorder = EmulatedPeer()
     monkeypatch.setattr(dist, "all_reduce", recorder)
@@ -354,8 +358,10 @@ def test_two_emulated_empty_ranks_refuse_together(single_process_group, monkeypa
     [
         ((torch.float64, 4.0), "loss scale in [4.0, 4.0], dtype code in [32.0, 64.0]"),
         # a difference float32 cannot hold: the probe is float64
-        ((torch.float32, 4.0 + 2**-40), f"loss scale in [4.0, {4.0 + 2**-40!r}], dtype code "
-                                        "in [32.0, 32.0]"),
+        (
+            (torch.float32, 4.0 + 2**-40),
+            f"loss scale in [4.0, {4.0 + 2**-40!r}], dtype code in [32.0, 32.0]",
+        ),
     ],
 )
 def test_an_emulated_rank_with_other_window_settings_is_refused(

@@ -162,7 +162,9 @@ def test_backbone_scale_multiplies_the_transferred_backbone_for_its_steps():
     and a configured 0.5 on the encoders: encoders get 0.5 * 0.25 on steps 1-2, then 0.5."""
     model = tiny_model(norm="layernorm_affine")
     transfer = SimpleNamespace(
-        backbone_grad_scale=0.25, backbone_grad_scale_steps=2, preserve_fresh_decoder=True,
+        backbone_grad_scale=0.25,
+        backbone_grad_scale_steps=2,
+        preserve_fresh_decoder=True,
         preserve_fresh_norm=False,
     )
     schedule = GradientScaleSchedule(
@@ -195,8 +197,13 @@ def test_backbone_preserve_fresh_norm_from_an_object_without_preserve_fresh_deco
     )
     (first,) = _steps(GradientScaleSchedule(model, [], transfer), model, 1)
     assert first == {
-        "encoder": 0.5, "encoder_v": 0.5, "decoder": 0.5, "norm.weight": 1.0, "norm.bias": 1.0,
-        "lm_head": 1.0, "embed.weight": 1.0,
+        "encoder": 0.5,
+        "encoder_v": 0.5,
+        "decoder": 0.5,
+        "norm.weight": 1.0,
+        "norm.bias": 1.0,
+        "lm_head": 1.0,
+        "embed.weight": 1.0,
     }
 
 
@@ -215,7 +222,9 @@ def test_backbone_preserve_fresh_norm_from_an_object_without_preserve_fresh_deco
 def test_no_backbone_scale(transfer):
     schedule = GradientScaleSchedule(tiny_model(), [], transfer)
     assert (schedule.backbone_scale, schedule.backbone_steps, schedule.backbone) == (
-        None, 0, frozenset()
+        None,
+        0,
+        frozenset(),
     )
     assert schedule.step == 0
 
@@ -224,8 +233,11 @@ def test_the_step_counter_resumes_the_curve():
     """Loaded at step 2 of a 0 -> 1 ramp over total 5 (indices 0..4, 0.25 per step): the next
     step is index 2, scale 0.5."""
     model = tiny_model()
-    rule = {"target": "shared_lowrank_decoder", "scale": 0.0,
-            "schedule": {"final_scale": 1.0, "start_fraction": 0.0, "end_fraction": 1.0}}
+    rule = {
+        "target": "shared_lowrank_decoder",
+        "scale": 0.0,
+        "schedule": {"final_scale": 1.0, "start_fraction": 0.0, "end_fraction": 1.0},
+    }
     schedule = GradientScaleSchedule(model, [rule], total_steps=5)
     schedule.load_state_dict({"step": 2})
     assert [g["decoder"] for g in _steps(schedule, model, 2)] == [0.5, 0.75]
@@ -236,8 +248,11 @@ def test_shared_lowrank_target_scale_is_taken_at_the_last_step_index():
     """A decoder ramp 0 -> 1 over total 5: after 0 steps index 0 (decoder 0, mean 0.75), after
     3 steps index 2 (decoder 0.5, mean 0.875)."""
     model = tiny_model()
-    rule = {"target": "shared_lowrank_decoder", "scale": 0.0,
-            "schedule": {"final_scale": 1.0, "start_fraction": 0.0, "end_fraction": 1.0}}
+    rule = {
+        "target": "shared_lowrank_decoder",
+        "scale": 0.0,
+        "schedule": {"final_scale": 1.0, "start_fraction": 0.0, "end_fraction": 1.0},
+    }
     schedule = GradientScaleSchedule(model, [rule], total_steps=5)
     assert schedule.shared_lowrank_target_lr_scale() == 0.75
     schedule.load_state_dict({"step": 3})

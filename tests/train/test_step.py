@@ -32,7 +32,6 @@ SEED_INPUTS = torch.tensor([[0, 1, 2, 3], [7, 6, 5, 4]])
 SEED_TARGETS = torch.tensor([[1, 2, 3, 4], [6, 5, 4, 3]])
 
 
-
 def grads_of(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -187,8 +186,9 @@ def test_quantized_tbptt_with_all_chunks_in_one_backward_is_backprop_through_the
     a quantized projection is discontinuous where its codes cancel exactly: the float sum of
     the dequantized terms is then +-1e-17 or 0 by the BLAS's order of summation, which varies
     with the product's shape (T=10 against T=3 flipped such masks with MKL on an AMD EPYC)."""
-    quant = QuantConfig(enable=True, weight_format="ternary158", act_format="int8",
-                        **LOW_BIT_CASES[case])
+    quant = QuantConfig(
+        enable=True, weight_format="ternary158", act_format="int8", **LOW_BIT_CASES[case]
+    )
     model = tiny_model(torch.float64, quant=quant)
     b = batch(t=10, seed=6)
     full_loss, full_grads = backprop_through_chunks(model, b, 3)
@@ -218,9 +218,7 @@ def test_nca_step_loss_and_weight_are_the_heads_own(setup):
     8 non-ignored targets."""
     model = tiny_model(torch.float64, vocab_size=20, language_head=NCA_HEAD)
     inputs = torch.tensor([[16, 0, 1, 17, 16, 2, 3, 18], [16, 4, 5, 17, 16, 6, 7, 18]])
-    targets = torch.tensor(
-        [[0, 1, 17, 19, 2, 3, 16, IGNORE_INDEX], [4, 19, 17, 18, 6, 7, 16, 19]]
-    )
+    targets = torch.tensor([[0, 1, 17, 19, 2, 3, 16, IGNORE_INDEX], [4, 19, 17, 18, 6, 7, 16, 19]])
     b = SequenceBatch(inputs, targets)
     with torch.no_grad():
         _, model_loss = model(inputs, targets)
@@ -363,9 +361,7 @@ def test_streaming_document_resets_equal_each_document_from_a_fresh_state(execut
     """Blocks whose rows start documents mid-chunk and on chunk boundaries, streamed with
     TBPTT: each block's loss and gradients equal those of running every document from its
     own fresh state at position 0 (fp64, 1e-10), so no token sees another document."""
-    model = tiny_model(
-        torch.float64, executor=executor, position=position, chunk_size=2, n_layer=1
-    )
+    model = tiny_model(torch.float64, executor=executor, position=position, chunk_size=2, n_layer=1)
     inputs, targets, resets = _document_stream()
     expected = _documents_one_by_one(model, inputs, targets, resets)
     step = LanguageTrainModel(model, tbptt_chunk_size=DOC_CHUNK, streaming=True)
@@ -660,15 +656,32 @@ def test_window_row_sums_times_and_keeps_first_highest_last_memory():
     """One optimizer step's row from its micro-steps: times add up; memory is the reading
     before the first micro-step, the highest after a forward, and after the last backward."""
     mib = 2**20
-    a = StepProfile(1.0, 2.0, MemoryReading(1 * mib, 8 * mib), MemoryReading(5 * mib, 9 * mib),
-                    MemoryReading(2 * mib, 9 * mib), {"embed": 0.5})
-    b = StepProfile(0.5, 1.0, MemoryReading(3 * mib, 9 * mib), MemoryReading(4 * mib, 12 * mib),
-                    MemoryReading(3 * mib, 12 * mib), {"embed": 0.25})
+    a = StepProfile(
+        1.0,
+        2.0,
+        MemoryReading(1 * mib, 8 * mib),
+        MemoryReading(5 * mib, 9 * mib),
+        MemoryReading(2 * mib, 9 * mib),
+        {"embed": 0.5},
+    )
+    b = StepProfile(
+        0.5,
+        1.0,
+        MemoryReading(3 * mib, 9 * mib),
+        MemoryReading(4 * mib, 12 * mib),
+        MemoryReading(3 * mib, 12 * mib),
+        {"embed": 0.25},
+    )
     assert profile_row([a, b]) == {
-        "forward_s": 1.5, "backward_s": 3.0, "probe_embed_s": 0.75,
-        "mem_before_mib": 1.0, "mem_before_reserved_mib": 8.0,
-        "mem_after_forward_mib": 5.0, "mem_after_forward_reserved_mib": 12.0,
-        "mem_after_backward_mib": 3.0, "mem_after_backward_reserved_mib": 12.0,
+        "forward_s": 1.5,
+        "backward_s": 3.0,
+        "probe_embed_s": 0.75,
+        "mem_before_mib": 1.0,
+        "mem_before_reserved_mib": 8.0,
+        "mem_after_forward_mib": 5.0,
+        "mem_after_forward_reserved_mib": 12.0,
+        "mem_after_backward_mib": 3.0,
+        "mem_after_backward_reserved_mib": 12.0,
     }
 
 
@@ -680,8 +693,11 @@ def test_window_row_sums_times_and_keeps_first_highest_last_memory():
         (("off", False), {"BDH_PROFILE": "detail"}, ProfileSettings("detail", False)),
         (("step", False), {"BDH_PROFILE_DETAIL": "true"}, ProfileSettings("detail", False)),
         (("detail", True), {"BDH_PROFILE_DETAIL": "0"}, ProfileSettings("step", True)),
-        (("detail", True), {"BDH_PROFILE": "off", "BDH_PROFILE_MEMORY": "no"},
-         ProfileSettings("off", False)),
+        (
+            ("detail", True),
+            {"BDH_PROFILE": "off", "BDH_PROFILE_MEMORY": "no"},
+            ProfileSettings("off", False),
+        ),
         (("off", False), {"BDH_PROFILE_MEMORY": "on"}, ProfileSettings("step", True)),
         (("off", True), {}, ProfileSettings("step", True)),
     ],

@@ -13,8 +13,12 @@ from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.train.step import LanguageTrainModel
 
 GATED = SummaryMemoryConfig(
-    enabled=True, chunk_tokens=3, write_gate=True, surprise_gate_threshold=0.3,
-    surprise_gate_sharpness=2.0, residual_scale=1.0,
+    enabled=True,
+    chunk_tokens=3,
+    write_gate=True,
+    surprise_gate_threshold=0.3,
+    surprise_gate_sharpness=2.0,
+    residual_scale=1.0,
 )
 
 
@@ -102,7 +106,8 @@ def test_streaming_reset_row_restarts_its_summary_memory_only():
     with torch.no_grad():
         state0 = model.init_state(1)
         model.forward_hidden(
-            torch.cat([first.inputs[:1], second.inputs[:1]], 1), state0,
+            torch.cat([first.inputs[:1], second.inputs[:1]], 1),
+            state0,
             summary_event_mask=torch.cat(
                 [first.summary_event_mask[:1], second.summary_event_mask[:1]], 1
             ),
@@ -125,8 +130,7 @@ def test_carried_summary_memory_round_trips_through_the_step_state_dict():
     step.train_step(masked_batch(t=4))
     other = LanguageTrainModel(gated_model(), streaming=True)
     other.load_state_dict(step.state_dict())
-    for got, ref in zip(other.carried_state.summary[1], step.carried_state.summary[1],
-                        strict=True):
+    for got, ref in zip(other.carried_state.summary[1], step.carried_state.summary[1], strict=True):
         assert torch.equal(got, ref)
 
 

@@ -78,13 +78,18 @@ def format_value(value: Any) -> str:
         value = dataclasses.asdict(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(format_value(item) for item in value) + "]"
-    return tomli_w.dumps({"v": value}).strip()[len("v = "):]
+    return tomli_w.dumps({"v": value}).strip()[len("v = ") :]
 
 
 def _fallback_allowed(hint: Any) -> str:
     origin = typing.get_origin(hint) or hint
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-            list: "a list"}.get(origin, "")
+    return {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+    }.get(origin, "")
 
 
 def _probe_allowed(section: str, path: list[tuple[str, str]], hint: Any) -> str:
@@ -113,22 +118,22 @@ def _probe_allowed(section: str, path: list[tuple[str, str]], hint: Any) -> str:
         )
         message = str(exc)
         if message.startswith(f"{where} must be "):
-            return message[len(where) + len(" must be "):].rsplit(", got ", 1)[0]
+            return message[len(where) + len(" must be ") :].rsplit(", got ", 1)[0]
     except Exception:  # noqa: BLE001 - a rule that is not a checks.* call: use the type
         pass
     return _fallback_allowed(hint)
 
 
-def _walk(
-    cls: type, section: str, path: list[tuple[str, str]], defaults: Any
-) -> list[KeyDoc]:
+def _walk(cls: type, section: str, path: list[tuple[str, str]], defaults: Any) -> list[KeyDoc]:
     docs = field_descriptions(cls)
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
-        key = section + "".join(
-            f".{name}" + ("[]" if kind == "list" else "") for name, kind in path
-        ) + f".{f.name}"
+        key = (
+            section
+            + "".join(f".{name}" + ("[]" if kind == "list" else "") for name, kind in path)
+            + f".{f.name}"
+        )
         default = getattr(defaults, f.name) if defaults is not None else _default(f)
         nested = dataclass_in(hints[f.name])
         if nested is None:
@@ -137,8 +142,10 @@ def _walk(
             continue
         kind, inner = nested
         what = {"one": "a table", "optional": "a table, or unset", "list": "a list of tables"}
-        shown = "[]" if kind == "list" and default == [] else (
-            "unset" if default is None else "(the keys below)"
+        shown = (
+            "[]"
+            if kind == "list" and default == []
+            else ("unset" if default is None else "(the keys below)")
         )
         out.append(KeyDoc(key, shown, what[kind], docs.get(f.name, "")))
         sub_defaults = default if kind == "one" else None
@@ -160,7 +167,8 @@ def select_keys(prefix: str = "") -> list[KeyDoc]:
     if not prefix:
         return list(explain_keys())
     chosen = [
-        k for k in explain_keys()
+        k
+        for k in explain_keys()
         if k.key == prefix or k.key.startswith(prefix + ".") or k.key.startswith(prefix + "[]")
     ]
     if not chosen:
@@ -175,8 +183,9 @@ def explain_text(prefix: str = "") -> str:
     for k in select_keys(prefix):
         allowed = f"  ({k.allowed})" if k.allowed else ""
         lines.append(f"{k.key} = {k.default}{allowed}")
-        lines.extend(textwrap.wrap(k.description, 92, initial_indent="    ",
-                                   subsequent_indent="    "))
+        lines.extend(
+            textwrap.wrap(k.description, 92, initial_indent="    ", subsequent_indent="    ")
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -195,8 +204,15 @@ def explain_markdown() -> str:
         "one resolved) override some defaults; with no preset and no file, `tiny` is used.",
     ]
     for section, cls in SECTIONS.items():
-        out += ["", f"## [{section}]", "", " ".join((cls.__doc__ or "").split()), "",
-                "| key | default | allowed | description |", "|---|---|---|---|"]
+        out += [
+            "",
+            f"## [{section}]",
+            "",
+            " ".join((cls.__doc__ or "").split()),
+            "",
+            "| key | default | allowed | description |",
+            "|---|---|---|---|",
+        ]
         for k in explain_keys():
             if k.key.split(".", 1)[0] == section:
                 key = k.key.split(".", 1)[1]

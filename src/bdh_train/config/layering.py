@@ -104,13 +104,13 @@ class _Layerer:
         except UnicodeDecodeError as exc:
             raise ConfigError(
                 f"config file {path} is not UTF-8 text (byte {exc.start}: "
-                f"{exc.object[exc.start:exc.start + 1]!r}); save it as UTF-8"
+                f"{exc.object[exc.start : exc.start + 1]!r}); save it as UTF-8"
             ) from None
         return self._layer(str(resolved), text, resolved.parent)
 
     def _layer(self, key: str, text: str, base_dir: Path | None) -> dict[str, Any]:
         if key in self.stack:
-            chain = " -> ".join([*self.stack[self.stack.index(key):], key])
+            chain = " -> ".join([*self.stack[self.stack.index(key) :], key])
             raise ConfigError(f"config extends cycle: {chain}")
         self.stack.append(key)
         try:
@@ -118,7 +118,8 @@ class _Layerer:
             if base_dir is not None:
                 self.file_keys |= {
                     (section, name)
-                    for section, table in data.items() if isinstance(table, Mapping)
+                    for section, table in data.items()
+                    if isinstance(table, Mapping)
                     for name in table
                 }
             parents = data.pop(EXTENDS_KEY, [])
@@ -131,7 +132,7 @@ class _Layerer:
             merged: dict[str, Any] = {}
             for parent in parents:
                 if parent.startswith(PRESET_PREFIX):
-                    layer = self.preset(parent[len(PRESET_PREFIX):], referrer=key)
+                    layer = self.preset(parent[len(PRESET_PREFIX) :], referrer=key)
                 elif base_dir is None:
                     raise ConfigError(
                         f"{key}: a preset may only extend other presets ('preset:<name>'), "
@@ -219,9 +220,8 @@ def load_config(
         layered_on = f"preset {layerer.presets[-1]} (extended by the config)"
     elif default_preset:
         merged = deep_merge(layerer.preset(DEFAULT_PRESET), merged)
-        layered_on = (
-            f"preset {DEFAULT_PRESET} (the default: "
-            + ("no config file extends a preset)" if files else "no config file given)")
+        layered_on = f"preset {DEFAULT_PRESET} (the default: " + (
+            "no config file extends a preset)" if files else "no config file given)"
         )
     explicit = set(layerer.file_keys)
     for item in overrides:

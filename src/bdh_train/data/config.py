@@ -196,15 +196,25 @@ class DataConfig:
     def load_splits(self, vocab_size: int, block_size: int) -> tuple[TokenData, TokenData | None]:
         """(train, validation) token data, each long enough for `block_size`."""
         return load_splits(
-            self.source, vocab_size, block_size, self.val_fraction, self.generators(),
-            tokenizer=self.load_tokenizer(), bin_dtype=self.bin_dtype,
-            val_source=self.val_source, text_field=self.text_field,
+            self.source,
+            vocab_size,
+            block_size,
+            self.val_fraction,
+            self.generators(),
+            tokenizer=self.load_tokenizer(),
+            bin_dtype=self.bin_dtype,
+            val_source=self.val_source,
+            text_field=self.text_field,
         )
 
     def load_source(self, source: str, vocab_size: int) -> TokenData:
         """Any other source (e.g. held-out eval data), read like ``source`` (this config's
         generators, tokenizer, bin_dtype and text_field)."""
         return load_tokens(
-            source, vocab_size, self.generators(), tokenizer=self.load_tokenizer(),
-            bin_dtype=self.bin_dtype, text_field=self.text_field,
+            source,
+            vocab_size,
+            self.generators(),
+            tokenizer=self.load_tokenizer(),
+            bin_dtype=self.bin_dtype,
+            text_field=self.text_field,
         )

@@ -47,8 +47,7 @@ class SummaryEventTrigger:
                 )
             if history.shape != (batch, k - 1):
                 raise ValueError(
-                    f"history must be [B, {k - 1}]=({batch}, {k - 1}), got "
-                    f"{tuple(history.shape)}"
+                    f"history must be [B, {k - 1}]=({batch}, {k - 1}), got {tuple(history.shape)}"
                 )
             padded = torch.cat([history.to(inputs), inputs], dim=1)  # [B, k - 1 + T]
             windows = padded.unfold(1, k, 1)  # [B, T, k]: the k tokens ending at each input

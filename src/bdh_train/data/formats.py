@@ -118,7 +118,7 @@ def binary_file_error(path: Path | str, why: str) -> DataError:
 
 # ------------------------------------------------------------------------- names and files
 def compression_of(path: Path) -> str | None:
-    """"gz", "zst" or None, by the file name's last suffix."""
+    """ "gz", "zst" or None, by the file name's last suffix."""
     suffix = path.suffix.lower()
     return suffix[1:] if suffix in COMPRESSED_SUFFIXES else None
 
@@ -528,9 +528,7 @@ def _string_column(batch, text_field: str, path: Path) -> list[str | None]:  # t
     where = f"parquet file '{path}'"
     names = batch.schema.names
     if text_field not in names:
-        raise DataError(
-            f"{where} has no column '{text_field}' (it has {names}); {FIELD_HINT}"
-        )
+        raise DataError(f"{where} has no column '{text_field}' (it has {names}); {FIELD_HINT}")
     column = batch.column(names.index(text_field))
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise DataError(f"{where}: column '{text_field}' is {column.type}, not a string column")

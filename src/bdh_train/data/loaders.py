@@ -101,8 +101,14 @@ class _RankedLoader:
     rows of each global batch this rank takes."""
 
     def __init__(
-        self, tokens: TokenSource, block_size: int, batch_size: int, seed: int, rank: int,
-        world_size: int, summary_trigger: SummaryEventTrigger | None = None,
+        self,
+        tokens: TokenSource,
+        block_size: int,
+        batch_size: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        summary_trigger: SummaryEventTrigger | None = None,
     ) -> None:
         self.summary_trigger = summary_trigger
         self.tokens, self.source = _as_tokens(tokens)
@@ -137,13 +143,17 @@ class RandomWindowLoader(_RankedLoader):
     kind = "random_window"
 
     def __init__(
-        self, tokens: TokenSource, block_size: int, batch_size: int, seed: int, rank: int = 0,
-        world_size: int = 1, accumulation_steps: int = 1,
+        self,
+        tokens: TokenSource,
+        block_size: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        accumulation_steps: int = 1,
         summary_trigger: SummaryEventTrigger | None = None,
     ) -> None:
-        super().__init__(
-            tokens, block_size, batch_size, seed, rank, world_size, summary_trigger
-        )
+        super().__init__(tokens, block_size, batch_size, seed, rank, world_size, summary_trigger)
         self.accumulation_steps = checks.positive_int("accumulation_steps", accumulation_steps)
         n = int(self.tokens.shape[0])
         if n < self.block_size + 1:
@@ -307,9 +317,7 @@ class StreamingDocumentLoader(_EpochQueueLoader):
         world_size: int = 1,
         summary_trigger: SummaryEventTrigger | None = None,
     ) -> None:
-        super().__init__(
-            tokens, block_size, batch_size, seed, rank, world_size, summary_trigger
-        )
+        super().__init__(tokens, block_size, batch_size, seed, rank, world_size, summary_trigger)
         self.logical_length = logical_length_for(
             checks.positive_int("logical_length", logical_length), self.block_size
         )
@@ -551,7 +559,11 @@ def eval_batches(
 
 
 def _eval_iter(
-    arr: np.ndarray, block_size: int, batch_size: int, n_windows: int, n_batches: int,
+    arr: np.ndarray,
+    block_size: int,
+    batch_size: int,
+    n_windows: int,
+    n_batches: int,
     trigger: SummaryEventTrigger | None,
 ) -> Iterator[SequenceBatch]:
     # A separate generator so eval_batches raises its errors at the call, not at first next().

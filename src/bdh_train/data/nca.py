@@ -80,13 +80,14 @@ class NcaConfig:
         if self.total_tokens is not None:
             checks.positive_int(f"{prefix}.total_tokens", self.total_tokens)
         if self.n_sequences is not None and self.total_tokens is not None:
-            raise ConfigError(
-                f"set either {prefix}.n_sequences or {prefix}.total_tokens, not both"
-            )
+            raise ConfigError(f"set either {prefix}.n_sequences or {prefix}.total_tokens, not both")
         if self.eos_id is not None:
             checks.nonneg_int(f"{prefix}.eos_id", self.eos_id)
         checks.multiple_of(
-            f"{prefix}.grid_size", self.grid_size, self.patch_size, f"{prefix}.patch_size",
+            f"{prefix}.grid_size",
+            self.grid_size,
+            self.patch_size,
+            f"{prefix}.patch_size",
             zero_ok=False,
         )
         return self
@@ -204,8 +205,16 @@ def generate_nca_tokens(
     function of the arguments.
     """
     NcaConfig(
-        grid_size, state_count, steps, patch_size, seed, rule_count, n_sequences, None,
-        frame_special_tokens, eos_id,
+        grid_size,
+        state_count,
+        steps,
+        patch_size,
+        seed,
+        rule_count,
+        n_sequences,
+        None,
+        frame_special_tokens,
+        eos_id,
     ).validate()
     head, vocab = nca_head_config(state_count, patch_size, frame_special_tokens, eos_id)
     k = head.patch_vocab

@@ -117,9 +117,7 @@ def in_validation(index: int, val_fraction: float) -> bool:
     """Whether document `index` goes to validation under `val_fraction` (never the first)."""
     if index == 0 or val_fraction <= 0:
         return False
-    digest = hashlib.blake2b(
-        index.to_bytes(8, "little"), digest_size=8, key=_VAL_HASH_KEY
-    ).digest()
+    digest = hashlib.blake2b(index.to_bytes(8, "little"), digest_size=8, key=_VAL_HASH_KEY).digest()
     return int.from_bytes(digest, "little") < val_fraction * 2.0**64
 
 
@@ -138,16 +136,12 @@ class SplitWriter:
     starts at its first token: one whose text encodes to no ids is no document (no start,
     no end-of-document id), so every recorded start is below the token count."""
 
-    def __init__(
-        self, tokenizer: Tokenizer, dtype: str, tokens: BinaryIO, index: BinaryIO
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, dtype: str, tokens: BinaryIO, index: BinaryIO) -> None:
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self._tokens, self._index = tokens, index
         self._lengths = tokenizer.token_byte_lengths()
         self.eot_id = tokenizer.eot_id
-        self._between = (
-            None if self.eot_id is not None else encode_texts(tokenizer, ["\n"])[0]
-        )
+        self._between = None if self.eot_id is not None else encode_texts(tokenizer, ["\n"])[0]
         if self._between is not None and self._between.size == 0:
             raise DataError(
                 f"tokenizer {getattr(tokenizer, 'source', tokenizer.kind)} has no "
@@ -247,7 +241,9 @@ def encode_in_memory(
     if writer.n_tokens == 0:
         raise DataError(f"data source {source} holds no text (every document is empty)")
     return TokenData(
-        np.frombuffer(tokens.getbuffer(), dtype=writer.dtype), vocab_size, source,
+        np.frombuffer(tokens.getbuffer(), dtype=writer.dtype),
+        vocab_size,
+        source,
         byte_level=tokenizer.kind == BYTES,
         doc_starts=np.frombuffer(index.getbuffer(), dtype=INDEX_DTYPE),
         eot_id=tokenizer.eot_id,
@@ -305,7 +301,10 @@ def _text_bytes(tokens: np.ndarray, lengths: np.ndarray) -> int:
 
 
 def _cut_tail(
-    directory: Path, counts: dict[str, int], val_fraction: float, tokenizer: Tokenizer,
+    directory: Path,
+    counts: dict[str, int],
+    val_fraction: float,
+    tokenizer: Tokenizer,
     dtype: str,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Move the last `val_fraction` of train.bin into val.bin (the `TokenData.split` cut)."""
@@ -328,8 +327,11 @@ def _cut_tail(
         os.fsync(fh.fileno())
     _write_index(directory / index_file("train"), train_starts)
     _write_index(directory / index_file("val"), val_starts)
-    train = {"tokens": cut, "documents": len(train_starts),
-             "text_bytes": counts["text_bytes"] - val_bytes}
+    train = {
+        "tokens": cut,
+        "documents": len(train_starts),
+        "text_bytes": counts["text_bytes"] - val_bytes,
+    }
     val = {"tokens": n - cut, "documents": len(val_starts), "text_bytes": val_bytes}
     return train, val
 
@@ -339,8 +341,7 @@ def _check_output(out: Path, force: bool) -> None:
         return
     if not force:
         raise DataError(
-            f"output '{out}' already exists; pass --force to replace it (or choose another "
-            f"--out)"
+            f"output '{out}' already exists; pass --force to replace it (or choose another --out)"
         )
     if out.is_dir() and not out.is_symlink():
         names = {entry.name for entry in out.iterdir()}
@@ -350,8 +351,10 @@ def _check_output(out: Path, force: bool) -> None:
         if is_prepared(out) and not foreign:
             return
         why = (
-            f"it also holds {', '.join(map(repr, foreign[:3]))}" if is_prepared(out) and foreign
-            else f"its {META_FILE} is not a {FORMAT_NAME}'s" if META_FILE in names
+            f"it also holds {', '.join(map(repr, foreign[:3]))}"
+            if is_prepared(out) and foreign
+            else f"its {META_FILE} is not a {FORMAT_NAME}'s"
+            if META_FILE in names
             else f"no {META_FILE}"
         )
     else:
@@ -370,8 +373,14 @@ class _Progress:
 
         self.tokens = 0
         self.bar = tqdm(
-            total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-            disable=not enabled, desc="prepare", dynamic_ncols=True,
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=sys.stderr,
+            disable=not enabled,
+            desc="prepare",
+            dynamic_ncols=True,
         )
 
     def __call__(self, source_bytes: int, tokens: int) -> None:
@@ -425,12 +434,20 @@ def prepare_corpus(
         tmp.chmod(0o777 & ~current_umask())
         if train_bpe_vocab is not None:
             tokenizer = train_bpe(
-                _training_texts(files, text_field, fraction), train_bpe_vocab,
+                _training_texts(files, text_field, fraction),
+                train_bpe_vocab,
                 show_progress=progress,
             )
         tokenizer = tokenizer or ByteTokenizer()
         meta = _write_corpus(
-            tmp, files, val_files, tokenizer, fraction, text_field, total, progress,
+            tmp,
+            files,
+            val_files,
+            tokenizer,
+            fraction,
+            text_field,
+            total,
+            progress,
         )
         meta["sources"] = [os.fspath(s) for s in sources]
         meta["val_sources"] = [os.fspath(s) for s in val_sources or []]
@@ -462,8 +479,14 @@ def _training_texts(files: list[Path], text_field: str, val_fraction: float) -> 
 
 
 def _write_corpus(
-    tmp: Path, files: list[Path], val_files: list[Path], tokenizer: Tokenizer,
-    val_fraction: float, text_field: str, total: int | None, progress: bool,
+    tmp: Path,
+    files: list[Path],
+    val_files: list[Path],
+    tokenizer: Tokenizer,
+    val_fraction: float,
+    text_field: str,
+    total: int | None,
+    progress: bool,
 ) -> dict[str, Any]:
     dtype = token_dtype_for(tokenizer.vocab_size)
     train = _open_split(tmp, "train", tokenizer, dtype)
@@ -477,8 +500,10 @@ def _write_corpus(
                 yield from formats.read_pieces(path, text_field, cuts)
 
         write_pieces(
-            pieces(files), tokenizer,
-            lambda i: val.writer if in_validation(i, val_fraction) else train.writer, bar,
+            pieces(files),
+            tokenizer,
+            lambda i: val.writer if in_validation(i, val_fraction) else train.writer,
+            bar,
         )
         if val_files:
             write_pieces(pieces(val_files), tokenizer, lambda _: val.writer, bar)
@@ -487,9 +512,7 @@ def _write_corpus(
     train_counts = _finish_split(tmp, train)
     val_counts = _finish_split(tmp, val)
     if train_counts is None:
-        raise DataError(
-            f"the sources hold no text ({len(files)} file(s), every document empty)"
-        )
+        raise DataError(f"the sources hold no text ({len(files)} file(s), every document empty)")
     rule = "sources" if val_files else "documents" if val_fraction > 0 else "none"
     if val_files and val_counts is None:
         raise DataError("the validation sources hold no text (every document empty)")
@@ -569,10 +592,15 @@ def read_meta(directory: Path) -> dict[str, Any]:
     if not isinstance(splits, dict) or "train" not in splits or set(splits) - set(SPLITS):
         raise bad(f"'splits' must hold 'train' (and optionally 'val'), got {splits!r}")
     for name, counts in splits.items():
-        if not isinstance(counts, dict) or not all(
-            checks.is_int(counts.get(k)) and counts[k] >= 0
-            for k in ("tokens", "documents", "text_bytes")
-        ) or counts["tokens"] == 0 or not 0 < counts["documents"] <= counts["tokens"]:
+        if (
+            not isinstance(counts, dict)
+            or not all(
+                checks.is_int(counts.get(k)) and counts[k] >= 0
+                for k in ("tokens", "documents", "text_bytes")
+            )
+            or counts["tokens"] == 0
+            or not 0 < counts["documents"] <= counts["tokens"]
+        ):
             raise bad(f"split {name!r} needs positive token and document counts, got {counts!r}")
     return meta
 
@@ -581,8 +609,7 @@ def _check_tokenizer(directory: Path, meta: dict[str, Any], tokenizer: Tokenizer
     if tokenizer.fingerprint() == meta["tokenizer_sha256"]:
         return
     theirs = (
-        "the byte tokenizer" if meta["tokenizer"] == BYTES
-        else f"'{directory / TOKENIZER_FILE}'"
+        "the byte tokenizer" if meta["tokenizer"] == BYTES else f"'{directory / TOKENIZER_FILE}'"
     )
     fix = "'bytes'" if meta["tokenizer"] == BYTES else f"'{directory}'"
     raise DataError(
@@ -613,7 +640,8 @@ def _load_split(
         try:
             version = np.lib.format.read_magic(fh)
             read_header = (
-                np.lib.format.read_array_header_1_0 if version == (1, 0)
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
                 else np.lib.format.read_array_header_2_0
             )
             shape, fortran, idx_dtype = read_header(fh)
@@ -632,15 +660,20 @@ def _load_split(
     _check_starts(starts, counts["tokens"], idx_path, redo)
     tokens = np.memmap(bin_path, dtype=dtype, mode="r")
     return TokenData(
-        tokens, vocab_size, f"'{directory}' ({'validation' if split == 'val' else split} split)",
-        byte_level=tokenizer.kind == BYTES, doc_starts=starts, eot_id=meta["eot_id"],
+        tokens,
+        vocab_size,
+        f"'{directory}' ({'validation' if split == 'val' else split} split)",
+        byte_level=tokenizer.kind == BYTES,
+        doc_starts=starts,
+        eot_id=meta["eot_id"],
     )
 
 
 def _check_starts(starts: np.ndarray, n_tokens: int, path: Path, redo: str) -> None:
     if int(starts[0]) != 0 or int(starts[-1]) >= n_tokens:
-        raise DataError(f"'{path}': document starts must begin at 0 and stay below "
-                        f"{n_tokens}; {redo}")
+        raise DataError(
+            f"'{path}': document starts must begin at 0 and stay below {n_tokens}; {redo}"
+        )
     previous = -1
     for s in range(0, len(starts), _COPY_TOKENS):
         chunk = np.asarray(starts[s : s + _COPY_TOKENS]).astype(np.int64)
@@ -668,7 +701,9 @@ def load_prepared(
 
 
 def load_prepared_split(
-    directory: str | os.PathLike[str], split: str, vocab_size: int | None = None,
+    directory: str | os.PathLike[str],
+    split: str,
+    vocab_size: int | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> TokenData:
     """One split of a prepared corpus (`DIR/val.bin` named as a source reads this), checked

@@ -106,11 +106,15 @@ class TokenData:
         if self.doc_starts is not None:
             train_starts, val_starts = split_doc_starts(self.doc_starts, cut)
         train = replace(
-            self, tokens=self.tokens[:cut], source=f"{self.source} (train split)",
+            self,
+            tokens=self.tokens[:cut],
+            source=f"{self.source} (train split)",
             doc_starts=train_starts,
         )
         val = replace(
-            self, tokens=self.tokens[cut:], source=f"{self.source} (validation split)",
+            self,
+            tokens=self.tokens[cut:],
+            source=f"{self.source} (validation split)",
             doc_starts=val_starts,
         )
         return train, val
@@ -227,19 +231,24 @@ def load_tokens(
         text = builtin_corpus(corpus)
         if tokenizer.kind == BYTES:
             data = TokenData(
-                np.frombuffer(text.encode("utf-8"), dtype=np.uint8), vocab_size, f"'{name}'",
+                np.frombuffer(text.encode("utf-8"), dtype=np.uint8),
+                vocab_size,
+                f"'{name}'",
                 byte_level=True,
             )
         else:
             from bdh_train.data import prepared
 
             data = prepared.encode_in_memory(
-                formats.document_pieces(text, piece_cuts(tokenizer)), tokenizer, f"'{name}'",
+                formats.document_pieces(text, piece_cuts(tokenizer)),
+                tokenizer,
+                f"'{name}'",
                 vocab_size,
             )
     else:
-        data = _from_path(Path(name).expanduser(), vocab_size, name, tokenizer, bin_dtype,
-                          text_field)
+        data = _from_path(
+            Path(name).expanduser(), vocab_size, name, tokenizer, bin_dtype, text_field
+        )
     data.check_ids(vocab_size)
     return data
 
@@ -269,7 +278,8 @@ def load_splits(
     path = Path(source).expanduser()
     val: TokenData | None
     if (
-        source not in (generators or {}) and not source.startswith(BUILTIN_PREFIX)
+        source not in (generators or {})
+        and not source.startswith(BUILTIN_PREFIX)
         and prepared.is_prepared(path)
     ):
         if val_source is None:
@@ -303,7 +313,11 @@ def _from_generator(name: str, make: TokenGenerator, vocab_size: int) -> TokenDa
 
 
 def _from_path(
-    path: Path, vocab_size: int, name: str, tokenizer: Tokenizer, bin_dtype: str | None,
+    path: Path,
+    vocab_size: int,
+    name: str,
+    tokenizer: Tokenizer,
+    bin_dtype: str | None,
     text_field: str,
 ) -> TokenData:
     from bdh_train.data import prepared
@@ -340,9 +354,12 @@ def _from_path(
 
 def _is_plain_text(path: Path) -> bool:
     """Read as text by the memory-mapped byte path: not compressed, not a record format."""
-    return path.is_file() and formats.compression_of(path) is None and formats.format_suffix(
-        path
-    ) not in formats.JSON_LINES_SUFFIXES + formats.PARQUET_SUFFIXES
+    return (
+        path.is_file()
+        and formats.compression_of(path) is None
+        and formats.format_suffix(path)
+        not in formats.JSON_LINES_SUFFIXES + formats.PARQUET_SUFFIXES
+    )
 
 
 def _file_size(path: Path) -> int:
@@ -392,8 +409,11 @@ def _from_directory(path: Path, files: list[Path], vocab_size: int) -> TokenData
         formats.check_utf8(p)
         position += len(parts[-1])
     return TokenData(
-        np.concatenate(parts), vocab_size, f"'{path}' ({len(files)} text files)",
-        byte_level=True, doc_starts=np.array(starts, dtype=np.uint64),
+        np.concatenate(parts),
+        vocab_size,
+        f"'{path}' ({len(files)} text files)",
+        byte_level=True,
+        doc_starts=np.array(starts, dtype=np.uint64),
     )
 
 
@@ -466,8 +486,10 @@ def is_prepared_split(path: Path) -> bool:
     from bdh_train.data import prepared
 
     return (
-        path.suffix == ".bin" and path.stem in prepared.SPLITS
-        and not header_path(path).exists() and prepared.is_prepared(path.parent)
+        path.suffix == ".bin"
+        and path.stem in prepared.SPLITS
+        and not header_path(path).exists()
+        and prepared.is_prepared(path.parent)
     )
 
 

@@ -158,8 +158,9 @@ class HFTokenizer:
         self.eot_id = next(
             (i for i in map(tokenizer.token_to_id, EOT_NAMES) if i is not None), None
         )
-        self._special = {int(i) for i, t in tokenizer.get_added_tokens_decoder().items()
-                         if t.special}
+        self._special = {
+            int(i) for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
+        }
         self._bytes_of = self._byte_table()
 
     @classmethod
@@ -223,8 +224,10 @@ class HFTokenizer:
         if self._bytes_of is not None:
             return np.array([len(b) for b in self._bytes_of], dtype=np.int64)
         return np.array(
-            [0 if i in self._special else len(self._tok.decode([i]).encode("utf-8"))
-             for i in range(self.vocab_size)],
+            [
+                0 if i in self._special else len(self._tok.decode([i]).encode("utf-8"))
+                for i in range(self.vocab_size)
+            ],
             dtype=np.int64,
         )
 
@@ -262,14 +265,15 @@ def piece_cuts(tokenizer: Tokenizer) -> str | None:
     )
     added_safe = all(
         not any(c.isspace() for c in added.get("content", " "))
-        and not added.get("lstrip") and not added.get("rstrip")
+        and not added.get("lstrip")
+        and not added.get("rstrip")
         for added in spec.get("added_tokens") or []
     )
     return CUT_AT_WHITESPACE if plain_byte_level and added_safe else None
 
 
 def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
-    """"bytes", a `tokenizer.json`, or a directory holding one (a run, a checkpoint, a
+    """ "bytes", a `tokenizer.json`, or a directory holding one (a run, a checkpoint, a
     prepared corpus)."""
     if os.fspath(spec) == BYTES:
         return ByteTokenizer()
@@ -300,7 +304,10 @@ id up front: 1e11 ids asked for 4.5 TB and aborted the process."""
 
 
 def train_bpe(
-    texts: Iterable[str], vocab_size: int, *, length: int | None = None,
+    texts: Iterable[str],
+    vocab_size: int,
+    *,
+    length: int | None = None,
     show_progress: bool = False,
 ) -> HFTokenizer:
     """A byte-level BPE of `vocab_size` ids (the 256 byte tokens, merges and `EOT_TOKEN`)

@@ -100,8 +100,12 @@ def write_local_gradients(gradients: dict[str, torch.Tensor], model: nn.Module) 
         grad = grad.detach().to(device=param.device, dtype=param.dtype, copy=True)
         if _is_dtensor(param):
             grad = type(param).from_local(
-                grad, param.device_mesh, param.placements, run_check=False,
-                shape=param.shape, stride=param.stride(),
+                grad,
+                param.device_mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
             )
         param.grad = grad
 

@@ -282,4 +282,3 @@ class PipelineRunner:
         buf = tensor.to(self._collective_device())
         dist.broadcast(buf, group_src=group_rank, group=self.group)
         tensor.copy_(buf.cpu())
-

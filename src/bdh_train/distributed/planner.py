@@ -133,8 +133,11 @@ class ParallelConfig:
     def validate(self, prefix: str = "parallel") -> ParallelConfig:
         checks.positive_int(f"{prefix}.pipeline_stages", self.pipeline_stages)
         checks.int_in(
-            f"{prefix}.virtual_stages_per_rank", self.virtual_stages_per_rank, 1,
-            self.pipeline_stages, f"{prefix}.pipeline_stages",
+            f"{prefix}.virtual_stages_per_rank",
+            self.virtual_stages_per_rank,
+            1,
+            self.pipeline_stages,
+            f"{prefix}.pipeline_stages",
         )
         checks.positive_int(f"{prefix}.microbatches", self.microbatches)
         checks.nonneg_int(f"{prefix}.data_parallel", self.data_parallel)

@@ -369,7 +369,13 @@ class BDH(nn.Module):
         terms = self._position_terms(positions, u.dtype)
         for layer_index in layers:
             u = self.layer(
-                u, layer_index, state, terms, executor, need_state, summary_event_mask,
+                u,
+                layer_index,
+                state,
+                terms,
+                executor,
+                need_state,
+                summary_event_mask,
                 reset_mask,
             )
         if need_state and layers.stop == self.config.n_layer and seq_len:

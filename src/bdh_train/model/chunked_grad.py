@@ -226,9 +226,7 @@ def _in_panels(n_chunks: int, chunk_size: int, factors: Factors | None, panel_ro
     return n_chunks == 1 and factors is None and 0 < panel_rows < chunk_size
 
 
-def panel_forward(
-    q_rows: Tensor, v_rows: Tensor, panel_rows: int
-) -> tuple[Tensor, list[Tensor]]:
+def panel_forward(q_rows: Tensor, v_rows: Tensor, panel_rows: int) -> tuple[Tensor, list[Tensor]]:
     """(tril(Q Q^T, -1) V [R, T, D], the score panels) for q_rows [R, T, N], v_rows [R, T, D].
     Panel p holds query rows start..end of the scores against keys 0..end only (its last
     block the causal one), so the blocks above the diagonal are never computed: with m
@@ -269,8 +267,12 @@ def panel_backward(
 
 
 def chunked_forward(
-    qc: Tensor, vc: Tensor, rho0: Tensor | None, final_state: bool,
-    factors: Factors | None, panel_rows: int,
+    qc: Tensor,
+    vc: Tensor,
+    rho0: Tensor | None,
+    final_state: bool,
+    factors: Factors | None,
+    panel_rows: int,
 ) -> tuple[Tensor, Tensor | list[Tensor], Tensor | None, Tensor | None]:
     """(out [B, H, K, C, D], A, S or None, W or None) for chunked queries qc [B, H, K, C, N]
     and values vc [B, H, K, C, D] (or all heads first: qc [H, B, ...], vc [H, B, ...]). One
@@ -332,9 +334,7 @@ def _add_reads(out: Tensor, qc: Tensor, states: Tensor | None, factors: Factors 
         out.add_(torch.matmul(qc, states).mul_(factors.reads))
 
 
-def _final_state(
-    states: Tensor | None, writes: Tensor | None, factors: Factors | None
-) -> Tensor:
+def _final_state(states: Tensor | None, writes: Tensor | None, factors: Factors | None) -> Tensor:
     """rho_T = S_(K-1) + W_(K-1), S_(K-1) dropped by a reset in the last chunk or decayed
     over its L tokens."""
     assert writes is not None
@@ -347,10 +347,19 @@ def _final_state(
 
 
 def _run_forward(
-    q: Tensor, v: Tensor, rho0: Tensor | None, chunk_size: int, final_state: bool,
-    reset_mask: Tensor | None, heads_first: bool, log_decay: Tensor | None, panel_rows: int,
+    q: Tensor,
+    v: Tensor,
+    rho0: Tensor | None,
+    chunk_size: int,
+    final_state: bool,
+    reset_mask: Tensor | None,
+    heads_first: bool,
+    log_decay: Tensor | None,
+    panel_rows: int,
 ) -> tuple[
-    Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor | list[Tensor], Tensor | None],
+    Tensor,
+    Tensor | None,
+    tuple[Tensor, Tensor, Tensor | list[Tensor], Tensor | None],
     Factors | None,
 ]:
     """(out [B, H, T, D], rho_T or None, what backward needs: (qc, vc, A or its panels, S),
@@ -383,8 +392,15 @@ class ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q: Tensor, v: Tensor, rho0: Tensor | None, chunk_size: int, final_state: bool,
-        reset_mask: Tensor | None, heads_first: bool, log_decay: Tensor | None,
+        ctx,
+        q: Tensor,
+        v: Tensor,
+        rho0: Tensor | None,
+        chunk_size: int,
+        final_state: bool,
+        reset_mask: Tensor | None,
+        heads_first: bool,
+        log_decay: Tensor | None,
         panel_rows: int,
     ) -> tuple[Tensor, Tensor | None]:
         out, final, (qc, vc, scores, states), factors = _run_forward(
@@ -467,8 +483,14 @@ class ChunkedAttention(torch.autograd.Function):
 
 
 def chunked_attention_function(
-    q: Tensor, v: Tensor, initial_state: Tensor | None, chunk_size: int, final_state: bool,
-    reset_mask: Tensor | None, log_decay: Tensor | None, panel_rows: int,
+    q: Tensor,
+    v: Tensor,
+    initial_state: Tensor | None,
+    chunk_size: int,
+    final_state: bool,
+    reset_mask: Tensor | None,
+    log_decay: Tensor | None,
+    panel_rows: int,
 ) -> tuple[Tensor, Tensor | None]:
     """The chunked executor through `ChunkedAttention` when a gradient is recorded, else its
     forward alone (nothing saved). `reset_mask` [B, T] (True where a row's new document
@@ -483,7 +505,14 @@ def chunked_attention_function(
         if initial_state is not None:
             initial_state = initial_state.transpose(0, 1)
     args = (
-        q, v, initial_state, chunk_size, final_state, reset_mask, heads_first, log_decay,
+        q,
+        v,
+        initial_state,
+        chunk_size,
+        final_state,
+        reset_mask,
+        heads_first,
+        log_decay,
         panel_rows,
     )
     if records_gradient(q, v, initial_state):

@@ -161,13 +161,13 @@ class SummaryMemoryConfig:
             checks.int_in(f"{prefix}.last_layers", self.last_layers, 1, n_layer, "model.n_layer")
         checks.positive_int(f"{prefix}.chunk_tokens", self.chunk_tokens)
         checks.number(f"{prefix}.residual_scale", self.residual_scale, low=0.0)
-        checks.number(
-            f"{prefix}.state_decay", self.state_decay, low=0.0, high=1.0, high_open=False
-        )
+        checks.number(f"{prefix}.state_decay", self.state_decay, low=0.0, high=1.0, high_open=False)
         checks.number(f"{prefix}.state_update_scale", self.state_update_scale, low=0.0)
         checks.number(f"{prefix}.surprise_gate_threshold", self.surprise_gate_threshold, low=0.0)
         checks.number(
-            f"{prefix}.surprise_gate_sharpness", self.surprise_gate_sharpness, low=0.0,
+            f"{prefix}.surprise_gate_sharpness",
+            self.surprise_gate_sharpness,
+            low=0.0,
             low_open=True,
         )
         checks.boolean(f"{prefix}.write_gate", self.write_gate)

@@ -81,13 +81,18 @@ class GenericDecoder:
     holds the tokens read before it (NO_TOKEN before the start; None: the rows start here)."""
 
     def __init__(
-        self, model: BDH, state: ModelState, summary_events: SummaryEvents | None = None,
+        self,
+        model: BDH,
+        state: ModelState,
+        summary_events: SummaryEvents | None = None,
         recent: torch.Tensor | None = None,
     ) -> None:
         self.model, self.state, self.events = model, state, summary_events
         if summary_events is not None and recent is None:
             recent = torch.full(
-                (state.batch_size, summary_events.history_len), NO_TOKEN, dtype=torch.long,
+                (state.batch_size, summary_events.history_len),
+                NO_TOKEN,
+                dtype=torch.long,
                 device=model.embed.weight.device,
             )
         self.recent = recent
@@ -211,9 +216,7 @@ class FastDecoder:
         self.static = weight.device.type == "cuda" if static is None else static
         self.slot = torch.zeros(1, dtype=torch.long, device=weight.device)
         self.static_tokens = torch.zeros(batch, dtype=torch.long, device=weight.device)
-        powers = (
-            weight.new_ones(h, k + 1) if self.decay_powers is None else self.decay_powers
-        )
+        powers = weight.new_ones(h, k + 1) if self.decay_powers is None else self.decay_powers
         offsets = torch.arange(k, device=weight.device)
         earlier = offsets.view(1, k) < offsets.view(k, 1)  # [slot, j]: j < slot
         exponent = (offsets.view(k, 1) - offsets.view(1, k)).clamp_min(0)
@@ -334,7 +337,10 @@ class FastDecoder:
         if self.row_sums is not None:
             rows, offsets = self.row_sums
             attn = F.embedding_bag(
-                rows, rho.view(b * h * n, d), offsets, mode="sum",
+                rows,
+                rho.view(b * h * n, d),
+                offsets,
+                mode="sum",
                 per_sample_weights=q.reshape(b * h * n),
             ).view(b, h, d)
         else:
@@ -453,8 +459,11 @@ Decoder = GenericDecoder | FastDecoder
 
 
 def make_decoder(
-    model: BDH, state: ModelState, decoder: str = "auto",
-    summary_events: SummaryEvents | None = None, recent: torch.Tensor | None = None,
+    model: BDH,
+    state: ModelState,
+    decoder: str = "auto",
+    summary_events: SummaryEvents | None = None,
+    recent: torch.Tensor | None = None,
 ) -> Decoder:
     """The decoder `decoder` names ('auto', 'fast' or 'generic') for `state`, read so far."""
     if decoder not in DECODERS:
@@ -490,9 +499,14 @@ def _read_prompt(
 
 
 def stream_generate(
-    model: BDH, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-    top_k: int | None = None, generator: torch.Generator | None = None,
-    summary_events: SummaryEvents | None = None, decoder: str = "auto",
+    model: BDH,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    summary_events: SummaryEvents | None = None,
+    decoder: str = "auto",
 ) -> Iterator[torch.Tensor]:
     """Yield new tokens [B] one at a time for prompts [B, T] (or one prompt [T]).
 
@@ -516,9 +530,14 @@ def stream_generate(
 
 
 def generate(
-    model: BDH, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-    top_k: int | None = None, generator: torch.Generator | None = None,
-    summary_events: SummaryEvents | None = None, decoder: str = "auto",
+    model: BDH,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    summary_events: SummaryEvents | None = None,
+    decoder: str = "auto",
 ) -> torch.Tensor:
     """Prompt followed by `max_new_tokens` sampled tokens ([B, T + new], or [T + new])."""
     prompt = _prompt_rows(prompt_ids)
@@ -532,10 +551,16 @@ def generate(
 
 
 def stream_generate_batch(
-    model: BDH, prompts: Sequence[torch.Tensor | Sequence[int]], max_new_tokens: int,
-    temperature: float = 1.0, top_k: int | None = None,
-    generator: torch.Generator | None = None, stop_tokens: Sequence[int] = (),
-    pad_id: int = 0, summary_events: SummaryEvents | None = None, decoder: str = "auto",
+    model: BDH,
+    prompts: Sequence[torch.Tensor | Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    stop_tokens: Sequence[int] = (),
+    pad_id: int = 0,
+    summary_events: SummaryEvents | None = None,
+    decoder: str = "auto",
 ) -> Iterator[torch.Tensor]:
     """Yield new tokens [B] (one per prompt) one step at a time, for prompts of any lengths.
 
@@ -586,10 +611,15 @@ def stream_generate_batch(
 
 
 def generate_batch(
-    model: BDH, prompts: Sequence[torch.Tensor | Sequence[int]], max_new_tokens: int,
-    temperature: float = 1.0, top_k: int | None = None,
-    generator: torch.Generator | None = None, stop_tokens: Sequence[int] = (),
-    summary_events: SummaryEvents | None = None, decoder: str = "auto",
+    model: BDH,
+    prompts: Sequence[torch.Tensor | Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    stop_tokens: Sequence[int] = (),
+    summary_events: SummaryEvents | None = None,
+    decoder: str = "auto",
 ) -> list[torch.Tensor]:
     """Per prompt: the prompt followed by its new tokens, up to and including its stop token
     (1-D long tensors of each row's own length); see `stream_generate_batch`."""
@@ -599,8 +629,15 @@ def generate_batch(
     done = [False] * len(rows)
     stops = set(stop_tokens)
     stream = stream_generate_batch(
-        model, rows, max_new_tokens, temperature, top_k, generator, stop_tokens,
-        summary_events=summary_events, decoder=decoder,
+        model,
+        rows,
+        max_new_tokens,
+        temperature,
+        top_k,
+        generator,
+        stop_tokens,
+        summary_events=summary_events,
+        decoder=decoder,
     )
     for step_tokens in stream:
         for i, token in enumerate(step_tokens.tolist()):

@@ -117,7 +117,11 @@ def dense_keys_per_query(seq_len: int, panel_rows: int) -> float:
 
 
 def choose_executor(
-    seq_len: int, n_neurons: int, n_embd: int, chunk_size: int, margin: float = 1.5,
+    seq_len: int,
+    n_neurons: int,
+    n_embd: int,
+    chunk_size: int,
+    margin: float = 1.5,
     dense_panel_rows: int = 0,
 ) -> str:
     """Pick dense or chunked by counting multiply-adds per token and head.
@@ -135,8 +139,14 @@ def choose_executor(
 
 
 def resolve_executor(
-    executor: str, seq_len: int, n_neurons: int, n_embd: int, chunk_size: int,
-    device_type: str, dtype: torch.dtype | None = None, dense_panels: bool = True,
+    executor: str,
+    seq_len: int,
+    n_neurons: int,
+    n_embd: int,
+    chunk_size: int,
+    device_type: str,
+    dtype: torch.dtype | None = None,
+    dense_panels: bool = True,
 ) -> tuple[str, int]:
     """(executor, chunk size) a call runs with: a chunk_size of 0 takes the calibrated chunk
     of the device (and the queries' dtype), and 'auto' resolves through `choose_executor`
@@ -146,7 +156,11 @@ def resolve_executor(
     chunk_size = chunk_size or calibration.chunk_size
     if executor == "auto":
         executor = choose_executor(
-            seq_len, n_neurons, n_embd, chunk_size, calibration.chunked_margin,
+            seq_len,
+            n_neurons,
+            n_embd,
+            chunk_size,
+            calibration.chunked_margin,
             calibration.dense_panel_rows if dense_panels else 0,
         )
     return executor, chunk_size
@@ -191,9 +205,14 @@ def reset_segments(reset_mask: Tensor) -> Tensor:
 
 
 def dense_attention(
-    q: Tensor, v: Tensor, *, initial_state: Tensor | None = None,
-    log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-    output_final_state: bool = True, reset_mask: Tensor | None = None,
+    q: Tensor,
+    v: Tensor,
+    *,
+    initial_state: Tensor | None = None,
+    log_decay: Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    output_final_state: bool = True,
+    reset_mask: Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole call at once through the masked T x T score matrix (chunk_size unused).
     Without a learned decay, and without decay and resets together, this is the chunked
@@ -202,7 +221,13 @@ def dense_attention(
     seq_len = q.shape[2]
     if seq_len > 0 and _hand_written_backward_applies(q, log_decay, reset_mask):
         return chunked_attention_function(
-            q, v, initial_state, seq_len, output_final_state, reset_mask, log_decay,
+            q,
+            v,
+            initial_state,
+            seq_len,
+            output_final_state,
+            reset_mask,
+            log_decay,
             _dense_panel_rows(q, log_decay, reset_mask),
         )
     rho = initial_state
@@ -252,9 +277,14 @@ def dense_attention(
 
 
 def chunked_attention(
-    q: Tensor, v: Tensor, *, initial_state: Tensor | None = None,
-    log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-    output_final_state: bool = True, reset_mask: Tensor | None = None,
+    q: Tensor,
+    v: Tensor,
+    *,
+    initial_state: Tensor | None = None,
+    log_decay: Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    output_final_state: bool = True,
+    reset_mask: Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dense inside chunks of `chunk_size` tokens; the state carries the past between them.
 
@@ -289,8 +319,12 @@ def chunked_attention(
 
 
 def chunked_by_products(
-    q: Tensor, v: Tensor, initial_state: Tensor | None, log_decay: Tensor | None,
-    chunk_size: int, output_final_state: bool,
+    q: Tensor,
+    v: Tensor,
+    initial_state: Tensor | None,
+    log_decay: Tensor | None,
+    chunk_size: int,
+    output_final_state: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`chunked_attention` without a reset mask, as products autograd differentiates."""
     batch, heads, seq_len, n = q.shape
@@ -310,8 +344,8 @@ def chunked_by_products(
         scores = scores * decay_powers(log_decay, gap, q).unsqueeze(1)  # [H, 1, C, C]
     out = scores.tril_(diagonal=-1) @ vc
 
-    q_write = qc if log_decay is None else qc * decay_powers(log_decay, c - local, q).view(
-        -1, 1, c, 1
+    q_write = (
+        qc if log_decay is None else qc * decay_powers(log_decay, c - local, q).view(-1, 1, c, 1)
     )
     writes = (q_write.transpose(-1, -2) @ vc).flatten(-2)  # W_k, [B, H, K, N*D]
     later = chunk_index.unsqueeze(1) - 1 - chunk_index.unsqueeze(0)  # k-1-j, [K, K]
@@ -325,9 +359,7 @@ def chunked_by_products(
         if log_decay is not None:
             rho = rho * decay_powers(log_decay, c * chunk_index, q).view(-1, n_chunks, 1, 1)
         states = states + rho
-    q_read = qc if log_decay is None else qc * decay_powers(log_decay, local, q).view(
-        -1, 1, c, 1
-    )
+    q_read = qc if log_decay is None else qc * decay_powers(log_decay, local, q).view(-1, 1, c, 1)
     out = (out + q_read @ states).view(batch, heads, n_chunks * c, d)[:, :, :seq_len]
     if not output_final_state:
         return out, None
@@ -343,8 +375,13 @@ def chunked_by_products(
 
 
 def _chunk_by_chunk(
-    q: Tensor, v: Tensor, initial_state: Tensor | None, log_decay: Tensor | None,
-    chunk_size: int, output_final_state: bool, reset_mask: Tensor,
+    q: Tensor,
+    v: Tensor,
+    initial_state: Tensor | None,
+    log_decay: Tensor | None,
+    chunk_size: int,
+    output_final_state: bool,
+    reset_mask: Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """chunked_attention with resets inside the call: a loop of dense_attention calls, the
     state carried from one chunk to the next, each chunk applying its columns of the mask.
@@ -376,9 +413,14 @@ def _chunk_by_chunk(
 
 
 def recurrent_attention(
-    q: Tensor, v: Tensor, *, initial_state: Tensor | None = None,
-    log_decay: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-    output_final_state: bool = True, reset_mask: Tensor | None = None,
+    q: Tensor,
+    v: Tensor,
+    *,
+    initial_state: Tensor | None = None,
+    log_decay: Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    output_final_state: bool = True,
+    reset_mask: Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token by token, read before write: the definition itself. A reset zeroes the state
     before its token reads it.
@@ -432,7 +474,13 @@ def linear_attention(
     device_type = q.device.type
     compute_dtype = _autocast_dtype(device_type) or q.dtype  # autocast's, whatever q's
     executor, chunk_size = resolve_executor(
-        executor, q.shape[2], q.shape[3], v.shape[3], chunk_size, device_type, compute_dtype,
+        executor,
+        q.shape[2],
+        q.shape[3],
+        v.shape[3],
+        chunk_size,
+        device_type,
+        compute_dtype,
         dense_panels=_dense_panel_rows(q, log_decay, reset_mask) > 0,
     )
     fn = EXECUTOR_FUNCTIONS.get(executor)

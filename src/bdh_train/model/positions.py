@@ -102,7 +102,10 @@ class _TurnPairs(torch.autograd.Function):
 
 
 def apply_rope(
-    v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, turn: torch.Tensor | None = None,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    turn: torch.Tensor | None = None,
     back: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """v*cos + rot(v)*sin. For float32/64 with an even N this is one complex multiply per

@@ -55,9 +55,7 @@ def resolve_host_allocator(mode: str, device: torch.device, saving_memory: bool 
     return "retain"
 
 
-def configure_host_allocator(
-    mode: str, device: torch.device, saving_memory: bool = False
-) -> str:
+def configure_host_allocator(mode: str, device: torch.device, saving_memory: bool = False) -> str:
     """Apply the policy to this whole process and return the one in effect.
 
     'retain' without glibc cannot be applied and leaves the allocator as it is ('system' is

@@ -449,8 +449,10 @@ class ShardedState:
                 "[model] matches the run that wrote it, or resume from another checkpoint"
             ) from exc
         set_state_dict(
-            self.model, self.optimizer,
-            model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
         )
 
 

@@ -186,8 +186,11 @@ class TrainingConfig:
                 )
             micro = self.block_size * self.batch_size
             checks.multiple_of(
-                f"{p}.target_tokens_per_step", self.target_tokens_per_step, micro,
-                f"{p}.block_size * {p}.batch_size", zero_ok=False,
+                f"{p}.target_tokens_per_step",
+                self.target_tokens_per_step,
+                micro,
+                f"{p}.block_size * {p}.batch_size",
+                zero_ok=False,
             )
         validate_gradient_scales(self.gradient_scales, f"{p}.gradient_scales")
         self.init_transfer.validate(f"{p}.init_transfer")

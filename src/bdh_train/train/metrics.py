@@ -46,7 +46,7 @@ class MetricsConfig:
     def validate(self, prefix: str = "metrics") -> MetricsConfig:
         if not isinstance(self.report_to, (list, tuple)):
             raise ConfigError(
-                f"{prefix}.report_to must be a list such as [\"jsonl\", \"tensorboard\"], "
+                f'{prefix}.report_to must be a list such as ["jsonl", "tensorboard"], '
                 f"got {self.report_to!r}"
             )
         for target in self.report_to:
@@ -73,7 +73,9 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
     return {
         key: float(value)
         for key, value in row.items()
-        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key != "step"
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
         and math.isfinite(value)
     }
 
@@ -156,8 +158,13 @@ class MetricsReporter:
     Disabled (writes nothing anywhere) on every process but the main one."""
 
     def __init__(
-        self, run_dir: Path, cfg: MetricsConfig, resume_step: int | None = None,
-        enabled: bool = True, config: dict[str, Any] | None = None, config_text: str = "",
+        self,
+        run_dir: Path,
+        cfg: MetricsConfig,
+        resume_step: int | None = None,
+        enabled: bool = True,
+        config: dict[str, Any] | None = None,
+        config_text: str = "",
     ) -> None:
         self.jsonl = MetricsLog(run_dir, resume_step, enabled)
         self.sinks: list[MetricsSink] = [self.jsonl]

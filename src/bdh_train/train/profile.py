@@ -117,8 +117,7 @@ def _flag(name: str, value: str, also: str = "") -> bool:
     if value in _FALSE:
         return False
     raise ConfigError(
-        f"environment variable {name} must be 1/true/yes/on or 0/false/no/off{also}, "
-        f"got {value!r}"
+        f"environment variable {name} must be 1/true/yes/on or 0/false/no/off{also}, got {value!r}"
     )
 
 
@@ -140,8 +139,16 @@ class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)
         for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-            "fordblks", "keepcost",
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
         )
     ]
 
@@ -402,13 +409,24 @@ def plot_profile(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]
         "backward": [float(r.get("backward_s", 0.0)) * 1e3 for r in rows],
         "detail probes": [_probe_total(r) * 1e3 for r in rows],
         "other": [
-            max(0.0, float(r["step_s"]) - float(r["forward_s"]) - float(r.get("backward_s", 0.0))
-                - _probe_total(r)) * 1e3 if "step_s" in r else 0.0
+            max(
+                0.0,
+                float(r["step_s"])
+                - float(r["forward_s"])
+                - float(r.get("backward_s", 0.0))
+                - _probe_total(r),
+            )
+            * 1e3
+            if "step_s" in r
+            else 0.0
             for r in rows
         ],
     }
     colours = {
-        "forward": "#4c9be8", "backward": "#f28e2b", "detail probes": "#9c9c9c", "other": "#c5e0b4"
+        "forward": "#4c9be8",
+        "backward": "#f28e2b",
+        "detail probes": "#9c9c9c",
+        "other": "#c5e0b4",
     }
     bottom = [0.0] * len(rows)
     for label, heights in stacks.items():

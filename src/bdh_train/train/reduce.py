@@ -143,9 +143,7 @@ def all_reduce_accumulated(
     return normalize_gradients(summed, state.loss_scale, global_weight)
 
 
-def all_reduce_sums(
-    values: list[float], group: dist.ProcessGroup | None = None
-) -> list[float]:
+def all_reduce_sums(values: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
     """The element-wise sums of `values` over the ranks of `group`, in float64 (evaluation's
     loss sums and counts); the values themselves without an initialized process group."""
     if not _distributed_active():

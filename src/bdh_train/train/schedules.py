@@ -45,8 +45,9 @@ class GradientScaleRamp:
     def validate(self, prefix: str) -> GradientScaleRamp:
         checks.number(f"{prefix}.final_scale", self.final_scale, low=0.0)
         for name in ("start_fraction", "end_fraction"):
-            checks.number(f"{prefix}.{name}", getattr(self, name), low=0.0, high=1.0,
-                          high_open=False)
+            checks.number(
+                f"{prefix}.{name}", getattr(self, name), low=0.0, high=1.0, high_open=False
+            )
         if self.start_fraction > self.end_fraction:
             raise ConfigError(
                 f"{prefix}.start_fraction ({self.start_fraction}) must be <= "

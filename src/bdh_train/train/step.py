@@ -118,8 +118,10 @@ class LanguageTrainModel:
         """Hidden states of a piece (a TBPTT chunk, or the whole block) continuing `state`,
         with the piece's summary event and reset masks."""
         return self.model.forward_hidden(
-            piece.inputs, state,
-            summary_event_mask=piece.summary_event_mask, reset_mask=piece.reset_mask,
+            piece.inputs,
+            state,
+            summary_event_mask=piece.summary_event_mask,
+            reset_mask=piece.reset_mask,
         )
 
     def _piece_loss(self, hidden, targets, normalizer: float) -> torch.Tensor:
@@ -214,7 +216,10 @@ class LanguageTrainModel:
                 mb = event.microbatch_id
                 layers = plan.assignment(event.virtual_stage_id).layer_range
                 activations[mb] = self.model.forward_hidden(
-                    micro[mb].inputs, states[mb], layers=layers, u=activations[mb],
+                    micro[mb].inputs,
+                    states[mb],
+                    layers=layers,
+                    u=activations[mb],
                     summary_event_mask=micro[mb].summary_event_mask,
                     reset_mask=micro[mb].reset_mask,
                 )

@@ -315,7 +315,8 @@ def _position(batch: int = 2) -> dict[str, torch.Tensor]:
         ),
         (
             {**_position(), "summary_chunk_sum.0": torch.zeros(2, 1, 2, 4)},
-            "model state 'summary_chunk_sum.0' must be [2, 1, 1, D], got (2, 1, 2, 4) torch.float32",
+            "model state 'summary_chunk_sum.0' must be [2, 1, 1, D], "
+            "got (2, 1, 2, 4) torch.float32",
         ),
         (
             {**_position(), "summary_memory.0": torch.zeros(3, 1, 1, 4)},

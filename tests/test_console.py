@@ -15,8 +15,8 @@ from bdh_train.data.sources import load_tokens
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.model import BDH
 from bdh_train.train import checkpoint as ckpt
+from bdh_train.train.console import Progress, format_duration
 from bdh_train.train.evaluate import evaluate
-from bdh_train.train.metrics import Progress, format_duration
 from bdh_train.train.run_dir import LOCK_FILE
 from bdh_train.train.step import LanguageTrainModel
 from bdh_train.trainer import Trainer

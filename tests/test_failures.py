@@ -401,7 +401,8 @@ def _resume_to(rank: int, world: int, run: Path, max_steps: int) -> None:
     """`bdh-train train --resume RUN --set training.max_steps=MAX_STEPS` as rank `rank` of a
     `world`-process group (forked workers: a second torchrun would start ~3 interpreters)."""
     from bdh_train.distributed.env import DistContext
-    from bdh_train.trainer import CONFIG_FILE, Trainer
+    from bdh_train.train.run_dir import CONFIG_FILE
+    from bdh_train.trainer import Trainer
 
     cfg = load_config(
         [run / CONFIG_FILE], [f"training.max_steps={max_steps}"], default_preset=False

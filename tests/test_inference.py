@@ -146,7 +146,7 @@ def test_a_v0_1_run_still_generates_with_the_byte_tokenizer(capsys):
 
 
 def test_the_sample_prompt_ends_on_a_whole_character():
-    from bdh_train.trainer import sample_prompt
+    from bdh_train.train.evaluate import sample_prompt
 
     tok = ByteTokenizer()
     ids = np.array(tok.encode("añb"))  # ñ is two bytes: a prompt of 2 cuts it

@@ -29,7 +29,8 @@ from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.metrics import read_metrics
 from bdh_train.train.profile import PROBES
 from bdh_train.train.step import LanguageTrainModel
-from bdh_train.trainer import Trainer, TrainingDiverged
+from bdh_train.train.window import TrainingDiverged
+from bdh_train.trainer import Trainer
 
 MICRO = [
     "model.n_layer=2",

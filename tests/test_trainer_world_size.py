@@ -24,8 +24,8 @@ from bdh_train.data import RandomWindowLoader, load_tokens
 from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.train.evaluate import evaluate
 from bdh_train.train.reduce import all_reduce_sums
+from bdh_train.train.state import TrainerState, regroup_rank_payloads
 from bdh_train.train.step import LanguageTrainModel
-from bdh_train.trainer import TrainerState, regroup_rank_payloads
 
 MODES = {
     "random-windows": DISTRIBUTED_RUN,

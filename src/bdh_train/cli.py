@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import functools
 import gc
 import json
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bdh_train import __version__
-from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
+from bdh_train.errors import BDHTrainError, ConfigError
 
 if TYPE_CHECKING:  # the CLI imports torch and the model only when a command runs
     import torch
@@ -324,30 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------- commands
 def cmd_train(args: argparse.Namespace) -> int:
-    from bdh_train.config import load_config
-    from bdh_train.distributed.env import DistContext
-    from bdh_train.trainer import CONFIG_FILE, Trainer, moved_tokenizer_override, resolve_device
+    from bdh_train.config import load_train_config
+    from bdh_train.distributed.env import DistContext, resolve_device
+    from bdh_train.train.run_dir import RunDir
+    from bdh_train.trainer import Trainer
 
-    resume = args.resume is not None
-    run_dir = Path(args.resume or args.run_dir or "") if resume else None
-    if resume and str(run_dir) in ("", "."):
-        raise ConfigError("--resume needs a run directory: --resume DIR or --run-dir DIR")
-    if run_dir is None:
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(args.run_dir or f"runs/{stamp}")
-    args.error_dir = run_dir
-    if resume:
-        saved = run_dir / CONFIG_FILE
-        if not saved.is_file():
-            raise CheckpointError(
-                f"cannot resume: {saved} does not exist (is {run_dir} a run "
-                "directory written by bdh-train train?)"
-            )
-        moved = [] if args.config else moved_tokenizer_override(run_dir)
-        overrides = [*moved, *args.overrides]
-        cfg = load_config([saved, *args.config], overrides, default_preset=False)
-    else:
-        cfg = load_config(args.config, args.overrides, args.preset)
+    run, resume = RunDir.for_train(args.run_dir, args.resume)
+    args.run = run  # an error is logged there once the command owns the directory
+    cfg = load_train_config(run, resume, args.config, args.overrides, args.preset)
     dist_ctx = DistContext.from_env(
         resolve_device(cfg.training.device).type, cfg.parallel.collective_timeout_s
     )
@@ -355,7 +338,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(
             cfg,
-            run_dir,
+            run,
             resume=resume,
             dist_ctx=dist_ctx,
             overwrite=args.overwrite,
@@ -586,9 +569,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from bdh_train.data.config import is_text_of
     from bdh_train.data.tokenizer import BYTES, ByteTokenizer
-    from bdh_train.train.evaluate import evaluate
+    from bdh_train.train.build import build_evaluator, evaluation_data
     from bdh_train.train.step import LanguageTrainModel
 
     if args.batches is not None and args.batches < 1:
@@ -610,29 +592,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "text with it"
         )
     t = cfg.training
-    if args.data:
-        data = cfg.data.load_source(args.data, cfg.model.vocab_size)
-        data.validate_for_block(t.block_size, "eval data")
-    else:
-        _, data = cfg.data.load_splits(cfg.model.vocab_size, t.block_size)
-        if data is None:
-            raise ConfigError(
-                "the run has no validation split (data.val_fraction = 0); pass --data SOURCE"
-            )
+    data = evaluation_data(cfg.data, args.data, cfg.model.vocab_size, t.block_size)
     step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
     tok = tok if tok is not None else ByteTokenizer()  # the ids of a byte run's text are bytes
-    text_of = tok if is_text_of(source, tok.kind == BYTES) else None
-    result = evaluate(
-        step,
-        data,
-        t.block_size,
-        t.batch_size,
-        args.batches,
-        summary_trigger=cfg.data.summary_trigger(),
-        device=model.embed.weight.device,
-        byte_lengths=None if text_of is None else text_of.token_byte_lengths(),
-        head=model.config.language_head,
+    device = model.embed.weight.device
+    evaluator = build_evaluator(
+        step, data, source, args.batches, t, cfg.data, model.config, tok, device
     )
+    result = evaluator.run()
     print(json.dumps({**result.row(), "tokens": result.tokens}))
     return 0
 
@@ -768,39 +735,27 @@ COMMANDS = {
 }
 
 
-def _log_error(directory: Path | None, message: str) -> None:
-    """Leave the error beside the run, creating only the error log if nothing else exists."""
-    if directory is None:
-        return
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        from bdh_train.train.run_dir import ERROR_LOG
-
-        with open(directory / ERROR_LOG, "a") as handle:
-            handle.write(f"{_dt.datetime.now().isoformat(timespec='seconds')} {message}\n")
-    except OSError:
-        pass
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.error_dir = None
+    args.run = None
     try:
         return COMMANDS[args.command](args)
     except BDHTrainError as exc:
         message = f"error: {exc}"
         print(message, file=sys.stderr)
-        _log_error(args.error_dir, message)
+        if args.run is not None:
+            args.run.log_error(message)
         return EXIT_USER_ERROR
     except OSError as exc:  # disk full, file size limit, read-only directory
         where = f": {exc.filename}" if exc.filename else ""
         message = f"error: {exc.strerror or exc}{where}"
-        if args.error_dir is not None:
+        if args.run is not None:
             from bdh_train.train.checkpoint import io_advice
 
-            message += f"; {io_advice(args.error_dir)}"
+            message += f"; {io_advice(args.run.path)}"
         print(message, file=sys.stderr)
-        _log_error(args.error_dir, message)
+        if args.run is not None:
+            args.run.log_error(message)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

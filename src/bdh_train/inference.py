@@ -30,13 +30,14 @@ from bdh_train.data.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
+from bdh_train.distributed.env import resolve_device
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError, DataError
 from bdh_train.export import export_tokenizer_json, load_ternary
 from bdh_train.model import BDH, BDHConfig, ModelState, sample_next_token
 from bdh_train.model.generate import FastDecoder, GenericDecoder, make_decoder
 from bdh_train.model.summary import SummaryEvents
 from bdh_train.train import checkpoint as ckpt
-from bdh_train.trainer import CONFIG_FILE, resolve_device
+from bdh_train.train.run_dir import config_path, run_of_checkpoint
 from bdh_train.utils import atomic_write
 
 STATE_FORMAT = "bdh-state/1"
@@ -103,7 +104,7 @@ def load_run(
     tok = load_tokenizer(copy) if copy is not None else tokenizer_for(model.config)
     if copy is not None:
         _check_tokenizer_fits(tok, model.config, str(copy))
-    saved = directory / CONFIG_FILE
+    saved = config_path(directory)
     # The tokenizer the run trained with is the copy found above, wherever the run now is.
     naming_copy = [] if copy is None else [f"data.tokenizer={json.dumps(str(copy.resolve()))}"]
     cfg = (
@@ -118,8 +119,9 @@ def run_tokenizer_file(checkpoint: Path) -> Path | None:
     """The tokenizer.json a run carries: the checkpoint's own, else its run directory's
     (checkpoint = RUN/checkpoints/step-N); None for byte runs and older runs."""
     candidates = [checkpoint / TOKENIZER_FILE]
-    if checkpoint.parent.name == ckpt.CHECKPOINTS:
-        candidates.append(checkpoint.parent.parent / TOKENIZER_FILE)
+    run = run_of_checkpoint(checkpoint)
+    if run is not None:
+        candidates.append(run.tokenizer_copy)
     return next((c for c in candidates if c.is_file()), None)
 
 

@@ -6,6 +6,7 @@ from bdh_train.config.layering import (
     PRESETS,
     dump_toml,
     load_config,
+    load_train_config,
     parse_override,
     save_config,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "RunConfig",
     "dump_toml",
     "load_config",
+    "load_train_config",
     "parse_override",
     "save_config",
 ]

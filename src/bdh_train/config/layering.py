@@ -32,6 +32,7 @@ import tomli_w
 from bdh_train.config.schema import SECTIONS, RunConfig
 from bdh_train.data.tokenizer import BYTES, load_tokenizer
 from bdh_train.errors import ConfigError
+from bdh_train.train.run_dir import RunDir
 from bdh_train.utils import atomic_write, dataclass_in, renamed_key, suggest
 
 PRESETS = ("tiny", "small", "pathway")
@@ -267,3 +268,16 @@ def save_config(cfg: RunConfig, path: str | Path) -> None:
     text = dump_toml(cfg)
     with atomic_write(path, "w") as handle:
         handle.write(text)
+
+
+def load_train_config(
+    run: RunDir, resume: bool, configs: list[str], overrides: list[str], preset: str | None
+) -> RunConfig:
+    """The config of `bdh-train train`: a resume's is the run's saved config (naming the
+    run's own tokenizer copy when the run moved and no --config is given) under `configs`
+    and `overrides`; a fresh run's is built from the preset, `configs` and `overrides`."""
+    if not resume:
+        return load_config(configs, overrides, preset)
+    run.check_resumable()
+    moved = [] if configs else run.moved_tokenizer_override()
+    return load_config([run.config, *configs], [*moved, *overrides], default_preset=False)

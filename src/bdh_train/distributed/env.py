@@ -9,6 +9,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from bdh_train.errors import BDHTrainError
+
+
+def resolve_device(name: str) -> torch.device:
+    """training.device (or --device): 'auto' is CUDA when available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise BDHTrainError(
+            "training.device='cuda' but no CUDA device is available; use 'auto' or 'cpu'"
+        )
+    return torch.device(name)
+
 
 @dataclass
 class DistContext:
@@ -55,6 +68,15 @@ class DistContext:
     def barrier(self) -> None:
         if self.active:
             dist.barrier()
+
+    def any_of(self, flag: bool, device: torch.device) -> bool:
+        """Whether `flag` is true on any process: one MAX all-reduce over every process of
+        the launch (free in one process)."""
+        if not self.active:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():

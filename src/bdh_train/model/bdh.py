@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from bdh_train.errors import BDHTrainError
 from bdh_train.model import generate as generation
 from bdh_train.model.config import BDHConfig
 from bdh_train.model.gate import GateKernels, gate
@@ -66,6 +67,27 @@ def compile_mode_for(mode: str, device: torch.device) -> str:
     if mode != "auto":
         return mode
     return "layer" if device.type == "cuda" else "pointwise"
+
+
+def check_compiler(mode: str, device: torch.device) -> None:
+    """Refuse a CPU compile where inductor finds no C++ compiler to build its kernels with,
+    before the run starts, instead of failing inside its first step."""
+    if device.type != "cpu" or compile_mode_for(mode, device) == "off":
+        return
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # another torch: inductor looks for its compiler itself
+        return
+    try:
+        get_cpp_compiler()
+    except Exception as e:  # inductor's InvalidCxxCompiler, or the search failing otherwise
+        lines = str(e).strip().splitlines()
+        reason = lines[0] if lines else type(e).__name__
+        raise BDHTrainError(
+            f"training.compile = {mode!r} builds C++ kernels on the CPU, but torch's inductor "
+            f"found no C++ compiler ({reason}); install g++ (or point CXX at a compiler), or "
+            "set training.compile = false"
+        ) from e
 
 
 def _check_fits_in_memory(config: BDHConfig) -> None:

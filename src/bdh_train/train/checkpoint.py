@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from bdh_train import checks
 from bdh_train.errors import BDHTrainError, CheckpointError
+from bdh_train.train.run_dir import CHECKPOINTS
 from bdh_train.utils import atomic_write, current_umask
 
 
@@ -50,7 +51,6 @@ class CheckpointConfig:
         return self
 
 
-CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 SHARDED_DIR = "sharded"

@@ -1,5 +1,7 @@
 """Validation: the mean loss over counted targets of a fixed set of batches, and bits per byte
-where the tokens are text of a tokenizer. One function serves the trainer and `bdh-train eval`.
+where the tokens are text of a tokenizer. One recipe (`Evaluator`, over `evaluate`) serves the
+trainer and `bdh-train eval`; one rule (`text_tokenizer`) says when bits per byte are reported
+and when a run's samples are text.
 Data-parallel ranks each take every world-th batch and add their sums together.
 
 Bits per byte (the one rule): the loss in nats summed over the counted targets, divided by
@@ -20,11 +22,14 @@ import numpy as np
 import torch
 
 from bdh_train.batch import SequenceBatch
+from bdh_train.data.config import DataConfig, is_text_of
 from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.data.loaders import eval_batches
 from bdh_train.data.sources import TokenData
+from bdh_train.data.tokenizer import BYTES, Tokenizer
 from bdh_train.errors import DataError
-from bdh_train.model.config import LanguageHeadConfig
+from bdh_train.model.bdh import BDH
+from bdh_train.model.config import BDHConfig, LanguageHeadConfig
 from bdh_train.model.heads import counted_target_mask
 
 
@@ -112,3 +117,117 @@ def evaluate(
     val_loss = total / count
     bits = bits_per_byte(total, text_bytes) if lengths is not None and text_bytes else None
     return EvalResult(val_loss, int(count), bits)
+
+
+def text_tokenizer(tokenizer: Tokenizer, source: str) -> Tokenizer | None:
+    """`tokenizer` when the ids of `source` are text of it, else None (`is_text_of`: not
+    generated data, and not a ``.bin`` of ids under the byte tokenizer)."""
+    return tokenizer if is_text_of(source, tokenizer.kind == BYTES) else None
+
+
+@dataclass
+class Evaluator:
+    """A run's validation: `evaluate` of its step executor on its validation data with the
+    run's block and batch sizes, summary trigger and head, in bits per byte too when the data
+    is text of the run's tokenizer (`text_of`). Due every `every` optimizer steps and at
+    `last_step`."""
+
+    executor: EvalLoss
+    data: TokenData
+    block_size: int
+    batch_size: int
+    max_batches: int | None
+    device: torch.device | str
+    summary_trigger: SummaryEventTrigger | None
+    head: LanguageHeadConfig
+    text_of: Tokenizer | None
+    """The tokenizer the data is text of (`text_tokenizer`), else None."""
+    part: tuple[int, int] = (0, 1)
+    add_across_ranks: Callable[[list[float]], list[float]] | None = None
+    every: int = 0
+    last_step: int = 0
+
+    def should_evaluate(self, step: int) -> bool:
+        return bool(self.every) and (step % self.every == 0 or step == self.last_step)
+
+    def run(self) -> EvalResult:
+        text_of = self.text_of
+        return evaluate(
+            self.executor,
+            self.data,
+            self.block_size,
+            self.batch_size,
+            self.max_batches,
+            self.device,
+            self.summary_trigger,
+            byte_lengths=None if text_of is None else text_of.token_byte_lengths(),
+            head=self.head,
+            part=self.part,
+            add_across_ranks=self.add_across_ranks,
+        )
+
+
+SAMPLE_PROMPT_TOKENS = 32
+"""The end-of-run sample continues this many tokens of the validation (else train) data."""
+
+
+def sample_prompt(ids: np.ndarray, tokenizer: Tokenizer) -> np.ndarray:
+    """The longest prefix of `ids` (at least one token) that decodes to whole UTF-8
+    characters, so neither the prompt nor its continuation is printed with a character cut
+    in two."""
+    n = len(ids)
+    while n > 1:
+        try:
+            tokenizer.decode_bytes(ids[:n]).decode("utf-8")
+            break
+        except UnicodeDecodeError:
+            n -= 1
+    return np.asarray(ids[:n], dtype=np.int64)
+
+
+def sample_continuation(
+    model: BDH,
+    tokenizer: Tokenizer,
+    model_config: BDHConfig,
+    data_config: DataConfig,
+    splits: tuple[TokenData, TokenData | None],
+    device: torch.device,
+    max_new_tokens: int = 200,
+) -> tuple[str, str] | None:
+    """(prompt, continuation) of the end-of-run sample: the first `SAMPLE_PROMPT_TOKENS` of
+    the validation (else train) split of `splits` continued by `model` at temperature 0.8,
+    top-k 50, seed 0, decoded; None unless the model writes text of `tokenizer`
+    (`writes_text`)."""
+    train, val = splits
+    data, name = (train, data_config.source) if val is None else (val, data_config.val_source)
+    source = data_config.source if name is None else name
+    if not writes_text(model_config.language_head, model_config.vocab_size, tokenizer, source):
+        return None
+    prompt = torch.as_tensor(
+        sample_prompt(data.tokens[:SAMPLE_PROMPT_TOKENS], tokenizer), device=device
+    )
+    model.eval()
+    out = model.generate(
+        prompt,
+        max_new_tokens,
+        temperature=0.8,
+        top_k=50,
+        generator=torch.Generator(device).manual_seed(0),
+        summary_events=data_config.summary_trigger(),
+    )
+    model.train()
+    return tokenizer.decode(out[: len(prompt)].tolist()), tokenizer.decode(
+        out[len(prompt) :].tolist()
+    )
+
+
+def writes_text(
+    head: LanguageHeadConfig, vocab_size: int, tokenizer: Tokenizer, source: str
+) -> bool:
+    """Whether a model's samples are text of `tokenizer`: a token head over the tokenizer's
+    whole vocabulary, trained on text of it (`source`, `text_tokenizer`)."""
+    return (
+        head.type == "token"
+        and vocab_size == tokenizer.vocab_size
+        and text_tokenizer(tokenizer, source) is not None
+    )

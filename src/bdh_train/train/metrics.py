@@ -1,5 +1,5 @@
-"""What a run reports: metrics rows (metrics.jsonl, and TensorBoard or Weights & Biases when
-`[metrics] report_to` names them), a progress bar or plain log lines, loss.png."""
+"""What a run records: metrics rows (metrics.jsonl, and TensorBoard or Weights & Biases when
+`[metrics] report_to` names them) and loss.png. What it prints is train/console.py's."""
 
 from __future__ import annotations
 
@@ -7,22 +7,16 @@ import hashlib
 import importlib.util
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
-
-from tqdm import tqdm
+from typing import Any, Protocol
 
 from bdh_train import checks
 from bdh_train.errors import ConfigError, DataError
+from bdh_train.train.run_dir import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
 from bdh_train.utils import atomic_write
 
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "loss.png"
-TENSORBOARD_DIR = "tensorboard"
-"""The run directory's TensorBoard event files (`tensorboard --logdir <run>/tensorboard`)."""
 WANDB_MODES = ("offline", "online")
 REPORT_TARGETS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}
 """Where metrics rows can go -> the package that target needs (None: nothing extra)."""
@@ -165,7 +159,12 @@ class MetricsReporter:
         enabled: bool = True,
         config: dict[str, Any] | None = None,
         config_text: str = "",
+        log_every: int = 0,
+        last_step: int = 0,
     ) -> None:
+        """`log_every` and `last_step` set which optimizer steps `log_step` writes."""
+        self.log_every, self.last_step = log_every, last_step
+        self._clock = (time.perf_counter(), 0)
         self.jsonl = MetricsLog(run_dir, resume_step, enabled)
         self.sinks: list[MetricsSink] = [self.jsonl]
         if not enabled:
@@ -186,6 +185,26 @@ class MetricsReporter:
     def write(self, row: dict[str, Any]) -> None:
         for sink in self.sinks:
             sink.write(row)
+
+    def should_log(self, step: int) -> bool:
+        """Every `log_every` optimizer steps and the last one; never with log_every = 0."""
+        return bool(self.log_every) and (step % self.log_every == 0 or step == self.last_step)
+
+    def restart_clock(self, tokens: int) -> None:
+        """Time tokens_per_s from now, with `tokens` counted so far."""
+        self._clock = (time.perf_counter(), tokens)
+
+    def log_step(self, row: dict[str, Any], elapsed: float) -> None:
+        """Write an optimizer step's row when one is due, with the tokens per second since the
+        last written row and the training seconds so far (added to `row`)."""
+        if not self.should_log(row["step"]):
+            return
+        now = time.perf_counter()
+        since, tokens = self._clock
+        row["tokens_per_s"] = (row["tokens"] - tokens) / max(now - since, 1e-9)
+        row["elapsed_s"] = elapsed
+        self._clock = (now, row["tokens"])
+        self.write(row)
 
     def close(self, failed: bool = False) -> None:
         """Flush and close every backend (once; later calls do nothing)."""
@@ -209,96 +228,6 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
                 f"{path} line {number} is not a JSON row ({exc}); delete that line to go on"
             ) from exc
     return rows
-
-
-def format_duration(seconds: float) -> str:
-    """``42s``, ``3m05s``, ``2h07m``."""
-    seconds = max(int(round(seconds)), 0)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
-class Progress:
-    """A tqdm bar on a terminal, with the loss lines written above it (`tqdm.write`) so they
-    stay visible; plain lines otherwise (no bar spam in logs). A loss line is printed for the
-    first step of a session, every `log_every` steps, the last step, and, on a pipe, at least
-    every `heartbeat_s` seconds; each says step/total, tokens seen, tok/s and the ETA."""
-
-    def __init__(
-        self,
-        total: int,
-        initial: int,
-        stream: IO[str] | None = None,
-        enabled: bool = True,
-        log_every: int = 0,
-        initial_tokens: int = 0,
-        heartbeat_s: float = 30.0,
-        clock: Any = time.perf_counter,
-    ):
-        self.stream = stream or sys.stdout
-        self.enabled = enabled
-        self.total, self.initial, self.initial_tokens = total, initial, initial_tokens
-        self.log_every, self.heartbeat_s, self.clock = log_every, heartbeat_s, clock
-        self.started = self.last_line = clock()
-        self.bar = None
-        if enabled and self.stream.isatty():
-            self.bar = tqdm(
-                total=total, initial=initial, file=self.stream, unit="step", dynamic_ncols=True
-            )
-
-    def restart_clock(self) -> None:
-        """Time tok/s and the ETA from now (the start of the first step)."""
-        self.started = self.last_line = self.clock()
-
-    def _due(self, step: int, now: float) -> bool:
-        if step == self.initial + 1 or step == self.total:
-            return True
-        if self.log_every and step % self.log_every == 0:
-            return True
-        return self.bar is None and now - self.last_line >= self.heartbeat_s
-
-    def line(self, row: dict[str, Any], now: float) -> str:
-        """One loss line: step/total, loss, lr, gradient norm, tokens seen, tok/s, ETA."""
-        step, done = row["step"], row["step"] - self.initial
-        spent = max(now - self.started, 1e-9)
-        rate = (row["tokens"] - self.initial_tokens) / spent
-        eta = (self.total - step) * spent / max(done, 1)
-        width = len(str(self.total))
-        return (
-            f"step {step:>{width}}/{self.total} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
-            f"grad_norm {row['grad_norm']:.3f} | {row['tokens']:,} tok | {rate:,.0f} tok/s | "
-            f"ETA {format_duration(eta)}"
-        )
-
-    def update(self, step: int, row: dict[str, Any] | None) -> None:
-        """Advance to `step`; `row` is that optimizer step's metrics (step, tokens, loss, lr,
-        grad_norm), printed as a loss line when one is due."""
-        if not self.enabled:
-            return
-        now = self.clock()
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
-            if row is not None:
-                self.bar.set_postfix(loss=f"{row['loss']:.4f}")
-        if row is not None and self._due(step, now):
-            self.log(self.line(row, now))
-            self.last_line = now
-
-    def log(self, message: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(message, file=self.stream)
-        else:
-            print(message, file=self.stream, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
 
 
 def plot_losses(run_dir: Path) -> Path:

@@ -1,18 +1,46 @@
-"""One trainer per run directory: an advisory lock held for the run's life, and the rule that
-a fresh run never writes into a directory holding another run."""
+"""The run directory and everything about its layout: every file name in it, the lock that
+lets one trainer own it, the error log, the run's tokenizer copy, the rules for starting a
+fresh run in it or resuming it, and what a run that moved elsewhere needs.
+
+::
+
+    RUN/
+      config.toml      the resolved config (data.tokenizer names RUN/tokenizer.json)
+      tokenizer.json   the run's Hugging Face tokenizer (absent for byte runs)
+      metrics.jsonl    one JSON row per logged step and evaluation
+      loss.png         the loss curves (`bdh-train plot`)
+      profile.png      where a step's time goes (`bdh-train profile`)
+      tensorboard/     TensorBoard events (metrics.tensorboard)
+      checkpoints/     step-NNNNNNN[-mMM]/ and the `latest` pointer (train/checkpoint.py)
+      .lock            held by the trainer that owns the run (its pid)
+      error.log        errors of commands that owned the run
+"""
 
 from __future__ import annotations
 
+import contextlib
+import datetime as _dt
 import fcntl
+import json
 import os
 import shutil
+import tomllib
 from pathlib import Path
 
-from bdh_train.errors import ConfigError
+from bdh_train.data.tokenizer import BYTES, TOKENIZER_FILE
+from bdh_train.errors import CheckpointError, ConfigError
 
+CONFIG_FILE = "config.toml"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+PROFILE_FILE = "profile.png"
+TENSORBOARD_DIR = "tensorboard"
+CHECKPOINTS = "checkpoints"
 LOCK_FILE = ".lock"
 ERROR_LOG = "error.log"
 """Left by a failed start; it does not make a directory 'used'."""
+RUNS_ROOT = "runs"
+"""Where `bdh-train train` puts a run given no --run-dir: runs/<date>-<time>."""
 
 
 class RunDirLock:
@@ -66,23 +94,183 @@ def refuse_a_file(run_dir: Path) -> None:
         )
 
 
-def check_fresh_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """A fresh run needs an empty (or absent) directory, unless `overwrite` clears it."""
-    refuse_a_file(run_dir)
-    used = used_entries(run_dir)
-    if used and not overwrite:
-        shown = ", ".join(used[:4]) + (", ..." if len(used) > 4 else "")
-        raise ConfigError(
-            f"run directory {run_dir} already holds a run ({shown}); continue it with "
-            f"--resume {run_dir}, start over with --overwrite, or choose another --run-dir"
-        )
+class RunDir:
+    """One run directory: the paths of its files, its lock, its error log and the rules for
+    starting or resuming a run in it.
+
+    The directory is the command's own (`owned`) when it did not exist before the command
+    named it, or once a trainer was built on it: only then does `log_error` write into it.
+    A refused command leaves the directory byte for byte as it was: taking the lock
+    rewrites the lock file's pid, and giving it back after a refusal puts the file back
+    (or removes it, and the directory, where the command created them)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._existed = self.path.exists()
+        self._lock: RunDirLock | None = None
+        self.owned = not self._existed
+        """Whether the command may write its error log here."""
+        self._lock_file: tuple[bytes, int, int] | None = None
+
+    @classmethod
+    def for_train(cls, run_dir: str | None, resume: str | None) -> tuple[RunDir, bool]:
+        """The run directory of `bdh-train train --run-dir RUN_DIR [--resume [RESUME]]`, and
+        whether it is a resume: RESUME, else RUN_DIR (a bare --resume); a fresh run without
+        --run-dir gets runs/<date>-<time>."""
+        if resume is None:
+            stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+            return cls(run_dir or Path(RUNS_ROOT) / stamp), False
+        path = Path(resume or run_dir or "")
+        if str(path) in ("", "."):
+            raise ConfigError("--resume needs a run directory: --resume DIR or --run-dir DIR")
+        return cls(path), True
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    # ------------------------------------------------------------------ file names
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def loss_plot(self) -> Path:
+        return self.path / PLOT_FILE
+
+    @property
+    def profile_plot(self) -> Path:
+        return self.path / PROFILE_FILE
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / TENSORBOARD_DIR
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def tokenizer_copy(self) -> Path:
+        """The run's copy of its Hugging Face tokenizer, which its config names."""
+        return self.path / TOKENIZER_FILE
+
+    @property
+    def error_log(self) -> Path:
+        return self.path / ERROR_LOG
+
+    # ------------------------------------------------------------------ ownership
+    @property
+    def locked(self) -> bool:
+        return self._lock is not None
+
+    def lock(self) -> None:
+        """Take the run's lock (once); refused when another trainer holds it."""
+        if self._lock is None:
+            lock_file = self.path / LOCK_FILE
+            self._lock_file = None
+            if lock_file.is_file():
+                st = lock_file.stat()
+                self._lock_file = (lock_file.read_bytes(), st.st_atime_ns, st.st_mtime_ns)
+            self._lock = RunDirLock(self.path).acquire()
+
+    def unlock(self, refused: bool = False) -> None:
+        """Release the lock. After a refused start (`refused`), also undo what taking it did:
+        the lock file's earlier bytes and times are put back, or, when the directory held
+        none, the file is removed, and the directory too when the command made it."""
+        if self._lock is None:
+            return
+        lock, self._lock = self._lock, None
+        if refused and self._lock_file is not None:  # restored while still held
+            data, atime, mtime = self._lock_file
+            with contextlib.suppress(OSError):
+                lock.path.write_bytes(data)
+                os.utime(lock.path, ns=(atime, mtime))
+        lock.release()
+        if refused and self._lock_file is None:
+            lock.path.unlink(missing_ok=True)
+            if not self._existed:
+                with contextlib.suppress(OSError):
+                    self.path.rmdir()
+
+    def log_error(self, message: str) -> None:
+        """Append `message` to the error log of a directory this command owns (else nothing:
+        the error is on stderr). A directory the command named but never created gets only
+        the log."""
+        if not self.owned:
+            return
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            with open(self.error_log, "a") as handle:
+                stamp = _dt.datetime.now().isoformat(timespec="seconds")
+                handle.write(f"{stamp} {message}\n")
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ fresh and resumed runs
+    def check_fresh(self, overwrite: bool) -> None:
+        """A fresh run needs an empty (or absent) directory, unless `overwrite` clears it."""
+        refuse_a_file(self.path)
+        used = used_entries(self.path)
+        if used and not overwrite:
+            shown = ", ".join(used[:4]) + (", ..." if len(used) > 4 else "")
+            raise ConfigError(
+                f"run directory {self.path} already holds a run ({shown}); continue it with "
+                f"--resume {self.path}, start over with --overwrite, or choose another --run-dir"
+            )
+
+    def clear(self) -> None:
+        """Remove an earlier run's files (call with the lock held)."""
+        for name in used_entries(self.path):
+            path = self.path / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+    def check_resumable(self) -> None:
+        """A resume needs the run's saved config."""
+        if not self.config.is_file():
+            raise CheckpointError(
+                f"cannot resume: {self.config} does not exist (is {self.path} a run "
+                "directory written by bdh-train train?)"
+            )
+
+    def check_has_metrics(self) -> None:
+        if not self.metrics.is_file():
+            raise ConfigError(f"{self.metrics} does not exist: is {self.path} a run directory?")
+
+    def moved_tokenizer_override(self) -> list[str]:
+        """`--set` overrides for resuming this run after it moved: [] or one that names the
+        run's own tokenizer copy.
+
+        A run's config.toml names its copy of a Hugging Face tokenizer by absolute path, so a
+        run directory moved or copied elsewhere still names the old place. When that file no
+        longer exists and this run directory holds its own copy, the copy is named instead
+        (the checkpoint's fingerprint check still applies). Later overrides, the user's, still
+        win; `bdh-train train --resume` applies it only when no --config file is given, since
+        one may name the tokenizer."""
+        try:
+            named = tomllib.loads(self.config.read_text())["data"]["tokenizer"]
+        except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
+            return []  # loading the config reports what is wrong with it
+        own_copy = self.tokenizer_copy
+        if not isinstance(named, str) or named == BYTES or Path(named).name != TOKENIZER_FILE:
+            return []
+        if Path(named).exists() or not own_copy.is_file():
+            return []
+        # a TOML basic string: JSON's escapes are TOML's, except surrogate pairs (kept raw here)
+        return [f"data.tokenizer={json.dumps(str(own_copy.resolve()), ensure_ascii=False)}"]
 
 
-def clear_run_dir(run_dir: Path) -> None:
-    """Remove an earlier run's files (call with the lock held)."""
-    for name in used_entries(run_dir):
-        path = run_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+def config_path(directory: Path) -> Path:
+    """The config.toml of a run directory or checkpoint directory."""
+    return directory / CONFIG_FILE
+
+
+def run_of_checkpoint(checkpoint: Path) -> RunDir | None:
+    """The run directory a checkpoint directory (RUN/checkpoints/step-N) belongs to."""
+    return RunDir(checkpoint.parent.parent) if checkpoint.parent.name == CHECKPOINTS else None

@@ -1,0 +1,254 @@
+"""What a run prints: the banner before it starts, a progress bar or plain loss lines while it
+trains, the evaluation and stop lines, and the summary with the commands that use it."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+
+def format_duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``."""
+    seconds = max(int(round(seconds)), 0)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class Progress:
+    """A tqdm bar on a terminal, with the loss lines written above it (`tqdm.write`) so they
+    stay visible; plain lines otherwise (no bar spam in logs). A loss line is printed for the
+    first step of a session, every `log_every` steps, the last step, and, on a pipe, at least
+    every `heartbeat_s` seconds; each says step/total, tokens seen, tok/s and the ETA."""
+
+    def __init__(
+        self,
+        total: int,
+        initial: int,
+        stream: IO[str] | None = None,
+        enabled: bool = True,
+        log_every: int = 0,
+        initial_tokens: int = 0,
+        heartbeat_s: float = 30.0,
+        clock: Any = time.perf_counter,
+    ):
+        self.stream = stream or sys.stdout
+        self.enabled = enabled
+        self.total, self.initial, self.initial_tokens = total, initial, initial_tokens
+        self.log_every, self.heartbeat_s, self.clock = log_every, heartbeat_s, clock
+        self.started = self.last_line = clock()
+        self.bar = None
+        if enabled and self.stream.isatty():
+            self.bar = tqdm(
+                total=total, initial=initial, file=self.stream, unit="step", dynamic_ncols=True
+            )
+
+    def restart_clock(self) -> None:
+        """Time tok/s and the ETA from now (the start of the first step)."""
+        self.started = self.last_line = self.clock()
+
+    def _due(self, step: int, now: float) -> bool:
+        if step == self.initial + 1 or step == self.total:
+            return True
+        if self.log_every and step % self.log_every == 0:
+            return True
+        return self.bar is None and now - self.last_line >= self.heartbeat_s
+
+    def line(self, row: dict[str, Any], now: float) -> str:
+        """One loss line: step/total, loss, lr, gradient norm, tokens seen, tok/s, ETA."""
+        step, done = row["step"], row["step"] - self.initial
+        spent = max(now - self.started, 1e-9)
+        rate = (row["tokens"] - self.initial_tokens) / spent
+        eta = (self.total - step) * spent / max(done, 1)
+        width = len(str(self.total))
+        return (
+            f"step {step:>{width}}/{self.total} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+            f"grad_norm {row['grad_norm']:.3f} | {row['tokens']:,} tok | {rate:,.0f} tok/s | "
+            f"ETA {format_duration(eta)}"
+        )
+
+    def update(self, step: int, row: dict[str, Any] | None) -> None:
+        """Advance to `step`; `row` is that optimizer step's metrics (step, tokens, loss, lr,
+        grad_norm), printed as a loss line when one is due."""
+        if not self.enabled:
+            return
+        now = self.clock()
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            if row is not None:
+                self.bar.set_postfix(loss=f"{row['loss']:.4f}")
+        if row is not None and self._due(step, now):
+            self.log(self.line(row, now))
+            self.last_line = now
+
+    def log(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(message, file=self.stream)
+        else:
+            print(message, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def device_line(device: str, world_size: int, mesh: tuple[int, int], sharded: bool) -> str:
+    """The device, and under torchrun the process count, mesh and sharding."""
+    if world_size <= 1:
+        return device
+    replicas, stages = mesh
+    line = f"{device} x {world_size} processes"
+    if stages > 1:
+        line += f" ({replicas} data-parallel x {stages} pipeline stages)"
+    if sharded:
+        line += " (FSDP: parameters, gradients and optimizer state sharded)"
+    return line
+
+
+@dataclass
+class Banner:
+    """What the run is about to do."""
+
+    run_dir: Path
+    device: str
+    parameters: int
+    source: str
+    train_tokens: int
+    val_tokens: int | None
+    tokenizer: str | None
+    """The Hugging Face tokenizer as named, with its size; None for bytes."""
+    batch_size: int
+    block_size: int
+    accumulation_steps: int
+    max_steps: int
+    resumed_at: int | None
+    """The checkpoint's step on a resume."""
+    layered_on: str | None
+    """The preset the config was layered on (`RunConfig.layered_on`)."""
+    saved_config: str
+    """The run's saved config file (a resume's source)."""
+
+    def lines(self) -> list[str]:
+        params, accum = self.parameters, self.accumulation_steps
+        val = "no val split" if self.val_tokens is None else f"{self.val_tokens:,} val tokens"
+        per_step = self.batch_size * self.block_size * accum
+        micro = f" x {accum} micro-steps" if accum > 1 else ""
+        if self.resumed_at is not None:
+            steps = f"steps {self.resumed_at} -> {self.max_steps} (resumed)"
+        else:
+            steps = f"{self.max_steps:,} steps"
+        tokenizer = [f"tokenizer      {self.tokenizer}"] if self.tokenizer is not None else []
+        if self.layered_on is not None:
+            layered = f"layered on {self.layered_on}"
+        elif self.resumed_at is not None:
+            layered = f"the run's saved {self.saved_config}"
+        else:
+            layered = "built directly (no preset)"
+        return [
+            f"run directory  {self.run_dir.resolve()}",
+            f"device         {self.device}",
+            f"model          {params / 1e6:.2f} M parameters ({params:,})",
+            f"data           {self.source}: {self.train_tokens:,} train tokens, {val}",
+            *tokenizer,
+            f"per step       {self.batch_size} x {self.block_size} tokens{micro} = "
+            f"{per_step:,} tokens",
+            f"length         {steps} ({self.max_steps * per_step:,} tokens in all)",
+            f"config         {layered}",
+        ]
+
+
+def summary_lines(
+    run_dir: Path,
+    steps: int,
+    tokens: int,
+    elapsed: float,
+    val_loss: float | None,
+    checkpoint: Path | None,
+    loss_plot: Path,
+    max_steps: int,
+    writes_text: bool,
+) -> list[str]:
+    """Where the run's results are and the commands that use them."""
+    quoted = shlex.quote(str(run_dir.resolve()))
+    rate = tokens / max(elapsed, 1e-9)
+    val = f"; val_loss {val_loss:.4f}" if val_loss is not None else ""
+    lines = [
+        f"finished {steps} steps, {tokens:,} tokens in {format_duration(elapsed)} "
+        f"({rate:,.0f} tok/s){val}",
+    ]
+    if checkpoint is not None:
+        lines.append(f"checkpoint     {checkpoint.resolve()}")
+    if loss_plot.is_file():
+        lines.append(f"loss plot      {loss_plot.resolve()}")
+    lines.append(
+        f"train on       bdh-train train --resume {quoted} --set training.max_steps={2 * max_steps}"
+    )
+    if writes_text:
+        lines.append(f"generate       bdh-train generate --checkpoint {quoted} --prompt 'The '")
+    lines.append(f"evaluate       bdh-train eval --checkpoint {quoted}")
+    return lines
+
+
+def eval_line(step: int, val_loss: float, bits_per_byte: float | None) -> str:
+    bits = f" | {bits_per_byte:.3f} bits/byte" if bits_per_byte is not None else ""
+    return f"step {step:>6} | val_loss {val_loss:.4f}{bits}"
+
+
+def stop_line(step: int, micro: int, checkpoint: Path, run_dir: Path) -> str:
+    return (
+        f"stopped at step {step} (+{micro} micro-steps); checkpoint {checkpoint}; continue "
+        f"with: bdh-train train --resume {run_dir}"
+    )
+
+
+def sample_line(prompt: str, text: str) -> str:
+    return f"--- sample (prompt: {prompt!r}) ---\n{text}\n---"
+
+
+class CompileNotice:
+    """The line before a compiled run's first step (which compiles) and its time after."""
+
+    def __init__(self, mode: str, steps_left: bool, log: Any) -> None:
+        self.pending = mode != "off" and steps_left
+        self.log = log
+        if self.pending:
+            log(f"compiling the model (training.compile = {mode!r}): the first step takes longer…")
+        self.started = time.perf_counter()
+
+    def step_done(self) -> None:
+        if self.pending:
+            self.pending = False
+            self.log(f"compiled: the first step took {time.perf_counter() - self.started:.1f} s")
+
+
+def resume_lines(
+    checkpoint: Path,
+    step: int,
+    micro: int,
+    accumulation_steps: int,
+    notes: list[str],
+    torn_metrics: Path | None,
+) -> list[str]:
+    """Where a resumed run continues from, the resume's warnings, and a notice when the
+    metrics log's torn last line was dropped."""
+    lines = [
+        f"resumed from {checkpoint} at step {step} (micro-step {micro} of {accumulation_steps})",
+        *notes,
+    ]
+    if torn_metrics is not None:
+        lines.append(
+            f"notice: the last line of {torn_metrics} was torn (an interrupted write) and was "
+            "dropped"
+        )
+    return lines

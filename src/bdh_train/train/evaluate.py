@@ -22,7 +22,7 @@ import torch
 from bdh_train.batch import SequenceBatch
 from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.data.loaders import eval_batches
-from bdh_train.data.sources import TokenData
+from bdh_train.data.tokens import TokenData
 from bdh_train.errors import DataError
 from bdh_train.model.config import LanguageHeadConfig
 from bdh_train.model.heads import counted_target_mask

@@ -1,19 +1,14 @@
-"""Running across processes: the torchrun process group, the pipeline planner (the
-`[parallel]` config, layer partition and schedule timeline), the pipeline runner on
-`torch.distributed.pipelining` and FSDP2 sharding. `BDHStage` and `PipelineRunner` are
-imported on first use: their module costs about two seconds of start-up that a run without
-a pipeline should not pay."""
+"""Running across processes: the torchrun process group, the `[parallel]` config and its
+pipeline-shape rules, the pipeline planner (layer partition and schedule timeline), the
+pipeline runner on `torch.distributed.pipelining` and FSDP2 sharding. `BDHStage` and
+`PipelineRunner` are imported on first use: their module costs about two seconds of start-up
+that a run without a pipeline should not pay."""
 
 from typing import Any
 
+from bdh_train.distributed.config import SCHEDULES, ParallelConfig
 from bdh_train.distributed.env import DistContext
-from bdh_train.distributed.planner import (
-    SCHEDULES,
-    ParallelConfig,
-    PipelinePlan,
-    build_pipeline_plan,
-    render_timeline,
-)
+from bdh_train.distributed.planner import PipelinePlan, build_pipeline_plan, render_timeline
 
 __all__ = [
     "SCHEDULES",

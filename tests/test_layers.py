@@ -10,6 +10,8 @@ code, are left out of the loop check).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +121,25 @@ def imported_modules(path: Path) -> set[str]:
 
 def modules() -> dict[str, Path]:
     return {module_name(path): path for path in sorted(PACKAGE_ROOT.rglob("*.py"))}
+
+
+def runs_on_import(module: str) -> set[str]:
+    """The bdh_train modules that importing `module` runs, by the module-level imports alone:
+    the module, its packages, and what each of them imports, transitively."""
+    paths, done = modules(), set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in done or name not in paths:
+            continue
+        done.add(name)
+        todo.append(name.rpartition(".")[0])
+        todo += [i.target for i in imports(paths[name]) if not i.lazy and not i.type_checking]
+    return done
+
+
+LAZY_PACKAGES = ("bdh_train", "bdh_train.train", "bdh_train.distributed")
+"""Packages whose public names are imported on first use (PEP 562 `__getattr__`)."""
 
 
 def layer_import_graph() -> dict[str, dict[str, Import]]:
@@ -274,3 +295,34 @@ def test_the_loop_check_sees_function_level_imports_and_skips_type_checking_ones
     }
     assert [c for c in strongly_connected(graph) if len(c) > 1] == [[prepared, tokens]]
     assert shortest_loop(graph, [prepared, tokens]) == [tokens, prepared, tokens]
+
+
+def test_lazy_packages_import_no_submodule_when_imported() -> None:
+    """Importing one submodule (`bdh_train.train.checkpoint`) runs its package's __init__,
+    which must not import every sibling (and through them `bdh_train.distributed`)."""
+    for package in LAZY_PACKAGES:
+        found = imports(modules()[package])
+        running = sorted({i.target for i in found if not i.lazy and not i.type_checking})
+        assert not running, (
+            f"the __init__ of {package} imports {running} when imported: import its public "
+            "names on first use (`_LAZY` and `__getattr__`)"
+        )
+
+
+def test_importing_a_submodule_runs_only_what_it_imports() -> None:
+    script = (
+        "import sys\n"
+        "import bdh_train.train.checkpoint\n"
+        "print(sorted(m for m in sys.modules if m.startswith('bdh_train')))\n"
+        "import bdh_train.config\n"
+        "words = ('planner', 'fsdp', 'pipelin')\n"
+        "print(sorted(m for m in sys.modules if any(w in m for w in words)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    checkpoint_run, config_run = (ast.literal_eval(line) for line in proc.stdout.splitlines())
+    assert set(checkpoint_run) <= runs_on_import("bdh_train.train.checkpoint"), checkpoint_run
+    assert config_run == [], (
+        f"importing bdh_train.config (the sections' dataclasses) imports {config_run}: the "
+        "pipeline planner, FSDP or the pipeline runner"
+    )

@@ -16,8 +16,8 @@ import pytest
 import zstandard
 
 from bdh_train.data import formats, load_tokens
+from bdh_train.data.encode import encode_texts
 from bdh_train.data.formats import iter_documents, split_text
-from bdh_train.data.prepared import encode_texts
 from bdh_train.data.tokenizer import ByteTokenizer, piece_cuts, train_bpe
 from bdh_train.errors import DataError
 

@@ -14,14 +14,8 @@ from test_formats import DOCS, write_all_formats
 from bdh_train.cli import main
 from bdh_train.config import load_config
 from bdh_train.data import DataConfig, load_splits, load_tokens
-from bdh_train.data.prepared import (
-    META_FILE,
-    in_validation,
-    is_prepared,
-    load_prepared,
-    prepare_corpus,
-    read_meta,
-)
+from bdh_train.data.layout import META_FILE, in_validation, is_prepared
+from bdh_train.data.prepared import load_prepared, prepare_corpus, read_meta
 from bdh_train.data.tokenizer import load_tokenizer, train_bpe
 from bdh_train.errors import DataError
 from bdh_train.trainer import Trainer

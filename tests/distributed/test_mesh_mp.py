@@ -21,9 +21,10 @@ from helpers import (
 
 from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.config import load_config
+from bdh_train.distributed.config import ParallelConfig
 from bdh_train.distributed.env import DistContext, pipeline_mesh
 from bdh_train.distributed.pipeline import PipelineRunner
-from bdh_train.distributed.planner import ParallelConfig, build_pipeline_plan
+from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.errors import ConfigError
 from bdh_train.train.accumulate import WeightedGradientAccumulator
 from bdh_train.train.reduce import all_reduce_accumulated

@@ -13,11 +13,12 @@ import torch.distributed as dist
 from helpers import run_multiprocess, tiny_model
 
 from bdh_train.batch import IGNORE_INDEX, SequenceBatch
+from bdh_train.distributed.config import ParallelConfig
 from bdh_train.distributed.pipeline import (
     BDHStage,
     PipelineRunner,
 )
-from bdh_train.distributed.planner import ParallelConfig, PipelinePlan, build_pipeline_plan
+from bdh_train.distributed.planner import PipelinePlan, build_pipeline_plan
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.model import LanguageHeadConfig
 from bdh_train.model.bdh import RECOMPUTE_MODES

@@ -13,8 +13,8 @@ from helpers import bpe_corpus, tiny_model
 
 from bdh_train.batch import IGNORE_INDEX
 from bdh_train.data import eval_batches
-from bdh_train.data.sources import TokenData
 from bdh_train.data.tokenizer import ByteTokenizer
+from bdh_train.data.tokens import TokenData
 from bdh_train.errors import DataError
 from bdh_train.model.config import LanguageHeadConfig
 from bdh_train.train.evaluate import counted_target_bytes, evaluate

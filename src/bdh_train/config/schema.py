@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from bdh_train.data.config import DataConfig
 from bdh_train.data.tokenizer import BYTES
-from bdh_train.distributed.planner import ParallelConfig
+from bdh_train.distributed.config import ParallelConfig
 from bdh_train.errors import ConfigError
 from bdh_train.model.config import BDHConfig
 from bdh_train.train.checkpoint import CheckpointConfig

@@ -16,17 +16,19 @@ from bdh_train.data.nca import NcaConfig
 from bdh_train.data.prepared import load_prepared, prepare_corpus
 from bdh_train.data.sources import (
     BUILTIN_CORPORA,
-    TOKEN_DTYPES,
-    TokenData,
     TokenGenerator,
     builtin_corpus,
-    header_path,
     load_splits,
     load_tokens,
+)
+from bdh_train.data.tokenizer import ByteTokenizer
+from bdh_train.data.tokens import (
+    TOKEN_DTYPES,
+    TokenData,
+    header_path,
     read_header,
     write_token_file,
 )
-from bdh_train.data.tokenizer import ByteTokenizer
 
 __all__ = [
     "BUILTIN_CORPORA",

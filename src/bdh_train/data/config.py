@@ -14,19 +14,17 @@ from pathlib import Path
 from bdh_train import checks
 from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.data.formats import TEXT_FIELD
+from bdh_train.data.layout import is_prepared_split
 from bdh_train.data.nca import NcaConfig, nca_source
 from bdh_train.data.sources import (
     BUILTIN_CORPORA,
     BUILTIN_PREFIX,
-    TOKEN_DTYPES,
-    VAL_FRACTION,
-    TokenData,
     TokenGenerator,
-    is_prepared_split,
     load_splits,
     load_tokens,
 )
 from bdh_train.data.tokenizer import BYTES, ByteTokenizer, HFTokenizer, load_tokenizer
+from bdh_train.data.tokens import TOKEN_DTYPES, VAL_FRACTION, TokenData
 from bdh_train.errors import ConfigError
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.utils import suggest

@@ -14,7 +14,7 @@ compressed parquet file into a temporary file, as parquet needs random access):
 - any other directory: the files of the formats above inside it and its subdirectories
   (recursive; hidden names starting with "." skipped), in sorted order of their relative
   paths. A subdirectory that is a saved Hugging Face dataset is read as one; one written by
-  `bdh-train prepare` (`prepared.is_prepared`: tokens, not text) is skipped.
+  `bdh-train prepare` (`layout.is_prepared`: tokens, not text) is skipped.
 
 Text is checked to be UTF-8 as it streams (a file is never read whole to validate it); a file
 that is not UTF-8 text (or holds NUL bytes) is refused with one DataError naming the file.
@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from bdh_train.data.layout import is_prepared
 from bdh_train.errors import DataError
 
 TEXT_FIELD = "text"
@@ -67,8 +68,6 @@ DIRECTORY_SUFFIXES = TEXT_SUFFIXES + JSON_LINES_SUFFIXES + PARQUET_SUFFIXES
 HF_DATASET_MARKERS = (("dataset_info.json", "state.json"), ("dataset_dict.json",))
 """Files that make a directory a Hugging Face `save_to_disk` dataset (a Dataset; a
 DatasetDict)."""
-PREPARED_MARKER = "meta.json"
-"""The meta file of a prepared corpus directory (`prepared.META_FILE`)."""
 READ_BYTES = 1 << 20
 """Bytes read (and UTF-8 checked) per step from a text file."""
 ZSTD_FEED_BYTES = 1 << 13
@@ -142,8 +141,6 @@ def list_files(directory: Path) -> list[Path]:
     """The corpus files (and saved Hugging Face datasets) under `directory`: recursive, sorted
     by relative path, hidden names and prepared corpus directories skipped, only the formats
     in `DIRECTORY_SUFFIXES`; a folder reached twice through links is walked once."""
-    from bdh_train.data.prepared import is_prepared
-
     found: list[Path] = []
     visited: set[tuple[int, int]] = set()  # (device, inode) of every folder walked
 
@@ -190,8 +187,6 @@ def corpus_files(directory: Path) -> list[Path]:
 def expand_sources(sources: list[str | os.PathLike[str]]) -> list[Path]:
     """Every file (or saved dataset) the text sources name, in order; DataError for a missing
     path, a prepared corpus (tokens, not text) or a directory without corpus files."""
-    from bdh_train.data.prepared import is_prepared
-
     files: list[Path] = []
     for source in sources:
         path = Path(source).expanduser()

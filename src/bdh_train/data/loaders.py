@@ -23,7 +23,7 @@ import torch
 from bdh_train import checks
 from bdh_train.batch import IGNORE_INDEX, SequenceBatch
 from bdh_train.data.events import SummaryEventTrigger
-from bdh_train.data.sources import TokenData
+from bdh_train.data.tokens import TokenData
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.model.summary import NO_TOKEN
 

@@ -1,31 +1,11 @@
 """The prepared corpus: documents tokenized once by `bdh-train prepare` into a directory that
-training memory-maps.
+training memory-maps. This module writes it (`prepare_corpus`) and reads it (`load_prepared`,
+`read_meta`: the checks of meta.json); its layout, what is one (`is_prepared`) and which
+documents are validation: `layout`; how documents become a split's token stream: `encode`.
 
-Layout of DIR (one home for it: this module):
-
-- `train.bin`, `val.bin` (optional): token ids, headerless, uint16 when the vocabulary has at
-  most 65536 ids, else uint32;
-- `train.idx.npy`, `val.idx.npy`: each split's document start offsets (uint64, sorted, the
-  first 0), memory-mapped when loaded;
-- `meta.json`: format name and version, dtype, vocab_size, eot_id, the tokenizer ("bytes" or
-  "tokenizer.json") and its sha256 (`Tokenizer.fingerprint()`), per split the token,
-  document and text byte counts, and how validation was chosen;
-- `tokenizer.json`: the tokenizer, unless it is the byte tokenizer.
-
-Documents are concatenated in order. A tokenizer with an end-of-document id gets it after
-each document; the byte tokenizer has none, and a newline goes between documents instead (as
-between the files of a directory source). `doc_starts` mark each document's first token;
-a document that encodes to no ids is left out (no start, no end-of-document id). A tokenizer
-with neither an end-of-document id nor ids for "\n" is refused.
-Text bytes of a split are the UTF-8 bytes its tokens decode to (separators included, EOT 0).
-
-Validation (`val_fraction` F): document i > 0 goes to validation when a keyed hash of i is
-below F (so about F of the documents, spread over the corpus, the same ones every time;
-decided while streaming, so `--train-tokenizer` trains on the training documents only). The
-first document always trains. When the hash picks no document, validation is instead the
-last F of the training tokens, the cut `TokenData.split` makes (`validation_cut`) - then a
-trained tokenizer has seen that text.
-Explicit `val_sources` replace the fraction.
+When the validation hash picks no document, validation is the last `val_fraction` of the
+training tokens, cut from train.bin after writing (`validation_cut`, the cut `TokenData.split`
+makes).
 
 The writer streams: pieces of documents are tokenized in batches (`encode_batch`, on the
 tokenizer's thread pool) and appended to the files, into a temporary sibling directory that
@@ -34,14 +14,12 @@ is renamed into place at the end (a failure leaves nothing). Same inputs, same b
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -50,7 +28,27 @@ import numpy as np
 
 from bdh_train import checks
 from bdh_train.data import formats
-from bdh_train.data.sources import (
+from bdh_train.data.encode import SplitWriter, write_pieces
+from bdh_train.data.layout import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_DTYPE,
+    META_FILE,
+    SPLITS,
+    in_validation,
+    index_file,
+    is_prepared,
+    tokens_file,
+)
+from bdh_train.data.tokenizer import (
+    BYTES,
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    Tokenizer,
+    piece_cuts,
+    train_bpe,
+)
+from bdh_train.data.tokens import (
     TOKEN_DTYPES,
     VAL_FRACTION,
     TokenData,
@@ -60,35 +58,10 @@ from bdh_train.data.sources import (
     validation_cut,
     vocab_fits,
 )
-from bdh_train.data.tokenizer import (
-    BYTES,
-    EOT_NAMES,
-    TOKENIZER_FILE,
-    ByteTokenizer,
-    Tokenizer,
-    piece_cuts,
-    train_bpe,
-)
 from bdh_train.errors import DataError
 from bdh_train.utils import current_umask
 
-FORMAT_NAME = "bdh-train prepared corpus"
-FORMAT_VERSION = 1
-META_FILE = formats.PREPARED_MARKER
-SPLITS = ("train", "val")
-INDEX_DTYPE = np.dtype("<u8")
-BATCH_CHARS = 4 << 20
-"""Characters of text tokenized per `encode_batch` call."""
 _COPY_TOKENS = 1 << 22
-_VAL_HASH_KEY = b"bdh-train validation documents"
-
-
-def tokens_file(split: str) -> str:
-    return f"{split}.bin"
-
-
-def index_file(split: str) -> str:
-    return f"{split}.idx.npy"
 
 
 def layout_names() -> frozenset[str]:
@@ -96,157 +69,6 @@ def layout_names() -> frozenset[str]:
     return frozenset(
         [META_FILE, TOKENIZER_FILE]
         + [name for split in SPLITS for name in (tokens_file(split), index_file(split))]
-    )
-
-
-def is_prepared(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a prepared corpus directory: its meta.json parses as JSON naming
-    `FORMAT_NAME` (any version; `read_meta` checks the rest). A directory that merely holds
-    some other meta.json is not one."""
-    meta = Path(path) / META_FILE
-    if not meta.is_file():
-        return False
-    try:
-        parsed = read_json_file(meta, f"'{meta}'", "not a prepared corpus")
-    except DataError:  # unreadable, too large or not JSON: not a prepared corpus
-        return False
-    return isinstance(parsed, dict) and parsed.get("format") == FORMAT_NAME
-
-
-def in_validation(index: int, val_fraction: float) -> bool:
-    """Whether document `index` goes to validation under `val_fraction` (never the first)."""
-    if index == 0 or val_fraction <= 0:
-        return False
-    digest = hashlib.blake2b(index.to_bytes(8, "little"), digest_size=8, key=_VAL_HASH_KEY).digest()
-    return int.from_bytes(digest, "little") < val_fraction * 2.0**64
-
-
-# ------------------------------------------------------------------------------- encoding
-def encode_texts(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
-    """Ids of each text. The byte tokenizer's are the UTF-8 bytes, read straight into an
-    array (the same ids as `tokenizer.encode_batch`, without a Python int per byte)."""
-    if tokenizer.kind == BYTES:
-        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
-    return [np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(texts)]
-
-
-class SplitWriter:
-    """One split's token stream, written as documents arrive: the separator rule of the
-    module docstring, the document starts, and the token and text byte counts. A document
-    starts at its first token: one whose text encodes to no ids is no document (no start,
-    no end-of-document id), so every recorded start is below the token count."""
-
-    def __init__(self, tokenizer: Tokenizer, dtype: str, tokens: BinaryIO, index: BinaryIO) -> None:
-        self.dtype = np.dtype(dtype).newbyteorder("<")
-        self._tokens, self._index = tokens, index
-        self._lengths = tokenizer.token_byte_lengths()
-        self.eot_id = tokenizer.eot_id
-        self._between = None if self.eot_id is not None else encode_texts(tokenizer, ["\n"])[0]
-        if self._between is not None and self._between.size == 0:
-            raise DataError(
-                f"tokenizer {getattr(tokenizer, 'source', tokenizer.kind)} has no "
-                f"end-of-document token ({', '.join(EOT_NAMES)}) and encodes a newline to "
-                f"nothing, so documents would run together: add one of those special tokens "
-                f"to it, or use a tokenizer that keeps newlines"
-            )
-        self.n_tokens = self.n_documents = self.text_bytes = 0
-        self._open = False  # a document has tokens and is not yet ended
-        self._starting = False  # a document began and has no tokens yet
-
-    def _write(self, ids: np.ndarray) -> None:
-        if ids.size:
-            self._tokens.write(ids.astype(self.dtype, copy=False).tobytes())
-            self.n_tokens += int(ids.size)
-            self.text_bytes += int(self._lengths[ids].sum())
-
-    def begin_document(self) -> None:
-        self._end_document()
-        self._starting = True
-
-    def add(self, ids: np.ndarray) -> None:
-        if not (self._open or self._starting):
-            raise AssertionError("SplitWriter.add before begin_document")
-        if not ids.size:
-            return
-        if self._starting:
-            if self._between is not None and self.n_documents:
-                self._write(self._between)
-            self._index.write(np.array([self.n_tokens], dtype=INDEX_DTYPE).tobytes())
-            self.n_documents += 1
-            self._open, self._starting = True, False
-        self._write(ids)
-
-    def _end_document(self) -> None:
-        if self._open and self.eot_id is not None:
-            self._write(np.array([self.eot_id], dtype=np.int64))
-        self._open = self._starting = False
-
-    def close(self) -> None:
-        self._end_document()
-        self._tokens.flush()
-        self._index.flush()
-
-
-def write_pieces(
-    pieces: Iterable[formats.Piece],
-    tokenizer: Tokenizer,
-    route: Callable[[int], SplitWriter],
-    on_batch: Callable[[int, int], None] = lambda source_bytes, tokens: None,
-) -> int:
-    """Tokenize `pieces` in batches of about `BATCH_CHARS` characters and append them to the
-    writer `route(document_index)` picks for each document; returns the documents seen.
-    `on_batch(source bytes read, tokens written)` follows the progress."""
-    documents = 0
-    batch: list[tuple[SplitWriter, bool, str]] = []
-    chars = consumed = 0
-    writer: SplitWriter | None = None
-
-    def flush() -> None:
-        nonlocal chars, consumed
-        before = sum({id(w): w.n_tokens for w, _, _ in batch}.values())
-        encoded = encode_texts(tokenizer, [text for _, _, text in batch])
-        for (target, starts, _), ids in zip(batch, encoded, strict=True):
-            if starts:
-                target.begin_document()
-            target.add(ids)
-        after = sum({id(w): w.n_tokens for w, _, _ in batch}.values())
-        on_batch(consumed, after - before)
-        batch.clear()
-        chars = consumed = 0
-
-    for piece in pieces:
-        consumed += piece.source_bytes
-        if piece.starts_document:
-            writer = route(documents)
-            documents += 1
-        if writer is not None and (piece.text or piece.starts_document):
-            batch.append((writer, piece.starts_document, piece.text))
-            chars += len(piece.text)
-        if chars >= BATCH_CHARS:
-            flush()
-    flush()
-    return documents
-
-
-def encode_in_memory(
-    pieces: Iterable[formats.Piece], tokenizer: Tokenizer, source: str, vocab_size: int
-) -> TokenData:
-    """Documents tokenized into memory (a text source loaded for training), by the same
-    writer as `prepare_corpus`."""
-    tokens, index = io.BytesIO(), io.BytesIO()
-    dtype = token_dtype_for(tokenizer.vocab_size)
-    writer = SplitWriter(tokenizer, dtype, tokens, index)
-    write_pieces(pieces, tokenizer, lambda _: writer)
-    writer.close()
-    if writer.n_tokens == 0:
-        raise DataError(f"data source {source} holds no text (every document is empty)")
-    return TokenData(
-        np.frombuffer(tokens.getbuffer(), dtype=writer.dtype),
-        vocab_size,
-        source,
-        byte_level=tokenizer.kind == BYTES,
-        doc_starts=np.frombuffer(index.getbuffer(), dtype=INDEX_DTYPE),
-        eot_id=tokenizer.eot_id,
     )
 
 

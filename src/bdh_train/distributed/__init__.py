@@ -1,19 +1,28 @@
-"""Running across processes: the torchrun process group, the pipeline planner (the
-`[parallel]` config, layer partition and schedule timeline), the pipeline runner on
-`torch.distributed.pipelining` and FSDP2 sharding. `BDHStage` and `PipelineRunner` are
-imported on first use: their module costs about two seconds of start-up that a run without
-a pipeline should not pay."""
+"""Running across processes: the torchrun process group, the `[parallel]` config and its
+pipeline-shape rules, the pipeline planner (layer partition and schedule timeline), the
+pipeline runner on `torch.distributed.pipelining` and FSDP2 sharding.
 
-from typing import Any
+The public names below are imported on first use (PEP 562), so importing one submodule (the
+`[parallel]` config, say) does not import the others: `BDHStage` and `PipelineRunner` alone
+cost about two seconds of start-up that a run without a pipeline should not pay.
+"""
 
-from bdh_train.distributed.env import DistContext
-from bdh_train.distributed.planner import (
-    SCHEDULES,
-    ParallelConfig,
-    PipelinePlan,
-    build_pipeline_plan,
-    render_timeline,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {
+    "BDHStage": "bdh_train.distributed.pipeline",
+    "DistContext": "bdh_train.distributed.env",
+    "ParallelConfig": "bdh_train.distributed.config",
+    "PipelinePlan": "bdh_train.distributed.planner",
+    "PipelineRunner": "bdh_train.distributed.pipeline",
+    "SCHEDULES": "bdh_train.distributed.config",
+    "build_pipeline_plan": "bdh_train.distributed.planner",
+    "render_timeline": "bdh_train.distributed.planner",
+}
+"""Public name -> the module that defines it."""
 
 __all__ = [
     "SCHEDULES",
@@ -28,8 +37,20 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("BDHStage", "PipelineRunner"):
-        from bdh_train.distributed import pipeline
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return getattr(pipeline, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+if TYPE_CHECKING:
+    from bdh_train.distributed.config import SCHEDULES, ParallelConfig
+    from bdh_train.distributed.env import DistContext
+    from bdh_train.distributed.pipeline import BDHStage, PipelineRunner
+    from bdh_train.distributed.planner import PipelinePlan, build_pipeline_plan, render_timeline

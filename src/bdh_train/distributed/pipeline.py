@@ -31,11 +31,8 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from bdh_train.batch import SequenceBatch, StepOutput
-from bdh_train.distributed.planner import (
-    PipelinePlan,
-    StageAssignment,
-    check_equal_microbatches,
-)
+from bdh_train.distributed.config import check_equal_microbatches
+from bdh_train.distributed.planner import PipelinePlan, StageAssignment
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.model.bdh import BDH
 from bdh_train.model.heads import count_targets

@@ -28,13 +28,9 @@ from torch.utils.checkpoint import checkpoint
 
 from bdh_train.errors import BDHTrainError
 from bdh_train.model import generate as generation
-from bdh_train.model.config import BDHConfig
+from bdh_train.model.config import BDHConfig, head_parameter_shapes
 from bdh_train.model.gate import GateKernels, gate
-from bdh_train.model.heads import (
-    head_parameter_shapes,
-    nca_factorized_loss,
-    token_cross_entropy,
-)
+from bdh_train.model.heads import nca_factorized_loss, token_cross_entropy
 from bdh_train.model.matmul import heads_matmul, is_heads_major, per_head_matmul
 from bdh_train.model.mixer import linear_attention
 from bdh_train.model.positions import (

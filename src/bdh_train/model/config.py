@@ -184,6 +184,17 @@ class SummaryMemoryConfig:
         return range(n_layer - (self.last_layers or n_layer), n_layer)
 
 
+def head_parameter_shapes(config: BDHConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the output-head parameters this config creates (all init N(0, 0.02))."""
+    head, d = config.language_head, config.n_embd
+    if head.type == "token":
+        return {"lm_head": (d, config.vocab_size)}
+    shapes: dict[str, tuple[int, ...]] = {"nca_lm_head": (d, head.cells * head.state_count)}
+    if head.special_tokens:
+        shapes["nca_special_head"] = (d, len(head.special_tokens))
+    return shapes
+
+
 @dataclass
 class BDHConfig:
     """Hyper-parameters of a BDH model. Defaults are those of the official pathwaycom/bdh model."""
@@ -225,8 +236,6 @@ class BDHConfig:
 
     def parameter_count(self) -> int:
         """Parameters the model will hold, from the sizes alone (nothing is allocated)."""
-        from bdh_train.model.heads import head_parameter_shapes
-
         h, d, n = self.n_head, self.n_embd, self.n_neurons
         count = self.vocab_size * d + 3 * h * d * n  # embedding, encoder, encoder_v, decoder
         count += h if self.position == "alibi_learned" else 0

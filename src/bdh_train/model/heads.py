@@ -13,20 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from bdh_train.batch import IGNORE_INDEX
-from bdh_train.model.config import BDHConfig, LanguageHeadConfig
+from bdh_train.model.config import LanguageHeadConfig
 
 REDUCTIONS = ("mean", "sum")
-
-
-def head_parameter_shapes(config: BDHConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of the output-head parameters this config creates (all init N(0, 0.02))."""
-    head, d = config.language_head, config.n_embd
-    if head.type == "token":
-        return {"lm_head": (d, config.vocab_size)}
-    shapes: dict[str, tuple[int, ...]] = {"nca_lm_head": (d, head.cells * head.state_count)}
-    if head.special_tokens:
-        shapes["nca_special_head"] = (d, len(head.special_tokens))
-    return shapes
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:

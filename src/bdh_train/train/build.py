@@ -15,10 +15,11 @@ from bdh_train.data.loaders import (
     StreamingCorpusLoader,
     StreamingDocumentLoader,
 )
-from bdh_train.data.sources import TokenData
 from bdh_train.data.tokenizer import Tokenizer
+from bdh_train.data.tokens import TokenData
+from bdh_train.distributed.config import ParallelConfig
 from bdh_train.distributed.env import DistContext, pipeline_mesh
-from bdh_train.distributed.planner import ParallelConfig, build_pipeline_plan
+from bdh_train.distributed.planner import build_pipeline_plan
 from bdh_train.errors import ConfigError
 from bdh_train.model import BDH, BDHConfig
 from bdh_train.model.bdh import check_compiler

@@ -25,8 +25,8 @@ from bdh_train.batch import SequenceBatch
 from bdh_train.data.config import DataConfig, is_text_of
 from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.data.loaders import eval_batches
-from bdh_train.data.sources import TokenData
 from bdh_train.data.tokenizer import BYTES, Tokenizer
+from bdh_train.data.tokens import TokenData
 from bdh_train.errors import DataError
 from bdh_train.model.bdh import BDH
 from bdh_train.model.config import BDHConfig, LanguageHeadConfig

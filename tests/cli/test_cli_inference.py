@@ -13,7 +13,8 @@ from helpers import assert_close
 from test_cli import MICRO
 
 import bdh_train
-from bdh_train.cli import DEVICES, build_parser, main
+from bdh_train.cli import build_parser, main
+from bdh_train.cli.args import DEVICES
 
 
 def test_the_cli_and_its_help_import_no_torch():

@@ -117,7 +117,7 @@ part "(0) fast paths vs float64 on the device" 60 "$python" benchmarks/check_dev
 run_dir=$(mktemp -d)
 trap 'rm -rf "$run_dir"' EXIT
 # One command line for `timeout`: the paths hold no spaces (mktemp, the interpreter's path).
-cli="$python -m bdh_train.cli"
+cli="$python -m bdh_train"
 train="train --run-dir $run_dir/run --set training.device=$device"
 for setting in block_size=128 batch_size=8 tbptt_chunk_size=48 log_every=10 eval_every=20 \
     checkpoint_every=20; do

@@ -103,7 +103,7 @@ def measure(corpus: Path, out: Path, tokenizer: str) -> dict[str, float]:
     cmd = [
         sys.executable,
         "-m",
-        "bdh_train.cli",
+        "bdh_train",
         "prepare",
         str(corpus),
         "--out",

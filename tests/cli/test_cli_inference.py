@@ -4,6 +4,7 @@ help, sampling arguments refused with one line, --device/--threads, generate --s
 
 from __future__ import annotations
 
+import argparse
 import io
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from helpers import assert_close
 from test_cli import MICRO
 
 import bdh_train
-from bdh_train.cli import DEVICES, build_parser, main
+from bdh_train.cli import COMMANDS, build_parser, main
+from bdh_train.cli.args import DEVICES
 
 
 def test_the_cli_and_its_help_import_no_torch():
@@ -50,6 +52,11 @@ def test_device_choices_are_those_of_the_training_config():
 
     assert DEVICES == TRAINING_DEVICES
     assert build_parser().parse_args(["eval", "--checkpoint", "x"]).device == "auto"
+
+
+def test_every_command_of_the_parser_has_its_function():
+    (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(COMMANDS)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from bdh_train.data.loaders import (
     StreamingCorpusLoader,
     StreamingDocumentLoader,
 )
-from bdh_train.data.tokenizer import Tokenizer
+from bdh_train.data.tokenizer import ByteTokenizer, Tokenizer
 from bdh_train.data.tokens import TokenData
 from bdh_train.distributed.config import ParallelConfig
 from bdh_train.distributed.env import DistContext, pipeline_mesh
@@ -24,7 +24,7 @@ from bdh_train.errors import ConfigError
 from bdh_train.model import BDH, BDHConfig
 from bdh_train.model.bdh import check_compiler
 from bdh_train.train.config import TrainingConfig
-from bdh_train.train.evaluate import EvalLoss, Evaluator, text_tokenizer
+from bdh_train.train.evaluate import EvalLoss, EvalResult, Evaluator, text_tokenizer
 from bdh_train.train.profile import StepProfiler
 from bdh_train.train.reduce import all_reduce_sums
 from bdh_train.train.schedules import GradientScaleSchedule
@@ -172,3 +172,26 @@ def evaluation_data(
             "the run has no validation split (data.val_fraction = 0); pass --data SOURCE"
         )
     return val
+
+
+def evaluate_model(
+    model: BDH,
+    tokenizer: Tokenizer | None,
+    training: TrainingConfig,
+    data_config: DataConfig,
+    source: str | None,
+    max_batches: int | None,
+) -> EvalResult:
+    """`bdh-train eval`: the run's evaluation recipe (`build_evaluator`) on `source`, else
+    the run's validation split, with the model where it is. A model without a tokenizer of
+    its own reads bytes."""
+    t = training
+    data = evaluation_data(data_config, source, model.config.vocab_size, t.block_size)
+    step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
+    tok = tokenizer if tokenizer is not None else ByteTokenizer()
+    name = source or data_config.val_source or data_config.source
+    device = model.embed.weight.device
+    evaluator = build_evaluator(
+        step, data, name, max_batches, t, data_config, model.config, tok, device
+    )
+    return evaluator.run()

@@ -56,7 +56,6 @@ PROBES: dict[str, str] = {
 """Detail probe name -> what it times; the metrics field is `probe_<name>_s`."""
 
 MEMORY_POINTS = ("before", "after_forward", "after_backward")
-PROFILE_FILE = "profile.png"
 _MIB = 1024 * 1024
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")

@@ -240,6 +240,7 @@ class RunDir:
             )
 
     def check_has_metrics(self) -> None:
+        """`plot` and `profile` read a run's metrics.jsonl."""
         if not self.metrics.is_file():
             raise ConfigError(f"{self.metrics} does not exist: is {self.path} a run directory?")
 
@@ -274,3 +275,17 @@ def config_path(directory: Path) -> Path:
 def run_of_checkpoint(checkpoint: Path) -> RunDir | None:
     """The run directory a checkpoint directory (RUN/checkpoints/step-N) belongs to."""
     return RunDir(checkpoint.parent.parent) if checkpoint.parent.name == CHECKPOINTS else None
+
+
+def check_outside_checkpoints(source: Path, out: str | os.PathLike[str]) -> None:
+    """Refuse an output path inside the checkpoints a command reads (`source`: a run
+    directory, whose checkpoints folder counts, or a checkpoint directory), judged by paths
+    alone."""
+    if not source.is_dir():
+        return
+    kept = source / CHECKPOINTS if (source / CHECKPOINTS).is_dir() else source
+    if Path(out).resolve().is_relative_to(kept.resolve()):
+        raise ConfigError(
+            f"OUT {out} is inside {kept}, the checkpoints it exports from, which it "
+            "would damage; write the export outside it"
+        )

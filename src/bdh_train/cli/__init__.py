@@ -1,0 +1,85 @@
+"""`bdh-train`: train, generate, chat, eval, prepare, config, plot, profile, plan, export.
+
+Every user error (bad config, data, checkpoint) is a BDHTrainError: printed as one line on
+stderr with exit status 2, never a traceback.
+
+Each command is a plain function of the parsed arguments, listed in COMMANDS; the module of
+its group adds its parser (`register`): train, generate (generate, chat), evaluate (eval),
+prepare, tools (config, plot, profile, plan, export). What the parsers share is in `args`.
+Torch, numpy and the rest of the package are imported inside the commands, so `--help` pays
+for none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Callable, Sequence
+
+from bdh_train import __version__
+from bdh_train.cli import evaluate, generate, prepare, tools, train
+from bdh_train.cli.args import _HelpFormatter
+from bdh_train.cli.train import EXIT_STOPPED
+from bdh_train.errors import BDHTrainError
+
+__all__ = ["COMMANDS", "EXIT_STOPPED", "EXIT_USER_ERROR", "build_parser", "main"]
+
+EXIT_USER_ERROR = 2
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": train.cmd_train,
+    "generate": generate.cmd_generate,
+    "chat": generate.cmd_chat,
+    "eval": evaluate.cmd_eval,
+    "prepare": prepare.cmd_prepare,
+    "config": tools.cmd_config,
+    "plot": tools.cmd_plot,
+    "profile": tools.cmd_profile,
+    "plan": tools.cmd_plan,
+    "export": tools.cmd_export,
+}
+"""Each command's name -> the function that runs it (its parser: the group's `register`)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bdh-train",
+        description=__doc__.splitlines()[0],
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser = functools.partial(  # type: ignore[method-assign]
+        sub.add_parser, formatter_class=_HelpFormatter
+    )
+    for group in (train, generate, evaluate, prepare, tools):
+        group.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.run = None  # the RunDir of a command that may log its error there
+    try:
+        return COMMANDS[args.command](args)
+    except BDHTrainError as exc:
+        message = f"error: {exc}"
+        print(message, file=sys.stderr)
+        if args.run is not None:
+            args.run.log_error(message)
+        return EXIT_USER_ERROR
+    except OSError as exc:  # disk full, file size limit, read-only directory
+        where = f": {exc.filename}" if exc.filename else ""
+        message = f"error: {exc.strerror or exc}{where}"
+        if args.run is not None:
+            from bdh_train.train.checkpoint import io_advice
+
+            message += f"; {io_advice(args.run.path)}"
+        print(message, file=sys.stderr)
+        if args.run is not None:
+            args.run.log_error(message)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,148 @@
+"""The smaller commands: `config` (the resolved config, --explain), `plot` (loss curves),
+`profile` (where a step's time goes), `plan` (a pipeline schedule) and `export` (a ternary
+file for inference)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bdh_train.cli.args import _add_config_args
+from bdh_train.errors import BDHTrainError, ConfigError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    _register_config(sub)
+    p = sub.add_parser("plot", help="draw RUN_DIR/loss.png from metrics.jsonl")
+    p.add_argument("run_dir")
+
+    p = sub.add_parser(
+        "profile",
+        help="where a step's time goes (a table, and RUN_DIR/profile.png) from the profile rows "
+        "of metrics.jsonl (train with training.profile = 'step' or 'detail')",
+    )
+    p.add_argument("run_dir")
+    p.add_argument("--png", default=None, metavar="PATH", help="draw the bars to PATH instead")
+    _register_plan(sub)
+
+    p = sub.add_parser("export", help="export a checkpoint for inference")
+    p.add_argument(
+        "--ternary",
+        action="store_true",
+        required=True,
+        help="pack ternary (BitNet b1.58) weights 4 per byte",
+    )
+    p.add_argument("run_dir")
+    p.add_argument("out")
+
+
+def _register_config(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "config",
+        help="print the fully resolved config, or (--explain) what every key means",
+    )
+    _add_config_args(p)
+    p.add_argument(
+        "--explain",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="KEY",
+        help="list every config key (or KEY, a section or table) with its default, allowed "
+        "values and description",
+    )
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="with --explain: the tables of docs/config.md",
+    )
+
+
+def _register_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="print a pipeline schedule's timeline and bubble")
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--virtual", type=int, default=1)
+    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--schedule", default="gpipe", help="gpipe | 1f1b | interleaved_1f1b")
+    p.add_argument(
+        "--data-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data-parallel replicas of the pipeline: show the N x stages process mesh",
+    )
+    p.add_argument("--png", default=None, metavar="PATH", help="also draw it to PATH")
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.explain is not None:
+        from bdh_train.config.explain import explain_markdown, explain_text
+
+        if args.markdown and args.explain:
+            raise ConfigError("--markdown lists every key; drop KEY from --explain")
+        print(explain_markdown() if args.markdown else explain_text(args.explain), end="")
+        return 0
+    from bdh_train.config import dump_toml, load_config
+
+    print(dump_toml(load_config(args.config, args.overrides, args.preset)), end="")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from bdh_train.train.metrics import plot_losses
+    from bdh_train.train.run_dir import RunDir
+
+    run = RunDir(args.run_dir)
+    run.check_has_metrics()
+    print(plot_losses(run.path))
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from bdh_train.train.metrics import read_metrics
+    from bdh_train.train.profile import plot_profile, profile_rows, profile_table
+    from bdh_train.train.run_dir import RunDir
+
+    run = RunDir(args.run_dir)
+    run.check_has_metrics()
+    rows = profile_rows(read_metrics(run.metrics))
+    if not rows:
+        raise BDHTrainError(
+            f"{run.metrics} has no profile rows: train with training.profile = 'step' or "
+            "'detail' (or BDH_PROFILE=step in the environment)"
+        )
+    print(profile_table(rows))
+    print(plot_profile(rows, args.png or run.profile_plot))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from bdh_train.distributed.planner import (
+        build_pipeline_plan,
+        plot_timeline,
+        render_mesh,
+        render_timeline,
+    )
+
+    plan = build_pipeline_plan(
+        args.layers, args.stages, args.virtual, args.microbatches, args.schedule
+    )
+    print(render_mesh(args.data_parallel, args.stages))
+    print(render_timeline(plan))
+    if args.png:
+        print(plot_timeline(plan, args.png))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from bdh_train.data.tokenizer import HFTokenizer
+    from bdh_train.export import export_ternary
+    from bdh_train.inference import load_run
+    from bdh_train.train.run_dir import check_outside_checkpoints
+
+    check_outside_checkpoints(Path(args.run_dir), args.out)
+    model, tok, _ = load_run(args.run_dir)
+    tokenizer_json = tok.to_json() if isinstance(tok, HFTokenizer) else None
+    print(export_ternary(model, args.out, tokenizer_json))
+    return 0

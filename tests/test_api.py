@@ -90,6 +90,7 @@ PUBLIC = {
         "SECTIONS",
         "dump_toml",
         "load_config",
+        "load_train_config",
         "parse_override",
         "save_config",
     ],

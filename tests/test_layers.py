@@ -28,7 +28,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("distributed", ("bdh_train.distributed",)),
     ("train", ("bdh_train.train",)),
     ("config", ("bdh_train.config",)),
-    ("trainer", ("bdh_train.trainer", "bdh_train.inference", "bdh_train.completions")),
+    (
+        "trainer",
+        ("bdh_train.trainer", "bdh_train.launch", "bdh_train.inference", "bdh_train.completions"),
+    ),
     ("cli", ("bdh_train.cli", "bdh_train.__main__", "bdh_train")),
 ]
 

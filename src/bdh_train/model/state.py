@@ -22,6 +22,12 @@ def _map_carry(carry: SummaryCarry | None, fn) -> SummaryCarry | None:
     return None if carry is None else SummaryCarry(*(fn(t) for t in carry))
 
 
+def _written(rho: torch.Tensor | None) -> torch.Tensor:
+    """`rho` where the caller's contract says it is set (a fully written state)."""
+    assert rho is not None
+    return rho
+
+
 class ModelState:
     def __init__(self, n_layer: int, batch_size: int, device: torch.device | str = "cpu"):
         self.rho: list[torch.Tensor | None] = [None] * n_layer
@@ -81,7 +87,7 @@ class ModelState:
         first = states[0]
         out = cls(first.n_layer, 0, first.position.device)
         out.rho = [
-            None if first.rho[i] is None else torch.cat([s.rho[i] for s in states])
+            None if first.rho[i] is None else torch.cat([_written(s.rho[i]) for s in states])
             for i in range(first.n_layer)
         ]
         for i, carry in enumerate(first.summary):

@@ -191,6 +191,7 @@ class LanguageTrainModel:
                 self._backward(window_loss, loss_scale)
                 window_loss = None
                 if not last:
+                    assert state is not None  # several chunks: _load_state gave one
                     state.detach_()
         if state is not None:
             self._store_state(state)

@@ -82,6 +82,16 @@ def _check_fits_in_memory(config: BDHConfig) -> None:
 
 
 class BDH(nn.Module):
+    """A Dragon Hatchling (BDH) language model: token embedding, one set of layer weights
+    applied n_layer times, and the language head `config.language_head` names (the layer
+    loop is written out in this module's docstring).
+
+    `forward_hidden` gives the last layer's hidden states and, given a `ModelState`,
+    continues from it and advances it; `loss_from_hidden` and `logits_from_hidden` apply the
+    head; `forward` is (logits, mean loss). The generation functions of model/generate.py
+    are methods too (`generate`, `stream_generate` and their batch forms).
+    """
+
     norm_eps: float = LN_EPS
     """eps of every layer norm."""
 

@@ -29,6 +29,11 @@ def _written(rho: torch.Tensor | None) -> torch.Tensor:
 
 
 class ModelState:
+    """What a BDH carries from one call to the next, for a batch of rows: `rho` (one per
+    layer, None until first written), `summary` (one summary-memory carry per layer, None
+    until written or for layers without one) and `position` (each row's absolute position,
+    [B] long). `state_dict` and `load_state_dict` save and restore it as flat tensors."""
+
     def __init__(self, n_layer: int, batch_size: int, device: torch.device | str = "cpu"):
         self.rho: list[torch.Tensor | None] = [None] * n_layer
         self.summary: list[SummaryCarry | None] = [None] * n_layer

@@ -78,11 +78,12 @@ PRIMER_TOKENS = 16  # a setup step this long precedes the RSS baseline
 DISTURBED = 0.10  # others' CPU share above which a run counts as disturbed (--retry-disturbed)
 MIN_TIMED_S = 8.0  # short steps are repeated until this much timed time ...
 MAX_TIMED_STEPS = 5  # ... or this many timed steps
-# The default grid: what fits the ~25 minute budget on 2 cores (see docs/benchmarks.md for
-# what a first, wider run measured and why these runs were kept). "name@B" runs at batch B
-# instead of BATCH and is compared with "naive@B": it stands in for a batch-8 run the memory
-# guard skips (a, T=4096: naive ~19 GiB; b, T>=2048: every executor keeps 4 [B,H,T,N]
-# tensors per layer, ~19-28 GiB). "auto" costs no run when its choice is already listed.
+# The default grid: what fits the ~25 minute budget on 2 cores (see docs/benchmarks-history.md,
+# "What was not measured, and why", for what a first, wider run measured and why these runs
+# were kept). "name@B" runs at batch B instead of BATCH and is compared with "naive@B": it
+# stands in for a batch-8 run the memory guard skips (a, T=4096: naive ~19 GiB; b, T>=2048:
+# every executor keeps 4 [B,H,T,N] tensors per layer, ~19-28 GiB). "auto" costs no run when
+# its choice is already listed.
 DEFAULT_GRID: dict[str, dict[int, tuple[str, ...]]] = {
     "a": {
         256: ("naive", "dense", "chunked/128", "auto"),

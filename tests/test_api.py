@@ -3,7 +3,10 @@ list (and to the README where a user meets it)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
+import textwrap
 
 import pytest
 
@@ -103,3 +106,26 @@ def test_public_names_are_pinned_and_resolve(package: str) -> None:
     assert sorted(module.__all__) == sorted(PUBLIC[package])
     for name in module.__all__:
         assert hasattr(module, name), f"{package}.{name} is listed but not defined"
+
+
+UNDOCUMENTED = {"bdh_train.Trainer", "bdh_train.train.EvalResult"}
+"""Exported classes still without a docstring (their files' owners add one, then drop the
+name here)."""
+
+
+def _has_own_docstring(cls: type) -> bool:
+    """Whether the class statement has a docstring (read from the source: a dataclass
+    without one gets its signature as __doc__)."""
+    node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    return isinstance(node, ast.ClassDef) and ast.get_docstring(node) is not None
+
+
+def test_exported_classes_have_docstrings() -> None:
+    missing = set()
+    for package, names in PUBLIC.items():
+        module = importlib.import_module(package)
+        for name in names:
+            value = getattr(module, name)
+            if inspect.isclass(value) and not _has_own_docstring(value):
+                missing.add(f"{package}.{name}")
+    assert missing == UNDOCUMENTED, "document these exported classes (or update UNDOCUMENTED)"

@@ -416,7 +416,8 @@ def test_a_zero_chunk_size_takes_the_device_calibration(monkeypatch):
 @pytest.mark.parametrize(
     ("device_type", "seq_len", "n_neurons", "n_embd", "fastest"),
     [
-        # The executor that measured fastest (docs/benchmarks.md, the calibration tables).
+        # The executor that measured fastest (docs/benchmarks.md: bench_calibration.py, and the
+        # CUDA calibration tables under gpu.sh).
         ("cpu", 256, 512, 128, "dense"),
         ("cpu", 512, 512, 128, "dense"),
         ("cpu", 768, 512, 128, "chunked"),

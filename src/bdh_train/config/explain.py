@@ -74,7 +74,7 @@ def format_value(value: Any) -> str:
         return "unset"
     if value is dataclasses.MISSING:
         return "(required)"
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(format_value(item) for item in value) + "]"

@@ -232,7 +232,8 @@ def load_config(
     if ("model", "vocab_size") not in explicit:
         merged = _vocab_from_tokenizer(merged)
     cfg = RunConfig.from_dict(merged)
-    cfg.layered_on = layered_on
+    # RunConfig.layered_on is a ClassVar only so that it is no dataclass field (set per instance)
+    cfg.layered_on = layered_on  # type: ignore[misc]
     return cfg
 
 

@@ -108,7 +108,8 @@ class RunConfig:
         writes it to config.toml."""
         data = dataclasses.replace(self.data, source=self.data.resolved_source())
         out = dataclasses.replace(self, data=data)
-        out.layered_on = self.layered_on
+        # layered_on is a ClassVar only so that it is no dataclass field; it is set per instance
+        out.layered_on = self.layered_on  # type: ignore[misc]
         return out
 
     def notes(self) -> list[str]:

@@ -20,13 +20,13 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import DTensor, Shard
 
 from bdh_train.distributed.env import DistContext
 
@@ -66,7 +66,7 @@ def _largest_dimension(param: nn.Parameter) -> Shard | None:
     return Shard(max(range(param.dim()), key=lambda dim: (param.shape[dim], -dim)))
 
 
-def _is_dtensor(tensor: object) -> bool:
+def _is_dtensor(tensor: object) -> TypeGuard[DTensor]:
     """Whether `tensor` is a DTensor. No tensor can be one before `torch.distributed.tensor`
     is imported, and importing it costs about a second of start-up, so an unsharded run
     never does."""
@@ -144,4 +144,5 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     if not is_sharded(model):
         return model.state_dict()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    # A model's state is tensors only (its typed ValueType also allows containers, ints, ...).
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))

@@ -185,7 +185,7 @@ class PipelineRunner:
         args = (batch.inputs,) if self.has_first else ()
         target = batch.targets if self.has_last else None
         losses: list[torch.Tensor] | None = [] if self.has_last else None
-        mask = {}
+        mask: dict[str, Any] = {}
         if batch.summary_event_mask is not None:  # every stage slices it per microbatch
             mask["summary_event_mask"] = batch.summary_event_mask
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **mask)
@@ -225,15 +225,14 @@ class PipelineRunner:
     def all_reduce_grads(self) -> None:
         """SUM every parameter's gradient over the group (zeros where unused), in one bucket
         per dtype, so every replica takes the same optimizer step."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for group_params in by_dtype.values():
-            grads = [p.grad for p in group_params]
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             pieces = flat.split([g.numel() for g in grads])

@@ -20,6 +20,8 @@ It is active only while gradients are recorded in training mode.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -98,8 +100,23 @@ def _check_fits_in_memory(config: BDHConfig) -> None:
 
 
 class BDH(nn.Module):
+    """A Dragon Hatchling (BDH) language model: token embedding, one set of layer weights
+    applied n_layer times, and the language head `config.language_head` names (the layer
+    loop is written out in this module's docstring).
+
+    `forward_hidden` gives the last layer's hidden states and, given a `ModelState`,
+    continues from it and advances it; `loss_from_hidden` and `logits_from_hidden` apply the
+    head; `forward` is (logits, mean loss). The generation functions of model/generate.py
+    are methods too (`generate`, `stream_generate` and their batch forms).
+    """
+
     norm_eps: float = LN_EPS
     """eps of every layer norm."""
+
+    # The head's parameters, registered by __init__ by name (`head_parameter_shapes`): the
+    # token head has lm_head, the NCA head nca_lm_head (and maybe nca_special_head).
+    lm_head: nn.Parameter
+    nca_lm_head: nn.Parameter
 
     def __init__(self, config: BDHConfig):
         super().__init__()
@@ -119,7 +136,8 @@ class BDH(nn.Module):
         self.norm = nn.LayerNorm(d, eps=LN_EPS) if c.norm == "layernorm_affine" else None
         self.quantizer = LowBitQuantizer(c.quant) if c.quant.enable else None
         self.recompute = "none"
-        self._compiled_layer = None  # the training twin of layer_call, from compile_layers()
+        # the training twin of layer_call, from compile_layers()
+        self._compiled_layer: Callable[..., Any] | None = None
         self._gate_kernels: GateKernels | None = None  # from use_fused_gate()
         self._summary_layers = frozenset(c.summary_memory.layers(c.n_layer))
         self.reset_parameters()
@@ -315,7 +333,7 @@ class BDH(nn.Module):
         mid-call) and calls without gradients (evaluation, generation) run the eager layer,
         so nothing is ever compiled twice."""
         self._compiled_layer = torch.compile(self.layer_call, dynamic=False, **options)
-        self._compiled_signature = None
+        self._compiled_signature: tuple[tuple[int, ...], bool, bool] | None = None
 
     def use_fused_gate(self, kernels: GateKernels | None) -> None:
         """Run the layer's gate x * relu(a @ encoder_v) through `kernels` (one fused pass each

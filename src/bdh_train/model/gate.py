@@ -18,6 +18,8 @@ limit the functions run eagerly: the same values, slower).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from bdh_train.model.recording import records_gradient
@@ -50,6 +52,10 @@ class GateKernels:
     def __init__(self, compiled: bool) -> None:
         self.compiled = compiled
         kernels = (gate_forward, gate_backward)
+        self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+        self.backward: Callable[
+            [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+        ]
         self.forward, self.backward = map(_compiled, kernels) if compiled else kernels
 
 

@@ -102,10 +102,12 @@ class GenericDecoder:
         token = tokens.view(-1, 1)
         events = None
         if self.events is not None:
-            keep = self.recent is not None and self.recent.shape[1] > 0
-            events = self.events.mask(token, self.recent if keep else None)
-            if keep:
-                self.recent = torch.cat([self.recent, token], dim=1)[:, 1:]
+            recent = self.recent
+            if recent is not None and recent.shape[1] == 0:
+                recent = None
+            events = self.events.mask(token, recent)
+            if recent is not None:
+                self.recent = torch.cat([recent, token], dim=1)[:, 1:]
         hidden = self.model.forward_hidden(
             token, self.state, executor="recurrent", summary_event_mask=events
         )
@@ -236,7 +238,7 @@ class FastDecoder:
         [B, K, D], taken once: a step then indexes no buffer (at batch 1 on the CPU the
         indexing was 5% of a step). state.rho are the same views of rho."""
         rho = list(self.rho.unbind(0))
-        self.state.rho = rho
+        self.state.rho = list(rho)  # (a list typed Tensor | None, as ModelState's is)
         self.layers = list(
             zip(rho, self.pending_q.unbind(0), self.pending_v.unbind(0), strict=True)
         )
@@ -380,13 +382,15 @@ class FastDecoder:
     def _graph_step(self) -> torch.Tensor:
         """The fixed-shape step through its CUDA graph, on the model's device."""
         current = torch.cuda.current_stream()
+        capture_stream = self._capture_stream
+        assert capture_stream is not None  # set for a static decoder on a CUDA device
         if self.graph is None and not self._graph_warm:
             # One eager step on the capture's own stream before capturing: what a first call
             # sets up (workspaces, the caching allocator's blocks) must not happen in capture.
-            self._capture_stream.wait_stream(current)
-            with torch.cuda.stream(self._capture_stream):
+            capture_stream.wait_stream(current)
+            with torch.cuda.stream(capture_stream):
                 hidden = self._static_layers()
-            current.wait_stream(self._capture_stream)
+            current.wait_stream(capture_stream)
             hidden.record_stream(current)
             self._graph_warm = True
             return hidden
@@ -394,11 +398,12 @@ class FastDecoder:
             graph = torch.cuda.CUDAGraph()
             # thread_local: other threads' CUDA calls (an NCCL watchdog) do not break capture
             with torch.cuda.graph(
-                graph, stream=self._capture_stream, capture_error_mode="thread_local"
+                graph, stream=capture_stream, capture_error_mode="thread_local"
             ):  # records the kernels; runs nothing
                 self._graph_hidden = self._static_layers()
             self.graph = graph
         self.graph.replay()
+        assert self._graph_hidden is not None  # captured with the graph
         return self._graph_hidden.clone()
 
     def _static_layers(self) -> torch.Tensor:
@@ -583,7 +588,8 @@ def stream_generate_batch(
         read = [_read_prompt(model, row.view(1, -1), summary_events) for row in rows]
         state = ModelState.concat([r[0] for r in read])
         hidden = torch.cat([r[1] for r in read])
-        recent = None if summary_events is None else torch.cat([r[2] for r in read])
+        recents = [r[2] for r in read if r[2] is not None]  # each row's, with summary_events
+        recent = None if summary_events is None else torch.cat(recents)
         stepper = make_decoder(model, state, decoder, summary_events, recent)
         stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=device)
         active = torch.arange(len(rows), device=device)  # original index of each stepped row

@@ -76,12 +76,12 @@ class _PerHeadProducts(torch.autograd.Function):
     result is a view made inside the Function: it must not be modified in place."""
 
     @staticmethod
-    def forward(ctx, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(inputs, weight)
         return per_head_products(inputs, weight)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         inputs, weight = ctx.saved_tensors
         return per_head_matmul_backward(inputs, weight, grad)
 
@@ -143,12 +143,12 @@ class _SummedHeadProducts(torch.autograd.Function):
     the time on the CPU for R = 4096, K = 512, M = 128."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(rows, weight)
         return summed_head_products(rows, weight)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         rows, weight = ctx.saved_tensors
         heads, r, _ = rows.shape
         _, m = grad.shape

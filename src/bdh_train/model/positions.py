@@ -89,14 +89,12 @@ class _TurnPairs(torch.autograd.Function):
     backward of view_as_real would first copy it into a contiguous tensor."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx, v: torch.Tensor, turn: torch.Tensor, back: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(ctx, v: torch.Tensor, turn: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(back)
         return torch.view_as_real(_as_pairs(v) * turn).reshape(v.shape)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         (back,) = ctx.saved_tensors
         return torch.view_as_real(_as_pairs(grad) * back).reshape(grad.shape), None, None
 

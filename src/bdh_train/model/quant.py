@@ -190,7 +190,7 @@ class _KernelProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, weight_format, act_format, lam, recompute):  # type: ignore[override]
+    def forward(ctx, x, w, weight_format, act_format, lam, recompute):
         x_codes, s = quantize_activation(x, act_format)
         w_codes, scale = quantize_weight(w, weight_format)
         x_q = dequantize_activation(x_codes, s, x.dtype)
@@ -210,7 +210,7 @@ class _KernelProjection(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         if ctx.recompute:
             x_codes, s, w = ctx.saved_tensors
             # exact x_eff when lam = 1; during warm-up it differs by <= (1 - lam) * step / 2

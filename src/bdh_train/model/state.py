@@ -22,7 +22,18 @@ def _map_carry(carry: SummaryCarry | None, fn) -> SummaryCarry | None:
     return None if carry is None else SummaryCarry(*(fn(t) for t in carry))
 
 
+def _written(rho: torch.Tensor | None) -> torch.Tensor:
+    """`rho` where the caller's contract says it is set (a fully written state)."""
+    assert rho is not None
+    return rho
+
+
 class ModelState:
+    """What a BDH carries from one call to the next, for a batch of rows: `rho` (one per
+    layer, None until first written), `summary` (one summary-memory carry per layer, None
+    until written or for layers without one) and `position` (each row's absolute position,
+    [B] long). `state_dict` and `load_state_dict` save and restore it as flat tensors."""
+
     def __init__(self, n_layer: int, batch_size: int, device: torch.device | str = "cpu"):
         self.rho: list[torch.Tensor | None] = [None] * n_layer
         self.summary: list[SummaryCarry | None] = [None] * n_layer
@@ -81,7 +92,7 @@ class ModelState:
         first = states[0]
         out = cls(first.n_layer, 0, first.position.device)
         out.rho = [
-            None if first.rho[i] is None else torch.cat([s.rho[i] for s in states])
+            None if first.rho[i] is None else torch.cat([_written(s.rho[i]) for s in states])
             for i in range(first.n_layer)
         ]
         for i, carry in enumerate(first.summary):

@@ -67,7 +67,8 @@ class OptimizerConfig:
         param_groups = [{"params": decay, "weight_decay": self.weight_decay}]
         if no_decay:
             param_groups.append({"params": no_decay, "weight_decay": 0.0})
-        return torch.optim.AdamW(param_groups, lr=self.lr, betas=tuple(self.betas), eps=self.eps)
+        betas = (self.betas[0], self.betas[1])  # validate() checked there are two
+        return torch.optim.AdamW(param_groups, lr=self.lr, betas=betas, eps=self.eps)
 
     def lr_at(self, step: int, total_steps: int) -> float:
         """The learning rate of optimizer step `step` (0-based) of `total_steps`."""

@@ -117,9 +117,9 @@ def all_reduce_accumulated(
     )
     offset = 0
     for name, size in zip(names, sizes, strict=True):
-        grad = result.gradients.get(name)
-        if grad is not None:
-            bucket[offset : offset + size].copy_(grad.detach().reshape(-1))
+        gradient = result.gradients.get(name)  # (`grad` above is typed Tensor, not Optional)
+        if gradient is not None:
+            bucket[offset : offset + size].copy_(gradient.detach().reshape(-1))
         offset += size
     # Weight and presence mask go in with one host-to-device copy, not one per parameter.
     tail = [state.total_weight] + [float(name in result.gradients) for name in names]

@@ -64,6 +64,16 @@ class StepExecutor(Protocol):
 
 
 class LanguageTrainModel:
+    """The language train step of one process (a `StepExecutor`): owns the model and runs
+    each block's forward and backward with this module's policies (TBPTT, streaming state,
+    emulated pipeline microbatches, gradient-scale schedules, profiling).
+
+    `compute_gradients` adds the gradients of the block's mean loss to `.grad`; `train_step`
+    zeroes them first and applies the gradient-scale schedule after; `eval_loss` and
+    `valid_step` compute losses without a graph. `state_dict` holds the schedule's counter
+    and the carried streaming state.
+    """
+
     def __init__(
         self,
         model: BDH,
@@ -191,6 +201,7 @@ class LanguageTrainModel:
                 self._backward(window_loss, loss_scale)
                 window_loss = None
                 if not last:
+                    assert state is not None  # several chunks: _load_state gave one
                     state.detach_()
         if state is not None:
             self._store_state(state)

@@ -76,9 +76,9 @@ def load_run(
         text = export_tokenizer_json(path)
         if text is None:
             return model, tokenizer_for(model.config), RunConfig(model=model.config)
-        tok = HFTokenizer.from_json(text, f"the export '{path}'")
-        _check_tokenizer_fits(tok, model.config, f"the export '{path}'")
-        return model, tok, RunConfig(model=model.config)
+        exported = HFTokenizer.from_json(text, f"the export '{path}'")
+        _check_tokenizer_fits(exported, model.config, f"the export '{path}'")
+        return model, exported, RunConfig(model=model.config)
     directory = ckpt.resolve_checkpoint(path)
     try:
         with safe_open(str(directory / ckpt.MODEL_FILE), "pt") as handle:
@@ -101,8 +101,9 @@ def load_run(
         ) from None
     ckpt.load_into_model(model, ckpt.load_model_weights(directory), directory)
     copy = run_tokenizer_file(directory)
-    tok = load_tokenizer(copy) if copy is not None else tokenizer_for(model.config)
+    tok: Tokenizer | None = tokenizer_for(model.config)
     if copy is not None:
+        tok = load_tokenizer(copy)
         _check_tokenizer_fits(tok, model.config, str(copy))
     saved = config_path(directory)
     # The tokenizer the run trained with is the copy found above, wherever the run now is.

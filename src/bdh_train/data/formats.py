@@ -52,7 +52,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from bdh_train.data.layout import is_prepared
 from bdh_train.errors import DataError
@@ -220,14 +220,14 @@ class _CountingReader(io.RawIOBase):
     """A raw file that counts the bytes read from it (the compressed bytes, under a
     decompressor), so progress over compressed files follows their sizes."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: io.BufferedReader) -> None:
         self._raw = raw
         self.consumed = 0
 
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+    def readinto(self, buffer: Any) -> int | None:
         n = self._raw.readinto(buffer)
         self.consumed += n or 0
         return n
@@ -247,7 +247,7 @@ class _ZstdReader(io.RawIOBase):
     Compressed input is fed `ZSTD_FEED_BYTES` at a time, which bounds the output held at
     once (zstd expands a byte to at most about 32 KiB)."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: io.RawIOBase) -> None:
         import zstandard
 
         self._raw = raw
@@ -259,7 +259,7 @@ class _ZstdReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+    def readinto(self, buffer: Any) -> int:
         while not self._pending:
             data = self._raw.read(ZSTD_FEED_BYTES)
             if not data:
@@ -299,9 +299,9 @@ def open_binary(path: Path) -> Iterator[tuple[BinaryIO, _CountingReader]]:
         if kind == "gz":
             stream: BinaryIO = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
         elif kind == "zst":
-            stream = io.BufferedReader(_ZstdReader(raw), READ_BYTES)  # type: ignore[assignment]
+            stream = io.BufferedReader(_ZstdReader(raw), READ_BYTES)
         else:
-            stream = io.BufferedReader(raw, READ_BYTES)  # type: ignore[assignment]
+            stream = io.BufferedReader(raw, READ_BYTES)
         with stream:
             yield stream, raw
     except (OSError, EOFError, zlib.error) as exc:  # zlib.error: a damaged gzip body
@@ -471,7 +471,7 @@ def _text_file(path: Path, cuts: str | None) -> Iterator[Piece]:
 def _json_lines(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece]:
     with open_binary(path) as (stream, counter):
         seen = 0
-        for number, line in enumerate(stream, start=1):  # type: ignore[arg-type]
+        for number, line in enumerate(stream, start=1):
             if not line.strip():
                 continue
             where = f"line {number} of '{path}'"
@@ -516,7 +516,7 @@ def _json_lines(path: Path, text_field: str, cuts: str | None) -> Iterator[Piece
             yield Piece("", False, counter.consumed - seen)
 
 
-def _string_column(batch, text_field: str, path: Path) -> list[str | None]:  # type: ignore[no-untyped-def]
+def _string_column(batch: Any, text_field: str, path: Path) -> list[str | None]:
     """The texts of a batch's string column, checked as a text file's are (UTF-8, no NUL)."""
     import pyarrow as pa
 

@@ -233,6 +233,7 @@ class _EpochQueueLoader(_RankedLoader):
     from it in row order, so which row reads which document is deterministic."""
 
     num_docs: int
+    kind: str
 
     def _start_queue(self) -> None:
         self.epoch = 0

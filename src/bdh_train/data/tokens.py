@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -250,7 +251,7 @@ def read_token_file(path: Path, vocab_size: int, bin_dtype: str | None = None) -
     if header_path(path).exists() or bin_dtype is None:
         header = read_header(path)
         dtype = str(header["dtype"])
-        file_vocab = int(header["vocab_size"])  # type: ignore[arg-type]
+        file_vocab = int(cast(int, header["vocab_size"]))  # read_header checked it
     else:
         dtype, file_vocab = bin_dtype, vocab_size
     size = file_size(path)

@@ -208,7 +208,7 @@ def make_temp_dir(run_dir: Path, name: str) -> Path:
 def list_checkpoints(root: Path) -> list[Path]:
     """Checkpoint directories, oldest first by (step, micro-step) — not by name."""
     found = [p for p in Path(root).iterdir() if p.is_dir() and checkpoint_position(p.name)]
-    return sorted(found, key=lambda p: checkpoint_position(p.name))
+    return sorted(found, key=lambda p: checkpoint_position(p.name) or (0, 0))
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:
@@ -314,7 +314,8 @@ def load_into_model(model: torch.nn.Module, weights: dict[str, torch.Tensor], wh
 
 
 def capture_rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # the legacy form: (name, keys, pos, has_gauss, gauss)
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),

@@ -41,6 +41,9 @@ class EvalLoss(Protocol):
 
 @dataclass
 class EvalResult:
+    """One evaluation: the mean loss over the counted targets, how many there were, and bits
+    per byte where the data is text of a tokenizer."""
+
     val_loss: float
     """Mean loss (nats) per counted target."""
     tokens: int
@@ -67,7 +70,7 @@ def counted_target_bytes(
     return int(byte_lengths[torch.where(counted, flat, 0)][counted].sum())
 
 
-def bits_per_byte(loss_sum: float, text_bytes: int) -> float:
+def bits_per_byte(loss_sum: float, text_bytes: float) -> float:
     """Nats summed over targets -> bits per byte of the text those targets are."""
     return loss_sum / text_bytes / math.log(2)
 

@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from bdh_train import checks
 from bdh_train.errors import ConfigError, DataError
@@ -105,7 +105,7 @@ class WandbSink:
         self.run = wandb.init(
             project=cfg.wandb_project,
             dir=str(run_dir),
-            mode=cfg.wandb_mode,
+            mode=cast(Literal["offline", "online"], cfg.wandb_mode),  # one of WANDB_MODES
             id=hashlib.sha256(str(run_dir).encode()).hexdigest()[:16],
             resume="allow",
             name=run_dir.name,

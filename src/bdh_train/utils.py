@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import errno
+import importlib
 import os
 import sys
 import tempfile
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -128,3 +129,24 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w") -> Iterator[typi
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def lazy_names(
+    package: str, homes: Mapping[str, str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's PEP 562 `__getattr__` and `__dir__` for its public names, each imported
+    from its home module (`homes`: name -> module) on first use and then kept, so importing
+    the package, or one of its submodules, imports none of the others."""
+
+    def __getattr__(name: str) -> Any:
+        home = homes.get(name)
+        if home is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(home), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*vars(sys.modules[package]), *homes})
+
+    return __getattr__, __dir__

@@ -9,10 +9,11 @@ The public names below are imported on first use (PEP 562), so importing one sub
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from bdh_train.utils import lazy_names
 
 _LAZY = {
     "CheckpointConfig": "bdh_train.train.checkpoint",
@@ -54,17 +55,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 
 class _Package(types.ModuleType):

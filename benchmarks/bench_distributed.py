@@ -61,6 +61,7 @@ def _worker(rank: int, world: int, store: str, overrides: list[str], out: str) -
 
     from bdh_train.config import load_config
     from bdh_train.distributed.env import DistContext
+    from bdh_train.train.window import StepWindow
     from bdh_train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -77,14 +78,14 @@ def _worker(rank: int, world: int, store: str, overrides: list[str], out: str) -
         for name in COLLECTIVES:
             setattr(dist, name, _timed(comm, getattr(dist, name)))
         schedules._wait_batch_p2p = _timed(comm, schedules._wait_batch_p2p)
-    original_step = Trainer._optimizer_step
+    original_step = StepWindow.optimizer_step
 
     def optimizer_step(self):
         row = original_step(self)
         steps_done.append(time.perf_counter())
         return row
 
-    Trainer._optimizer_step = optimizer_step
+    StepWindow.optimizer_step = optimizer_step
     cfg = load_config(overrides=overrides)
     ctx = DistContext(rank, world, rank) if world > 1 else None
     trainer = Trainer(cfg, Path(out, "run"), stream=io.StringIO(), dist_ctx=ctx)

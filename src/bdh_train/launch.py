@@ -4,19 +4,70 @@ build the trainer, run it, and free the group while the interpreter is whole."""
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import gc
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
 
 from bdh_train.config import RunConfig
 from bdh_train.distributed.env import DistContext, resolve_device
-from bdh_train.train.run_dir import RunDir
+from bdh_train.errors import ConfigError
+from bdh_train.train import checkpoint as ckpt
+from bdh_train.train.run_dir import RUNS_ROOT, RunDir, run_of_checkpoint
 from bdh_train.trainer import RunResult, Trainer
 
 StopHandler = Callable[[Callable[[], None]], AbstractContextManager[None]]
 """Given the trainer's `request_stop`, a context that calls it when the run is asked to stop
 (the CLI's SIGTERM and Ctrl-C handlers)."""
+
+
+@dataclass
+class TrainPlan:
+    """What `bdh-train train` does: a fresh run in `run`, or with `resume` the run continued,
+    from `checkpoint` (None: a resumed run's latest) whose saved config is `continued`'s."""
+
+    run: RunDir
+    resume: bool
+    checkpoint: Path | None
+    continued: RunDir | None
+    """The run or checkpoint directory whose saved config a resume continues."""
+
+
+def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
+    """`bdh-train train [--run-dir RUN_DIR] [--resume [RESUME]]`.
+
+    Without --resume, a fresh run in RUN_DIR (default runs/<date>-<time>). With --resume
+    RESUME (a bare --resume: RUN_DIR), RESUME is a run directory, continued from its latest
+    checkpoint, or a checkpoint directory. A checkpoint continues the run it belongs to when
+    it is that run's newest checkpoint; otherwise, or given a --run-dir of its own, it
+    continues in that new run directory. Nothing is ever written inside a checkpoint."""
+    if resume is None:
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        return TrainPlan(RunDir(run_dir or Path(RUNS_ROOT) / stamp), False, None, None)
+    path = Path(resume or run_dir or "")
+    if str(path) in ("", "."):
+        raise ConfigError("--resume needs a run directory: --resume DIR or --run-dir DIR")
+    if not ckpt.is_checkpoint_dir(path):
+        return TrainPlan(RunDir(path, fresh=False), True, None, RunDir(path, fresh=False))
+    owner = run_of_checkpoint(path)
+    if run_dir is not None and (owner is None or Path(run_dir).resolve() != owner.path.resolve()):
+        return TrainPlan(RunDir(run_dir), False, path, RunDir(path, fresh=False))
+    if owner is None:
+        raise ConfigError(
+            f"{path} is a checkpoint outside a run directory: continue it in a new run "
+            f"directory with --run-dir NEW --resume {path}"
+        )
+    newest = ckpt.list_checkpoints(owner.checkpoints)[-1]
+    if newest.resolve() != path.resolve():
+        raise ConfigError(
+            f"{path} is not the newest checkpoint of {owner.path} ({newest.name} is): resuming "
+            f"the run from it would overwrite the later ones; continue it in a new run "
+            f"directory with --run-dir NEW --resume {path}"
+        )
+    return TrainPlan(RunDir(owner.path, fresh=False), True, path, RunDir(path, fresh=False))
 
 
 def _no_stop_handler(request_stop: Callable[[], None]) -> AbstractContextManager[None]:
@@ -30,9 +81,11 @@ def train(
     overwrite: bool = False,
     resume_fallback: bool = False,
     stop_handler: StopHandler = _no_stop_handler,
+    checkpoint: Path | None = None,
 ) -> RunResult:
-    """Train `cfg` in `run` (a fresh run, or with `resume` the run continued) on the process
-    group torchrun describes in the environment, or alone."""
+    """Train `cfg` in `run` (a fresh run, or with `resume` the run continued; from
+    `checkpoint` when given) on the process group torchrun describes in the environment, or
+    alone."""
     dist_ctx = DistContext.from_env(
         resolve_device(cfg.training.device).type, cfg.parallel.collective_timeout_s
     )
@@ -45,6 +98,7 @@ def train(
             dist_ctx=dist_ctx,
             overwrite=overwrite,
             resume_fallback=resume_fallback,
+            checkpoint=checkpoint,
         )
         with stop_handler(trainer.request_stop):
             return trainer.run()

@@ -49,13 +49,13 @@ from bdh_train.train.state import (
     RankStates,
     TrainerState,
     TrainingCheckpoints,
-    check_resumed_length,
-    check_resumed_tokenizer,
     diverged_advice,
     model_metadata,
     saved_files,
 )
-from bdh_train.train.window import StepWindow, reduction_for
+from bdh_train.train.window import StepWindow, TrainingDiverged, reduction_for
+
+__all__ = ["RunResult", "Trainer", "TrainingDiverged"]
 
 
 @dataclass
@@ -84,21 +84,21 @@ class Trainer:
         stream: IO[str] | None = None,
         overwrite: bool = False,
         resume_fallback: bool = False,
+        checkpoint: Path | None = None,
     ):
-        """A fresh run checks, reading only, that the run directory holds no other run; then
-        the main process takes its lock before building touches it (finishing interrupted
-        checkpoint saves, reading the checkpoint). The lock is held until `run` ends or
-        `close`; a refused build leaves the directory as it was."""
+        """The main process takes the run directory's lock before building touches it
+        (finishing interrupted checkpoint saves, reading the checkpoint); a fresh run (which
+        may start from `checkpoint`'s exact state) then needs a directory that holds no other
+        run. The lock is held until `run` ends or `close`; a refused build gives the lock
+        file back as it was."""
         self.dist = dist_ctx or DistContext()
         self.run_files = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
         self.run_dir = self.run_files.path
         self.overwrite = overwrite and not resume
-        if not resume:
-            self.run_files.check_fresh(overwrite)
         if self.dist.is_main:
             self.run_files.lock()
         try:
-            self._build(cfg, resume, stream, resume_fallback)
+            self._build(cfg, resume, stream, overwrite, resume_fallback, checkpoint)
         except BaseException:
             self.run_files.unlock(refused=True)
             raise
@@ -110,7 +110,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ construction
     def _build(
-        self, cfg: RunConfig, resume: bool, stream: IO[str] | None, resume_fallback: bool
+        self,
+        cfg: RunConfig,
+        resume: bool,
+        stream: IO[str] | None,
+        overwrite: bool,
+        resume_fallback: bool,
+        checkpoint: Path | None,
     ) -> None:
         """Validate everything (config, data, checkpoint) before anything is written; a
         resume whose latest checkpoint is damaged continues from the newest intact one only
@@ -123,6 +129,7 @@ class Trainer:
             copy = str(self.run_files.tokenizer_copy.resolve())
             self.saved_cfg = replace(cfg, data=replace(cfg.data, tokenizer=copy))
         if not resume:
+            self.run_files.check_fresh(overwrite)
             self.dist.barrier()  # every process has looked before the first one writes
         self.device = self.dist.device(resolve_device(t.device).type)
         if t.threads:
@@ -133,11 +140,9 @@ class Trainer:
         self.accumulation_steps = t.accumulation_steps
         self.train_data, self.val_data = cfg.data.load_splits(cfg.model.vocab_size, t.block_size)
         self.model = build_model(cfg.model, t, self.device)
-        self.fresh_params: list[str] = []  # parameters init_from left freshly initialised
-        if cfg.checkpoint.init_from and not resume:
-            self.fresh_params = init_weights_from(
-                self.model, t.init_transfer, cfg.checkpoint.init_from
-            )
+        init = cfg.checkpoint.init_from if not resume and checkpoint is None else ""
+        # the parameters init_from left freshly initialised (none without init_from)
+        self.fresh_params = init_weights_from(self.model, t.init_transfer, init) if init else []
         if cfg.parallel.shard == "fsdp" and self.dist.active:
             fsdp.shard_model(self.model, self.dist, self.device.type)
         self.sharded = fsdp.is_sharded(self.model)  # parallel.shard = 'fsdp', several processes
@@ -216,20 +221,17 @@ class Trainer:
             )
         self.stop_requested = False
         self.metrics: MetricsReporter | None = None
-        self.resumed_from = (
-            ckpt.resolve_checkpoint(self.run_dir, fallback=resume_fallback) if resume else None
-        )
-        self.resume_notes: list[str] = []
-        if self.resumed_from is not None:
-            check_resumed_tokenizer(self.resumed_from, self.tokenizer, cfg.data.tokenizer)
-            self.checkpoints.load(self.resumed_from)
-            self.resume_notes = check_resumed_length(
-                self.resumed_from, t, cfg.optimizer, self.state.step
+        self.resumed_from, self.resume_notes = None, []
+        if resume or checkpoint is not None:
+            self.resumed_from = ckpt.resolve_checkpoint(
+                checkpoint or self.run_dir, fallback=resume_fallback
             )
-        s = self.state
-        self.progress = Progress(
-            t.max_steps, s.step, stream, self.dist.is_main, t.log_every, s.tokens
-        )
+            self.resume_notes = self.checkpoints.resume(
+                self.resumed_from, self.tokenizer, cfg.data.tokenizer, cfg.optimizer
+            )
+        s, main = self.state, self.dist.is_main
+        self.progress = Progress(t.max_steps, s.step, stream, main, t.log_every, s.tokens)
+        self.progress.fallback = self.run_files.log_error  # kept lines, once the console is gone
 
     def request_stop(self) -> None:
         """Checkpoint at the next micro-step boundary and return (SIGTERM, preemption)."""
@@ -266,7 +268,7 @@ class Trainer:
             if self.dist.any_of(self.stop_requested or asked, self.device):
                 s.elapsed = time.perf_counter() - started
                 return self._stop(last_val)
-            self.window.micro_step(self.loader.next_batch().to(self.device))
+            self.window.micro_step(lambda: self.loader.next_batch().to(self.device))
             micro_done += 1
             if s.micro < self.accumulation_steps:
                 continue
@@ -315,7 +317,7 @@ class Trainer:
     def _stop(self, last_val: float | None) -> RunResult:
         s = self.state
         checkpoint = self.save_checkpoint()
-        self.progress.log(stop_line(s.step, s.micro, checkpoint, self.run_dir))
+        self.progress.log(stop_line(s.step, s.micro, checkpoint, self.run_dir), keep=True)
         self.progress.close()
         return RunResult(s.step, True, checkpoint, last_val, None)
 
@@ -330,9 +332,7 @@ class Trainer:
             sample = self.sample() if self.dist.is_main else None
         for line in summary_lines(
             self.run_dir,
-            s.step,
-            s.tokens,
-            s.elapsed,
+            s,
             last_val,
             checkpoint,
             self.run_files.loss_plot,

@@ -14,7 +14,8 @@ import pytest
 
 from bdh_train.cli import main
 from bdh_train.errors import ConfigError
-from bdh_train.train.run_dir import ERROR_LOG, LOCK_FILE, RunDir, RunDirLock
+from bdh_train.launch import plan_train
+from bdh_train.train.run_dir import ERROR_LOG, LOCK_FILE, RunDirLock
 
 MICRO = [
     "model.n_layer=2",
@@ -99,17 +100,24 @@ def test_an_error_of_a_run_the_command_owns_goes_to_its_log(tmp_path, capsys):
     assert (run / ERROR_LOG).read_text().strip().endswith(message)
 
 
-def test_the_run_directory_of_train_and_resume():
+def test_the_plan_of_train_and_resume(tmp_path):
     """--run-dir names a fresh run's directory (default runs/<date>-<time>); --resume DIR
     names the run to continue, a bare --resume the --run-dir."""
-    assert [(str(r.path), resume) for r, resume in (RunDir.for_train("a", None),)] == [("a", False)]
+    fresh = plan_train("a", None)
+    assert (str(fresh.run.path), fresh.resume, fresh.checkpoint, fresh.continued) == (
+        "a",
+        False,
+        None,
+        None,
+    )
     for run_dir, resume, want in [("a", "", "a"), (None, "b", "b"), ("a", "b", "b")]:
-        run, resuming = RunDir.for_train(run_dir, resume)
-        assert (str(run.path), resuming) == (want, True)
-    fresh, resuming = RunDir.for_train(None, None)
-    assert not resuming and re.fullmatch(r"runs/\d{8}-\d{6}", str(fresh.path))
+        plan = plan_train(run_dir, resume)
+        assert (str(plan.run.path), plan.resume, plan.checkpoint) == (want, True, None)
+        assert plan.continued is not None and str(plan.continued.path) == want
+    stamped = plan_train(None, None)
+    assert not stamped.resume and re.fullmatch(r"runs/\d{8}-\d{6}", str(stamped.run.path))
     with pytest.raises(ConfigError, match="--resume needs a run directory"):
-        RunDir.for_train(None, "")
+        plan_train(None, "")
 
 
 def test_each_run_file_name_has_one_home():

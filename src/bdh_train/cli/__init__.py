@@ -13,7 +13,9 @@ for none of them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -64,10 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except BDHTrainError as exc:
-        message = f"error: {exc}"
-        print(message, file=sys.stderr)
-        if args.run is not None:
-            args.run.log_error(message)
+        _report(args, f"error: {exc}")
         return EXIT_USER_ERROR
     except OSError as exc:  # disk full, file size limit, read-only directory
         where = f": {exc.filename}" if exc.filename else ""
@@ -76,10 +75,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             from bdh_train.train.checkpoint import io_advice
 
             message += f"; {io_advice(args.run.path)}"
-        print(message, file=sys.stderr)
-        if args.run is not None:
-            args.run.log_error(message)
+        _report(args, message)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        _report(args, "interrupted", log=False)
         return 130
+    finally:
+        _let_go_of_a_closed_stdout()
+
+
+def _report(args: argparse.Namespace, message: str, log: bool = True) -> None:
+    """`message` on stderr (when it is still open) and in the error log of a run directory
+    the command owns."""
+    with contextlib.suppress(OSError):
+        print(message, file=sys.stderr)
+    if log and args.run is not None:
+        args.run.log_error(message)
+
+
+def _let_go_of_a_closed_stdout() -> None:
+    """Point stdout at /dev/null when its reader is gone (a pipe into `tee` or `head` that
+    closed), so the interpreter's last flush cannot fail and change the exit status."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

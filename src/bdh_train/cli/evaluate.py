@@ -22,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from bdh_train.data.tokenizer import BYTES
     from bdh_train.train.build import evaluate_model
+    from bdh_train.train.evaluate import validation_source
 
     if args.batches is not None and args.batches < 1:
         raise ConfigError(
@@ -34,7 +35,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
     model, tok, cfg = _load_for_inference(args, need_text=False)
     exported = Path(args.checkpoint).is_file()
-    source = args.data or cfg.data.val_source or cfg.data.source
+    source = args.data or validation_source(cfg.data)
     if exported and tok is not None and tok.kind != BYTES and not source.endswith(".bin"):
         raise BDHTrainError(
             f"{args.checkpoint} is an export of a model with its own tokenizer: pass --data "

@@ -41,13 +41,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from bdh_train.config import load_train_config
-    from bdh_train.launch import train
-    from bdh_train.train.run_dir import RunDir
+    from bdh_train.launch import plan_train, train
 
-    run, resume = RunDir.for_train(args.run_dir, args.resume)
-    args.run = run  # an error is logged there once the command owns the directory
-    cfg = load_train_config(run, resume, args.config, args.overrides, args.preset)
-    result = train(cfg, run, resume, args.overwrite, args.resume_fallback, _stop_on_signals)
+    plan = plan_train(args.run_dir, args.resume)
+    args.run = plan.run  # an error is logged there once the command owns the directory
+    cfg = load_train_config(plan.continued, args.config, args.overrides, args.preset)
+    result = train(
+        cfg,
+        plan.run,
+        plan.resume,
+        args.overwrite,
+        args.resume_fallback,
+        _stop_on_signals,
+        plan.checkpoint,
+    )
     return EXIT_STOPPED if result.stopped_early else 0
 
 
@@ -62,8 +69,9 @@ def _stop_on_signals(request_stop: Callable[[], None]) -> Iterator[None]:
         interrupts += 1
         if interrupts > 1:
             raise KeyboardInterrupt
-        print("stopping at the next micro-step (Ctrl-C again to abort)", file=sys.stderr)
-        request_stop()
+        request_stop()  # first: a console that is gone must not stop the save
+        with contextlib.suppress(OSError):
+            print("stopping at the next micro-step (Ctrl-C again to abort)", file=sys.stderr)
 
     previous = {
         signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: request_stop()),

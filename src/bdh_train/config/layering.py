@@ -272,13 +272,51 @@ def save_config(cfg: RunConfig, path: str | Path) -> None:
 
 
 def load_train_config(
-    run: RunDir, resume: bool, configs: list[str], overrides: list[str], preset: str | None
+    continued: RunDir | None, configs: list[str], overrides: list[str], preset: str | None
 ) -> RunConfig:
-    """The config of `bdh-train train`: a resume's is the run's saved config (naming the
-    run's own tokenizer copy when the run moved and no --config is given) under `configs`
-    and `overrides`; a fresh run's is built from the preset, `configs` and `overrides`."""
-    if not resume:
+    """The config of `bdh-train train`. A fresh run's (`continued` None) is built from the
+    preset, `configs` and `overrides`. A resume's is the saved config of `continued` (the run
+    directory, or the checkpoint directory a run continues from), naming its own tokenizer
+    copy when it moved and no --config is given, under `configs` and `overrides`, which may
+    change everything but the model and the data (`RESUME_FIXED`)."""
+    if continued is None:
         return load_config(configs, overrides, preset)
-    run.check_resumable()
-    moved = [] if configs else run.moved_tokenizer_override()
-    return load_config([run.config, *configs], [*moved, *overrides], default_preset=False)
+    continued.check_resumable()
+    moved = [] if configs else continued.moved_tokenizer_override()
+    saved = load_config([continued.config], moved, default_preset=False)
+    cfg = load_config([continued.config, *configs], [*moved, *overrides], default_preset=False)
+    _refuse_redefinition(saved, cfg, continued.config)
+    return cfg
+
+
+RESUME_FIXED = ("model", "data")
+"""The sections a resume keeps as the run has them: the model and the data it trains on."""
+RESUME_MAY_CHANGE = ("data.source", "data.tokenizer")
+"""Keys of those sections a resume may still set: where a moved corpus or tokenizer now is
+(the checkpoint's tokenizer fingerprint is checked on resume)."""
+
+
+def _refuse_redefinition(saved: RunConfig, cfg: RunConfig, where: Path) -> None:
+    """ConfigError naming the first key of `RESUME_FIXED` that `cfg` sets otherwise than the
+    run's saved config."""
+    before, after = saved.to_dict(), cfg.to_dict()
+    for section in RESUME_FIXED:
+        for key, was, now in _differences(before[section], after[section], section):
+            if key in RESUME_MAY_CHANGE:
+                continue
+            raise ConfigError(
+                f"{key} is {was!r} in the run's config ({where}) but {now!r} here: a resume "
+                "continues the same model on the same data; to train from these weights with "
+                "another definition, start a new run with checkpoint.init_from = "
+                f"'{where.parent}' (and --run-dir NEW)"
+            )
+
+
+def _differences(before: Any, after: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+    """(dotted key, before, after) of every leaf where two config tables differ."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        found = []
+        for key in sorted(set(before) | set(after)):
+            found += _differences(before.get(key), after.get(key), f"{prefix}.{key}")
+        return found
+    return [] if before == after else [(prefix, before, after)]

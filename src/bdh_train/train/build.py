@@ -24,7 +24,13 @@ from bdh_train.errors import ConfigError
 from bdh_train.model import BDH, BDHConfig
 from bdh_train.model.bdh import check_compiler
 from bdh_train.train.config import TrainingConfig
-from bdh_train.train.evaluate import EvalLoss, EvalResult, Evaluator, text_tokenizer
+from bdh_train.train.evaluate import (
+    EvalLoss,
+    EvalResult,
+    Evaluator,
+    text_tokenizer,
+    validation_source,
+)
 from bdh_train.train.profile import StepProfiler
 from bdh_train.train.reduce import all_reduce_sums
 from bdh_train.train.schedules import GradientScaleSchedule
@@ -139,8 +145,7 @@ def build_evaluator(
     torchrun (`dp`), data-parallel ranks split the batches and add their sums (pipeline ranks
     evaluate every batch together)."""
     t, dp = training, dp or DistContext()
-    if source is None:
-        source = data_config.source if data_config.val_source is None else data_config.val_source
+    source = validation_source(data_config) if source is None else source
     return Evaluator(
         executor,
         data,
@@ -189,7 +194,7 @@ def evaluate_model(
     data = evaluation_data(data_config, source, model.config.vocab_size, t.block_size)
     step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
-    name = source or data_config.val_source or data_config.source
+    name = source or validation_source(data_config)
     device = model.embed.weight.device
     evaluator = build_evaluator(
         step, data, name, max_batches, t, data_config, model.config, tok, device

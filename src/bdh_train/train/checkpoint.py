@@ -232,6 +232,11 @@ def _read_pointer(root: Path) -> Path:
     return root / name
 
 
+def is_checkpoint_dir(path: Path) -> bool:
+    """Whether `path` is one checkpoint's directory (it holds the weights), not a run's."""
+    return (path / MODEL_FILE).is_file() and not (path / CHECKPOINTS).is_dir()
+
+
 def resolve_checkpoint(path: str | Path, fallback: bool = False) -> Path:
     """A run dir (-> its latest checkpoint), a checkpoints/ dir, or a checkpoint dir; verified
     against its manifest. When `latest` is missing or damaged, the error names the newest

@@ -217,3 +217,9 @@ class TrainingConfig:
 
 def _info(message: str) -> None:
     print(f"info: {message}", file=sys.stderr)
+
+
+def every_and_last(step: int, every: int, last: int) -> bool:
+    """Whether optimizer step `step` is due for what happens every `every` steps and at the
+    last one (`last`); never with `every` = 0."""
+    return bool(every) and (step % every == 0 or step == last)

@@ -6,11 +6,14 @@ from __future__ import annotations
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from tqdm import tqdm
+
+from bdh_train.train.state import TrainerState
 
 
 def format_duration(seconds: float) -> str:
@@ -27,7 +30,11 @@ class Progress:
     """A tqdm bar on a terminal, with the loss lines written above it (`tqdm.write`) so they
     stay visible; plain lines otherwise (no bar spam in logs). A loss line is printed for the
     first step of a session, every `log_every` steps, the last step, and, on a pipe, at least
-    every `heartbeat_s` seconds; each says step/total, tokens seen, tok/s and the ETA."""
+    every `heartbeat_s` seconds; each says step/total, tokens seen, tok/s and the ETA.
+
+    A console that goes away (the reader of a pipe died, as `tee` does on Ctrl-C) never stops
+    the run: from then on nothing is printed, and the lines logged with `keep` (where a stop
+    left its checkpoint) go to `fallback` (the run's error log) instead."""
 
     def __init__(
         self,
@@ -39,8 +46,10 @@ class Progress:
         initial_tokens: int = 0,
         heartbeat_s: float = 30.0,
         clock: Any = time.perf_counter,
+        fallback: Callable[[str], None] | None = None,
     ):
         self.stream = stream or sys.stdout
+        self.fallback, self.lost = fallback, False
         self.enabled = enabled
         self.total, self.initial, self.initial_tokens = total, initial, initial_tokens
         self.log_every, self.heartbeat_s, self.clock = log_every, heartbeat_s, clock
@@ -81,26 +90,41 @@ class Progress:
         if not self.enabled:
             return
         now = self.clock()
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
+        bar = self.bar
+        if bar is not None:
+            self._write(lambda: bar.update(step - bar.n))
             if row is not None:
-                self.bar.set_postfix(loss=f"{row['loss']:.4f}")
+                self._write(lambda: bar.set_postfix(loss=f"{row['loss']:.4f}"))
         if row is not None and self._due(step, now):
             self.log(self.line(row, now))
             self.last_line = now
 
-    def log(self, message: str) -> None:
+    def log(self, message: str, keep: bool = False) -> None:
+        """Print one line; with `keep`, a line that must outlive a lost console."""
         if not self.enabled:
             return
-        if self.bar is not None:
-            self.bar.write(message, file=self.stream)
+        bar = self.bar
+        if bar is not None:
+            self._write(lambda: bar.write(message, file=self.stream))
         else:
-            print(message, file=self.stream, flush=True)
+            self._write(lambda: print(message, file=self.stream, flush=True))
+        if self.lost and keep and self.fallback is not None:
+            self.fallback(message)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        bar, self.bar = self.bar, None
+        if bar is not None:
+            self._write(bar.close)
+
+    def _write(self, write: Callable[[], object]) -> None:
+        """`write` to the console unless it is lost; an OSError from it (a closed pipe, a
+        closed terminal) marks it lost."""
+        if self.lost:
+            return
+        try:
+            write()
+        except OSError:
+            self.lost = True
 
 
 def device_line(device: str, world_size: int, mesh: tuple[int, int], sharded: bool) -> str:
@@ -170,9 +194,7 @@ class Banner:
 
 def summary_lines(
     run_dir: Path,
-    steps: int,
-    tokens: int,
-    elapsed: float,
+    state: TrainerState,
     val_loss: float | None,
     checkpoint: Path | None,
     loss_plot: Path,
@@ -180,6 +202,7 @@ def summary_lines(
     writes_text: bool,
 ) -> list[str]:
     """Where the run's results are and the commands that use them."""
+    steps, tokens, elapsed = state.step, state.tokens, state.elapsed
     quoted = shlex.quote(str(run_dir.resolve()))
     rate = tokens / max(elapsed, 1e-9)
     val = f"; val_loss {val_loss:.4f}" if val_loss is not None else ""

@@ -31,6 +31,7 @@ from bdh_train.errors import DataError
 from bdh_train.model.bdh import BDH
 from bdh_train.model.config import BDHConfig, LanguageHeadConfig
 from bdh_train.model.heads import counted_target_mask
+from bdh_train.train.config import every_and_last
 
 
 class EvalLoss(Protocol):
@@ -122,6 +123,12 @@ def evaluate(
     return EvalResult(val_loss, int(count), bits)
 
 
+def validation_source(data: DataConfig) -> str:
+    """The source a run's validation split is named by: data.val_source, else data.source
+    (whose split it then is)."""
+    return data.source if data.val_source is None else data.val_source
+
+
 def text_tokenizer(tokenizer: Tokenizer, source: str) -> Tokenizer | None:
     """`tokenizer` when the ids of `source` are text of it, else None (`is_text_of`: not
     generated data, and not a ``.bin`` of ids under the byte tokenizer)."""
@@ -151,7 +158,7 @@ class Evaluator:
     last_step: int = 0
 
     def should_evaluate(self, step: int) -> bool:
-        return bool(self.every) and (step % self.every == 0 or step == self.last_step)
+        return every_and_last(step, self.every, self.last_step)
 
     def run(self) -> EvalResult:
         text_of = self.text_of
@@ -202,8 +209,9 @@ def sample_continuation(
     top-k 50, seed 0, decoded; None unless the model writes text of `tokenizer`
     (`writes_text`)."""
     train, val = splits
-    data, name = (train, data_config.source) if val is None else (val, data_config.val_source)
-    source = data_config.source if name is None else name
+    data, source = (
+        (train, data_config.source) if val is None else (val, validation_source(data_config))
+    )
     if not writes_text(model_config.language_head, model_config.vocab_size, tokenizer, source):
         return None
     prompt = torch.as_tensor(

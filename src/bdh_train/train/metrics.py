@@ -14,7 +14,8 @@ from typing import Any, Literal, Protocol, cast
 
 from bdh_train import checks
 from bdh_train.errors import ConfigError, DataError
-from bdh_train.train.run_dir import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
+from bdh_train.train.config import every_and_last
+from bdh_train.train.run_dir import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, append_line
 from bdh_train.utils import atomic_write
 
 WANDB_MODES = ("offline", "online")
@@ -140,8 +141,7 @@ class MetricsLog:
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(row) + "\n")
+        append_line(self.path, json.dumps(row))  # never through a link
 
     def close(self, failed: bool = False) -> None:
         pass
@@ -188,7 +188,7 @@ class MetricsReporter:
 
     def should_log(self, step: int) -> bool:
         """Every `log_every` optimizer steps and the last one; never with log_every = 0."""
-        return bool(self.log_every) and (step % self.log_every == 0 or step == self.last_step)
+        return every_and_last(step, self.log_every, self.last_step)
 
     def restart_clock(self, tokens: int) -> None:
         """Time tokens_per_s from now, with `tokens` counted so far."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import fcntl
 import json
 import os
@@ -36,9 +37,24 @@ PLOT_FILE = "loss.png"
 PROFILE_FILE = "profile.png"
 TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS = "checkpoints"
+WANDB_DIR = "wandb"
+"""Where the Weights & Biases client keeps an offline run (metrics.report_to = ["wandb"])."""
 LOCK_FILE = ".lock"
 ERROR_LOG = "error.log"
 """Left by a failed start; it does not make a directory 'used'."""
+LAYOUT = (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    METRICS_FILE,
+    PLOT_FILE,
+    PROFILE_FILE,
+    TENSORBOARD_DIR,
+    WANDB_DIR,
+    CHECKPOINTS,
+    LOCK_FILE,
+    ERROR_LOG,
+)
+"""Every name a run directory may hold: what `--overwrite` may replace."""
 RUNS_ROOT = "runs"
 """Where `bdh-train train` puts a run given no --run-dir: runs/<date>-<time>."""
 
@@ -54,7 +70,7 @@ class RunDirLock:
     def acquire(self) -> RunDirLock:
         refuse_a_file(self.path.parent)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_no_follow(self.path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -69,6 +85,13 @@ class RunDirLock:
         self._fd = fd
         return self
 
+    def restore(self, data: bytes, atime_ns: int, mtime_ns: int) -> None:
+        """Put back the lock file's earlier bytes and times (a refused start's undo)."""
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, data, 0)
+            os.utime(self._fd, ns=(atime_ns, mtime_ns))
+
     def release(self) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -77,6 +100,28 @@ class RunDirLock:
 
     def __del__(self) -> None:  # a holder dropped without releasing (a trainer never run)
         self.release()
+
+
+def open_no_follow(path: Path, flags: int) -> int:
+    """A file descriptor of the run-directory file `path`, created (mode by the umask) when
+    missing, never through a symbolic link: a link there is refused, so no file outside the
+    run is written."""
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(
+                f"{path} is a symbolic link; bdh-train writes a run's files only in the run "
+                "directory itself: remove the link"
+            ) from None
+        raise
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append `line` and a newline to the run-directory file `path` (never through a link)."""
+    fd = open_no_follow(path, os.O_WRONLY | os.O_APPEND)
+    with os.fdopen(fd, "a", encoding="utf-8") as handle:
+        handle.write(line + "\n")
 
 
 def used_entries(run_dir: Path) -> list[str]:
@@ -104,26 +149,15 @@ class RunDir:
     rewrites the lock file's pid, and giving it back after a refusal puts the file back
     (or removes it, and the directory, where the command created them)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], fresh: bool = True) -> None:
+        """`fresh`: a directory for a new run (one a resume names is never created for its
+        error log)."""
         self.path = Path(path)
         self._existed = self.path.exists()
         self._lock: RunDirLock | None = None
-        self.owned = not self._existed
+        self.owned = fresh and not self._existed
         """Whether the command may write its error log here."""
         self._lock_file: tuple[bytes, int, int] | None = None
-
-    @classmethod
-    def for_train(cls, run_dir: str | None, resume: str | None) -> tuple[RunDir, bool]:
-        """The run directory of `bdh-train train --run-dir RUN_DIR [--resume [RESUME]]`, and
-        whether it is a resume: RESUME, else RUN_DIR (a bare --resume); a fresh run without
-        --run-dir gets runs/<date>-<time>."""
-        if resume is None:
-            stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-            return cls(run_dir or Path(RUNS_ROOT) / stamp), False
-        path = Path(resume or run_dir or "")
-        if str(path) in ("", "."):
-            raise ConfigError("--resume needs a run directory: --resume DIR or --run-dir DIR")
-        return cls(path), True
 
     def __str__(self) -> str:
         return str(self.path)
@@ -146,10 +180,6 @@ class RunDir:
         return self.path / PROFILE_FILE
 
     @property
-    def tensorboard(self) -> Path:
-        return self.path / TENSORBOARD_DIR
-
-    @property
     def checkpoints(self) -> Path:
         return self.path / CHECKPOINTS
 
@@ -163,16 +193,12 @@ class RunDir:
         return self.path / ERROR_LOG
 
     # ------------------------------------------------------------------ ownership
-    @property
-    def locked(self) -> bool:
-        return self._lock is not None
-
     def lock(self) -> None:
         """Take the run's lock (once); refused when another trainer holds it."""
         if self._lock is None:
             lock_file = self.path / LOCK_FILE
             self._lock_file = None
-            if lock_file.is_file():
+            if lock_file.is_file() and not lock_file.is_symlink():
                 st = lock_file.stat()
                 self._lock_file = (lock_file.read_bytes(), st.st_atime_ns, st.st_mtime_ns)
             self._lock = RunDirLock(self.path).acquire()
@@ -185,10 +211,8 @@ class RunDir:
             return
         lock, self._lock = self._lock, None
         if refused and self._lock_file is not None:  # restored while still held
-            data, atime, mtime = self._lock_file
             with contextlib.suppress(OSError):
-                lock.path.write_bytes(data)
-                os.utime(lock.path, ns=(atime, mtime))
+                lock.restore(*self._lock_file)
         lock.release()
         if refused and self._lock_file is None:
             lock.path.unlink(missing_ok=True)
@@ -204,27 +228,38 @@ class RunDir:
             return
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            with open(self.error_log, "a") as handle:
-                stamp = _dt.datetime.now().isoformat(timespec="seconds")
-                handle.write(f"{stamp} {message}\n")
-        except OSError:
+            stamp = _dt.datetime.now().isoformat(timespec="seconds")
+            append_line(self.error_log, f"{stamp} {message}")
+        except (OSError, ConfigError):  # the error itself is on stderr
             pass
 
     # ------------------------------------------------------------------ fresh and resumed runs
     def check_fresh(self, overwrite: bool) -> None:
-        """A fresh run needs an empty (or absent) directory, unless `overwrite` clears it."""
+        """A fresh run needs an empty (or absent) directory, unless `overwrite` clears an
+        earlier run from it: a directory holding anything but a run's own files (`LAYOUT`)
+        is never cleared."""
         refuse_a_file(self.path)
         used = used_entries(self.path)
+        foreign = [name for name in used if name not in LAYOUT]
+        if foreign:
+            replaces = "--overwrite replaces only a run directory (or an empty one); "
+            raise ConfigError(
+                f"run directory {self.path} holds files that are not a bdh-train run's "
+                f"({_shown(foreign)}); {replaces if overwrite else ''}choose another --run-dir"
+            )
         if used and not overwrite:
-            shown = ", ".join(used[:4]) + (", ..." if len(used) > 4 else "")
+            shown = _shown(used)
             raise ConfigError(
                 f"run directory {self.path} already holds a run ({shown}); continue it with "
                 f"--resume {self.path}, start over with --overwrite, or choose another --run-dir"
             )
 
     def clear(self) -> None:
-        """Remove an earlier run's files (call with the lock held)."""
+        """Remove an earlier run's files (call with the lock held, after `check_fresh`):
+        only the names of a run's layout, a link as a link."""
         for name in used_entries(self.path):
+            if name not in LAYOUT:
+                continue
             path = self.path / name
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
@@ -274,7 +309,8 @@ def config_path(directory: Path) -> Path:
 
 def run_of_checkpoint(checkpoint: Path) -> RunDir | None:
     """The run directory a checkpoint directory (RUN/checkpoints/step-N) belongs to."""
-    return RunDir(checkpoint.parent.parent) if checkpoint.parent.name == CHECKPOINTS else None
+    run = checkpoint.parent.parent
+    return RunDir(run, fresh=False) if checkpoint.parent.name == CHECKPOINTS else None
 
 
 def check_outside_checkpoints(source: Path, out: str | os.PathLike[str]) -> None:
@@ -289,3 +325,7 @@ def check_outside_checkpoints(source: Path, out: str | os.PathLike[str]) -> None
             f"OUT {out} is inside {kept}, the checkpoints it exports from, which it "
             "would damage; write the export outside it"
         )
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")

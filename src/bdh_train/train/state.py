@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.config import TrainingConfig
 from bdh_train.train.optim import OptimizerConfig
-from bdh_train.train.run_dir import CONFIG_FILE, RunDir
+from bdh_train.train.run_dir import CONFIG_FILE, RunDir, config_path
 
 TRAINER_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -79,21 +79,15 @@ class TrainerState:
             setattr(self, name, float(state[name]))
 
 
-class _StateDicts(Protocol):
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> None: ...
-
-
 @dataclass
 class RankStates:
     """The per-process parts of a checkpoint (RNGs, carried state, the open accumulation
     window and its loss sum and count, the gradient-scale counter), gathered from every rank
     into ranks.pt."""
 
-    executor: _StateDicts
-    accumulator: _StateDicts
-    gradient_scales: _StateDicts
+    executor: ckpt.Stateful
+    accumulator: ckpt.Stateful
+    gradient_scales: ckpt.Stateful
     state: TrainerState
     dist: DistContext
     """Every process of the run."""
@@ -207,7 +201,7 @@ class TrainingCheckpoints:
         """`saved` are the text files written beside the parts (config.toml,
         tokenizer.json); `dcp` writes the model and optimizer as DCP shards
         (parallel.shard = 'fsdp')."""
-        self.run = run
+        self.run, self.training = run, training
         self.every, self.last_step = training.checkpoint_every, training.max_steps
         self.checkpointer = ckpt.Checkpointer(run.path, training.keep_checkpoints, is_main)
         self.dcp, self.model, self.optimizer = dcp, model, optimizer
@@ -254,6 +248,16 @@ class TrainingCheckpoints:
             before_rename,
             self._sharded(self.dcp),
         )
+
+    def resume(
+        self, checkpoint: Path, tokenizer: Tokenizer, named: str, optimizer: OptimizerConfig
+    ) -> list[str]:
+        """Load `checkpoint` for a resume, after checking it was trained with `tokenizer`
+        (data.tokenizer `named`); refused when nothing is left to train; the resume's
+        warnings."""
+        check_resumed_tokenizer(checkpoint, tokenizer, named)
+        self.load(checkpoint)
+        return check_resumed_length(checkpoint, self.training, optimizer, self.state.step)
 
     def load(self, checkpoint: Path) -> None:
         """A checkpoint with a sharded/ directory loads through DCP on any number of
@@ -305,7 +309,7 @@ def check_resumed_length(
             f"(e.g. --set training.max_steps={2 * step})"
         )
     try:
-        saved = tomllib.loads((checkpoint / CONFIG_FILE).read_text(encoding="utf-8"))
+        saved = tomllib.loads(config_path(checkpoint).read_text(encoding="utf-8"))
         before = int(saved["training"]["max_steps"])
     except (OSError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
         return []  # no readable saved length: nothing to compare with

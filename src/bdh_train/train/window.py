@@ -5,8 +5,9 @@ gradient is not finite).
 
 How the window is reduced is a strategy picked once, so the loop has no branch for it:
 `LocalReduction` (one process: the accumulator's mean), `DataParallelReduction` (each rank's
-sums, one SUM all-reduce) and `ShardedReduction` (FSDP: the shards are reduce-scattered inside
-every backward, so only the loss sums are all-reduced).
+sums, then one SUM all-reduce of the gradients and weights and one of the loss sums) and
+`ShardedReduction` (FSDP: each micro-batch's count of targets is all-reduced first and the
+shards are reduce-scattered inside every backward, so the window adds only the loss sums).
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ class StepWindow:
         timed: bool = False,
     ) -> None:
         """`log` prints a line; `last_good` says where the last good checkpoint is (for the
-        message that stops a diverged run); `timed` adds the profile columns to each row."""
+        message that stops a diverged run); `timed` (a profiled run) adds each step's whole
+        time, `step_s`, to its row."""
         self.model, self.reduction, self.optimizer = model, reduction, optimizer
         self.gradient_scales, self.state, self.optim = gradient_scales, state, optim
         self.max_steps, self.max_skips = training.max_steps, training.max_consecutive_skips
@@ -160,11 +162,13 @@ class StepWindow:
         self.profiles: list[StepProfile] = []
         self.started: float | None = None
 
-    def micro_step(self, batch: SequenceBatch) -> None:
-        """Run one micro-batch of the window (on the model's device already)."""
+    def micro_step(self, next_batch: Callable[[], SequenceBatch]) -> None:
+        """Run the next micro-batch of the window (`next_batch` loads it onto the model's
+        device; a profiled step's time includes the loading)."""
         s = self.state
         if self.timed and self.started is None:
             self.started = time.perf_counter()
+        batch = next_batch()
         self.model.zero_grad(set_to_none=True)
         self.model.set_quant_step(s.step)  # the BitNet warm-up lambda follows the step
         out, loss_sum = self.reduction.add(batch)

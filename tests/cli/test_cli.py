@@ -281,7 +281,9 @@ def test_resume_into_an_incompatible_model_is_refused(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert code == 2
-    assert "does not fit this model" in err and "encoder" in err
+    # refused before the checkpoint is read: a resume keeps the model (config.RESUME_FIXED)
+    assert err.startswith("error: model.n_embd is 32 in the run's config") and "64 here" in err
+    assert "checkpoint.init_from" in err
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
 
 

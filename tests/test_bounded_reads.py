@@ -213,3 +213,90 @@ def test_a_meta_json_or_token_header_that_is_dev_zero_is_refused_at_once(
         'expected {"dtype": '
     )
     assert time.monotonic() - started < QUICK_S
+
+
+# ------------------------------------------------------------------ generate --prompts-file
+PROMPTS_FIX = "write the prompts into a file and give its path (generate reads it twice)"
+
+
+@pytest.mark.timeout(30)
+def test_a_prompts_file_that_is_dev_zero_or_a_fifo_is_refused_at_once(
+    tmp_path: Path, fifo: Path, bounded_memory
+):
+    from bdh_train.completions import read_prompts
+    from bdh_train.data.tokenizer import ByteTokenizer
+
+    started = time.monotonic()
+    for target, kind in ((ZERO, "a character device"), (fifo, "a FIFO (named pipe)")):
+        with pytest.raises(DataError) as refused:
+            read_prompts(target, ByteTokenizer())
+        assert str(refused.value) == (
+            f"the prompts file {target} is {kind}, not a regular file; {PROMPTS_FIX}"
+        )
+    assert time.monotonic() - started < QUICK_S
+
+
+@pytest.mark.timeout(60)
+def test_a_prompts_file_line_over_the_limit_is_refused_with_its_number(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bounded_memory
+):
+    from bdh_train import completions
+    from bdh_train.data.tokenizer import ByteTokenizer
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'{"prompt": "a"}\n' + b" " * (completions.PROMPT_LINE_MAX_BYTES + 1))
+    with pytest.raises(DataError) as refused:
+        completions.read_prompts(prompts, ByteTokenizer())
+    assert str(refused.value) == (
+        f"{prompts}:2: the line is longer than 16 MiB (16777216 bytes), the most a line may hold"
+    )
+    monkeypatch.setattr(completions, "PROMPT_LINE_MAX_BYTES", 16)
+    prompts.write_bytes(b'{"prompt": "ab"}\n{"prompt": "abc"}\n')  # 17 and 18 bytes a line
+    with pytest.raises(DataError, match=r"p\.jsonl:1: the line is longer than 16 bytes"):
+        completions.read_prompts(prompts, ByteTokenizer())
+    monkeypatch.setattr(completions, "PROMPT_LINE_MAX_BYTES", 18)
+    assert [r.ids for r in completions.read_prompts(prompts, ByteTokenizer())] == [
+        [97, 98],
+        [97, 98, 99],
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_a_large_prompts_file_is_checked_and_read_a_line_at_a_time(tmp_path: Path, bounded_memory):
+    """200,000 prompts of 400 characters (80 MB): their records, held at once, would take
+    far more than the 256 MiB `bounded_memory` leaves (a list of 400 ints is 3 KiB), so the
+    check and the generation's read must each hold a line at a time."""
+    import itertools
+    import json
+
+    from bdh_train.completions import read_prompts
+    from bdh_train.data.tokenizer import ByteTokenizer
+
+    n, width = 200_000, 400
+    prompts = tmp_path / "many.jsonl"
+    with open(prompts, "w") as handle:
+        for i in range(n):
+            handle.write(json.dumps({"id": i, "prompt": f"{i:0{width}d}"}) + "\n")
+    records = read_prompts(prompts, ByteTokenizer())
+    assert len(records) == n
+    first = list(itertools.islice(records, 3))
+    assert [r.fields["id"] for r in first] == [0, 1, 2]
+    assert first[2].ids == list(f"{2:0{width}d}".encode())
+    assert sum(1 for _ in records) == n  # read again, whole
+
+
+def test_a_prompts_file_changed_after_its_check_is_refused_before_generating(
+    tmp_path: Path,
+) -> None:
+    from bdh_train.completions import read_prompts
+    from bdh_train.data.tokenizer import ByteTokenizer
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    records = read_prompts(prompts, ByteTokenizer())
+    prompts.write_text('{"prompt": "a"}\n{"prompt": 3}\n')
+    with pytest.raises(DataError) as refused:
+        next(iter(records))
+    assert str(refused.value) == (
+        f"the prompts file {prompts} changed after it was checked; run generate again"
+    )

@@ -236,3 +236,18 @@ def read_lines(
             )
         yield number, line
 
+
+_JSON_KINDS = {
+    type(None): "null",
+    bool: "boolean",
+    int: "number",
+    float: "number",
+    str: "string",
+    list: "array",
+    dict: "object",
+}
+
+
+def json_kind(value: object) -> str:
+    """The JSON name of the type of a value `json.loads` gave ("number", "array"...)."""
+    return _JSON_KINDS[type(value)]

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from helpers import assert_close
+from test_bounded_reads import bounded_memory  # noqa: F401 - a fixture
 from test_cli import MICRO
 
 import bdh_train
@@ -541,6 +542,26 @@ def test_a_prompts_file_that_is_not_utf8_or_missing_is_one_line(run_dir, tmp_pat
         capsys.readouterr()
         assert main(["generate", "--checkpoint", str(run_dir), "--prompts-file", str(path)]) == 2
         assert capsys.readouterr() == ("", f"error: {message}\n")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("bounded_memory")
+def test_a_prompts_file_that_is_dev_zero_is_one_line_at_once(run_dir, capsys):
+    """/dev/zero (a read of it never ends: the whole-file read reached 8.9 GB in 15 s) is
+    refused as what it is, before anything is read or printed (memory bounded: a read
+    without a bound fails fast)."""
+    import time
+
+    capsys.readouterr()
+    started = time.monotonic()
+    argv = ["generate", "--checkpoint", str(run_dir), "--prompts-file", "/dev/zero"]
+    assert main(argv) == 2
+    assert time.monotonic() - started < 60  # the model loads first; the refusal is instant
+    assert capsys.readouterr() == (
+        "",
+        "error: the prompts file /dev/zero is a character device, not a regular file; write "
+        "the prompts into a file and give its path (generate reads it twice)\n",
+    )
 
 
 def test_sampled_completions_follow_the_seed_and_top_k(run_dir, tmp_path, capsys):

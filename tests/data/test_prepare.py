@@ -403,3 +403,43 @@ def test_failed_rename_keeps_the_previous_corpus(
         prepare_corpus([source], out, force=True, val_fraction=0.5, progress=False)
     assert files_of(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "prep"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (lambda meta: meta.write_text('{"format": "bdh-train prep'), "is not valid JSON ("),
+        (lambda meta: meta.unlink(), None),
+        (lambda meta: (meta.unlink(), meta.mkdir()), "is a directory, not a regular file"),
+        (lambda meta: meta.write_text("[1, 2]"), "is not the meta of a bdh-train prepared"),
+    ],
+    ids=["torn", "missing", "a directory", "not its meta"],
+)
+def test_a_prepared_corpus_with_a_damaged_meta_is_one_to_prepare_again(
+    tmp_path: Path, capsys, damage, problem
+) -> None:
+    """A directory holding the prepared layout's training files reads as a damaged prepared
+    corpus, whatever its meta.json is: as data.source (the directory or its train.bin) it is
+    refused with what is wrong and "prepare the corpus again", not read as text; inside a
+    corpus directory it is skipped (tokens, not text); --force replaces it."""
+    source = write_jsonl(tmp_path / "c.jsonl", CORPUS[:6])
+    out = tmp_path / "prep"
+    prepare_corpus([source], out, progress=False)
+    meta = out / META_FILE
+    damage(meta)
+    problem = problem or "No such file or directory"
+    redo = f"prepare the corpus again with `bdh-train prepare ... --out {out} --force`"
+    for name in (out, out / "train.bin"):
+        with pytest.raises(DataError) as refused:
+            load_splits(str(name), 256, 8)
+        message = str(refused.value)
+        assert f"'{meta}'" in message and problem in message and message.endswith(redo)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text, long enough to train on" * 4)
+    out.rename(corpus / "prep")
+    assert bytes(load_tokens(str(corpus)).tokens.tolist()) == (corpus / "a.txt").read_bytes()
+    (corpus / "prep").rename(out)
+    capsys.readouterr()
+    assert main(["prepare", str(source), "--out", str(out), "--quiet", "--force"]) == 0
+    assert load_prepared(out)[0].tokens.size > 0

@@ -2,13 +2,12 @@
 limit the error states (`utils.read_regular_file`): a config file or one it extends, a
 tokenizer, a prepared corpus's meta.json, a token header. /dev/zero (endless) and a FIFO (a
 read waits for a writer) are refused at once with one error line, without filling memory:
-each such test runs under `bounded_memory` and a timeout."""
+each such test runs under `bounded_memory` (conftest.py) and a timeout."""
 
 from __future__ import annotations
 
 import io
 import os
-import resource
 import time
 from pathlib import Path
 
@@ -27,27 +26,8 @@ from bdh_train.errors import ConfigError, DataError
 from bdh_train.utils import read_lines, read_regular_file, size_text
 
 ZERO = Path("/dev/zero")
-HEADROOM = 256 << 20
-"""How much more address space a test under `bounded_memory` may map."""
 QUICK_S = 5.0
 """A refusal takes well under this (a read of /dev/zero fills gigabytes in that time)."""
-
-
-@pytest.fixture
-def bounded_memory():
-    """For the test's duration, mapping more than HEADROOM beyond what the process maps now
-    fails (MemoryError): a read without a bound fails fast instead of filling the machine."""
-    with open("/proc/self/statm") as handle:
-        mapped = int(handle.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = mapped + HEADROOM
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 from helpers import assert_close
-from test_bounded_reads import bounded_memory  # noqa: F401 - a fixture
 from test_cli import MICRO
 
 import bdh_train

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-from test_bounded_reads import bounded_memory  # noqa: F401 - a fixture
 
 from bdh_train.cli import main
 from bdh_train.errors import DataError

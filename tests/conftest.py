@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import os
+import resource
 from pathlib import Path
 
 import pytest
@@ -32,3 +34,24 @@ def single_process_group(tmp_path: Path):
         yield
     finally:
         dist.destroy_process_group()
+
+
+HEADROOM = 256 << 20
+"""How much more address space a test under `bounded_memory` may map."""
+
+
+@pytest.fixture
+def bounded_memory():
+    """For the test's duration, mapping more than HEADROOM beyond what the process maps now
+    fails (MemoryError): a read without a bound fails fast instead of filling the machine."""
+    with open("/proc/self/statm") as handle:
+        mapped = int(handle.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = mapped + HEADROOM
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))

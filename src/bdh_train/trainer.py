@@ -284,13 +284,11 @@ class Trainer:
         return self._finish(checkpoint, last_val)
 
     def _start(self) -> MetricsReporter:
-        """Write the run's tokenizer copy and config, open the metrics, print the banner."""
+        """Open the metrics (a resumed run's rows are checked first), write the run's
+        tokenizer copy and config, print the banner."""
         t, s = self.training, self.state
-        if self.dist.is_main:
-            if self.overwrite:
-                self.run_files.clear()
-            self.tokenizer.save(self.run_dir)  # before the config that names this copy
-            save_config(self.saved_cfg, self.run_files.config)
+        if self.dist.is_main and self.overwrite:
+            self.run_files.clear()
         self.metrics = MetricsReporter(
             self.run_dir,
             self.cfg.metrics,
@@ -301,6 +299,9 @@ class Trainer:
             log_every=t.log_every,
             last_step=t.max_steps,
         )
+        if self.dist.is_main:
+            self.tokenizer.save(self.run_dir)  # before the config that names this copy
+            save_config(self.saved_cfg, self.run_files.config)
         self.metrics.restart_clock(s.tokens)
         lines = [*self.banner().lines(), *self.cfg.notes()]
         if self.resumed_from is not None:

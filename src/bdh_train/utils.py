@@ -1,5 +1,7 @@
 """Small shared helpers: the nearest-name hint, dataclasses built from TOML tables with helpful
-errors, and the one atomic file write (temporary file, fsync, rename)."""
+errors, the one atomic file write (temporary file, fsync, rename), and the one way to read a
+file a user names: only a regular file (`open_regular`), whole up to a size limit
+(`read_regular_file`) or line by line with a limit per line (`read_lines`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import difflib
 import errno
 import importlib
 import os
+import stat
 import sys
 import tempfile
 import types
@@ -15,9 +18,9 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-from bdh_train.errors import ConfigError
+from bdh_train.errors import BDHTrainError, ConfigError
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -150,3 +153,101 @@ def lazy_names(
         return sorted({*vars(sys.modules[package]), *homes})
 
     return __getattr__, __dir__
+
+
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def size_text(n: int) -> str:
+    """A byte count in the largest binary unit that divides it, and in bytes:
+    '1 MiB (1048576 bytes)'; '1000 bytes' when no unit divides it."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit} ({n} bytes)"
+    return f"{n} bytes"
+
+
+_GIVE_A_FILE = "give the path of a file"
+
+
+def open_regular(
+    path: str | os.PathLike[str],
+    what: str,
+    error: type[BDHTrainError],
+    fix: str = _GIVE_A_FILE,
+) -> BinaryIO:
+    """`path` opened for reading in binary mode, or `error` ("WHAT is a character device, not
+    a regular file; FIX") when it is not a regular file: a device such as /dev/zero has no
+    end, a FIFO blocks until something writes to it, a directory has no bytes. An OSError of
+    opening (no such file, no permission) is raised as it is, for the caller to word."""
+    # O_NONBLOCK: opening a FIFO for reading returns at once instead of waiting for a writer;
+    # reads of a regular file never block, with or without it.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a file")
+            raise error(f"{what} is {kind}, not a regular file; {fix}")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular_file(
+    path: str | os.PathLike[str],
+    limit: int,
+    what: str,
+    error: type[BDHTrainError],
+    fix: str | None = None,
+) -> bytes:
+    """The bytes of regular file `path` (`open_regular`), refused with `error` when it has
+    more than `limit` bytes: the size is checked before anything is read, and no more than
+    `limit` + 1 bytes are read of a file that grows meanwhile. `fix`, when given, ends the
+    messages."""
+    with open_regular(path, what, error, fix or _GIVE_A_FILE) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        data = handle.read(limit + 1) if size <= limit else b""
+    if size > limit or len(data) > limit:
+        has = f"has {size} bytes, more" if size > limit else "has more"
+        raise error(f"{what} {has} than the {size_text(limit)} read" + (f"; {fix}" if fix else ""))
+    return data
+
+
+def read_lines(
+    handle: BinaryIO, limit: int, what: str, error: type[BDHTrainError]
+) -> Iterator[tuple[int, bytes]]:
+    """Each line of `handle` (line end included) with its number from 1, refused with
+    `error` ("WHAT:N: the line is longer than ...") at a line of more than `limit` bytes,
+    of which no more than `limit` + 1 bytes are read."""
+    number = 0
+    while line := handle.readline(limit + 1):
+        number += 1
+        if len(line) > limit:
+            raise error(
+                f"{what}:{number}: the line is longer than {size_text(limit)}, the most a line "
+                "may hold"
+            )
+        yield number, line
+
+
+_JSON_KINDS = {
+    type(None): "null",
+    bool: "boolean",
+    int: "number",
+    float: "number",
+    str: "string",
+    list: "array",
+    dict: "object",
+}
+
+
+def json_kind(value: object) -> str:
+    """The JSON name of the type of a value `json.loads` gave ("number", "array"...)."""
+    return _JSON_KINDS[type(value)]

@@ -543,6 +543,26 @@ def test_a_prompts_file_that_is_not_utf8_or_missing_is_one_line(run_dir, tmp_pat
         assert capsys.readouterr() == ("", f"error: {message}\n")
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("bounded_memory")
+def test_a_prompts_file_that_is_dev_zero_is_one_line_at_once(run_dir, capsys):
+    """/dev/zero (a read of it never ends: the whole-file read reached 8.9 GB in 15 s) is
+    refused as what it is, before anything is read or printed (memory bounded: a read
+    without a bound fails fast)."""
+    import time
+
+    capsys.readouterr()
+    started = time.monotonic()
+    argv = ["generate", "--checkpoint", str(run_dir), "--prompts-file", "/dev/zero"]
+    assert main(argv) == 2
+    assert time.monotonic() - started < 60  # the model loads first; the refusal is instant
+    assert capsys.readouterr() == (
+        "",
+        "error: the prompts file /dev/zero is a character device, not a regular file; write "
+        "the prompts into a file and give its path (generate reads it twice)\n",
+    )
+
+
 def test_sampled_completions_follow_the_seed_and_top_k(run_dir, tmp_path, capsys):
     """At temperature 1 the completions are the seed's (the same twice, another seed's
     differ), and --top-k 1 samples the greedy ones."""

@@ -403,3 +403,132 @@ def test_failed_rename_keeps_the_previous_corpus(
         prepare_corpus([source], out, force=True, val_fraction=0.5, progress=False)
     assert files_of(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "prep"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (lambda meta: meta.write_text('{"format": "bdh-train prep'), "is not valid JSON ("),
+        (lambda meta: meta.unlink(), None),
+        (lambda meta: (meta.unlink(), meta.mkdir()), "is a directory, not a regular file"),
+        (lambda meta: meta.write_text("[1, 2]"), "is not the meta of a bdh-train prepared"),
+    ],
+    ids=["torn", "missing", "a directory", "not its meta"],
+)
+def test_a_prepared_corpus_with_a_damaged_meta_is_one_to_prepare_again(
+    tmp_path: Path, capsys, damage, problem
+) -> None:
+    """A directory holding the prepared layout's training files reads as a damaged prepared
+    corpus, whatever its meta.json is: as data.source (the directory or its train.bin) it is
+    refused with what is wrong and "prepare the corpus again", not read as text; inside a
+    corpus directory it is skipped (tokens, not text); --force replaces it."""
+    source = write_jsonl(tmp_path / "c.jsonl", CORPUS[:6])
+    out = tmp_path / "prep"
+    prepare_corpus([source], out, progress=False)
+    meta = out / META_FILE
+    damage(meta)
+    problem = problem or "No such file or directory"
+    redo = f"prepare the corpus again with `bdh-train prepare ... --out {out} --force`"
+    for name in (out, out / "train.bin"):
+        with pytest.raises(DataError) as refused:
+            load_splits(str(name), 256, 8)
+        message = str(refused.value)
+        assert f"'{meta}'" in message and problem in message and message.endswith(redo)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text, long enough to train on" * 4)
+    out.rename(corpus / "prep")
+    assert bytes(load_tokens(str(corpus)).tokens.tolist()) == (corpus / "a.txt").read_bytes()
+    (corpus / "prep").rename(out)
+    capsys.readouterr()
+    assert main(["prepare", str(source), "--out", str(out), "--quiet", "--force"]) == 0
+    assert load_prepared(out)[0].tokens.size > 0
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_prepare_leaves_a_temporary_the_next_removes_and_a_live_one_is_kept(
+    tmp_path: Path, capsys
+) -> None:
+    """A `bdh-train prepare` whose source is a FIFO nothing writes to waits, alive, inside
+    its temporary: another prepare of the same output keeps that temporary (its writer holds
+    a flock on it) and removes one left by a killed writer (no lock: partial data in the
+    files prepare writes). Once the waiting prepare is killed (SIGKILL: nothing of it runs
+    after), the next prepare removes its temporary too. A hidden directory of the same
+    name pattern holding a file prepare never writes is someone else's, and is kept."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    source = write_jsonl(tmp_path / "c.jsonl", CORPUS[:5])
+    out = tmp_path / "prep"
+    blocked = tmp_path / "blocked.txt"
+    os.mkfifo(blocked)
+    writer = subprocess.Popen(
+        [sys.executable, "-m", "bdh_train", "prepare", str(blocked), "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (live := sorted(tmp_path.glob(".prep.tmp-*"))):
+            assert writer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        (live,) = live
+        dead = tmp_path / ".prep.tmp-killed1"  # as a killed prepare leaves it
+        dead.mkdir()
+        (dead / "train.bin").write_bytes(b"\x01\x00" * 100)
+        (dead / "train.idx.raw").write_bytes(bytes(8))
+        (dead / "val.bin").write_bytes(b"")
+        foreign = tmp_path / ".prep.tmp-notes"
+        foreign.mkdir()
+        (foreign / "notes.txt").write_text("mine")
+        capsys.readouterr()
+        assert main(["prepare", str(source), "--out", str(out), "--quiet"]) == 0
+        notice = f"left by a `bdh-train prepare` of '{out}' that did not finish"
+        assert capsys.readouterr().err == f"notice: removed '{dead}', {notice}\n"
+        assert not dead.exists() and live.is_dir() and writer.poll() is None
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait()
+        assert live.is_dir()  # nothing removes it until the next prepare of out
+        assert main(["prepare", str(source), "--out", str(out), "--quiet", "--force"]) == 0
+        assert capsys.readouterr().err == f"notice: removed '{live}', {notice}\n"
+    finally:
+        writer.kill()
+        writer.wait()
+    assert (foreign / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".prep.tmp-notes",
+        "blocked.txt",
+        "c.jsonl",
+        "prep",
+    ]
+    assert load_prepared(out)[0].tokens.size > 0
+
+
+def test_a_temporary_removed_before_its_writer_locks_it_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between creating its temporary and locking it, a prepare may find it removed by
+    another prepare of the same output (which saw it unlocked): it makes a new one."""
+    import fcntl
+    import shutil
+
+    from bdh_train.data import prepared
+
+    source = write_jsonl(tmp_path / "c.jsonl", CORPUS[:5])
+    flock, removed = fcntl.flock, []
+
+    def removed_first(fd: int, operation: int) -> None:
+        if not removed:  # the first temporary, gone before its writer holds it
+            (first,) = tmp_path.glob(".prep.tmp-*")
+            shutil.rmtree(first)
+            removed.append(first)
+        flock(fd, operation)
+
+    monkeypatch.setattr(prepared.fcntl, "flock", removed_first)
+    prepare_corpus([source], tmp_path / "prep", progress=False)
+    assert len(removed) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "prep"]
+    assert load_prepared(tmp_path / "prep")[0].tokens.size > 0

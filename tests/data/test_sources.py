@@ -230,7 +230,8 @@ def test_ids_beyond_header_vocab(tmp_path: Path) -> None:
         ("[" * 100_000 + "]" * 100_000, r"is not valid JSON \(maximum recursion depth"),
         (
             " " * (1 << 20) + '{"dtype": "uint16", "vocab_size": 256}',
-            r"t\.bin\.json' has 1048614 bytes, more than the 1048576 read; expected",
+            r"t\.bin\.json' has 1048614 bytes, more than the 1 MiB \(1048576 bytes\) read; "
+            r"expected",
         ),
     ],
 )

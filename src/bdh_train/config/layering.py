@@ -33,13 +33,23 @@ from bdh_train.config.schema import SECTIONS, RunConfig
 from bdh_train.data.tokenizer import BYTES, load_tokenizer
 from bdh_train.errors import ConfigError
 from bdh_train.train.run_dir import RunDir
-from bdh_train.utils import atomic_write, dataclass_in, renamed_key, suggest
+from bdh_train.utils import (
+    atomic_write,
+    dataclass_in,
+    read_regular_file,
+    renamed_key,
+    suggest,
+)
 
 PRESETS = ("tiny", "small", "pathway")
 DEFAULT_PRESET = "tiny"
 """The preset used when `load_config` gets neither a preset nor a file."""
 EXTENDS_KEY = "extends"
 PRESET_PREFIX = "preset:"
+CONFIG_MAX_BYTES = 1 << 20
+"""The largest config file read: a run's saved config.toml, every key written, has about
+2 KiB, so a larger file is no config, and is not read into memory."""
+_A_TOML_FILE = "give the path of a TOML config file"
 
 
 # --------------------------------------------------------------------------- layering
@@ -91,17 +101,18 @@ class _Layerer:
         return self._layer(key, resource.read_text(encoding="utf-8"), None)
 
     def file(self, path: str | Path, referrer: str | None = None) -> dict[str, Any]:
+        """The layers of config file `path`: a regular file of at most CONFIG_MAX_BYTES."""
         path = Path(path).expanduser()
+        by = f" (extended by {referrer})" if referrer else ""
         try:
             resolved = path.resolve()
-            text = resolved.read_text(encoding="utf-8")
+            text = read_regular_file(
+                resolved, CONFIG_MAX_BYTES, f"config file {path}{by}", ConfigError, _A_TOML_FILE
+            ).decode("utf-8")
         except FileNotFoundError:
-            by = f" (extended by {referrer})" if referrer else ""
             raise ConfigError(f"config file not found: {path}{by}") from None
-        except IsADirectoryError:
-            raise ConfigError(f"config path is a directory, not a TOML file: {path}") from None
         except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+            raise ConfigError(f"cannot read config file {path}{by}: {exc}") from None
         except UnicodeDecodeError as exc:
             raise ConfigError(
                 f"config file {path} is not UTF-8 text (byte {exc.start}: "

@@ -53,10 +53,16 @@ def index_file(split: str) -> str:
 
 
 def is_prepared(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a prepared corpus directory: its meta.json parses as JSON naming
-    `FORMAT_NAME` (any version; `read_meta` checks the rest). A directory that merely holds
-    some other meta.json is not one."""
-    meta = Path(path) / META_FILE
+    """Whether `path` is a prepared corpus directory, whole or damaged: its meta.json parses
+    as JSON naming `FORMAT_NAME` (any version; `read_meta` checks the rest), or it holds the
+    training split's two files (`train.bin` and `train.idx.npy`, a pair only `prepare`
+    writes) whatever its meta.json is (missing, unreadable, not JSON: `read_meta` says so, and
+    that the corpus must be prepared again). A directory that merely holds some other
+    meta.json is not one."""
+    directory = Path(path)
+    if all((directory / name).is_file() for name in (tokens_file("train"), index_file("train"))):
+        return True
+    meta = directory / META_FILE
     if not meta.is_file():
         return False
     try:

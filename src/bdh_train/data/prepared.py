@@ -9,11 +9,15 @@ makes).
 
 The writer streams: pieces of documents are tokenized in batches (`encode_batch`, on the
 tokenizer's thread pool) and appended to the files, into a temporary sibling directory that
-is renamed into place at the end (a failure leaves nothing). Same inputs, same bytes.
+is renamed into place at the end (a failure leaves nothing). The writer holds a `flock` on
+its temporary, which the kernel drops when the writer dies, so the next prepare of the same
+output removes the temporary a killed one left (`remove_abandoned_temporaries`) and never
+one whose writer still runs. Same inputs, same bytes.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -251,7 +255,13 @@ def prepare_corpus(
         (p for p in reversed(out.absolute().parents) if not p.exists()), None
     )  # the first folder this call makes, removed again on failure
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    for left in remove_abandoned_temporaries(out):
+        print(
+            f"notice: removed '{left}', left by a `bdh-train prepare` of '{out}' that did not "
+            "finish",
+            file=sys.stderr,
+        )
+    tmp, lock = _locked_temporary(out)
     try:
         tmp.chmod(0o777 & ~current_umask())
         if train_bpe_vocab is not None:
@@ -284,7 +294,80 @@ def prepare_corpus(
     except BaseException:
         shutil.rmtree(created or tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(lock)
     return meta
+
+
+def _temporary_prefix(out: Path) -> str:
+    return f".{out.name}.tmp-"
+
+
+def _locked_temporary(out: Path) -> tuple[Path, int]:
+    """A new temporary directory beside `out` to write into, and an open descriptor of it
+    that holds an exclusive `flock` on it until closed. The kernel drops the lock when the
+    process dies, however it dies: an unlocked temporary has no writer
+    (`remove_abandoned_temporaries`)."""
+    while True:
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=_temporary_prefix(out)))
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock: the temporary is never removed
+            return tmp, fd
+        try:
+            if os.path.samestat(os.stat(tmp), os.fstat(fd)):
+                return tmp, fd
+        except FileNotFoundError:
+            pass
+        # another prepare took the lock between mkdtemp and flock, and removed the directory
+        os.close(fd)
+
+
+def _holds_only_prepare_files(directory: Path) -> bool:
+    """Whether every entry of `directory` is a regular file named as `prepare_corpus` names
+    what it writes into its temporary (a file of someone else's is never removed)."""
+    names = layout_names() | {f"{split}.idx.raw" for split in SPLITS}
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            written = entry.name in names or (
+                entry.name.startswith(f".{TOKENIZER_FILE}.") and entry.name.endswith(".tmp")
+            )  # atomic_write's temporary of tokenizer.json
+            if not written or not entry.is_file(follow_symlinks=False):
+                return False
+    return True
+
+
+def remove_abandoned_temporaries(out: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary directories that earlier `prepare_corpus` calls for `out` left
+    beside it when they were killed, and return them. A temporary whose writer still runs is
+    kept: the writer holds a `flock` on it (`_locked_temporary`) that the kernel drops only
+    when the writer exits. Also kept: one holding a name `prepare_corpus` does not write, and
+    every one on a file system where `flock` fails."""
+    out = Path(out)
+    prefix = _temporary_prefix(out)
+    try:
+        with os.scandir(out.parent) as found:
+            entries = [e for e in found if e.name.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+    removed = []
+    for entry in entries:
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:  # not a directory, a symbolic link, or gone meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path = Path(entry.path)
+            if os.path.samestat(os.stat(path), os.fstat(fd)) and _holds_only_prepare_files(path):
+                shutil.rmtree(path)
+                removed.append(path)
+        except OSError:  # locked by its live writer (BlockingIOError), no flock, or gone
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _training_texts(files: list[Path], text_field: str, val_fraction: float) -> Iterator[str]:

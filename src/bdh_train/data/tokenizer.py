@@ -22,7 +22,7 @@ import torch
 
 from bdh_train.data.formats import CUT_ANYWHERE, CUT_AT_WHITESPACE
 from bdh_train.errors import DataError
-from bdh_train.utils import atomic_write
+from bdh_train.utils import atomic_write, read_regular_file
 
 TokenIds = Iterable[int] | np.ndarray | torch.Tensor
 """What decode accepts: a list of ints, a 1-D numpy array or a 1-D tensor."""
@@ -36,6 +36,9 @@ EOT_TOKEN = "<|endoftext|>"
 """The end-of-document token `train_bpe` adds."""
 EOT_NAMES = (EOT_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "[EOS]")
 """Special tokens a loaded tokenizer's end-of-document token is recognised by, first match."""
+TOKENIZER_MAX_BYTES = 1 << 28
+"""The largest tokenizer.json read (256 MiB): the largest in common use have about 35 MB
+(vocabularies of 256k ids with their merges)."""
 
 
 class Tokenizer(Protocol):
@@ -165,16 +168,26 @@ class HFTokenizer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> HFTokenizer:
+        """The tokenizer in `path`, a regular file of at most TOKENIZER_MAX_BYTES."""
         from tokenizers import Tokenizer as _HF
 
         path = Path(path)
+        fix = (
+            "give a Hugging Face tokenizer.json (e.g. one written by `bdh-train prepare "
+            "--train-tokenizer bpe`) or 'bytes'"
+        )
         try:
-            return cls(_HF.from_file(str(path)), f"'{path}'")
+            text = read_regular_file(
+                path, TOKENIZER_MAX_BYTES, f"tokenizer '{path}'", DataError, fix
+            ).decode("utf-8")
+        except OSError as exc:
+            raise DataError(f"cannot read tokenizer '{path}': {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise DataError(f"tokenizer '{path}' is not UTF-8 (byte {exc.start}); {fix}") from None
+        try:
+            return cls(_HF.from_str(text), f"'{path}'")
         except Exception as exc:  # the library raises plain Exception on a malformed file
-            raise DataError(
-                f"cannot load tokenizer '{path}': {exc}; give a Hugging Face tokenizer.json "
-                f"(e.g. one written by `bdh-train prepare --train-tokenizer bpe`) or 'bytes'"
-            ) from None
+            raise DataError(f"cannot load tokenizer '{path}': {exc}; {fix}") from None
 
     @classmethod
     def from_json(cls, text: str, source: str) -> HFTokenizer:
@@ -280,7 +293,7 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / TOKENIZER_FILE
-    if not path.is_file():
+    if not path.exists():
         raise DataError(
             f"tokenizer '{spec}' not found: data.tokenizer is 'bytes' or the path of a "
             f"Hugging Face {TOKENIZER_FILE} (or a directory holding one)"

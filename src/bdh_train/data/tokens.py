@@ -21,7 +21,7 @@ import numpy as np
 
 from bdh_train import checks
 from bdh_train.errors import DataError
-from bdh_train.utils import atomic_write
+from bdh_train.utils import atomic_write, read_regular_file
 
 VAL_FRACTION = 0.1
 """The default share held out for validation (`data.val_fraction`, `bdh-train prepare`)."""
@@ -194,15 +194,13 @@ as written, so a larger one is damaged or not one, and is not read into memory."
 
 
 def read_json_file(path: Path, label: str, fix: str) -> object:
-    """The JSON value in `path` (at most JSON_MAX_BYTES); every failure is a DataError that
-    begins with `label` (how the message names the file) and ends with `fix`."""
+    """The JSON value in regular file `path` of at most JSON_MAX_BYTES
+    (`utils.read_regular_file`); every failure is a DataError that names the file as `label`
+    and ends with `fix`."""
     try:
-        size = path.stat().st_size
-        text = path.read_bytes() if size <= JSON_MAX_BYTES else None
+        text = read_regular_file(path, JSON_MAX_BYTES, label, DataError, fix)
     except OSError as exc:
-        raise DataError(f"cannot read {label}: {exc.strerror or exc}") from exc
-    if text is None:
-        raise DataError(f"{label} has {size} bytes, more than the {JSON_MAX_BYTES} read; {fix}")
+        raise DataError(f"cannot read {label}: {exc.strerror or exc}; {fix}") from exc
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, too many digits or levels

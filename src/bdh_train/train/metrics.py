@@ -16,7 +16,7 @@ from bdh_train import checks
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.train.config import every_and_last
 from bdh_train.train.run_dir import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, append_line
-from bdh_train.utils import atomic_write
+from bdh_train.utils import atomic_write, json_kind, open_regular, read_lines
 
 WANDB_MODES = ("offline", "online")
 REPORT_TARGETS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}
@@ -130,10 +130,8 @@ class MetricsLog:
         self.enabled = enabled
         self.dropped_torn_line = False
         if enabled and resume_step is not None and self.path.exists():
-            rows = read_metrics(self.path)
-            lines = [x for x in self.path.read_text(errors="replace").splitlines() if x.strip()]
-            self.dropped_torn_line = len(rows) < len(lines)
-            kept = [r for r in rows if r.get("step", 0) <= resume_step]
+            rows, self.dropped_torn_line = _read_rows(self.path)
+            kept = [r for r in rows if r["step"] <= resume_step]
             with atomic_write(self.path) as handle:
                 for row in kept:
                     handle.write(json.dumps(row) + "\n")
@@ -213,21 +211,70 @@ class MetricsReporter:
             sink.close(failed)
 
 
+METRICS_LINE_MAX_BYTES = 1 << 20
+"""The longest metrics.jsonl line read: a row as written has a few hundred bytes."""
+ROW_EXAMPLE = '{"step": 3, "loss": 2.5}'
+
+
+def row_problem(row: object) -> str | None:
+    """What keeps a parsed JSON value from being a metrics row, or None when it is one: a
+    JSON object whose "step" is a non-negative integer and whose other values are numbers
+    (NaN and Infinity too: a diverged loss is written as NaN), what every reader of the rows
+    (resume, `plot`, `profile`, the backends) relies on."""
+    if not isinstance(row, dict):
+        return f"a JSON {json_kind(row)}, not an object"
+    if "step" not in row:
+        return 'no "step"'
+    step = row["step"]
+    if not checks.is_int(step) or step < 0:
+        shown = step if json_kind(step) == "number" else f"a JSON {json_kind(step)}"
+        return f'"step" is {shown}, not a non-negative integer'
+    for key, value in row.items():
+        if json_kind(value) != "number":
+            return f"{json.dumps(key)} is a JSON {json_kind(value)}, not a number"
+    return None
+
+
+def _read_rows(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """The rows of metrics.jsonl (`read_metrics`), and whether a torn last line was left out."""
+    rows: list[dict[str, Any]] = []
+    torn: tuple[int, str] | None = None  # the first line that is no JSON, and why
+    try:
+        with open_regular(path, str(path), DataError) as handle:
+            for number, line in read_lines(handle, METRICS_LINE_MAX_BYTES, str(path), DataError):
+                if not line.strip():
+                    continue
+                if torn is not None:  # a line after it: that one was no torn last line
+                    break
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, too deep
+                    torn = (number, f"not JSON: {exc}")
+                    continue
+                problem = row_problem(row)
+                if problem is not None:
+                    raise DataError(_bad_line(path, number, problem))
+                rows.append(row)
+            else:
+                return rows, torn is not None
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    assert torn is not None  # the loop breaks only after a line that is no JSON
+    raise DataError(_bad_line(path, *torn))
+
+
+def _bad_line(path: Path, number: int, problem: str) -> str:
+    return (
+        f"{path}:{number}: {problem}; each line is a metrics row such as {ROW_EXAMPLE}: "
+        "correct that line or delete it to go on"
+    )
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of metrics.jsonl; a torn last line (what a full disk or a kill mid-write
-    leaves) is left out. A damaged line before the last is an error naming it."""
-    lines = [line for line in Path(path).read_text(errors="replace").splitlines() if line.strip()]
-    rows = []
-    for number, line in enumerate(lines, 1):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            if number == len(lines):
-                break
-            raise DataError(
-                f"{path} line {number} is not a JSON row ({exc}); delete that line to go on"
-            ) from exc
-    return rows
+    """The rows of metrics.jsonl (a regular file, lines of at most METRICS_LINE_MAX_BYTES),
+    each checked by `row_problem`; a torn last line (what a full disk or a kill mid-write
+    leaves: no JSON) is left out. Any other bad line is a DataError naming it."""
+    return _read_rows(path)[0]
 
 
 def plot_losses(run_dir: Path) -> Path:

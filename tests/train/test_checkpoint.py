@@ -190,7 +190,10 @@ def test_verify_names_each_defect_exactly(tmp_path: Path) -> None:
     assert _verified(tmp_path) == f"checkpoint {tmp_path} has no model.safetensors"
     (tmp_path / ckpt.MODEL_FILE).rmdir()
     (tmp_path / ckpt.MODEL_FILE).write_bytes(b"abc")
-    assert ckpt.verify_checkpoint(tmp_path) is None  # no manifest: an old checkpoint
+    assert _verified(tmp_path) == (  # test_checkpoint_trust.py has v0.1's, the exception
+        f"checkpoint {tmp_path} has no manifest.json and is not one v0.1 wrote (the only kind "
+        "without): it is incomplete or was changed"
+    )
     manifest = tmp_path / ckpt.MANIFEST
     for bad in ([], {"files": []}, {"other": {}}):
         manifest.write_text(json.dumps(bad))

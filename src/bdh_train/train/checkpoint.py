@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from bdh_train import checks
@@ -106,23 +107,90 @@ def _write_manifest(directory: Path) -> None:
     write_json(directory / MANIFEST, {"files": files})
 
 
+_V0_1_FILES = frozenset(
+    {"config.toml", "loader.json", MODEL_FILE, "optimizer.pt", "ranks.pt", "trainer.json"}
+)
+"""The files of a checkpoint written by v0.1 (tests/fixtures/checkpoint_v0_1)."""
+_V0_1_MODEL_KEYS = frozenset(
+    {
+        "chunk_size",
+        "dropout",
+        "executor",
+        "language_head",
+        "mlp_internal_dim_multiplier",
+        "n_embd",
+        "n_head",
+        "n_layer",
+        "norm",
+        "position",
+        "quant",
+        "vocab_size",
+    }
+)
+"""The keys of v0.1's model config (model.safetensors' bdh_config). Every checkpoint written
+since summary memory was merged (074993b) has a manifest and model.summary_memory besides."""
+
+
+def written_by_v0_1(directory: Path) -> bool:
+    """Whether `directory` (which has no manifest) is a checkpoint as v0.1 wrote it, before
+    manifests existed: exactly v0.1's six files and nothing else (no sharded/, no
+    tokenizer.json), and a model config with exactly v0.1's keys, so a checkpoint written
+    since summary memory was merged that lost its manifest is not taken for v0.1's. Its files
+    cannot be checked: v0.1 recorded no checksums."""
+    directory = Path(directory)
+    entries = list(directory.iterdir())
+    if {p.name for p in entries} != _V0_1_FILES or not all(p.is_file() for p in entries):
+        return False
+    try:
+        with safe_open(str(directory / MODEL_FILE), "pt") as handle:
+            config = json.loads((handle.metadata() or {}).get("bdh_config", "null"))
+    except (SafetensorError, OSError, ValueError):
+        return False
+    return isinstance(config, dict) and set(config) == _V0_1_MODEL_KEYS
+
+
+def _listed_files(manifest: Path) -> dict[str, Any]:
+    """The manifest's files table: relative path -> {"sha256", "bytes"}."""
+    data = read_json(manifest)
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{manifest} lists no files")
+    return files
+
+
 def verify_checkpoint(directory: Path) -> None:
-    """Raise CheckpointError unless every file the manifest lists is there, whole and unchanged.
-    Checkpoints written before manifests existed have none and are accepted as they are."""
+    """Raise CheckpointError unless the checkpoint's manifest is readable and lists exactly the
+    files present (model.safetensors among them), each whole and unchanged. A checkpoint
+    without a manifest is damaged, unless it is one v0.1 wrote (`written_by_v0_1`)."""
     directory = Path(directory)
     if not (directory / MODEL_FILE).is_file():
         raise CheckpointError(f"checkpoint {directory} has no {MODEL_FILE}")
     if not (directory / MANIFEST).is_file():
-        return
-    manifest = read_json(directory / MANIFEST)
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict):
-        raise CheckpointError(f"{directory / MANIFEST} lists no files")
-    for name, entry in files.items():
+        if written_by_v0_1(directory):
+            return
+        raise CheckpointError(
+            f"checkpoint {directory} has no {MANIFEST} and is not one v0.1 wrote (the only "
+            "kind without): it is incomplete or was changed"
+        )
+    files = _listed_files(directory / MANIFEST)
+    present = {p.relative_to(directory).as_posix() for p in _checkpoint_files(directory)}
+    present.discard(MANIFEST)
+    missing = sorted(set(files) - present)
+    if missing:
+        raise CheckpointError(f"checkpoint {directory} is missing {missing[0]}")
+    unlisted = sorted(present - set(files))
+    if unlisted:
+        raise CheckpointError(
+            f"checkpoint {directory}: {', '.join(unlisted)} not listed in its {MANIFEST} (the "
+            "checkpoint was changed or the manifest damaged)"
+        )
+    for name, entry in sorted(files.items()):
         path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {directory} is missing {name}")
-        if path.stat().st_size != entry.get("bytes") or _sha256(path) != entry.get("sha256"):
+        if (
+            not isinstance(entry, dict)
+            or path.stat().st_size != entry.get("bytes")
+            or _sha256(path) != entry.get("sha256")
+        ):
             raise CheckpointError(
                 f"checkpoint {directory}: {name} does not match its SHA-256 in {MANIFEST} "
                 "(the file was changed or damaged)"
@@ -342,9 +410,11 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
+    """The JSON in `path`; CheckpointError when it cannot be read, is not UTF-8 (a flipped
+    byte) or not JSON."""
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: UTF-8 and JSON errors
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
 
 

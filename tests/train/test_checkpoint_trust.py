@@ -1,0 +1,214 @@
+"""What a checkpoint may be trusted with: a manifest that is missing, unreadable or does not
+cover every file makes it damaged (except v0.1's, written before manifests)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from bdh_train.cli import main
+from bdh_train.errors import CheckpointError
+from bdh_train.train import checkpoint as ckpt
+
+SETS = [
+    a
+    for o in (
+        "model.n_layer=2",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "model.mlp_internal_dim_multiplier=4",
+        "training.block_size=16",
+        "training.batch_size=4",
+        "training.eval_every=0",
+        "training.checkpoint_every=2",
+        "training.keep_checkpoints=0",
+        "training.max_steps=4",
+    )
+    for a in ("--set", o)
+]
+FIXTURE_V0_1 = Path(__file__).parents[1] / "fixtures" / "checkpoint_v0_1"
+V0_1_CHECKPOINT = FIXTURE_V0_1 / "checkpoints" / "step-0000004-m01"
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def copy_run(base: Path, where: Path) -> Path:
+    shutil.copytree(base, where)
+    (where / ".lock").unlink(missing_ok=True)
+    return where
+
+
+def flip_byte(path: Path, at: int = -1) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished four-step run with checkpoints at steps 2 and 4."""
+    run = tmp_path_factory.mktemp("plain") / "run"
+    assert main(["train", "--run-dir", str(run), *SETS]) == 0
+    return run
+
+
+# ---------------------------------------------------------------- a checkpoint has a manifest
+def test_a_damaged_manifest_is_a_damaged_checkpoint_everywhere(
+    plain_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One flipped byte makes manifest.json invalid UTF-8: train --resume and eval say so in
+    one line, naming the newest intact checkpoint, and --resume-fallback resumes from it."""
+    run = copy_run(plain_run, tmp_path / "run")
+    root = run / "checkpoints"
+    manifest = root / "step-0000004" / ckpt.MANIFEST
+    flip_byte(manifest, 0)  # '{' -> 0x84: not UTF-8
+    assert ckpt.newest_intact_checkpoint(root) == root / "step-0000002"
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--set", "training.max_steps=5"]) == 2
+    line = one_error_line(capsys)
+    assert line == (
+        f"error: cannot read {manifest}: 'utf-8' codec can't decode byte 0x84 in position 0: "
+        f"invalid start byte; the newest intact checkpoint is {root / 'step-0000002'} (resume "
+        "from it with --resume-fallback; generate, eval and export read it as --checkpoint)"
+    )
+    assert main(["eval", "--checkpoint", str(run), "--batches", "1"]) == 2
+    assert one_error_line(capsys) == line
+    assert main(["eval", "--checkpoint", str(root / "step-0000004"), "--batches", "1"]) == 2
+    assert one_error_line(capsys) == line.split("; the newest")[0]
+    fallback = ["--resume", str(run), "--resume-fallback", "--set", "training.max_steps=3"]
+    assert main(["train", *fallback]) == 0
+    assert f"resumed from {root / 'step-0000002'}" in capsys.readouterr().out
+
+
+def test_a_checkpoint_without_its_manifest_is_not_used(
+    plain_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Flipped weights in a checkpoint whose manifest was deleted, or emptied: generate, eval
+    and train --resume refuse it."""
+    run = copy_run(plain_run, tmp_path / "run")
+    checkpoint = run / "checkpoints" / "step-0000004"
+    weights = load_file(str(checkpoint / ckpt.MODEL_FILE))
+    with safe_open(str(checkpoint / ckpt.MODEL_FILE), "pt") as handle:
+        metadata = handle.metadata()
+    save_file({k: -v for k, v in weights.items()}, str(checkpoint / ckpt.MODEL_FILE), metadata)
+    capsys.readouterr()
+    (checkpoint / ckpt.MANIFEST).unlink()
+    missing = (
+        f"error: checkpoint {checkpoint} has no manifest.json and is not one v0.1 wrote (the "
+        "only kind without): it is incomplete or was changed"
+    )
+    greedy = ["--temperature", "0", "--max-new-tokens", "2", "--device", "cpu"]
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", "a", *greedy]) == 2
+    assert one_error_line(capsys) == missing
+    assert main(["eval", "--checkpoint", str(run), "--batches", "1"]) == 2
+    assert one_error_line(capsys).startswith(missing + "; the newest intact checkpoint is ")
+    (checkpoint / ckpt.MANIFEST).write_text(json.dumps({"files": {}}))
+    assert main(["train", "--resume", str(run), "--set", "training.max_steps=5"]) == 2
+    assert one_error_line(capsys).startswith(
+        f"error: checkpoint {checkpoint}: config.toml, loader.json, model.safetensors, "
+        "optimizer.pt, ranks.pt, trainer.json not listed in its manifest.json (the checkpoint "
+        "was changed or the manifest damaged); the newest intact checkpoint is "
+    )
+
+
+def _verified(directory: Path) -> str:
+    with pytest.raises(CheckpointError) as err:
+        ckpt.verify_checkpoint(directory)
+    return str(err.value)
+
+
+def test_the_manifest_must_cover_exactly_the_files_present(tmp_path: Path) -> None:
+    def write(directory: Path) -> None:
+        (directory / ckpt.MODEL_FILE).write_bytes(b"m")
+        (directory / "sub").mkdir()
+        (directory / "sub" / "shard").write_bytes(b"s")
+
+    checkpoint = ckpt.save_checkpoint(tmp_path, "step-0000001", write)
+    manifest = checkpoint / ckpt.MANIFEST
+    listed = json.loads(manifest.read_text())
+    (checkpoint / "sub" / "extra").write_bytes(b"")
+    assert _verified(checkpoint) == (
+        f"checkpoint {checkpoint}: sub/extra not listed in its manifest.json (the checkpoint was "
+        "changed or the manifest damaged)"
+    )
+    (checkpoint / "sub" / "extra").unlink()
+    ckpt.verify_checkpoint(checkpoint)
+    del listed["files"][ckpt.MODEL_FILE]
+    manifest.write_text(json.dumps(listed))
+    assert _verified(checkpoint).startswith(f"checkpoint {checkpoint}: model.safetensors not ")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"o")
+    base = json.loads(manifest.read_text())["files"]
+    for name, entry in (("../../outside", "x"), ("/etc/hostname", {"bytes": 1})):
+        files = {**base, name: entry}
+        manifest.write_text(json.dumps({"files": files}))
+        assert _verified(checkpoint) == f"checkpoint {checkpoint} is missing {name}"
+    whole = ckpt._sha256(checkpoint / ckpt.MODEL_FILE)
+    for entry in (["not", "a", "table"], None, {"sha256": whole}, {"bytes": 1}):
+        files = {
+            ckpt.MODEL_FILE: entry,
+            "sub/shard": {"bytes": 1, "sha256": ckpt._sha256(checkpoint / "sub" / "shard")},
+        }
+        manifest.write_text(json.dumps({"files": files}))
+        assert _verified(checkpoint) == (
+            f"checkpoint {checkpoint}: model.safetensors does not match its SHA-256 in "
+            "manifest.json (the file was changed or damaged)"
+        )
+    manifest.write_bytes(b'{"files": {\xff}}')
+    assert _verified(checkpoint).startswith(f"cannot read {manifest}: 'utf-8' codec can't")
+    manifest.write_text("[" * 100_000)
+    assert _verified(checkpoint).startswith(f"cannot read {manifest}: ")
+
+
+def test_v0_1s_checkpoint_is_the_one_kind_without_a_manifest(tmp_path: Path) -> None:
+    """v0.1's checkpoint (no manifest) is recognised by exactly its six files and its model
+    config's keys; the same directory with anything added, removed or changed is not."""
+    assert ckpt.written_by_v0_1(V0_1_CHECKPOINT)
+    ckpt.verify_checkpoint(V0_1_CHECKPOINT)
+    assert ckpt.resolve_checkpoint(FIXTURE_V0_1) == V0_1_CHECKPOINT
+
+    def variant(name: str) -> Path:
+        copy = tmp_path / name
+        shutil.copytree(V0_1_CHECKPOINT, copy)
+        return copy
+
+    (variant("tokenizer") / "tokenizer.json").write_text("{}")
+    (variant("sharded") / ckpt.SHARDED_DIR).mkdir()
+    (variant("no-ranks") / "ranks.pt").unlink()
+    no_pt = variant("ranks-dir")
+    (no_pt / "ranks.pt").unlink()
+    (no_pt / "ranks.pt").mkdir()
+    newer = variant("summary-memory")  # a later model config whose manifest was removed
+    with safe_open(str(newer / ckpt.MODEL_FILE), "pt") as handle:
+        metadata = handle.metadata()
+    config = json.loads(metadata["bdh_config"])
+    config["summary_memory"] = {"enabled": False}
+    tensors = load_file(str(newer / ckpt.MODEL_FILE))
+    save_file(tensors, str(newer / ckpt.MODEL_FILE), {**metadata, "bdh_config": json.dumps(config)})
+    no_config = variant("no-config")
+    save_file(tensors, str(no_config / ckpt.MODEL_FILE), {"step": "4"})
+    flip_byte(variant("damaged-header") / ckpt.MODEL_FILE, 0)
+    names = (
+        "tokenizer",
+        "sharded",
+        "no-ranks",
+        "ranks-dir",
+        "summary-memory",
+        "no-config",
+        "damaged-header",
+    )
+    for name in names:
+        assert not ckpt.written_by_v0_1(tmp_path / name), name
+        assert "has no manifest.json and is not one v0.1 wrote" in _verified(tmp_path / name)
+    flipped = variant("flipped-weights")  # v0.1 recorded no checksum: this cannot be seen
+    flip_byte(flipped / ckpt.MODEL_FILE)
+    assert ckpt.written_by_v0_1(flipped)

@@ -1,11 +1,14 @@
 """What a checkpoint may be trusted with: a manifest that is missing, unreadable or does not
-cover every file makes it damaged (except v0.1's, written before manifests)."""
+cover every file makes it damaged (except v0.1's, written before manifests), and a missing
+`latest` is the newest checkpoint."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 from safetensors import safe_open
@@ -212,3 +215,60 @@ def test_v0_1s_checkpoint_is_the_one_kind_without_a_manifest(tmp_path: Path) -> 
     flipped = variant("flipped-weights")  # v0.1 recorded no checksum: this cannot be seen
     flip_byte(flipped / ckpt.MODEL_FILE)
     assert ckpt.written_by_v0_1(flipped)
+
+
+# ---------------------------------------------------------------- a missing `latest`
+def test_a_missing_latest_resolves_to_the_newest_checkpoint(
+    plain_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without checkpoints/latest, train --resume and eval take the newest checkpoint; when
+    that one is damaged, the error names the newest intact one and --resume-fallback takes
+    it, as when `latest` names a damaged one."""
+    run = copy_run(plain_run, tmp_path / "run")
+    root = run / "checkpoints"
+    (root / ckpt.LATEST).unlink()
+    for path in (run, root):
+        assert ckpt.resolve_checkpoint(path) == root / "step-0000004"
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--batches", "1"]) == 0
+    damaged = copy_run(run, tmp_path / "damaged")
+    assert main(["train", "--resume", str(run), "--set", "training.max_steps=5"]) == 0
+    assert f"resumed from {root / 'step-0000004'}" in capsys.readouterr().out
+    assert (root / ckpt.LATEST).read_text() == "step-0000005\n"
+
+    root = damaged / "checkpoints"
+    flip_byte(root / "step-0000004" / ckpt.MODEL_FILE)
+    assert main(["train", "--resume", str(damaged), "--set", "training.max_steps=5"]) == 2
+    assert one_error_line(capsys) == (
+        f"error: checkpoint {root / 'step-0000004'}: model.safetensors does not match its "
+        f"SHA-256 in manifest.json (the file was changed or damaged); the newest intact "
+        f"checkpoint is {root / 'step-0000002'} (resume from it with --resume-fallback; "
+        "generate, eval and export read it as --checkpoint)"
+    )
+    assert ckpt.resolve_checkpoint(damaged, fallback=True) == root / "step-0000002"
+    shutil.rmtree(root / "step-0000002")
+    shutil.rmtree(root / "step-0000004")
+    with pytest.raises(CheckpointError, match="no checkpoint found at"):
+        ckpt.resolve_checkpoint(damaged)
+
+
+def test_an_unreadable_latest_is_a_damaged_pointer(tmp_path: Path) -> None:
+    def write(directory: Path) -> None:
+        (directory / ckpt.MODEL_FILE).write_bytes(b"m")
+
+    first = ckpt.save_checkpoint(tmp_path, "step-0000001", write)
+    pointer = tmp_path / "checkpoints" / ckpt.LATEST
+    read_text = Path.read_text
+
+    def refusing(self: Path, *args: Any, **kwargs: Any) -> str:
+        if self == pointer:
+            raise PermissionError(13, "Permission denied")
+        return read_text(self, *args, **kwargs)
+
+    with mock.patch.object(Path, "read_text", refusing), pytest.raises(CheckpointError) as err:
+        ckpt.resolve_checkpoint(tmp_path)
+    assert str(err.value) == (
+        f"cannot read {pointer}: [Errno 13] Permission denied; the newest intact checkpoint is "
+        f"{first} (resume from it with --resume-fallback; generate, eval and export read it as "
+        "--checkpoint)"
+    )

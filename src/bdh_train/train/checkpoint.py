@@ -291,7 +291,10 @@ def prune_checkpoints(root: Path, keep: int) -> None:
 
 def _read_pointer(root: Path) -> Path:
     pointer = root / LATEST
-    name = pointer.read_text(errors="replace").strip()
+    try:
+        name = pointer.read_text(errors="replace").strip()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {pointer}: {exc}") from exc
     if checkpoint_position(name) is None:
         raise CheckpointError(
             f"{pointer} holds {name!r}, not the name of a checkpoint directory inside "
@@ -302,8 +305,9 @@ def _read_pointer(root: Path) -> Path:
 
 def resolve_checkpoint(path: str | Path, fallback: bool = False) -> Path:
     """A run dir (-> its latest checkpoint), a checkpoints/ dir, or a checkpoint dir; verified
-    against its manifest. When `latest` is missing or damaged, the error names the newest
-    intact checkpoint; with `fallback` that one is returned instead."""
+    against its manifest. Without a `latest` pointer the newest checkpoint by step is the
+    latest. When the latest is damaged, or `latest` is unreadable or names no checkpoint, the
+    error names the newest intact checkpoint; with `fallback` that one is returned instead."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
@@ -311,10 +315,12 @@ def resolve_checkpoint(path: str | Path, fallback: bool = False) -> Path:
         verify_checkpoint(path)
         return path
     for root in (path / CHECKPOINTS, path):
-        if not (root / LATEST).is_file():
+        pointer = (root / LATEST).is_file()
+        found = list_checkpoints(root) if root.is_dir() else []
+        if not pointer and not found:
             continue
         try:
-            target = _read_pointer(root)
+            target = _read_pointer(root) if pointer else found[-1]
             if not target.is_dir():
                 raise CheckpointError(f"{root / LATEST} points to {target.name}, which is missing")
             verify_checkpoint(target)

@@ -1,6 +1,6 @@
 """What a checkpoint may be trusted with: a manifest that is missing, unreadable or does not
-cover every file makes it damaged (except v0.1's, written before manifests), and a missing
-`latest` is the newest checkpoint."""
+cover every file makes it damaged (except v0.1's, written before manifests), a missing
+`latest` is the newest checkpoint, and pruning counts only intact checkpoints."""
 
 from __future__ import annotations
 
@@ -272,3 +272,93 @@ def test_an_unreadable_latest_is_a_damaged_pointer(tmp_path: Path) -> None:
         f"{first} (resume from it with --resume-fallback; generate, eval and export read it as "
         "--checkpoint)"
     )
+
+
+# ---------------------------------------------------------------- pruning counts intact ones
+def _save(run: Path, step: int, keep: int = 0, intact: set[str] | None = None) -> Path:
+    def write(directory: Path) -> None:
+        (directory / ckpt.MODEL_FILE).write_bytes(str(step).encode())
+
+    return ckpt.save_checkpoint(run, ckpt.checkpoint_name(step), write, keep, intact=intact)
+
+
+def _names(run: Path) -> list[str]:
+    return [p.name for p in ckpt.list_checkpoints(run / ckpt.CHECKPOINTS)]
+
+
+def test_pruning_counts_only_intact_checkpoints_and_deletes_damaged_ones(tmp_path: Path) -> None:
+    """Checkpoints 2, 4, 6 with 6 damaged (abandoned by --resume-fallback from 4): the save of
+    5 with keep 2 keeps 4 and 5 and deletes 6 and 2; with keep 3 it keeps 2, 4 and 5."""
+    for keep, kept in ((2, [4, 5]), (3, [2, 4, 5])):
+        run = tmp_path / f"keep{keep}"
+        for step in (2, 4, 6):
+            _save(run, step)
+        flip_byte(run / "checkpoints" / "step-0000006" / ckpt.MODEL_FILE)
+        _save(run, 5, keep=keep)
+        assert _names(run) == [ckpt.checkpoint_name(step) for step in kept]
+    run = tmp_path / "latest-damaged"  # `latest` names a damaged one: it stays, uncounted
+    for step in (1, 2, 3):
+        _save(run, step)
+    flip_byte(run / "checkpoints" / "step-0000003" / ckpt.MODEL_FILE)
+    ckpt.prune_checkpoints(run / "checkpoints", keep=1)
+    assert _names(run) == ["step-0000002", "step-0000003"]
+
+
+def test_pruning_leaves_a_checkpoint_it_cannot_read_and_reads_each_once(tmp_path: Path) -> None:
+    """A checkpoint with a file that cannot be read (an I/O error on the weights or on the
+    manifest) is neither counted nor deleted; once readable it is counted. A Checkpointer's
+    own checkpoints are never read again."""
+    for step in (1, 2, 3):
+        _save(tmp_path, step)
+    second = tmp_path / "checkpoints" / "step-0000002"
+    sha256, read_text = ckpt._sha256, Path.read_text
+
+    def failing_sha256(path: Path) -> str:
+        if path == second / ckpt.MODEL_FILE:
+            raise OSError(5, "Input/output error")
+        return sha256(path)
+
+    def failing_read_text(self: Path, *args: Any, **kwargs: Any) -> str:
+        if self == second / ckpt.MANIFEST:
+            raise OSError(5, "Input/output error")
+        return read_text(self, *args, **kwargs)
+
+    for patch in (
+        mock.patch.object(ckpt, "_sha256", failing_sha256),
+        mock.patch.object(Path, "read_text", failing_read_text),
+    ):
+        with patch:
+            ckpt.prune_checkpoints(tmp_path / "checkpoints", keep=2)
+        assert _names(tmp_path) == ["step-0000001", "step-0000002", "step-0000003"]
+    ckpt.prune_checkpoints(tmp_path / "checkpoints", keep=2)
+    assert _names(tmp_path) == ["step-0000002", "step-0000003"]
+    verified: list[str] = []
+    verify = ckpt.verify_checkpoint
+
+    def counting(directory: Path) -> None:
+        verified.append(Path(directory).name)
+        verify(directory)
+
+    intact: set[str] = set()
+    with mock.patch.object(ckpt, "verify_checkpoint", counting):
+        for step in (4, 5, 6):
+            _save(tmp_path, step, keep=3, intact=intact)
+    assert verified == ["step-0000003", "step-0000002"]  # the ones written here are known
+    assert _names(tmp_path) == ["step-0000004", "step-0000005", "step-0000006"]
+    assert intact == {f"step-000000{n}" for n in (2, 3, 4, 5, 6)}
+
+
+def test_resume_fallback_then_pruning_keeps_the_intact_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """keep_checkpoints = 2: after a --resume-fallback past a damaged newest checkpoint (6) to
+    step 4 and a run to step 5, the checkpoints are 4 and 5, not the damaged 6 and 5."""
+    run = tmp_path / "run"
+    keep = ["--set", "training.keep_checkpoints=2", "--set", "training.max_steps=6"]
+    assert main(["train", "--run-dir", str(run), *SETS, *keep]) == 0
+    assert _names(run) == ["step-0000004", "step-0000006"]
+    flip_byte(run / "checkpoints" / "step-0000006" / ckpt.MODEL_FILE)
+    fallback = ["--resume", str(run), "--resume-fallback", "--set", "training.max_steps=5"]
+    assert main(["train", *fallback]) == 0
+    assert f"resumed from {run / 'checkpoints' / 'step-0000004'}" in capsys.readouterr().out
+    assert _names(run) == ["step-0000004", "step-0000005"]

@@ -222,6 +222,7 @@ def save_checkpoint(
     keep: int = 0,
     before_rename: Callable[[Path], None] | None = None,
     tmp: Path | None = None,
+    intact: set[str] | None = None,
 ) -> Path:
     """Call `write(tmp_dir)` to fill a fresh directory, add its manifest, then publish it.
 
@@ -231,6 +232,8 @@ def save_checkpoint(
     `before_rename` is a test seam: it runs between the complete temporary write and the
     rename, which is where a crash must not damage anything. `tmp` is a temporary directory
     from `make_temp_dir` that other processes have already written into (DCP shards).
+    `intact`: the names of checkpoints known intact, for pruning (`prune_checkpoints`); the
+    new one is added.
     """
     root = Path(run_dir) / CHECKPOINTS
     final = root / name
@@ -259,8 +262,10 @@ def save_checkpoint(
         handle.write(final.name + "\n")
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    if intact is not None:
+        intact.add(final.name)
     if keep > 0:
-        prune_checkpoints(root, keep)
+        prune_checkpoints(root, keep, intact)
     return final
 
 
@@ -279,14 +284,41 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: checkpoint_position(p.name) or (0, 0))
 
 
-def prune_checkpoints(root: Path, keep: int) -> None:
-    """Keep the newest `keep` checkpoints by step; never delete the one `latest` names (the
-    one just written, or an older one a user pointed it back to)."""
-    pointer = Path(root) / LATEST
-    protected = pointer.read_text().strip() if pointer.is_file() else None
-    for old in list_checkpoints(root)[:-keep]:
-        if old.name != protected:
-            shutil.rmtree(old, ignore_errors=True)
+def prune_checkpoints(root: Path, keep: int, intact: set[str] | None = None) -> None:
+    """Keep the newest `keep` intact checkpoints by step and delete the others, damaged ones
+    included: only intact checkpoints count toward `keep`, so a damaged one (e.g. the newest,
+    abandoned by --resume-fallback) never stays while an intact one goes. A checkpoint whose
+    files cannot be read (an OSError) is left alone and not counted. The one `latest` names
+    (the one just written, or an older one a user pointed it back to) is never deleted.
+
+    `intact`: names of checkpoints known intact (written or verified by this process), which
+    are not read again; those verified here are added."""
+    root = Path(root)
+    known = intact if intact is not None else set()
+    pointer = root / LATEST
+    protected = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+    kept = 0
+    for checkpoint in reversed(list_checkpoints(root)):
+        whole = _intact(checkpoint, known) if kept < keep else False
+        if whole:
+            kept += 1
+        elif whole is False and checkpoint.name != protected:
+            shutil.rmtree(checkpoint, ignore_errors=True)
+
+
+def _intact(checkpoint: Path, known: set[str]) -> bool | None:
+    """Whether `checkpoint` verifies (`verify_checkpoint`); None when a file of it cannot be
+    read (an OSError, which read_json turns into a CheckpointError for the manifest)."""
+    if checkpoint.name in known:
+        return True
+    try:
+        verify_checkpoint(checkpoint)
+    except CheckpointError as exc:
+        return None if isinstance(exc.__cause__, OSError) else False
+    except OSError:
+        return None
+    known.add(checkpoint.name)
+    return True
 
 
 def _read_pointer(root: Path) -> Path:
@@ -587,6 +619,8 @@ class Checkpointer:
         self.run_dir = Path(run_dir)
         self.keep = keep
         self.is_main = is_main
+        self.intact: set[str] = set()
+        """Names of this run's checkpoints this process wrote or verified (for pruning)."""
         if is_main:
             recover_checkpoints(self.run_dir / CHECKPOINTS)
 
@@ -619,7 +653,9 @@ class Checkpointer:
                     where = self.run_dir / CHECKPOINTS / name / file
                     raise CheckpointWriteError(self.run_dir, where, exc) from exc
 
-        return save_checkpoint(self.run_dir, name, write, self.keep, before_rename, tmp)
+        return save_checkpoint(
+            self.run_dir, name, write, self.keep, before_rename, tmp, self.intact
+        )
 
     def _shared_temp_dir(self, name: str) -> Path:
         """The main process makes the temporary directory and tells the others its path."""
@@ -644,6 +680,8 @@ class Checkpointer:
         sharded: ShardedState | None = None,
     ) -> None:
         verify_checkpoint(directory)
+        if Path(directory).parent == self.run_dir / CHECKPOINTS:
+            self.intact.add(Path(directory).name)
         for file, part in parts.items():
             state = _read_part(directory / file)
             try:

@@ -1,16 +1,21 @@
-"""What a checkpoint may be trusted with: a manifest that is missing, unreadable or does not
+"""What a checkpoint may be trusted with: nothing in one runs code (DCP's metadata and
+non-tensor items, optimizer.pt, ranks.pt), a manifest that is missing, unreadable or does not
 cover every file makes it damaged (except v0.1's, written before manifests), a missing
 `latest` is the newest checkpoint, and pruning counts only intact checkpoints."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -62,6 +67,141 @@ def plain_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("plain") / "run"
     assert main(["train", "--run-dir", str(run), *SETS]) == 0
     return run
+
+
+# ---------------------------------------------------------------- nothing in a checkpoint runs
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished two-step run of one process with parallel.shard = 'fsdp' (DCP's layout)."""
+    run = tmp_path_factory.mktemp("sharded") / "run"
+    sets = [*SETS, "--set", "training.max_steps=2", "--set", "parallel.shard=fsdp"]
+    assert main(["train", "--run-dir", str(run), *sets]) == 0
+    return run
+
+
+class _Payload:
+    """Unpickling it calls open(marker, 'w'): the marker file is proof that code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.marker), "w"))
+
+
+def _poison_metadata(sharded: Path, marker: Path, inside: bool) -> None:
+    """.metadata as the payload itself, or as the real metadata carrying it."""
+    if inside:
+        metadata = pickle.loads((sharded / ckpt.DCP_METADATA).read_bytes())  # written here
+        metadata.planner_data["extra"] = _Payload(marker)
+        (sharded / ckpt.DCP_METADATA).write_bytes(pickle.dumps(metadata))
+    else:
+        (sharded / ckpt.DCP_METADATA).write_bytes(pickle.dumps(_Payload(marker)))
+
+
+def _poison_byte_item(sharded: Path, marker: Path) -> None:
+    """The optimizer's lr (a non-tensor item DCP stores pickled) replaced by the payload: the
+    payload appended to the data file and the metadata pointed at it."""
+    metadata = pickle.loads((sharded / ckpt.DCP_METADATA).read_bytes())  # written here
+    key = next(k for k in metadata.storage_data if k.fqn == "optimizer.param_groups.0.lr")
+    info = metadata.storage_data[key]
+    buffer = io.BytesIO()
+    torch.save(_Payload(marker), buffer)
+    data = sharded / info.relative_path
+    info.offset, info.length = data.stat().st_size, len(buffer.getvalue())
+    with open(data, "ab") as handle:
+        handle.write(buffer.getvalue())
+    (sharded / ckpt.DCP_METADATA).write_bytes(pickle.dumps(metadata))
+
+
+def _poison_torch_file(checkpoint: Path, name: str, marker: Path) -> None:
+    torch.save({"state": {}, "param_groups": [_Payload(marker)]}, checkpoint / name)
+
+
+@pytest.mark.parametrize(
+    "where, expected",
+    [
+        ("metadata", "sharded/.metadata (it names io.open, which DCP metadata never holds); "),
+        ("metadata-inside", "sharded/.metadata (it names io.open, which DCP metadata never "),
+        ("byte-item", "cannot read optimizer.param_groups.0.lr of the sharded state "),
+        ("optimizer.pt", "optimizer.pt (Weights only load failed."),
+        ("ranks.pt", "ranks.pt (Weights only load failed."),
+    ],
+    ids=["metadata", "metadata-inside", "byte-item", "optimizer.pt", "ranks.pt"],
+)
+def test_a_payload_in_any_checkpoint_file_runs_nothing_on_resume(
+    plain_run: Path,
+    sharded_run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    where: str,
+    expected: str,
+) -> None:
+    """A pickle payload that would create a file, in each file a resume unpickles, with the
+    manifest re-signed (so the checksums pass): the resume refuses it in one error line and
+    the file is never created. model.safetensors and the JSON files hold no code."""
+    marker = tmp_path / "ran"
+    sharded = where in ("metadata", "metadata-inside", "byte-item")
+    run = copy_run(sharded_run if sharded else plain_run, tmp_path / "run")
+    checkpoint = ckpt.resolve_checkpoint(run)
+    if where.startswith("metadata"):
+        _poison_metadata(checkpoint / ckpt.SHARDED_DIR, marker, where == "metadata-inside")
+    elif where == "byte-item":
+        _poison_byte_item(checkpoint / ckpt.SHARDED_DIR, marker)
+    else:
+        _poison_torch_file(checkpoint, where, marker)
+    ckpt._write_manifest(checkpoint)
+    ckpt.verify_checkpoint(checkpoint)
+    capsys.readouterr()
+    status = main(["train", "--resume", str(run), "--set", "training.max_steps=5"])
+    assert not marker.exists()
+    assert status == 2
+    line = one_error_line(capsys)
+    assert expected in line and str(checkpoint) in line, line
+    assert line.endswith("resume from another checkpoint"), line
+
+
+def test_the_metadata_unpickler_takes_only_dcp_metadata(sharded_run: Path, tmp_path: Path) -> None:
+    """The real metadata reads back equal to what pickle reads; one that is not metadata, or
+    whose data files are not plain names beside it, is refused; an unreadable one is named."""
+    sharded = ckpt.resolve_checkpoint(sharded_run) / ckpt.SHARDED_DIR
+    metadata = ckpt.read_dcp_metadata(sharded)
+    assert metadata == pickle.loads((sharded / ckpt.DCP_METADATA).read_bytes())
+    assert {info.relative_path for info in metadata.storage_data.values()} == {"__0_0.distcp"}
+    copy = tmp_path / "sharded"
+    shutil.copytree(sharded, copy)
+    refused = (
+        f"{copy / '.metadata'} is not DCP metadata of the files beside it; it is damaged or was "
+        "changed: resume from another checkpoint"
+    )
+    for name in ("../__0_0.distcp", "sub/__0_0.distcp", "..", ""):
+        for info in metadata.storage_data.values():
+            info.relative_path = name
+        (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+        with pytest.raises(CheckpointError) as err:
+            ckpt.read_dcp_metadata(copy)
+        assert str(err.value) == refused
+    (copy / ".metadata").write_bytes(pickle.dumps({"storage_data": {}}))
+    with pytest.raises(CheckpointError) as err:
+        ckpt.read_dcp_metadata(copy)
+    assert str(err.value) == refused
+    (copy / ".metadata").write_bytes(pickle.dumps(torch.float16))  # an allowed class alone
+    with pytest.raises(CheckpointError) as err:
+        ckpt.read_dcp_metadata(copy)
+    assert str(err.value) == refused
+    for other in (os.system, torch.load, shutil.rmtree):
+        (copy / ".metadata").write_bytes(pickle.dumps(other))
+        with pytest.raises(CheckpointError) as err:
+            ckpt.read_dcp_metadata(copy)
+        name = f"{other.__module__}.{other.__qualname__}"
+        assert f"(it names {name}, which DCP metadata never holds)" in str(err.value)
+    (copy / ".metadata").write_bytes(b"\x80\x04truncated")
+    with pytest.raises(CheckpointError, match=r"\.metadata \(.*\); it is damaged or was changed"):
+        ckpt.read_dcp_metadata(copy)
+    (copy / ".metadata").unlink()
+    with pytest.raises(CheckpointError) as err:
+        ckpt.read_dcp_metadata(copy)
+    assert str(err.value).startswith(f"cannot read {copy / '.metadata'}: [Errno 2] ")
 
 
 # ---------------------------------------------------------------- a checkpoint has a manifest

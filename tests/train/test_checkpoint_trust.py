@@ -1,7 +1,8 @@
 """What a checkpoint may be trusted with: nothing in one runs code (DCP's metadata and
 non-tensor items, optimizer.pt, ranks.pt), a manifest that is missing, unreadable or does not
 cover every file makes it damaged (except v0.1's, written before manifests), a missing
-`latest` is the newest checkpoint, and pruning counts only intact checkpoints."""
+`latest` is the newest checkpoint, pruning counts only intact checkpoints, and every file
+follows the umask."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import pickle
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -502,3 +504,45 @@ def test_resume_fallback_then_pruning_keeps_the_intact_checkpoints(
     assert main(["train", *fallback]) == 0
     assert f"resumed from {run / 'checkpoints' / 'step-0000004'}" in capsys.readouterr().out
     assert _names(run) == ["step-0000004", "step-0000005"]
+
+
+# ---------------------------------------------------------------- modes
+def test_every_checkpoint_file_follows_the_umask(tmp_path: Path) -> None:
+    """model.safetensors (which safetensors creates 0o600), the other parts, the manifest and
+    DCP's shards all get 0o666 less the umask, as open() gives."""
+    from bdh_train.train.state import SavedText, TrainerState
+
+    model = torch.nn.Linear(2, 3)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    parts: dict[str, Any] = {
+        "trainer.json": TrainerState(),
+        ckpt.MODEL_FILE: ckpt.ModelWeights(model, dict),
+        "optimizer.pt": optimizer,
+        "config.toml": SavedText("a = 1\n"),
+    }
+    old = os.umask(0o027)
+    try:
+        final = ckpt.Checkpointer(tmp_path).save(
+            "step-0000001", parts, sharded=ckpt.ShardedState(model, optimizer)
+        )
+    finally:
+        os.umask(old)
+    assert final is not None
+    modes = {
+        p.relative_to(final).as_posix(): stat.S_IMODE(p.stat().st_mode)
+        for p in ckpt._checkpoint_files(final)
+    }
+    assert modes == {
+        name: 0o640
+        for name in (
+            "config.toml",
+            ckpt.MANIFEST,
+            ckpt.MODEL_FILE,
+            "optimizer.pt",
+            "sharded/.metadata",
+            "sharded/__0_0.distcp",
+            "trainer.json",
+        )
+    }

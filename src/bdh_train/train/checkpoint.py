@@ -716,6 +716,7 @@ def _write_part(path: Path, state: Any) -> None:
     elif path.suffix == ".safetensors":
         tensors, metadata = state
         save_file(tensors, str(path), metadata=metadata)
+        os.chmod(path, 0o666 & ~current_umask())  # safetensors creates it 0o600
     else:
         raise ValueError(f"no checkpoint format for {path.name}")
 

@@ -23,7 +23,9 @@ import random
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -545,7 +547,8 @@ class ShardedState:
     def save(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._template(), checkpoint_id=str(directory), no_dist=_one_process())
+        with _one_process_quietly():
+            dcp.save(self._template(), checkpoint_id=str(directory), no_dist=_one_process())
 
     def load(self, directory: Path) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -677,7 +680,8 @@ def _dcp_load(state: dict[str, Any], directory: Path) -> None:
             copy.seek(0)
             super().load_bytes(read_item, copy)
 
-    dcp.load(state, storage_reader=Reader(directory), planner=Planner(), no_dist=_one_process())
+    with _one_process_quietly():
+        dcp.load(state, storage_reader=Reader(directory), planner=Planner(), no_dist=_one_process())
 
 
 def _dcp_failure(exc: BaseException) -> BaseException:
@@ -697,6 +701,15 @@ def _dcp_errors() -> tuple[type[BaseException], ...]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     return (Exception, CheckpointException)
+
+
+@contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """Without DCP's UserWarning that it assumes one process, which it gives on every save and
+    load without a process group: `_one_process()` told it so (no_dist)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def _one_process() -> bool:

@@ -442,6 +442,8 @@ def test_pruning_counts_only_intact_checkpoints_and_deletes_damaged_ones(tmp_pat
     for step in (1, 2, 3):
         _save(run, step)
     flip_byte(run / "checkpoints" / "step-0000003" / ckpt.MODEL_FILE)
+    ckpt.prune_checkpoints(run / "checkpoints", keep=0)  # keeps all
+    assert _names(run) == ["step-0000001", "step-0000002", "step-0000003"]
     ckpt.prune_checkpoints(run / "checkpoints", keep=1)
     assert _names(run) == ["step-0000002", "step-0000003"]
 

@@ -293,10 +293,13 @@ def prune_checkpoints(root: Path, keep: int, intact: set[str] | None = None) -> 
     included: only intact checkpoints count toward `keep`, so a damaged one (e.g. the newest,
     abandoned by --resume-fallback) never stays while an intact one goes. A checkpoint whose
     files cannot be read (an OSError) is left alone and not counted. The one `latest` names
-    (the one just written, or an older one a user pointed it back to) is never deleted.
+    (the one just written, or an older one a user pointed it back to) is never deleted. A
+    `keep` of 0 keeps all.
 
     `intact`: names of checkpoints known intact (written or verified by this process), which
     are not read again; those verified here are added."""
+    if keep <= 0:
+        return
     root = Path(root)
     known = intact if intact is not None else set()
     pointer = root / LATEST

@@ -16,6 +16,7 @@ from test_cli import MICRO
 import bdh_train
 from bdh_train.cli import COMMANDS, build_parser, main
 from bdh_train.cli.args import DEVICES
+from bdh_train.train import checkpoint as ckpt
 
 
 def test_the_cli_and_its_help_import_no_torch():
@@ -189,8 +190,10 @@ def test_a_chat_line_that_is_not_utf8_is_one_line(run_dir, capsys, monkeypatch):
 
 
 def test_a_checkpoint_whose_weights_are_not_safetensors_is_one_line(tmp_path, capsys):
-    """A directory holding a damaged model.safetensors and no manifest to verify it by."""
+    """A directory holding a model.safetensors that is not one, under a manifest that matches
+    it (without a manifest it is refused before it is read: tests/train/test_checkpoint_trust)."""
     (tmp_path / "model.safetensors").write_bytes(b"garbage\n")
+    ckpt._write_manifest(tmp_path)
     assert main(["generate", "--checkpoint", str(tmp_path), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot read {tmp_path / 'model.safetensors'}: ")

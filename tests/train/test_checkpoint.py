@@ -11,6 +11,7 @@ import random
 import shutil
 import stat
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -190,7 +191,10 @@ def test_verify_names_each_defect_exactly(tmp_path: Path) -> None:
     assert _verified(tmp_path) == f"checkpoint {tmp_path} has no model.safetensors"
     (tmp_path / ckpt.MODEL_FILE).rmdir()
     (tmp_path / ckpt.MODEL_FILE).write_bytes(b"abc")
-    assert ckpt.verify_checkpoint(tmp_path) is None  # no manifest: an old checkpoint
+    assert _verified(tmp_path) == (  # test_checkpoint_trust.py has v0.1's, the exception
+        f"checkpoint {tmp_path} has no manifest.json and is not one v0.1 wrote (the only kind "
+        "without): it is incomplete or was changed"
+    )
     manifest = tmp_path / ckpt.MANIFEST
     for bad in ([], {"files": []}, {"other": {}}):
         manifest.write_text(json.dumps(bad))
@@ -611,6 +615,24 @@ def test_a_sharded_state_round_trips_in_one_process(tmp_path: Path) -> None:
     copying = _CopyingLinear(2, 3)  # its state dict is a copy: set_state_dict writes it back
     ckpt.ShardedState(copying, torch.optim.Adam(copying.parameters())).load(final / "sharded")
     assert torch.equal(copying.weight, model.weight)
+
+
+def test_a_sharded_state_saves_and_loads_in_one_process_without_warnings(tmp_path: Path) -> None:
+    """DCP warns on every save and load without a process group; the CLI's stderr would carry
+    two lines per resume of a one-process sharded run."""
+    model = _linear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        saver = ckpt.Checkpointer(tmp_path)
+        sharded = ckpt.ShardedState(model, _adam(model))
+        final = saver.save("step-0000001", {ckpt.MODEL_FILE: _Part(({}, {}))}, sharded=sharded)
+        assert final is not None
+        fresh = torch.nn.Linear(2, 3)
+        saver.load(
+            final, {}, sharded=ckpt.ShardedState(fresh, torch.optim.Adam(fresh.parameters()))
+        )
+    assert [str(w.message) for w in seen] == []
+    assert torch.equal(fresh.weight, model.weight)
 
 
 def test_a_failed_sharded_save_names_the_shards_and_removes_the_temporary(

@@ -15,19 +15,24 @@ reshards on load, so any number of processes (sharded or not) resumes it.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from bdh_train import checks
@@ -106,23 +111,90 @@ def _write_manifest(directory: Path) -> None:
     write_json(directory / MANIFEST, {"files": files})
 
 
+_V0_1_FILES = frozenset(
+    {"config.toml", "loader.json", MODEL_FILE, "optimizer.pt", "ranks.pt", "trainer.json"}
+)
+"""The files of a checkpoint written by v0.1 (tests/fixtures/checkpoint_v0_1)."""
+_V0_1_MODEL_KEYS = frozenset(
+    {
+        "chunk_size",
+        "dropout",
+        "executor",
+        "language_head",
+        "mlp_internal_dim_multiplier",
+        "n_embd",
+        "n_head",
+        "n_layer",
+        "norm",
+        "position",
+        "quant",
+        "vocab_size",
+    }
+)
+"""The keys of v0.1's model config (model.safetensors' bdh_config). Every checkpoint written
+since summary memory was merged (074993b) has a manifest and model.summary_memory besides."""
+
+
+def written_by_v0_1(directory: Path) -> bool:
+    """Whether `directory` (which has no manifest) is a checkpoint as v0.1 wrote it, before
+    manifests existed: exactly v0.1's six files and nothing else (no sharded/, no
+    tokenizer.json), and a model config with exactly v0.1's keys, so a checkpoint written
+    since summary memory was merged that lost its manifest is not taken for v0.1's. Its files
+    cannot be checked: v0.1 recorded no checksums."""
+    directory = Path(directory)
+    entries = list(directory.iterdir())
+    if {p.name for p in entries} != _V0_1_FILES or not all(p.is_file() for p in entries):
+        return False
+    try:
+        with safe_open(str(directory / MODEL_FILE), "pt") as handle:
+            config = json.loads((handle.metadata() or {}).get("bdh_config", "null"))
+    except (SafetensorError, OSError, ValueError):
+        return False
+    return isinstance(config, dict) and set(config) == _V0_1_MODEL_KEYS
+
+
+def _listed_files(manifest: Path) -> dict[str, Any]:
+    """The manifest's files table: relative path -> {"sha256", "bytes"}."""
+    data = read_json(manifest)
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{manifest} lists no files")
+    return files
+
+
 def verify_checkpoint(directory: Path) -> None:
-    """Raise CheckpointError unless every file the manifest lists is there, whole and unchanged.
-    Checkpoints written before manifests existed have none and are accepted as they are."""
+    """Raise CheckpointError unless the checkpoint's manifest is readable and lists exactly the
+    files present (model.safetensors among them), each whole and unchanged. A checkpoint
+    without a manifest is damaged, unless it is one v0.1 wrote (`written_by_v0_1`)."""
     directory = Path(directory)
     if not (directory / MODEL_FILE).is_file():
         raise CheckpointError(f"checkpoint {directory} has no {MODEL_FILE}")
     if not (directory / MANIFEST).is_file():
-        return
-    manifest = read_json(directory / MANIFEST)
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict):
-        raise CheckpointError(f"{directory / MANIFEST} lists no files")
-    for name, entry in files.items():
+        if written_by_v0_1(directory):
+            return
+        raise CheckpointError(
+            f"checkpoint {directory} has no {MANIFEST} and is not one v0.1 wrote (the only "
+            "kind without): it is incomplete or was changed"
+        )
+    files = _listed_files(directory / MANIFEST)
+    present = {p.relative_to(directory).as_posix() for p in _checkpoint_files(directory)}
+    present.discard(MANIFEST)
+    missing = sorted(set(files) - present)
+    if missing:
+        raise CheckpointError(f"checkpoint {directory} is missing {missing[0]}")
+    unlisted = sorted(present - set(files))
+    if unlisted:
+        raise CheckpointError(
+            f"checkpoint {directory}: {', '.join(unlisted)} not listed in its {MANIFEST} (the "
+            "checkpoint was changed or the manifest damaged)"
+        )
+    for name, entry in sorted(files.items()):
         path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {directory} is missing {name}")
-        if path.stat().st_size != entry.get("bytes") or _sha256(path) != entry.get("sha256"):
+        if (
+            not isinstance(entry, dict)
+            or path.stat().st_size != entry.get("bytes")
+            or _sha256(path) != entry.get("sha256")
+        ):
             raise CheckpointError(
                 f"checkpoint {directory}: {name} does not match its SHA-256 in {MANIFEST} "
                 "(the file was changed or damaged)"
@@ -154,6 +226,7 @@ def save_checkpoint(
     keep: int = 0,
     before_rename: Callable[[Path], None] | None = None,
     tmp: Path | None = None,
+    intact: set[str] | None = None,
 ) -> Path:
     """Call `write(tmp_dir)` to fill a fresh directory, add its manifest, then publish it.
 
@@ -163,6 +236,8 @@ def save_checkpoint(
     `before_rename` is a test seam: it runs between the complete temporary write and the
     rename, which is where a crash must not damage anything. `tmp` is a temporary directory
     from `make_temp_dir` that other processes have already written into (DCP shards).
+    `intact`: the names of checkpoints known intact, for pruning (`prune_checkpoints`); the
+    new one is added.
     """
     root = Path(run_dir) / CHECKPOINTS
     final = root / name
@@ -191,8 +266,10 @@ def save_checkpoint(
         handle.write(final.name + "\n")
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    if intact is not None:
+        intact.add(final.name)
     if keep > 0:
-        prune_checkpoints(root, keep)
+        prune_checkpoints(root, keep, intact)
     return final
 
 
@@ -211,19 +288,52 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: checkpoint_position(p.name) or (0, 0))
 
 
-def prune_checkpoints(root: Path, keep: int) -> None:
-    """Keep the newest `keep` checkpoints by step; never delete the one `latest` names (the
-    one just written, or an older one a user pointed it back to)."""
-    pointer = Path(root) / LATEST
-    protected = pointer.read_text().strip() if pointer.is_file() else None
-    for old in list_checkpoints(root)[:-keep]:
-        if old.name != protected:
-            shutil.rmtree(old, ignore_errors=True)
+def prune_checkpoints(root: Path, keep: int, intact: set[str] | None = None) -> None:
+    """Keep the newest `keep` intact checkpoints by step and delete the others, damaged ones
+    included: only intact checkpoints count toward `keep`, so a damaged one (e.g. the newest,
+    abandoned by --resume-fallback) never stays while an intact one goes. A checkpoint whose
+    files cannot be read (an OSError) is left alone and not counted. The one `latest` names
+    (the one just written, or an older one a user pointed it back to) is never deleted. A
+    `keep` of 0 keeps all.
+
+    `intact`: names of checkpoints known intact (written or verified by this process), which
+    are not read again; those verified here are added."""
+    if keep <= 0:
+        return
+    root = Path(root)
+    known = intact if intact is not None else set()
+    pointer = root / LATEST
+    protected = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+    kept = 0
+    for checkpoint in reversed(list_checkpoints(root)):
+        whole = _intact(checkpoint, known) if kept < keep else False
+        if whole:
+            kept += 1
+        elif whole is False and checkpoint.name != protected:
+            shutil.rmtree(checkpoint, ignore_errors=True)
+
+
+def _intact(checkpoint: Path, known: set[str]) -> bool | None:
+    """Whether `checkpoint` verifies (`verify_checkpoint`); None when a file of it cannot be
+    read (an OSError, which read_json turns into a CheckpointError for the manifest)."""
+    if checkpoint.name in known:
+        return True
+    try:
+        verify_checkpoint(checkpoint)
+    except CheckpointError as exc:
+        return None if isinstance(exc.__cause__, OSError) else False
+    except OSError:
+        return None
+    known.add(checkpoint.name)
+    return True
 
 
 def _read_pointer(root: Path) -> Path:
     pointer = root / LATEST
-    name = pointer.read_text(errors="replace").strip()
+    try:
+        name = pointer.read_text(errors="replace").strip()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {pointer}: {exc}") from exc
     if checkpoint_position(name) is None:
         raise CheckpointError(
             f"{pointer} holds {name!r}, not the name of a checkpoint directory inside "
@@ -239,8 +349,9 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 def resolve_checkpoint(path: str | Path, fallback: bool = False) -> Path:
     """A run dir (-> its latest checkpoint), a checkpoints/ dir, or a checkpoint dir; verified
-    against its manifest. When `latest` is missing or damaged, the error names the newest
-    intact checkpoint; with `fallback` that one is returned instead."""
+    against its manifest. Without a `latest` pointer the newest checkpoint by step is the
+    latest. When the latest is damaged, or `latest` is unreadable or names no checkpoint, the
+    error names the newest intact checkpoint; with `fallback` that one is returned instead."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
@@ -248,10 +359,12 @@ def resolve_checkpoint(path: str | Path, fallback: bool = False) -> Path:
         verify_checkpoint(path)
         return path
     for root in (path / CHECKPOINTS, path):
-        if not (root / LATEST).is_file():
+        pointer = (root / LATEST).is_file()
+        found = list_checkpoints(root) if root.is_dir() else []
+        if not pointer and not found:
             continue
         try:
-            target = _read_pointer(root)
+            target = _read_pointer(root) if pointer else found[-1]
             if not target.is_dir():
                 raise CheckpointError(f"{root / LATEST} points to {target.name}, which is missing")
             verify_checkpoint(target)
@@ -347,9 +460,11 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
+    """The JSON in `path`; CheckpointError when it cannot be read, is not UTF-8 (a flipped
+    byte) or not JSON."""
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: UTF-8 and JSON errors
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
 
 
@@ -440,16 +555,19 @@ class ShardedState:
     def save(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._template(), checkpoint_id=str(directory), no_dist=_one_process())
+        with _one_process_quietly():
+            dcp.save(self._template(), checkpoint_id=str(directory), no_dist=_one_process())
 
     def load(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         state = self._template()
         try:
-            dcp.load(state, checkpoint_id=str(directory), no_dist=_one_process())
+            _dcp_load(state, Path(directory))
         except _dcp_errors() as exc:
+            own = _dcp_failure(exc)
+            if isinstance(own, CheckpointError):
+                raise own from exc
             raise CheckpointError(
                 f"cannot read the sharded state {directory}: {_first_line(exc)}; check that "
                 "[model] matches the run that wrote it, or resume from another checkpoint"
@@ -462,12 +580,144 @@ class ShardedState:
         )
 
 
+# ------------------------------------------------- DCP's files, read without running their code
+DCP_METADATA = ".metadata"
+"""DCP's index of a sharded state: a pickled `torch.distributed.checkpoint.metadata.Metadata`."""
+_DCP_METADATA_CLASSES = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # how torch pickles a layout (torch.strided)
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+        ("pathlib._local", "PosixPath"),  # the same class, as Python 3.13 names it
+    }
+)
+"""The globals DCP's metadata consists of (besides torch's dtypes, `_MetadataUnpickler`)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata building only the classes it consists of: any other global the
+    file names (a function to call, a module to import) is refused before it is looked up."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        # vars(): a plain lookup, which never triggers torch's lazy submodule imports
+        dtype = module == "torch" and isinstance(vars(torch).get(name), torch.dtype)
+        if dtype or (module, name) in _DCP_METADATA_CLASSES:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP metadata never holds")
+
+
+def _plain_file_name(name: object) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+
+
+def read_dcp_metadata(directory: Path) -> Any:
+    """The `Metadata` of the DCP state in `directory`, unpickled by `_MetadataUnpickler` (DCP's
+    own FileSystemReader uses pickle.load, which runs whatever code the file names), and
+    checked to be metadata whose data files are plain file names in `directory`."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(directory) / DCP_METADATA
+    damaged = "it is damaged or was changed: resume from another checkpoint"
+    try:
+        with open(path, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    except Exception as exc:  # pickle's errors, and what an allowed class raises on bad data
+        raise CheckpointError(f"cannot read {path} ({_first_line(exc)}); {damaged}") from exc
+    storage = getattr(metadata, "storage_data", None)
+    if not (
+        isinstance(metadata, Metadata)
+        and isinstance(metadata.state_dict_metadata, dict)
+        and isinstance(storage, dict)
+        and all(
+            isinstance(info, _StorageInfo) and _plain_file_name(info.relative_path)
+            for info in storage.values()
+        )
+    ):
+        raise CheckpointError(f"{path} is not DCP metadata of the files beside it; {damaged}")
+    return metadata
+
+
+def _dcp_load(state: dict[str, Any], directory: Path) -> None:
+    """`dcp.load(state)` from `directory`, running no code from its files: the metadata is
+    `read_dcp_metadata`'s, and the non-tensor items (the optimizer's param_groups) are
+    unpickled by torch's weights-only loader, where DCP's DefaultLoadPlanner.load_bytes uses
+    torch.load(weights_only=False). DCP reads tensors weights-only itself."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    metadata = read_dcp_metadata(directory)
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if metadata.storage_meta is None:  # what FileSystemReader.read_metadata adds
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            try:
+                item = torch.load(value, map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise CheckpointError(
+                    f"cannot read {read_item.dest_index.fqn} of the sharded state {directory} "
+                    f"({_first_line(exc)}); it is damaged or was changed: resume from another "
+                    "checkpoint"
+                ) from exc
+            copy = io.BytesIO()  # the base class unpickles this copy and stores the item
+            torch.save(item, copy)
+            copy.seek(0)
+            super().load_bytes(read_item, copy)
+
+    with _one_process_quietly():
+        dcp.load(state, storage_reader=Reader(directory), planner=Planner(), no_dist=_one_process())
+
+
+def _dcp_failure(exc: BaseException) -> BaseException:
+    """The exception a rank met, out of DCP's CheckpointException (which wraps each rank's as
+    (exception, traceback)); any other exception as it is."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            return first[0]
+    return exc
+
+
 def _dcp_errors() -> tuple[type[BaseException], ...]:
     """What a DCP save or load raises: DCP wraps what it meets on each rank in a
     CheckpointException, which derives from BaseException, not Exception."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     return (Exception, CheckpointException)
+
+
+@contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """Without DCP's UserWarning that it assumes one process, which it gives on every save and
+    load without a process group: `_one_process()` told it so (no_dist)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def _one_process() -> bool:
@@ -487,6 +737,7 @@ def _write_part(path: Path, state: Any) -> None:
     elif path.suffix == ".safetensors":
         tensors, metadata = state
         save_file(tensors, str(path), metadata=metadata)
+        os.chmod(path, 0o666 & ~current_umask())  # safetensors creates it 0o600
     else:
         raise ValueError(f"no checkpoint format for {path.name}")
 
@@ -516,6 +767,8 @@ class Checkpointer:
         self.run_dir = Path(run_dir)
         self.keep = keep
         self.is_main = is_main
+        self.intact: set[str] = set()
+        """Names of this run's checkpoints this process wrote or verified (for pruning)."""
         if is_main:
             recover_checkpoints(self.run_dir / CHECKPOINTS)
 
@@ -548,7 +801,9 @@ class Checkpointer:
                     where = self.run_dir / CHECKPOINTS / name / file
                     raise CheckpointWriteError(self.run_dir, where, exc) from exc
 
-        return save_checkpoint(self.run_dir, name, write, self.keep, before_rename, tmp)
+        return save_checkpoint(
+            self.run_dir, name, write, self.keep, before_rename, tmp, self.intact
+        )
 
     def _shared_temp_dir(self, name: str) -> Path:
         """The main process makes the temporary directory and tells the others its path."""
@@ -573,6 +828,8 @@ class Checkpointer:
         sharded: ShardedState | None = None,
     ) -> None:
         verify_checkpoint(directory)
+        if Path(directory).parent == self.run_dir / CHECKPOINTS:
+            self.intact.add(Path(directory).name)
         for file, part in parts.items():
             state = _read_part(directory / file)
             try:

@@ -10,6 +10,7 @@ import difflib
 import errno
 import importlib
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -251,3 +252,10 @@ _JSON_KINDS = {
 def json_kind(value: object) -> str:
     """The JSON name of the type of a value `json.loads` gave ("number", "array"...)."""
     return _JSON_KINDS[type(value)]
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (torch's run to six lines)."""
+    text = re.sub(r"\[enforce fail at [^\]]*\][ .]*", "", str(exc))  # torch's C++ location
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__

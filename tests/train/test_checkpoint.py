@@ -23,6 +23,8 @@ from safetensors import safe_open
 
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
 from bdh_train.train import checkpoint as ckpt
+from bdh_train.train import dcp
+from bdh_train.utils import first_line
 
 
 def save(run: Path, step: int, micro: int = 0, keep: int = 0, payload: bytes = b"w") -> Path:
@@ -152,10 +154,10 @@ def test_json_is_written_sorted_and_indented_and_read_errors_name_the_file(
 
 def test_first_line_drops_torch_locations_and_blank_lines() -> None:
     exc = RuntimeError("\n  [enforce fail at inline_container.cc:1] . first  \nsecond")
-    assert ckpt._first_line(exc) == "first"
-    assert ckpt._first_line(RuntimeError("a [enforce fail at x.cc:2]  b")) == "a b"
-    assert ckpt._first_line(KeyError()) == "KeyError"
-    assert ckpt._first_line(ValueError(" \n ")) == "ValueError"
+    assert first_line(exc) == "first"
+    assert first_line(RuntimeError("a [enforce fail at x.cc:2]  b")) == "a b"
+    assert first_line(KeyError()) == "KeyError"
+    assert first_line(ValueError(" \n ")) == "ValueError"
 
 
 def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path: Path) -> None:
@@ -427,7 +429,7 @@ def test_model_weights_round_trip_through_safetensors(tmp_path: Path) -> None:
         ckpt.load_model_weights(tmp_path)
     cause = err.value.__cause__
     assert cause is not None
-    assert str(err.value) == f"cannot read {path}: {ckpt._first_line(cause)}"
+    assert str(err.value) == f"cannot read {path}: {first_line(cause)}"
 
 
 class _Custom:
@@ -459,9 +461,9 @@ def test_torch_load_refuses_damaged_files_and_arbitrary_objects(tmp_path: Path) 
     with pytest.raises(CheckpointError) as err:
         ckpt.torch_load(path)
     cause = err.value.__cause__
-    assert cause is not None and ckpt._first_line(cause) in str(err.value)
+    assert cause is not None and first_line(cause) in str(err.value)
     assert str(err.value) == (
-        f"cannot read {path} ({ckpt._first_line(cause)}); the file is damaged: resume from "
+        f"cannot read {path} ({first_line(cause)}); the file is damaged: resume from "
         "another checkpoint"
     )
 
@@ -591,7 +593,7 @@ class _CopyingLinear(torch.nn.Linear):
 
 
 def test_a_sharded_state_round_trips_in_one_process(tmp_path: Path) -> None:
-    assert ckpt._one_process()
+    assert dcp._one_process()
     model = _linear()
     saver = ckpt.Checkpointer(tmp_path)
     sharded = ckpt.ShardedState(model, _adam(model))
@@ -609,7 +611,7 @@ def test_a_sharded_state_round_trips_in_one_process(tmp_path: Path) -> None:
     cause = err.value.__cause__
     assert cause is not None
     assert str(err.value) == (
-        f"cannot read the sharded state {final / 'sharded'}: {ckpt._first_line(cause)}; check "
+        f"cannot read the sharded state {final / 'sharded'}: {first_line(cause)}; check "
         "that [model] matches the run that wrote it, or resume from another checkpoint"
     )
     copying = _CopyingLinear(2, 3)  # its state dict is a copy: set_state_dict writes it back
@@ -638,7 +640,7 @@ def test_a_sharded_state_saves_and_loads_in_one_process_without_warnings(tmp_pat
 def test_a_failed_sharded_save_names_the_shards_and_removes_the_temporary(
     tmp_path: Path, single_process_group: None
 ) -> None:
-    assert not ckpt._one_process()
+    assert not dcp._one_process()
 
     class Blocked(ckpt.ShardedState):  # DCP's own failure: a CheckpointException
         def save(self, directory: Path) -> None:

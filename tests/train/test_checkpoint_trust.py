@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from bdh_train.cli import main
 from bdh_train.errors import CheckpointError
 from bdh_train.train import checkpoint as ckpt
+from bdh_train.train import dcp
 
 SETS = [
     a
@@ -94,17 +95,17 @@ class _Payload:
 def _poison_metadata(sharded: Path, marker: Path, inside: bool) -> None:
     """.metadata as the payload itself, or as the real metadata carrying it."""
     if inside:
-        metadata = pickle.loads((sharded / ckpt.DCP_METADATA).read_bytes())  # written here
+        metadata = pickle.loads((sharded / dcp.DCP_METADATA).read_bytes())  # written here
         metadata.planner_data["extra"] = _Payload(marker)
-        (sharded / ckpt.DCP_METADATA).write_bytes(pickle.dumps(metadata))
+        (sharded / dcp.DCP_METADATA).write_bytes(pickle.dumps(metadata))
     else:
-        (sharded / ckpt.DCP_METADATA).write_bytes(pickle.dumps(_Payload(marker)))
+        (sharded / dcp.DCP_METADATA).write_bytes(pickle.dumps(_Payload(marker)))
 
 
 def _poison_byte_item(sharded: Path, marker: Path) -> None:
     """The optimizer's lr (a non-tensor item DCP stores pickled) replaced by the payload: the
     payload appended to the data file and the metadata pointed at it."""
-    metadata = pickle.loads((sharded / ckpt.DCP_METADATA).read_bytes())  # written here
+    metadata = pickle.loads((sharded / dcp.DCP_METADATA).read_bytes())  # written here
     key = next(k for k in metadata.storage_data if k.fqn == "optimizer.param_groups.0.lr")
     info = metadata.storage_data[key]
     buffer = io.BytesIO()
@@ -113,7 +114,7 @@ def _poison_byte_item(sharded: Path, marker: Path) -> None:
     info.offset, info.length = data.stat().st_size, len(buffer.getvalue())
     with open(data, "ab") as handle:
         handle.write(buffer.getvalue())
-    (sharded / ckpt.DCP_METADATA).write_bytes(pickle.dumps(metadata))
+    (sharded / dcp.DCP_METADATA).write_bytes(pickle.dumps(metadata))
 
 
 def _poison_torch_file(checkpoint: Path, name: str, marker: Path) -> None:
@@ -167,8 +168,8 @@ def test_the_metadata_unpickler_takes_only_dcp_metadata(sharded_run: Path, tmp_p
     """The real metadata reads back equal to what pickle reads; one that is not metadata, or
     whose data files are not plain names beside it, is refused; an unreadable one is named."""
     sharded = ckpt.resolve_checkpoint(sharded_run) / ckpt.SHARDED_DIR
-    metadata = ckpt.read_dcp_metadata(sharded)
-    assert metadata == pickle.loads((sharded / ckpt.DCP_METADATA).read_bytes())
+    metadata = dcp.read_dcp_metadata(sharded)
+    assert metadata == pickle.loads((sharded / dcp.DCP_METADATA).read_bytes())
     assert {info.relative_path for info in metadata.storage_data.values()} == {"__0_0.distcp"}
     copy = tmp_path / "sharded"
     shutil.copytree(sharded, copy)
@@ -181,28 +182,28 @@ def test_the_metadata_unpickler_takes_only_dcp_metadata(sharded_run: Path, tmp_p
             info.relative_path = name
         (copy / ".metadata").write_bytes(pickle.dumps(metadata))
         with pytest.raises(CheckpointError) as err:
-            ckpt.read_dcp_metadata(copy)
+            dcp.read_dcp_metadata(copy)
         assert str(err.value) == refused
     (copy / ".metadata").write_bytes(pickle.dumps({"storage_data": {}}))
     with pytest.raises(CheckpointError) as err:
-        ckpt.read_dcp_metadata(copy)
+        dcp.read_dcp_metadata(copy)
     assert str(err.value) == refused
     (copy / ".metadata").write_bytes(pickle.dumps(torch.float16))  # an allowed class alone
     with pytest.raises(CheckpointError) as err:
-        ckpt.read_dcp_metadata(copy)
+        dcp.read_dcp_metadata(copy)
     assert str(err.value) == refused
     for other in (os.system, torch.load, shutil.rmtree):
         (copy / ".metadata").write_bytes(pickle.dumps(other))
         with pytest.raises(CheckpointError) as err:
-            ckpt.read_dcp_metadata(copy)
+            dcp.read_dcp_metadata(copy)
         name = f"{other.__module__}.{other.__qualname__}"
         assert f"(it names {name}, which DCP metadata never holds)" in str(err.value)
     (copy / ".metadata").write_bytes(b"\x80\x04truncated")
     with pytest.raises(CheckpointError, match=r"\.metadata \(.*\); it is damaged or was changed"):
-        ckpt.read_dcp_metadata(copy)
+        dcp.read_dcp_metadata(copy)
     (copy / ".metadata").unlink()
     with pytest.raises(CheckpointError) as err:
-        ckpt.read_dcp_metadata(copy)
+        dcp.read_dcp_metadata(copy)
     assert str(err.value).startswith(f"cannot read {copy / '.metadata'}: [Errno 2] ")
 
 

@@ -15,17 +15,13 @@ reshards on load, so any number of processes (sharded or not) resumes it.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import pickle
 import random
 import re
 import shutil
 import tempfile
-import warnings
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,8 +33,9 @@ from safetensors.torch import load_file, save_file
 
 from bdh_train import checks
 from bdh_train.errors import BDHTrainError, CheckpointError
-from bdh_train.train.run_dir import CHECKPOINTS
-from bdh_train.utils import atomic_write, current_umask
+from bdh_train.train.dcp import ShardedState, dcp_errors
+from bdh_train.train.run_dir import CHECKPOINTS, CONFIG_FILE
+from bdh_train.utils import atomic_write, current_umask, first_line
 
 
 @dataclass
@@ -112,7 +109,7 @@ def _write_manifest(directory: Path) -> None:
 
 
 _V0_1_FILES = frozenset(
-    {"config.toml", "loader.json", MODEL_FILE, "optimizer.pt", "ranks.pt", "trainer.json"}
+    {CONFIG_FILE, "loader.json", MODEL_FILE, "optimizer.pt", "ranks.pt", "trainer.json"}
 )
 """The files of a checkpoint written by v0.1 (tests/fixtures/checkpoint_v0_1)."""
 _V0_1_MODEL_KEYS = frozenset(
@@ -402,7 +399,7 @@ def load_model_weights(directory: Path) -> dict[str, torch.Tensor]:
         return load_file(str(Path(directory) / MODEL_FILE))
     except Exception as exc:  # safetensors raises several kinds for a damaged file
         raise CheckpointError(
-            f"cannot read {Path(directory) / MODEL_FILE}: {_first_line(exc)}"
+            f"cannot read {Path(directory) / MODEL_FILE}: {first_line(exc)}"
         ) from exc
 
 
@@ -468,19 +465,12 @@ def read_json(path: Path) -> Any:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
 
 
-def _first_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception's message (torch's run to six lines)."""
-    text = re.sub(r"\[enforce fail at [^\]]*\][ .]*", "", str(exc))  # torch's C++ location
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
-
-
 def torch_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(
-            f"cannot read {path} ({_first_line(exc)}); the file is damaged: resume from "
+            f"cannot read {path} ({first_line(exc)}); the file is damaged: resume from "
             "another checkpoint"
         ) from exc
 
@@ -490,7 +480,7 @@ class CheckpointWriteError(BDHTrainError):
     directory); the half-written checkpoint is removed and the previous one is intact."""
 
     def __init__(self, run_dir: Path, path: Path, exc: BaseException) -> None:
-        super().__init__(f"cannot write {path} ({_first_line(exc)}); {io_advice(run_dir)}")
+        super().__init__(f"cannot write {path} ({first_line(exc)}); {io_advice(run_dir)}")
 
 
 def io_advice(run_dir: Path) -> str:
@@ -532,199 +522,6 @@ class ModelWeights:
     def load_state_dict(self, state: tuple[dict[str, torch.Tensor], Path]) -> None:
         weights, where = state
         load_into_model(self.model, weights, where)
-
-
-@dataclass
-class ShardedState:
-    """The model and optimizer state as DCP shards (`torch.distributed.checkpoint`).
-
-    Saving is collective: every rank writes the shards it holds (nothing is gathered on one
-    process) and the first writes DCP's metadata. Loading reads, on every rank, the pieces of
-    the saved tensors its own parameters cover, whatever the number of processes that wrote
-    them: a sharded run's checkpoint resumes on another process count, sharded or not."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-
-    def _template(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optimizer": optimizer_state}
-
-    def save(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        with _one_process_quietly():
-            dcp.save(self._template(), checkpoint_id=str(directory), no_dist=_one_process())
-
-    def load(self, directory: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        state = self._template()
-        try:
-            _dcp_load(state, Path(directory))
-        except _dcp_errors() as exc:
-            own = _dcp_failure(exc)
-            if isinstance(own, CheckpointError):
-                raise own from exc
-            raise CheckpointError(
-                f"cannot read the sharded state {directory}: {_first_line(exc)}; check that "
-                "[model] matches the run that wrote it, or resume from another checkpoint"
-            ) from exc
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
-
-
-# ------------------------------------------------- DCP's files, read without running their code
-DCP_METADATA = ".metadata"
-"""DCP's index of a sharded state: a pickled `torch.distributed.checkpoint.metadata.Metadata`."""
-_DCP_METADATA_CLASSES = frozenset(
-    {
-        ("torch.distributed.checkpoint.metadata", name)
-        for name in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        )
-    }
-    | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),  # how torch pickles a layout (torch.strided)
-        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
-        ("pathlib._local", "PosixPath"),  # the same class, as Python 3.13 names it
-    }
-)
-"""The globals DCP's metadata consists of (besides torch's dtypes, `_MetadataUnpickler`)."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata building only the classes it consists of: any other global the
-    file names (a function to call, a module to import) is refused before it is looked up."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        # vars(): a plain lookup, which never triggers torch's lazy submodule imports
-        dtype = module == "torch" and isinstance(vars(torch).get(name), torch.dtype)
-        if dtype or (module, name) in _DCP_METADATA_CLASSES:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP metadata never holds")
-
-
-def _plain_file_name(name: object) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
-
-
-def read_dcp_metadata(directory: Path) -> Any:
-    """The `Metadata` of the DCP state in `directory`, unpickled by `_MetadataUnpickler` (DCP's
-    own FileSystemReader uses pickle.load, which runs whatever code the file names), and
-    checked to be metadata whose data files are plain file names in `directory`."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    path = Path(directory) / DCP_METADATA
-    damaged = "it is damaged or was changed: resume from another checkpoint"
-    try:
-        with open(path, "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    except Exception as exc:  # pickle's errors, and what an allowed class raises on bad data
-        raise CheckpointError(f"cannot read {path} ({_first_line(exc)}); {damaged}") from exc
-    storage = getattr(metadata, "storage_data", None)
-    if not (
-        isinstance(metadata, Metadata)
-        and isinstance(metadata.state_dict_metadata, dict)
-        and isinstance(storage, dict)
-        and all(
-            isinstance(info, _StorageInfo) and _plain_file_name(info.relative_path)
-            for info in storage.values()
-        )
-    ):
-        raise CheckpointError(f"{path} is not DCP metadata of the files beside it; {damaged}")
-    return metadata
-
-
-def _dcp_load(state: dict[str, Any], directory: Path) -> None:
-    """`dcp.load(state)` from `directory`, running no code from its files: the metadata is
-    `read_dcp_metadata`'s, and the non-tensor items (the optimizer's param_groups) are
-    unpickled by torch's weights-only loader, where DCP's DefaultLoadPlanner.load_bytes uses
-    torch.load(weights_only=False). DCP reads tensors weights-only itself."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import StorageMeta
-    from torch.distributed.checkpoint.planner import ReadItem
-
-    metadata = read_dcp_metadata(directory)
-
-    class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            if metadata.storage_meta is None:  # what FileSystemReader.read_metadata adds
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    class Planner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-            try:
-                item = torch.load(value, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise CheckpointError(
-                    f"cannot read {read_item.dest_index.fqn} of the sharded state {directory} "
-                    f"({_first_line(exc)}); it is damaged or was changed: resume from another "
-                    "checkpoint"
-                ) from exc
-            copy = io.BytesIO()  # the base class unpickles this copy and stores the item
-            torch.save(item, copy)
-            copy.seek(0)
-            super().load_bytes(read_item, copy)
-
-    with _one_process_quietly():
-        dcp.load(state, storage_reader=Reader(directory), planner=Planner(), no_dist=_one_process())
-
-
-def _dcp_failure(exc: BaseException) -> BaseException:
-    """The exception a rank met, out of DCP's CheckpointException (which wraps each rank's as
-    (exception, traceback)); any other exception as it is."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
-            return first[0]
-    return exc
-
-
-def _dcp_errors() -> tuple[type[BaseException], ...]:
-    """What a DCP save or load raises: DCP wraps what it meets on each rank in a
-    CheckpointException, which derives from BaseException, not Exception."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return (Exception, CheckpointException)
-
-
-@contextmanager
-def _one_process_quietly() -> Iterator[None]:
-    """Without DCP's UserWarning that it assumes one process, which it gives on every save and
-    load without a process group: `_one_process()` told it so (no_dist)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        yield
-
-
-def _one_process() -> bool:
-    """No process group: DCP reads and writes every shard itself."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized())
 
 
 def _write_part(path: Path, state: Any) -> None:
@@ -785,7 +582,7 @@ class Checkpointer:
             tmp = self._shared_temp_dir(name)
             try:
                 sharded.save(tmp / SHARDED_DIR)
-            except _dcp_errors() as exc:  # DCP raises on every rank when any rank failed
+            except dcp_errors() as exc:  # DCP raises on every rank when any rank failed
                 if self.is_main:
                     shutil.rmtree(tmp, ignore_errors=True)
                 where = self.run_dir / CHECKPOINTS / name / SHARDED_DIR

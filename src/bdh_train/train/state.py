@@ -28,6 +28,7 @@ from bdh_train.distributed.env import DistContext
 from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.config import TrainingConfig
+from bdh_train.train.dcp import ShardedState
 from bdh_train.train.optim import OptimizerConfig
 from bdh_train.train.run_dir import CONFIG_FILE, RunDir, config_path
 
@@ -217,7 +218,7 @@ class TrainingCheckpoints:
     def _parts(self, loading: bool, dcp: bool) -> dict[str, ckpt.Stateful]:
         """File -> stateful part; loaded in this order (trainer.json first: it checks the
         process count before anything else is touched). With `dcp` the model and the
-        optimizer state go through DCP (`ckpt.ShardedState`); model.safetensors is then
+        optimizer state go through DCP (`dcp.ShardedState`); model.safetensors is then
         written as well, for generate, eval, export and init_from, but not loaded."""
         parts: dict[str, ckpt.Stateful] = {
             TRAINER_FILE: self.state,
@@ -234,8 +235,8 @@ class TrainingCheckpoints:
             parts |= {file: SavedText(text) for file, text in self.saved.items()}
         return parts
 
-    def _sharded(self, dcp: bool) -> ckpt.ShardedState | None:
-        return ckpt.ShardedState(self.model, self.optimizer) if dcp else None
+    def _sharded(self, dcp: bool) -> ShardedState | None:
+        return ShardedState(self.model, self.optimizer) if dcp else None
 
     def save(
         self, step: int, micro: int, before_rename: Callable[[Path], None] | None = None

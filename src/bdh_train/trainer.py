@@ -132,7 +132,7 @@ class Trainer:
         )
         self.accumulation_steps = t.accumulation_steps
         self.train_data, self.val_data = cfg.data.load_splits(cfg.model.vocab_size, t.block_size)
-        self.model = build_model(cfg.model, t, self.device)
+        self.model = build_model(cfg.model, t, self.device, cfg.parallel, self.dist.world_size)
         self.fresh_params: list[str] = []  # parameters init_from left freshly initialised
         if cfg.checkpoint.init_from and not resume:
             self.fresh_params = init_weights_from(

@@ -166,6 +166,7 @@ def _plan_memory(args: argparse.Namespace) -> int:
     """`plan --memory`: the estimate, what this process may use, and whether it fits."""
     from bdh_train.config import load_config
     from bdh_train.distributed.env import resolve_device
+    from bdh_train.train.allocator import resolve_host_allocator
     from bdh_train.train.memory import (
         available_memory,
         check_step_memory,
@@ -186,10 +187,15 @@ def _plan_memory(args: argparse.Namespace) -> int:
     print(f"this process has {format_bytes(room.bytes)} available ({room.source})")
     try:
         check_step_memory(cfg.model, t, device, available=room)
+        print("it fits")
     except ConfigError as exc:
         print(f"it does not fit: `bdh-train train` would refuse it ({exc})")
-        return 0
-    print("it fits")
+    if resolve_host_allocator(t.host_allocator, device, t.recompute != "none") == "retain":
+        print(
+            "training.host_allocator keeps freed memory in this process's heap here, so its "
+            "resident set runs above the tensors' peak estimated here (docs/benchmarks.md, "
+            '"Train-step memory")'
+        )
     return 0
 
 

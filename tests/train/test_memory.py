@@ -117,8 +117,9 @@ CASES = {
         dict(batch_size=1, block_size=64),
     ),
 }
-"""Measured (fp32, this CPU): 57.8, 75.2, 21.2 and 154.8 MiB; estimated 59.8, 77.4, 20.9 and
-155.0. The last one's peak is the optimizer step's (its state outweighs its activations)."""
+"""Measured (fp32, torch 2.13 on the CPU): 57.8, 75.2, 18.3 and 154.8 MiB; estimated 59.8,
+77.4, 18.9 and 155.0. The last one's peak is the optimizer step's (its parameters, gradients,
+sums and moments outweigh its activations)."""
 EXPECTED = {
     "dense": ("dense", "backward"),
     "chunked, recompute mixer": ("chunked/128", "backward"),

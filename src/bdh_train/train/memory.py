@@ -407,7 +407,7 @@ def activation_peak(
 ) -> tuple[int, str]:
     """(bytes, the executor of the largest piece) of the activations at backward's peak:
     over the backward windows, what the window keeps plus its last piece's workspace and
-    the states it holds (each piece's output state, and the one it started from)."""
+    the states it holds (each piece's output state, and the carried one it started from)."""
     shape = _shape(model, training, device_type, rows, layers)
     chunked = training.tbptt_chunk_size and training.tbptt_chunk_size < training.block_size
     carries = training.streaming or bool(chunked)
@@ -419,7 +419,8 @@ def activation_peak(
             for start, length in window
         ]
         kept = sum(piece.kept(recompute) for piece in pieces)
-        states = (len(pieces) + 1) * layers * pieces[0].state if carries else 0
+        held = len(pieces) + pieces[0].reads_state  # each piece's output, and its input
+        states = held * layers * pieces[0].state if carries else 0
         peak = kept + states + pieces[-1].workspace(recompute)
         if peak > best:
             best, executor = peak, max(pieces, key=lambda p: p.length).executor

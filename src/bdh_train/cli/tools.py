@@ -59,11 +59,23 @@ def _register_config(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_plan(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="print a pipeline schedule's timeline and bubble")
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--stages", type=int, required=True)
+    p = sub.add_parser(
+        "plan",
+        help="print a pipeline schedule's timeline and bubble, or (--memory) a train step's "
+        "estimated peak memory",
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="estimate the peak memory of one train step of the config (--config, --set, "
+        "--preset) and compare it with what this process may use, as `train` does before "
+        "it allocates anything",
+    )
+    _add_config_args(p)
+    p.add_argument("--layers", type=int, help="the pipeline's layers (without --memory)")
+    p.add_argument("--stages", type=int, help="pipeline stages (without --memory)")
     p.add_argument("--virtual", type=int, default=1)
-    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--microbatches", type=int, help="microbatches (without --memory)")
     p.add_argument("--schedule", default="gpipe", help="gpipe | 1f1b | interleaved_1f1b")
     p.add_argument(
         "--data-parallel",
@@ -118,6 +130,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    pipeline = {
+        "--layers": args.layers,
+        "--stages": args.stages,
+        "--microbatches": args.microbatches,
+    }
+    if args.memory:
+        given = [name for name, value in pipeline.items() if value is not None]
+        if given:
+            raise ConfigError(f"plan --memory reads the run's config; drop {', '.join(given)}")
+        return _plan_memory(args)
+    if args.config or args.overrides or args.preset:
+        raise ConfigError("--config, --set and --preset go with plan --memory")
+    missing = [name for name, value in pipeline.items() if value is None]
+    if missing:
+        raise ConfigError(f"plan needs {', '.join(missing)} (or --memory)")
     from bdh_train.distributed.planner import (
         build_pipeline_plan,
         plot_timeline,
@@ -132,6 +159,43 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(render_timeline(plan))
     if args.png:
         print(plot_timeline(plan, args.png))
+    return 0
+
+
+def _plan_memory(args: argparse.Namespace) -> int:
+    """`plan --memory`: the estimate, what this process may use, and whether it fits."""
+    from bdh_train.config import load_config
+    from bdh_train.distributed.env import resolve_device
+    from bdh_train.train.allocator import resolve_host_allocator
+    from bdh_train.train.memory import (
+        available_memory,
+        check_step_memory,
+        estimate_step_memory,
+        format_bytes,
+        render_step_memory,
+    )
+
+    cfg = load_config(args.config, args.overrides, args.preset).resolved()
+    t = cfg.training
+    device = resolve_device(t.device)
+    estimate = estimate_step_memory(cfg.model, t, device.type)
+    print(render_step_memory(estimate, cfg.model, t, device.type))
+    room = available_memory(device)
+    if room.bytes < 0:
+        print("this process's available memory is unknown here")
+        return 0
+    print(f"this process has {format_bytes(room.bytes)} available ({room.source})")
+    try:
+        check_step_memory(cfg.model, t, device, available=room)
+        print("it fits")
+    except ConfigError as exc:
+        print(f"it does not fit: `bdh-train train` would refuse it ({exc})")
+    if resolve_host_allocator(t.host_allocator, device, t.recompute != "none") == "retain":
+        print(
+            "training.host_allocator keeps freed memory in this process's heap here, so its "
+            "resident set runs above the tensors' peak estimated here (docs/benchmarks.md, "
+            '"Train-step memory")'
+        )
     return 0
 
 

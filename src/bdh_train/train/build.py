@@ -31,6 +31,7 @@ from bdh_train.train.evaluate import (
     text_tokenizer,
     validation_source,
 )
+from bdh_train.train.memory import check_step_memory, process_share
 from bdh_train.train.profile import StepProfiler
 from bdh_train.train.reduce import all_reduce_sums
 from bdh_train.train.schedules import GradientScaleSchedule
@@ -39,10 +40,19 @@ from bdh_train.train.step import LanguageTrainModel, StepExecutor
 Loader = RandomWindowLoader | StreamingDocumentLoader | StreamingCorpusLoader
 
 
-def build_model(model: BDHConfig, training: TrainingConfig, device: torch.device) -> BDH:
+def build_model(
+    model: BDHConfig,
+    training: TrainingConfig,
+    device: torch.device,
+    parallel: ParallelConfig | None = None,
+    world_size: int = 1,
+) -> BDH:
     """A freshly initialised model from the run's seed, with its recompute and compile
-    settings."""
+    settings. Refused before anything is allocated when one train step of this process (of
+    `world_size` on the `parallel` mesh) would not fit in its memory (`check_step_memory`)."""
     check_compiler(training.compile, device)
+    share = process_share(model, training, parallel or ParallelConfig(), world_size)
+    check_step_memory(model, training, device, share)
     torch.manual_seed(training.seed)
     bdh = BDH(model).to(device)
     bdh.set_recompute(training.recompute)

@@ -1,0 +1,576 @@
+"""A train step's peak memory, estimated from the config before anything is allocated, and
+the check that refuses a run whose step would not fit in what this process may use
+(`machine_memory`).
+
+The estimate is the larger of two moments of one optimizer step (bytes; `StepMemory`):
+
+* **backward**, at the last layer of the largest backward window (everything autograd keeps
+  for that window is still held there): the parameters, AdamW's two moments, the gradients
+  (counted whole), the accumulator's pending sum when a window has several micro-batches,
+  and the activations: what autograd keeps for the window (`_Piece.kept`, tensor by tensor
+  from the layer's code) plus the largest workspace one layer's backward or the head's
+  allocates on top (`_Piece.workspace`);
+* **the optimizer step**: the parameters, the moments, the gradients, the accumulator's sum
+  and its normalised copy (`WeightedGradientAccumulator.finish_mean`, then `write_to_params`),
+  and one parameter's temporary.
+
+The activations follow what the run will execute: the executor `executor = 'auto'` picks for
+each forward piece's length on the device (`mixer.resolve_executor`, with the row panels the
+CPU's dense executor computes its scores in), the recompute mode, the TBPTT chunk and how many
+chunks one backward spans, the carried state, dropout's masks, rope's phases and the dtype
+(bfloat16 autocast keeps the projections' outputs in 2 bytes). A data-parallel process holds
+its share of the batch's rows; a pipeline stage its share of the layers. The figures were
+checked against measured peaks (tests/train/test_memory.py, benchmarks/bench_step_memory.py);
+quantization-aware training and the summary memory are counted as the plain layer, a
+compiled layer as autograd's products.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from bdh_train.distributed.config import ParallelConfig
+from bdh_train.errors import ConfigError
+from bdh_train.model.bdh import compile_mode_for
+from bdh_train.model.config import BDHConfig, head_parameter_shapes
+from bdh_train.model.mixer import calibration_for, resolve_executor
+from bdh_train.train.config import TrainingConfig
+from bdh_train.train.machine_memory import AvailableMemory, available_memory
+
+GIB = 1 << 30
+MIB = 1 << 20
+FLOAT32 = 4
+"""Bytes of a float32: the accumulator's sums, the head's log-probabilities, the residual
+stream's norms, rope's tables, and every activation outside bfloat16 autocast."""
+BFLOAT16 = 2
+MOMENTS = 2
+"""AdamW keeps two moments per parameter (exp_avg, exp_avg_sq), each the parameter's size."""
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """A train step's estimated peak (bytes), split by what holds it, at the moment of the
+    step that holds the most (`at`: 'backward' or 'the optimizer step')."""
+
+    parameters: int
+    gradients: int
+    """`.grad`, with the accumulator's sum (and at the optimizer step its normalised copy and
+    a parameter's temporary)."""
+    optimizer: int
+    activations: int
+    """What autograd keeps for the backward window plus the workspace of the backward
+    (0 at the optimizer step)."""
+    rows: int
+    block_size: int
+    executor: str
+    """What the mixer runs for the largest forward piece: 'dense', 'chunked/C', 'recurrent'."""
+    at: str
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+    def summary(self) -> str:
+        """'about 7.9 GiB (parameters 0.4, gradients 0.4, optimizer 0.8, activations 6.3 at
+        batch 16 x block 512)', in MiB below 1 GiB."""
+        unit, scale, places = ("GiB", GIB, 1) if self.total >= GIB else ("MiB", MIB, 0)
+        parts = ", ".join(
+            f"{name} {value / scale:.{places}f}"
+            for name, value in (
+                ("parameters", self.parameters),
+                ("gradients", self.gradients),
+                ("optimizer", self.optimizer),
+                ("activations", self.activations),
+            )
+        )
+        return (
+            f"about {self.total / scale:.{places}f} {unit} ({parts} at batch {self.rows} x "
+            f"block {self.block_size})"
+        )
+
+
+def format_bytes(count: int) -> str:
+    """'7.9 GiB', or '312 MiB' below 1 GiB."""
+    if count >= GIB:
+        return f"{count / GIB:.1f} GiB"
+    return f"{count / MIB:.0f} MiB"
+
+
+# --------------------------------------------------------------------- activations
+@dataclass(frozen=True)
+class _Shape:
+    """What the activation counts read: one process's rows and the model's sizes."""
+
+    rows: int
+    heads: int
+    neurons: int
+    embd: int
+    vocab: int
+    layers: int
+    element: int
+    """Bytes of a projection's output: 4, or 2 under bfloat16 autocast."""
+    autocast: bool
+    rope: bool
+    dropout: bool
+    function: bool
+    """Whether dense and chunked run as the mixer's autograd Function (`ChunkedAttention`):
+    outside autocast and a compiled layer, without a learned decay."""
+    decay: bool
+    resets: bool
+    """Resets inside a forward call (stream_documents = 'corpus')."""
+    device_type: str
+    executor: str
+    chunk_size: int
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One forward piece (a TBPTT chunk, or the whole block) of `length` tokens."""
+
+    shape: _Shape
+    length: int
+    reads_state: bool
+    """Whether the piece starts from a carried state (rho0)."""
+
+    # ------------------------------------------------------------------ sizes (bytes)
+    def _executor(self) -> tuple[str, int]:
+        s = self.shape
+        panels = s.function and not s.decay and not s.resets
+        return resolve_executor(
+            s.executor,
+            self.length,
+            s.neurons,
+            s.embd,
+            s.chunk_size,
+            s.device_type,
+            torch.bfloat16 if s.autocast else torch.float32,
+            dense_panels=panels,
+        )
+
+    @property
+    def executor(self) -> str:
+        name, chunk = self._executor()
+        return f"chunked/{chunk}" if name == "chunked" else name
+
+    def _chunks(self) -> tuple[int, int]:
+        """(chunks K, chunk length C) of the mixer's call; dense is one chunk of the call."""
+        name, chunk = self._executor()
+        if name != "chunked":
+            return 1, self.length
+        return -(-self.length // chunk), chunk
+
+    def _panel_rows(self) -> int:
+        s = self.shape
+        if not s.function or s.decay or s.resets or self._executor()[0] != "dense":
+            return 0
+        rows = calibration_for(s.device_type).dense_panel_rows
+        return rows if 0 < rows < self.length else 0
+
+    @property
+    def neurons(self) -> int:
+        """x [B, H, T, N] (and every tensor of its shape): relu(u @ encoder), the gate's
+        relu(pre), the gate's output."""
+        s = self.shape
+        return s.rows * s.heads * self.length * s.neurons * s.element
+
+    @property
+    def padded_neurons(self) -> int:
+        """The queries as the mixer saves them, zero-padded to whole chunks."""
+        chunks, chunk = self._chunks()
+        return self.neurons * chunks * chunk // self.length
+
+    @property
+    def values(self) -> int:
+        """[B, H, T, D]: the mixer's output, its norm, the value copied to every head."""
+        s = self.shape
+        return s.rows * s.heads * self.length * s.embd * s.element
+
+    @property
+    def padded_values(self) -> int:
+        chunks, chunk = self._chunks()
+        return self.values * chunks * chunk // self.length
+
+    @property
+    def stream(self) -> int:
+        """[B, T, D] in float32: the residual stream and its norms."""
+        s = self.shape
+        return s.rows * self.length * s.embd * FLOAT32
+
+    @property
+    def state(self) -> int:
+        """One layer's rho [B, H, N, D]."""
+        s = self.shape
+        return s.rows * s.heads * s.neurons * s.embd * s.element
+
+    def _scores(self) -> int:
+        """The score matrices the mixer keeps: the panels below the diagonal (CPU dense),
+        T x T, or one C x C per chunk."""
+        s = self.shape
+        per_row = s.rows * s.heads * s.element
+        chunks, chunk = self._chunks()
+        if self._executor()[0] == "recurrent":
+            return 0
+        panel = self._panel_rows()
+        if panel:
+            whole, rest = divmod(self.length, panel)
+            pairs = panel * panel * whole * (whole + 1) // 2 + rest * self.length
+            return per_row * pairs
+        return per_row * chunks * chunk * chunk
+
+    def _chunk_states(self) -> int:
+        """The states S_k the chunked executor keeps ([B, H, K, N, D]; none for one chunk),
+        or the recurrent executor's state after every token."""
+        name = self._executor()[0]
+        if name == "recurrent":
+            return self.length * self.state
+        chunks, _ = self._chunks()
+        if not self.shape.function:  # autograd's products keep the writes W and the states S
+            return 2 * chunks * self.state if chunks > 1 else 0
+        return chunks * self.state if chunks > 1 else 0
+
+    def mixer_kept(self) -> int:
+        """What `BDH.mix` keeps for backward. The Function: the rotated (or padded) queries,
+        the value copied per head, the scores, the chunk states, its output (the norm's
+        input) and the norm's statistics. Autograd's products (autocast, a learned decay)
+        keep each product's operands, under autocast each one's bfloat16 copy (two of the
+        queries for dense, three for chunked, which also reads and writes the states), with
+        a decay the weighted queries and scores, and the value unexpanded."""
+        s = self.shape
+        chunks, _ = self._chunks()
+        stats = 2 * s.rows * s.heads * self.length * FLOAT32
+        scores = self._scores()
+        values = 2 * self.padded_values
+        if self._executor()[0] == "recurrent":
+            queries = self.neurons
+        elif s.function:
+            padded = self.padded_neurons != self.neurons
+            queries = self.padded_neurons if s.rope or padded else 0
+        else:
+            if chunks == 1:
+                copies = 2 if s.autocast else 1
+            else:
+                copies = 3 if s.autocast else 1 + 2 * s.decay
+            queries = copies * self.padded_neurons
+            scores *= 3 if s.autocast and chunks > 1 else 1 + s.decay
+            values = self.padded_values + self.stream
+        return queries + values + scores + self._chunk_states() + stats
+
+    def outside_mixer_kept(self) -> int:
+        """What the rest of the layer keeps: x, relu(pre), the gate's output (and dropout's
+        mask), the mixer's normalised output, and the residual stream's three tensors."""
+        s = self.shape
+        mask = 0
+        if s.dropout:  # the CPU keeps dropout's scaled noise, CUDA a mask of bools
+            mask = self.neurons if s.device_type == "cpu" else self.neurons // s.element
+        return 3 * self.neurons + mask + self.values + 3 * self.stream
+
+    def layer_kept(self) -> int:
+        return self.mixer_kept() + self.outside_mixer_kept()
+
+    def _mixer_workspace(self) -> int:
+        """The most the mixer's backward allocates at once (ChunkedAttention.backward): the
+        score gradients (all T x T, also in panels), dQ, dV per head, and for chunks the
+        state gradients; autograd's products take about as much."""
+        s = self.shape
+        name = self._executor()[0]
+        if name == "recurrent":
+            return 2 * self.state + self.neurons
+        chunks, chunk = self._chunks()
+        score_grads = s.rows * s.heads * chunks * chunk * chunk * s.element
+        carried = 2 * self.state if self.reads_state else 0
+        if chunks == 1:
+            symmetric = 0 if self._panel_rows() else score_grads  # dA + dA^T, outside panels
+            return score_grads + max(symmetric + self.padded_neurons, self.padded_values) + carried
+        states = 2 * chunks * self.state
+        return (
+            score_grads
+            + self.padded_neurons
+            + max(score_grads, self.padded_values + states)
+            + carried
+        )
+
+    def layer_workspace(self, recompute: str) -> int:
+        """The most one layer's backward holds on top of what the other layers keep: the
+        gate's gradients while its inputs are still kept, or the mixer's backward once the
+        gate's tensors are freed (its own kept tensors first recomputed under 'mixer' and
+        'layer')."""
+        gate = 2 * self.neurons
+        mixer = self._mixer_workspace() - self.neurons - self.values
+        if recompute == "mixer":
+            mixer += self.mixer_kept()
+        workspace = max(gate, mixer)
+        if recompute == "layer":
+            workspace += self.layer_kept()
+        return workspace
+
+    # ------------------------------------------------------------------ per piece
+    def positions_kept(self, recompute: str) -> int:
+        """rope's terms: the unit turns autograd keeps (cos and sin for bfloat16 queries,
+        which rope rotates without them), or, where a checkpoint re-runs the layer or its
+        mixer, all four (cos, sin, the turns and their conjugates) it holds."""
+        s = self.shape
+        if not s.rope:
+            return 0
+        per_table = s.rows * self.length * s.neurons * FLOAT32  # [B, 1, T, N]
+        if recompute != "none":
+            return 4 * per_table
+        return 2 * per_table if s.autocast else per_table
+
+    def head_kept(self) -> int:
+        """The embedding's norm and the first layer's input, the head's input and its
+        float32 log-probabilities."""
+        s = self.shape
+        return 3 * self.stream + s.rows * self.length * s.vocab * FLOAT32
+
+    def head_workspace(self) -> int:
+        """The loss's backward: the log-probabilities' gradient and the logits'."""
+        s = self.shape
+        return 2 * s.rows * self.length * s.vocab * FLOAT32
+
+    def kept(self, recompute: str) -> int:
+        """What autograd keeps for this piece's backward."""
+        s = self.shape
+        if recompute == "layer":
+            layers = s.layers * self.stream
+        elif recompute == "mixer":
+            layers = s.layers * self.outside_mixer_kept()
+        else:
+            layers = s.layers * self.layer_kept()
+        casts = 0
+        if s.autocast:  # the bfloat16 copy of each weight a product keeps, once per piece
+            casts = (3 * s.heads * s.neurons + s.vocab) * s.embd * BFLOAT16
+        return layers + self.positions_kept(recompute) + self.head_kept() + casts
+
+    def workspace(self, recompute: str) -> int:
+        return max(self.layer_workspace(recompute), self.head_workspace())
+
+
+def _shape(
+    model: BDHConfig, training: TrainingConfig, device_type: str, rows: int, layers: int
+) -> _Shape:
+    autocast = training.dtype == "bfloat16"
+    compiled = compile_mode_for(training.compile, torch.device(device_type)) == "layer"
+    learned_decay = model.position == "alibi_learned"
+    decay = model.position != "rope"
+    resets = training.stream_documents == "corpus"
+    return _Shape(
+        rows=rows,
+        heads=model.n_head,
+        neurons=model.n_neurons,
+        embd=model.n_embd,
+        vocab=_head_width(model),
+        layers=layers,
+        element=BFLOAT16 if autocast else FLOAT32,
+        autocast=autocast,
+        rope=model.position == "rope",
+        dropout=model.dropout > 0,
+        function=not (autocast or compiled or learned_decay or (decay and resets)),
+        decay=decay,
+        resets=resets,
+        device_type=device_type,
+        executor=model.executor,
+        chunk_size=model.chunk_size,
+    )
+
+
+def _head_width(model: BDHConfig) -> int:
+    """The head's outputs per token (the token logits, or the NCA head's)."""
+    return sum(math.prod(shape[1:]) for shape in head_parameter_shapes(model).values())
+
+
+def _windows(training: TrainingConfig) -> list[list[tuple[int, int]]]:
+    """The backward windows of one block, as `LanguageTrainModel` cuts them: lists of
+    (start, length) forward pieces, each window of another shape once (the first, whose
+    first piece starts the block, then every other)."""
+    block = training.block_size
+    chunk = training.tbptt_chunk_size if 0 < training.tbptt_chunk_size < block else block
+    pieces = [(start, min(chunk, block - start)) for start in range(0, block, chunk)]
+    per = training.tbptt_backprop_chunks
+    windows: dict[tuple[bool, tuple[int, ...]], list[tuple[int, int]]] = {}
+    for i in range(0, len(pieces), per):
+        window = pieces[i : i + per]
+        windows.setdefault((i == 0, tuple(length for _, length in window)), window)
+    return list(windows.values())
+
+
+def activation_peak(
+    model: BDHConfig, training: TrainingConfig, device_type: str, rows: int, layers: int
+) -> tuple[int, str]:
+    """(bytes, the executor of the largest piece) of the activations at backward's peak:
+    over the backward windows, what the window keeps plus its last piece's workspace and
+    the states it holds (each piece's output state, and the carried one it started from)."""
+    shape = _shape(model, training, device_type, rows, layers)
+    chunked = training.tbptt_chunk_size and training.tbptt_chunk_size < training.block_size
+    carries = training.streaming or bool(chunked)
+    recompute = training.recompute
+    best, executor = 0, ""
+    for window in _windows(training):
+        pieces = [
+            _Piece(shape, length, carries and (start > 0 or training.streaming))
+            for start, length in window
+        ]
+        kept = sum(piece.kept(recompute) for piece in pieces)
+        held = len(pieces) + pieces[0].reads_state  # each piece's output, and its input
+        states = held * layers * pieces[0].state if carries else 0
+        peak = kept + states + pieces[-1].workspace(recompute)
+        if peak > best:
+            best, executor = peak, max(pieces, key=lambda p: p.length).executor
+    return best, executor
+
+
+# --------------------------------------------------------------------- the whole step
+def estimate_step_memory(
+    model: BDHConfig,
+    training: TrainingConfig,
+    device_type: str = "cpu",
+    rows: int | None = None,
+    layers: int | None = None,
+) -> StepMemory:
+    """The peak of one optimizer step of a process training `rows` rows (default the whole
+    training.batch_size) through `layers` layers (default all), on `device_type`."""
+    rows = training.batch_size if rows is None else rows
+    layers = model.n_layer if layers is None else layers
+    element = torch.finfo(torch.get_default_dtype()).bits // 8  # the parameters' dtype
+    count = model.parameter_count()
+    parameters = count * element
+    grads = count * element
+    sums = count * FLOAT32  # the accumulator adds in float32
+    optimizer = MOMENTS * count * element
+    activations, executor = activation_peak(model, training, device_type, rows, layers)
+    largest = max(math.prod(shape) for shape in _parameter_shapes(model)) * FLOAT32
+    at_step = grads + 2 * sums + largest  # .grad, the sum and its normalised copy
+    at_backward = grads + (sums if training.accumulation_steps > 1 else 0)
+    if at_step > at_backward + activations:
+        gradients, activations, at = at_step, 0, "the optimizer step"
+    else:
+        gradients, at = at_backward, "backward"
+    return StepMemory(
+        parameters,
+        gradients,
+        optimizer,
+        activations,
+        rows=rows,
+        block_size=training.block_size,
+        executor=executor,
+        at=at,
+    )
+
+
+def _parameter_shapes(model: BDHConfig) -> list[tuple[int, ...]]:
+    h, d, n = model.n_head, model.n_embd, model.n_neurons
+    return [(model.vocab_size, d), (h, d, n), (h * n, d), *head_parameter_shapes(model).values()]
+
+
+def process_share(
+    model: BDHConfig, training: TrainingConfig, parallel: ParallelConfig, world_size: int
+) -> tuple[int, int]:
+    """(rows, layers) one of `world_size` processes trains: its data-parallel share of the
+    batch's rows, and its pipeline stage's share of the layers."""
+    if world_size <= 1:
+        return training.batch_size, model.n_layer
+    replicas, stages = parallel.mesh_shape(world_size)
+    return -(-training.batch_size // replicas), -(-model.n_layer // stages)
+
+
+def render_step_memory(
+    estimate: StepMemory, model: BDHConfig, training: TrainingConfig, device_type: str
+) -> str:
+    """The estimate as the lines `bdh-train plan --memory` prints."""
+    t = training
+    accumulating = t.accumulation_steps > 1
+    rows = [
+        ("parameters", estimate.parameters, f"{model.parameter_count():,} parameters"),
+        (
+            "gradients",
+            estimate.gradients,
+            ".grad, the accumulator's sum and, at the optimizer step, its normalised copy"
+            if estimate.activations == 0
+            else ".grad and the accumulator's sum"
+            if accumulating
+            else ".grad",
+        ),
+        ("optimizer", estimate.optimizer, "AdamW's two moments"),
+        (
+            "activations",
+            estimate.activations,
+            f"batch {estimate.rows} x block {estimate.block_size}, {estimate.executor}, "
+            f"recompute '{t.recompute}'"
+            + (f", TBPTT chunks of {t.tbptt_chunk_size}" if t.tbptt_chunk_size else "")
+            + (", bfloat16 autocast" if t.dtype == "bfloat16" else ""),
+        ),
+    ]
+    lines = [f"a train step's peak memory, estimated (one process, {device_type}):"]
+    lines += [f"  {name:<12}{format_bytes(value):>11}   {what}" for name, value, what in rows]
+    lines.append(
+        f"  {'total':<12}{format_bytes(estimate.total):>11}   at its peak in {estimate.at}"
+    )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------- the check
+def _advice(
+    model: BDHConfig, training: TrainingConfig, device_type: str, share: tuple[int, int], room: int
+) -> list[str]:
+    """Settings that bring the step within `room` bytes, each changed alone: the largest
+    batch that fits (a whole share of target_tokens_per_step where that is set), the
+    cheaper recompute mode that fits, the longest TBPTT chunk (halving the block) that fits."""
+    rows, layers = share
+    t = training
+
+    def fits(changed: TrainingConfig, rows: int = rows) -> bool:
+        return estimate_step_memory(model, changed, device_type, rows, layers).total <= room
+
+    ways = []
+    low, high = 0, rows  # low rows fit (0 trivially), high rows do not: grow low, shrink high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(t, middle) else (low, middle)
+    replicas = max(t.batch_size // rows, 1)
+    for smaller in range(low, 0, -1):  # the largest whole share of target_tokens_per_step
+        batch = smaller * replicas
+        if not t.target_tokens_per_step or t.target_tokens_per_step % (batch * t.block_size) == 0:
+            ways.append(f"lower training.batch_size to {batch}")
+            break
+    for mode in ("mixer", "layer"):
+        if mode != t.recompute and fits(replace(t, recompute=mode)):
+            ways.append(f"set training.recompute = '{mode}'")
+            break
+    chunk = (t.tbptt_chunk_size or t.block_size) // 2
+    while chunk >= 1 and not fits(replace(t, tbptt_chunk_size=chunk)):
+        chunk //= 2
+    if chunk >= 1:
+        ways.append(f"set training.tbptt_chunk_size = {chunk}")
+    return ways
+
+
+def check_step_memory(
+    model: BDHConfig,
+    training: TrainingConfig,
+    device: torch.device,
+    share: tuple[int, int] | None = None,
+    available: AvailableMemory | None = None,
+) -> StepMemory:
+    """The step's estimate (`estimate_step_memory` for a process training `share` = (rows,
+    layers), default the whole batch and model); a ConfigError, before anything is
+    allocated, when it exceeds what `available_memory` (or `available`) gives, with the
+    figure and the settings that would fit."""
+    rows, layers = share or (training.batch_size, model.n_layer)
+    estimate = estimate_step_memory(model, training, device.type, rows, layers)
+    room = available or available_memory(device)
+    if room.bytes < 0 or estimate.total <= room.bytes:
+        return estimate
+    where = f"{format_bytes(max(room.bytes, 0))} available ({room.source})"
+    ways = _advice(model, training, device.type, (rows, layers), room.bytes)
+    if not ways:  # not even one row of one token: the weights' side alone
+        alone = estimate.parameters + estimate.optimizer + model.parameter_count() * FLOAT32
+        raise model.size_error(
+            f"this process's {where} holds for training (the parameters, their gradients "
+            f"and AdamW's moments need {format_bytes(alone)})"
+        )
+    raise ConfigError(
+        f"a train step needs {estimate.summary()}, at its peak in {estimate.at}; this process "
+        f"has {where}: " + ", or ".join(ways)
+    )

@@ -120,7 +120,7 @@ def worker(spec: dict[str, Any]) -> None:
         )
         for piece in (full.time_slice(0, PRIMER_TOKENS), full):
             for _ in range(training.accumulation_steps):
-                window.micro_step(piece)
+                window.micro_step(lambda piece=piece: piece)
             window.optimizer_step()
 
     result: dict[str, Any] = {

@@ -93,7 +93,7 @@ def measured_step_peak(model: BDHConfig, training: TrainingConfig) -> int:
         )
         for piece in (batch.time_slice(0, 16), batch):
             for _ in range(training.accumulation_steps):
-                window.micro_step(piece)
+                window.micro_step(lambda piece=piece: piece)
             window.optimizer_step()
     return allocation_peak(prof)
 
@@ -303,9 +303,9 @@ def test_available_memory_takes_the_tightest_cgroup_limit(tmp_path, monkeypatch,
         (directory / files[0]).write_text(text + "\n")
         (directory / files[1]).write_text(f"{GIB}\n")
     (tmp_path / "cgroup").write_text(membership)
-    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path)
-    monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "cgroup")
-    assert memory._cgroup_headroom() == 5 * GIB
+    monkeypatch.setattr(machine_memory, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(machine_memory, "PROC_CGROUP", tmp_path / "cgroup")
+    assert machine_memory._cgroup_headroom() == 5 * GIB
     monkeypatch.setattr(resource, "getrlimit", lambda which: (-1, -1))
-    room = memory.available_memory(CPU)
+    room = machine_memory.available_memory(CPU)
     assert (room.bytes, room.source) == (5 * GIB, "its cgroup's memory limit")

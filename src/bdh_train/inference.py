@@ -34,7 +34,7 @@ from bdh_train.distributed.env import resolve_device
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError, DataError
 from bdh_train.export import export_tokenizer_json, load_ternary
 from bdh_train.model import BDH, BDHConfig, ModelState, sample_next_token
-from bdh_train.model.generate import FastDecoder, GenericDecoder, make_decoder
+from bdh_train.model.generate import FastDecoder, GenericDecoder, make_decoder, read_tokens
 from bdh_train.model.summary import SummaryEvents
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.run_dir import config_path, run_of_checkpoint
@@ -175,20 +175,17 @@ class Continuation:
 
     @torch.no_grad()
     def feed(self, ids: torch.Tensor | list[int], executor: str | None = None) -> None:
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self._device).reshape(1, -1)
+        """Read `ids` on top of what was read, `PREFILL_TOKENS` at a time (`read_tokens`):
+        memory does not grow with their number."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
         if ids.shape[1] == 0:
             return
-        mask = None
-        if self.events is not None:
-            history = self.recent if self.recent.shape[1] else None
-            mask = self.events.mask(ids, history)
-            keep = self.recent.shape[1]
-            if keep:
-                self.recent = torch.cat([self.recent, ids], dim=1)[:, -keep:]
-        hidden = self.model.forward_hidden(
-            ids, self.state, executor=executor, summary_event_mask=mask
+        hidden, recent = read_tokens(
+            self.model, self.state, ids, self.events, self.recent, executor
         )
-        self.hidden = hidden[:, -1:]
+        self.hidden = hidden.unsqueeze(1)
+        if recent is not None:
+            self.recent = recent
 
     @torch.no_grad()
     def sample(

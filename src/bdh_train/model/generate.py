@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from bdh_train.errors import BDHTrainError
 from bdh_train.model.positions import alibi_log_decay, learned_alibi_log_decay, rope_cos_sin
 from bdh_train.model.state import ModelState
 from bdh_train.model.summary import NO_TOKEN, SummaryEvents
@@ -58,6 +59,46 @@ memory is that of this many tokens whatever its length."""
 
 ROPE_TABLE_TOKENS = 4096
 """Positions of rope phases computed at once; the table moves on when the rows pass its end."""
+
+
+class NonFiniteModelError(BDHTrainError):
+    """The model's weights, or the logits it gives, hold NaN or infinity: no token can be
+    drawn from them."""
+
+
+def nonfinite_weights(model: torch.nn.Module) -> str | None:
+    """The parameters holding NaN or infinity, each with its count ('encoder (3 of 8,192
+    values)'); None when every weight is finite."""
+    found = []
+    for name, p in model.named_parameters():
+        bad = int((~torch.isfinite(p.detach())).sum())
+        if bad:
+            found.append(f"{name} ({bad:,} of {p.numel():,} values)")
+    return ", ".join(found) if found else None
+
+
+def check_finite_weights(model: torch.nn.Module, where: str) -> None:
+    """NonFiniteModelError naming `where` (what the weights are, 'checkpoint RUN/...') and
+    the parameters that hold NaN or infinity; nothing when every weight is finite."""
+    bad = nonfinite_weights(model)
+    if bad is not None:
+        raise NonFiniteModelError(
+            f"the weights of {where} are not finite: NaN or infinity in {bad}; nothing can be "
+            "sampled from them"
+        )
+
+
+def check_finite_logits(model: BDH, logits: torch.Tensor) -> None:
+    """NonFiniteModelError when `logits` hold NaN or infinity (one read back to the host),
+    naming the model's non-finite weights where there are any."""
+    if bool(torch.isfinite(logits).all()):
+        return
+    check_finite_weights(model, "the model")
+    raise NonFiniteModelError(
+        "the model's logits are not finite (NaN or infinity) although its weights are: the "
+        "state it continues holds NaN or infinity, or its values overflow "
+        f"{str(logits.dtype).removeprefix('torch.')}; nothing can be sampled from them"
+    )
 
 
 def sample_next_token(
@@ -573,6 +614,8 @@ def stream_generate(
     for index in range(max_new_tokens):
         with torch.inference_mode():
             logits = model.logits_from_hidden(hidden).float()
+            if index == 0:
+                check_finite_logits(model, logits)
             token = sample_next_token(logits, temperature, top_k, generator)
         yield token
         if index + 1 < max_new_tokens:
@@ -642,6 +685,8 @@ def stream_generate_batch(
     for index in range(max_new_tokens):
         with torch.inference_mode():
             logits = model.logits_from_hidden(hidden).float()
+            if index == 0:
+                check_finite_logits(model, logits)
             token = sample_next_token(logits, temperature, top_k, generator)
             if active.shape[0] == len(rows):
                 out = token

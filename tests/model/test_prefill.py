@@ -145,8 +145,8 @@ def _generate_batch(model, ids):
 @pytest.mark.parametrize("read", [_feed, _stream, _generate_batch], ids=lambda f: f.__name__[1:])
 def test_reading_a_long_prompt_takes_the_memory_of_a_short_one(read):
     """The largest activation while reading 20 chunks of tokens is no larger than while
-    reading 2 (one call over the whole prompt made it 10x larger: 5 MB of neurons at 20k
-    tokens). `generate` reads through `stream_generate`."""
+    reading 2: 1 MiB either way (one call over the whole prompt: 2 MiB and 20 MiB).
+    `generate` reads through `stream_generate`."""
     model = tiny_model().eval()
     short, long = (torch.randint(0, 32, (n * PREFILL_TOKENS,)) for n in (2, 20))
     with LargestActivation() as probe:

@@ -153,3 +153,70 @@ def test_the_sample_prompt_ends_on_a_whole_character():
     assert sample_prompt(ids[:2], tok).tolist() == tok.encode("a")
     assert sample_prompt(ids[:3], tok).tolist() == tok.encode("añ")
     assert sample_prompt(ids[1:2], tok).tolist() == ids[1:2].tolist()  # never empty
+
+
+# ------------------------------------------------------------------ non-finite weights
+def _with_a_nan(model):
+    with torch.no_grad():
+        model.encoder.view(-1)[3] = float("nan")
+    return model
+
+
+NAN_WEIGHTS = (
+    "the weights of the model are not finite: NaN or infinity in encoder (1 of 1,024 values)"
+)
+
+
+def _draw_generate(model, t):
+    model.generate(torch.tensor([1, 2]), 3, t, generator=torch.Generator().manual_seed(0))
+
+
+def _draw_batch(model, t):
+    model.generate_batch([[1, 2], [3]], 3, t, generator=torch.Generator().manual_seed(0))
+
+
+def _draw_continuation(model, t):
+    cont = Continuation(model)
+    cont.feed([1, 2])
+    list(cont.sample(3, t, None, torch.Generator().manual_seed(0)))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("draw", [_draw_generate, _draw_batch, _draw_continuation])
+def test_nan_weights_are_refused_before_the_first_draw(draw, temperature):
+    """Sampled, torch.multinomial failed ('probability tensor contains either inf, nan or
+    element < 0'); greedy, argmax returned whatever token the NaN fell on."""
+    from bdh_train.model.generate import NonFiniteModelError
+
+    model = _with_a_nan(tiny_model().eval())
+    with pytest.raises(NonFiniteModelError) as info:
+        draw(model, temperature)
+    assert str(info.value) == f"{NAN_WEIGHTS}; nothing can be sampled from them"
+
+
+def test_a_state_holding_nan_is_refused_with_the_logits():
+    from bdh_train.model.generate import NonFiniteModelError
+
+    cont = Continuation(tiny_model().eval())
+    cont.feed([1, 2])
+    rho = cont.state.rho[0]
+    assert rho is not None
+    rho.view(-1)[0] = float("inf")
+    cont.feed([3])
+    with pytest.raises(NonFiniteModelError, match="the model's logits are not finite .* float32"):
+        next(cont.sample(1, 1.0, None, torch.Generator()))
+
+
+def test_the_end_of_run_sample_refuses_nan_weights():
+    from bdh_train.data.config import DataConfig
+    from bdh_train.data.tokens import TokenData
+    from bdh_train.model.generate import NonFiniteModelError
+    from bdh_train.train.evaluate import sample_continuation
+
+    model = _with_a_nan(tiny_model(vocab_size=256))
+    data = TokenData(np.frombuffer(b"def f(x):\n    return x\n", dtype=np.uint8), 256, "t")
+    args = (model, ByteTokenizer(), model.config, DataConfig(), (data, None), torch.device("cpu"))
+    with pytest.raises(NonFiniteModelError, match="the weights of the trained model are not"):
+        sample_continuation(*args)
+    with pytest.raises(NonFiniteModelError, match="the weights of checkpoint RUN/step-3 are"):
+        sample_continuation(*args, where="checkpoint RUN/step-3")

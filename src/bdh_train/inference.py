@@ -34,7 +34,14 @@ from bdh_train.distributed.env import resolve_device
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError, DataError
 from bdh_train.export import export_tokenizer_json, load_ternary
 from bdh_train.model import BDH, BDHConfig, ModelState, sample_next_token
-from bdh_train.model.generate import FastDecoder, GenericDecoder, make_decoder
+from bdh_train.model.generate import (
+    FastDecoder,
+    GenericDecoder,
+    check_finite_logits,
+    check_finite_weights,
+    make_decoder,
+    read_tokens,
+)
 from bdh_train.model.summary import SummaryEvents
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.run_dir import config_path, run_of_checkpoint
@@ -56,7 +63,7 @@ def inference_device(name: str | torch.device) -> torch.device:
 
 
 def load_run(
-    path: str | os.PathLike[str], device: str | torch.device = "cpu"
+    path: str | os.PathLike[str], device: str | torch.device = "cpu", finite: bool = False
 ) -> tuple[BDH, Tokenizer | None, RunConfig]:
     """(model in eval mode on `device`, tokenizer, run config) of a finished run.
 
@@ -67,12 +74,15 @@ def load_run(
     byte tokenizer for a byte-level token model, else None. When the checkpoint carries the
     tokenizer, the config's data.tokenizer names that copy, so the config works wherever the
     run now is. For an export, which holds only the model and tokenizer, the config is the
-    defaults with the export's model section.
+    defaults with the export's model section. With `finite`, weights holding NaN or
+    infinity are refused (NonFiniteModelError naming the checkpoint or export).
     """
     path = Path(path)
     dev = inference_device(device)
     if path.is_file():
         model = load_ternary(path, dev)
+        if finite:
+            check_finite_weights(model, f"the export '{path}'")
         text = export_tokenizer_json(path)
         if text is None:
             return model, tokenizer_for(model.config), RunConfig(model=model.config)
@@ -100,6 +110,8 @@ def load_run(
             f"the bdh_config metadata of {directory / ckpt.MODEL_FILE} is unusable: {exc}"
         ) from None
     ckpt.load_into_model(model, ckpt.load_model_weights(directory), directory)
+    if finite:
+        check_finite_weights(model, f"checkpoint {directory}")
     copy = run_tokenizer_file(directory)
     tok: Tokenizer | None = tokenizer_for(model.config)
     if copy is not None:
@@ -175,20 +187,17 @@ class Continuation:
 
     @torch.no_grad()
     def feed(self, ids: torch.Tensor | list[int], executor: str | None = None) -> None:
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self._device).reshape(1, -1)
+        """Read `ids` on top of what was read, `PREFILL_TOKENS` at a time (`read_tokens`):
+        memory does not grow with their number."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
         if ids.shape[1] == 0:
             return
-        mask = None
-        if self.events is not None:
-            history = self.recent if self.recent.shape[1] else None
-            mask = self.events.mask(ids, history)
-            keep = self.recent.shape[1]
-            if keep:
-                self.recent = torch.cat([self.recent, ids], dim=1)[:, -keep:]
-        hidden = self.model.forward_hidden(
-            ids, self.state, executor=executor, summary_event_mask=mask
+        hidden, recent = read_tokens(
+            self.model, self.state, ids, self.events, self.recent, executor
         )
-        self.hidden = hidden[:, -1:]
+        self.hidden = hidden.unsqueeze(1)
+        if recent is not None:
+            self.recent = recent
 
     @torch.no_grad()
     def sample(
@@ -204,8 +213,10 @@ class Continuation:
             raise BDHTrainError("nothing has been read yet: give a prompt")
         decoder = make_decoder(self.model, self.state, "auto", self.events, self.recent)
         try:
-            for _ in range(max_new_tokens):
+            for index in range(max_new_tokens):
                 logits = self.model.logits_from_hidden(self.hidden)[:, -1].float()
+                if index == 0:
+                    check_finite_logits(self.model, logits)
                 token = sample_next_token(logits, temperature, top_k, generator)
                 yield int(token[0])
                 self.hidden = decoder.step(token).unsqueeze(1)

@@ -646,3 +646,71 @@ def test_prompts_file_options_that_do_not_fit_are_refused(
 def test_batch_size_without_a_prompts_file_is_refused(run_dir, capsys):
     assert main(["generate", "--checkpoint", str(run_dir), "--batch-size", "4"]) == 2
     assert capsys.readouterr().err.startswith("error: --batch-size applies to --prompts-file")
+
+
+# ------------------------------------------------------------------ non-finite weights
+def _checkpoint_with_a_nan(run_dir, directory):
+    """(directory, encoder weights) of a copy of the run's latest checkpoint (its
+    model.safetensors alone, no manifest: read as it is) with one weight of the encoder NaN."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from bdh_train.train import checkpoint as ckpt
+
+    source = ckpt.resolve_checkpoint(run_dir) / ckpt.MODEL_FILE
+    with safe_open(str(source), "pt") as handle:
+        meta = handle.metadata()
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 (not a dict)
+    tensors["encoder"].view(-1)[5] = float("nan")
+    directory.mkdir()
+    save_file(tensors, str(directory / ckpt.MODEL_FILE), metadata=meta)
+    return directory, tensors["encoder"].numel()
+
+
+@pytest.mark.parametrize(
+    "command, extra",
+    [
+        ("generate", []),
+        ("generate", ["--temperature", "0"]),
+        ("generate", ["--save-state", "STATE"]),
+        ("generate", ["--prompts-file", "PROMPTS"]),
+        ("chat", []),
+    ],
+    ids=["generate", "greedy", "save_state", "prompts_file", "chat"],
+)
+def test_a_checkpoint_with_nan_weights_is_one_line(
+    run_dir, tmp_path, capsys, monkeypatch, command, extra
+):
+    """Sampled, torch failed inside multinomial ('probability tensor contains either inf,
+    nan or element < 0'); greedy, argmax printed whatever token the NaN fell on."""
+    bad, weights = _checkpoint_with_a_nan(run_dir, tmp_path / "nan")
+    prompts = _prompts_file(tmp_path, ['{"prompt": "a"}'])
+    extra = [{"STATE": str(tmp_path / "state"), "PROMPTS": str(prompts)}.get(a, a) for a in extra]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    capsys.readouterr()
+    assert main([command, "--checkpoint", str(bad), "--device", "cpu", *extra]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and not (tmp_path / "state").exists()
+    assert err == (
+        f"error: the weights of checkpoint {bad} are not finite: NaN or infinity in encoder "
+        f"(1 of {weights:,} values); nothing can be sampled from them\n"
+    )
+
+
+def test_a_state_file_holding_nan_is_one_line(run_dir, tmp_path, capsys):
+    """Finite weights, a state that is not: the logits after it are NaN."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    state = tmp_path / "state"
+    _generate(capsys, run_dir, "--prompt", "ab", "--save-state", str(state))
+    with safe_open(str(state), "pt") as handle:
+        meta = handle.metadata()
+    tensors = load_file(str(state))
+    tensors["state.rho.0"].view(-1)[0] = float("nan")
+    save_file(tensors, str(state), metadata=meta)
+    args = ["generate", "--checkpoint", str(run_dir), "--device", "cpu", "--load-state"]
+    assert main([*args, str(state), "--prompt", "c"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the model's logits are not finite (NaN or infinity) although")
+    assert "the state it continues holds NaN or infinity" in err and err.count("\n") == 1

@@ -147,8 +147,9 @@ def _check_inference_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--seed must be an integer from -2**63 to 2**64 - 1, got {seed}")
 
 
-def _load_for_inference(args: argparse.Namespace, need_text: bool):
-    """(model, tokenizer, config) of --checkpoint on --device with --threads set."""
+def _load_for_inference(args: argparse.Namespace, need_text: bool, finite: bool = False):
+    """(model, tokenizer, config) of --checkpoint on --device with --threads set; with
+    `finite` (commands that sample), weights holding NaN or infinity are refused."""
     _check_inference_args(args)
     import torch
 
@@ -156,7 +157,7 @@ def _load_for_inference(args: argparse.Namespace, need_text: bool):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok, cfg = load_run(args.checkpoint, device=args.device)
+    model, tok, cfg = load_run(args.checkpoint, device=args.device, finite=finite)
     if need_text and tok is None:
         raise BDHTrainError(
             f"{args.command} prints text: it needs a token-head model with a tokenizer (a "
@@ -198,7 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from bdh_train.inference import stop_token_ids
 
     _check_prompts_file_args(args)
-    model, tok, cfg = _load_for_inference(args, need_text=True)
+    model, tok, cfg = _load_for_inference(args, need_text=True, finite=True)
     events = _summary_events(model, cfg)
     generator = torch.Generator(device=model.embed.weight.device).manual_seed(args.seed)
     stops = stop_token_ids(args.stop, tok)
@@ -310,7 +311,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     from bdh_train.inference import Continuation, chat, stop_token_ids
 
-    model, tok, cfg = _load_for_inference(args, need_text=True)
+    model, tok, cfg = _load_for_inference(args, need_text=True, finite=True)
     stops = stop_token_ids(args.stop, tok)
     cont = Continuation(model, _summary_events(model, cfg))
     if args.load_state is not None:

@@ -1,5 +1,6 @@
-"""Generation: a prompt is read once, then every new token is one recurrent step on the
-carried state, so a token costs the same whatever came before it.
+"""Generation: a prompt is read once, PREFILL_TOKENS at a time (`read_tokens`: the state
+carries one chunk to the next, so memory does not grow with the prompt), then every new token
+is one recurrent step on the carried state, so a token costs the same whatever came before it.
 
 Two decoders take the step, and agree (tests/model/test_fast_decode.py):
 
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from bdh_train.errors import BDHTrainError
 from bdh_train.model.positions import alibi_log_decay, learned_alibi_log_decay, rope_cos_sin
 from bdh_train.model.state import ModelState
 from bdh_train.model.summary import NO_TOKEN, SummaryEvents
@@ -50,8 +52,53 @@ GEMM per layer writes them all. Each step also reads the pending keys, so fewer 
 more folds and less reading: on the CPU (config L4 D128 H4 N512, fp32) 16 took 0.97 of 32's
 time per step at batch 16 (64 and 8-24 measured too) and the same within noise at batch 1."""
 
+PREFILL_TOKENS = 1024
+"""Tokens of a prompt read per `forward_hidden` call (`read_tokens`): the activations of one
+call are alive at a time (about 5 KB per token for a 28k-parameter model), so a prompt's
+memory is that of this many tokens whatever its length."""
+
 ROPE_TABLE_TOKENS = 4096
 """Positions of rope phases computed at once; the table moves on when the rows pass its end."""
+
+
+class NonFiniteModelError(BDHTrainError):
+    """The model's weights, or the logits it gives, hold NaN or infinity: no token can be
+    drawn from them."""
+
+
+def nonfinite_weights(model: torch.nn.Module) -> str | None:
+    """The parameters holding NaN or infinity, each with its count ('encoder (3 of 8,192
+    values)'); None when every weight is finite."""
+    found = []
+    for name, p in model.named_parameters():
+        bad = int((~torch.isfinite(p.detach())).sum())
+        if bad:
+            found.append(f"{name} ({bad:,} of {p.numel():,} values)")
+    return ", ".join(found) if found else None
+
+
+def check_finite_weights(model: torch.nn.Module, where: str) -> None:
+    """NonFiniteModelError naming `where` (what the weights are, 'checkpoint RUN/...') and
+    the parameters that hold NaN or infinity; nothing when every weight is finite."""
+    bad = nonfinite_weights(model)
+    if bad is not None:
+        raise NonFiniteModelError(
+            f"the weights of {where} are not finite: NaN or infinity in {bad}; nothing can be "
+            "sampled from them"
+        )
+
+
+def check_finite_logits(model: BDH, logits: torch.Tensor) -> None:
+    """NonFiniteModelError when `logits` hold NaN or infinity (one read back to the host),
+    naming the model's non-finite weights where there are any."""
+    if bool(torch.isfinite(logits).all()):
+        return
+    check_finite_weights(model, "the model")
+    raise NonFiniteModelError(
+        "the model's logits are not finite (NaN or infinity) although its weights are: the "
+        "state it continues holds NaN or infinity, or its values overflow "
+        f"{str(logits.dtype).removeprefix('torch.')}; nothing can be sampled from them"
+    )
 
 
 def sample_next_token(
@@ -489,17 +536,56 @@ def _prompt_rows(prompt_ids: torch.Tensor) -> torch.Tensor:
     return prompt
 
 
+def read_tokens(
+    model: BDH,
+    state: ModelState,
+    ids: torch.Tensor,
+    summary_events: SummaryEvents | None = None,
+    recent: torch.Tensor | None = None,
+    executor: str | None = None,
+    chunk_tokens: int | None = PREFILL_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Read token ids [B, T] (T >= 1, any integer dtype) into `state`, `chunk_tokens` at a
+    time (None: in one call); -> (last token's hidden [B, D], the last history_len tokens).
+
+    The state carries everything from one chunk to the next, so the chunks read what one
+    call reads (tests/model/test_prefill.py) and the activations of one chunk at a time are
+    alive: memory does not grow with T. `recent` [B, history_len] holds the tokens read
+    before `ids` (NO_TOKEN before the start; None: the rows start here); with
+    `summary_events` each chunk's events are found after those of the tokens before it.
+    """
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be positive or None, got {chunk_tokens}")
+    batch, length = ids.shape
+    device = model.embed.weight.device
+    if summary_events is not None and recent is None:
+        recent = torch.full(
+            (batch, summary_events.history_len), NO_TOKEN, dtype=torch.long, device=device
+        )
+    step = length if chunk_tokens is None else chunk_tokens
+    hidden = None
+    for start in range(0, length, step):
+        part = ids[:, start : start + step].to(device=device, dtype=torch.long)
+        events = None
+        if summary_events is not None:
+            assert recent is not None  # set above
+            keep = recent.shape[1]
+            events = summary_events.mask(part, recent if keep else None)
+            if keep:
+                recent = torch.cat([recent, part], dim=1)[:, -keep:]
+        out = model.forward_hidden(part, state, executor=executor, summary_event_mask=events)
+        hidden = out[:, -1]
+    if hidden is None:
+        raise ValueError(f"read_tokens needs at least one token, got shape {tuple(ids.shape)}")
+    return hidden, recent
+
+
 def _read_prompt(
     model: BDH, prompt: torch.Tensor, summary_events: SummaryEvents | None
 ) -> tuple[ModelState, torch.Tensor, torch.Tensor | None]:
     """(state after the prompt [B, T], last token's hidden [B, D], last history_len tokens)."""
     state = model.init_state(prompt.shape[0])
-    events = None if summary_events is None else summary_events.mask(prompt)
-    hidden = model.forward_hidden(prompt, state, summary_event_mask=events)[:, -1]
-    if summary_events is None:
-        return state, hidden, None
-    keep = summary_events.history_len
-    recent = F.pad(prompt, (keep, 0), value=NO_TOKEN)[:, prompt.shape[1] :]
+    hidden, recent = read_tokens(model, state, prompt, summary_events)
     return state, hidden, recent
 
 
@@ -515,10 +601,11 @@ def stream_generate(
 ) -> Iterator[torch.Tensor]:
     """Yield new tokens [B] one at a time for prompts [B, T] (or one prompt [T]).
 
-    The prompt is read once with the model's executor; then each token costs one recurrent
-    step (`decoder`: see DECODERS). temperature 0 means greedy. `summary_events` marks the
-    summary events of the prompt and of each new token (for a summary memory with a write
-    gate; without it such a memory is never written).
+    The prompt is read once with the model's executor, PREFILL_TOKENS at a time
+    (`read_tokens`); then each token costs one recurrent step (`decoder`: see DECODERS).
+    temperature 0 means greedy. `summary_events` marks the summary events of the prompt and
+    of each new token (for a summary memory with a write gate; without it such a memory is
+    never written).
     """
     with torch.inference_mode():
         prompt = _prompt_rows(prompt_ids)
@@ -527,6 +614,8 @@ def stream_generate(
     for index in range(max_new_tokens):
         with torch.inference_mode():
             logits = model.logits_from_hidden(hidden).float()
+            if index == 0:
+                check_finite_logits(model, logits)
             token = sample_next_token(logits, temperature, top_k, generator)
         yield token
         if index + 1 < max_new_tokens:
@@ -596,6 +685,8 @@ def stream_generate_batch(
     for index in range(max_new_tokens):
         with torch.inference_mode():
             logits = model.logits_from_hidden(hidden).float()
+            if index == 0:
+                check_finite_logits(model, logits)
             token = sample_next_token(logits, temperature, top_k, generator)
             if active.shape[0] == len(rows):
                 out = token

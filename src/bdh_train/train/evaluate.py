@@ -30,6 +30,7 @@ from bdh_train.data.tokens import TokenData
 from bdh_train.errors import DataError
 from bdh_train.model.bdh import BDH
 from bdh_train.model.config import BDHConfig, LanguageHeadConfig
+from bdh_train.model.generate import check_finite_weights
 from bdh_train.model.heads import counted_target_mask
 from bdh_train.train.config import every_and_last
 
@@ -203,17 +204,20 @@ def sample_continuation(
     splits: tuple[TokenData, TokenData | None],
     device: torch.device,
     max_new_tokens: int = 200,
+    where: str = "the trained model",
 ) -> tuple[str, str] | None:
     """(prompt, continuation) of the end-of-run sample: the first `SAMPLE_PROMPT_TOKENS` of
     the validation (else train) split of `splits` continued by `model` at temperature 0.8,
     top-k 50, seed 0, decoded; None unless the model writes text of `tokenizer`
-    (`writes_text`)."""
+    (`writes_text`). Weights holding NaN or infinity are a NonFiniteModelError naming
+    `where` (what the weights are: 'checkpoint RUN/...')."""
     train, val = splits
     data, source = (
         (train, data_config.source) if val is None else (val, validation_source(data_config))
     )
     if not writes_text(model_config.language_head, model_config.vocab_size, tokenizer, source):
         return None
+    check_finite_weights(model, where)
     prompt = torch.as_tensor(
         sample_prompt(data.tokens[:SAMPLE_PROMPT_TOKENS], tokenizer), device=device
     )

@@ -39,7 +39,7 @@ from _common import CONFIGS
 
 from bdh_train.model import BDH, BDHConfig
 from bdh_train.model import generate as generation
-from bdh_train.model.generate import FastDecoder
+from bdh_train.model.decoders import FastDecoder
 
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 0.0}  # float32: set from the dense error
 SEQ_LEN, BATCH = 300, 2

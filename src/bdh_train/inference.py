@@ -34,14 +34,8 @@ from bdh_train.distributed.env import resolve_device
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError, DataError
 from bdh_train.export import export_tokenizer_json, load_ternary
 from bdh_train.model import BDH, BDHConfig, ModelState, sample_next_token
-from bdh_train.model.generate import (
-    FastDecoder,
-    GenericDecoder,
-    check_finite_logits,
-    check_finite_weights,
-    make_decoder,
-    read_tokens,
-)
+from bdh_train.model.decoders import FastDecoder, GenericDecoder, make_decoder
+from bdh_train.model.generate import check_finite_logits, check_finite_weights, read_tokens
 from bdh_train.model.summary import SummaryEvents
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.run_dir import config_path, run_of_checkpoint

@@ -651,7 +651,8 @@ def test_batch_size_without_a_prompts_file_is_refused(run_dir, capsys):
 # ------------------------------------------------------------------ non-finite weights
 def _checkpoint_with_a_nan(run_dir, directory):
     """(directory, encoder weights) of a copy of the run's latest checkpoint (its
-    model.safetensors alone, no manifest: read as it is) with one weight of the encoder NaN."""
+    model.safetensors alone, with a manifest that matches it) with one weight of the encoder
+    NaN."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -664,6 +665,7 @@ def _checkpoint_with_a_nan(run_dir, directory):
     tensors["encoder"].view(-1)[5] = float("nan")
     directory.mkdir()
     save_file(tensors, str(directory / ckpt.MODEL_FILE), metadata=meta)
+    ckpt._write_manifest(directory)
     return directory, tensors["encoder"].numel()
 
 

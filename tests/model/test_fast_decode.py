@@ -9,10 +9,9 @@ import pytest
 import torch
 from helpers import assert_close, tiny_model
 
-from bdh_train.model import QuantConfig
-from bdh_train.model import generate as generation
+from bdh_train.model import QuantConfig, decoders
 from bdh_train.model.config import SummaryMemoryConfig
-from bdh_train.model.generate import FastDecoder, GenericDecoder, fast_decoder_unsupported
+from bdh_train.model.decoders import FastDecoder, GenericDecoder, fast_decoder_unsupported
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 
@@ -45,8 +44,8 @@ def test_fast_step_logits_equal_generic_step_and_full_forward(
     then 9 steps; the pending tokens are folded every 4 steps and the rope table moves on
     every 3 positions. After a flush, the states agree too. The fixed-shape step (what CUDA
     captures as a graph) runs here on the CPU and agrees as well."""
-    monkeypatch.setattr(generation, "ROPE_TABLE_TOKENS", 3)
-    monkeypatch.setattr(generation, "FOLD_TOKENS", 4)
+    monkeypatch.setattr(decoders, "ROPE_TABLE_TOKENS", 3)
+    monkeypatch.setattr(decoders, "FOLD_TOKENS", 4)
     model = _model(dtype, position, **overrides)
     seq = torch.randint(0, 32, (2, 14), generator=torch.Generator().manual_seed(1))
     starts = (5, 2)
@@ -120,7 +119,7 @@ def test_stop_tokens_end_rows_and_stopped_rows_leave_the_batch(monkeypatch, stat
     model = _model(torch.float64, "rope")
     prompts = [[3, 1, 4], [1], [5, 9, 2, 6, 5, 3]]
     alone = model.generate_batch(prompts, 12, 0.0)
-    monkeypatch.setattr(generation, "FastDecoder", partial(FastDecoder, static=static))
+    monkeypatch.setattr(decoders, "FastDecoder", partial(FastDecoder, static=static))
     free = [row[len(p) :].tolist() for row, p in zip(alone, prompts, strict=True)]
     stops = {free[0][2], free[1][5]}  # row 0 stops by its 3rd token, row 1 by its 6th
 
@@ -160,17 +159,17 @@ def test_the_state_read_by_rows_is_the_batched_product(monkeypatch, static):
     the other order) step 5 more: logits agree to fp32 1e-5 at every step, and each form is
     the one that ran (row sums once per layer and step); only float32 on the CPU chooses
     the row sums."""
-    monkeypatch.setattr(generation, "FOLD_TOKENS", 4)
+    monkeypatch.setattr(decoders, "FOLD_TOKENS", 4)
     model = _model(torch.float32, "rope")
-    choose = generation.reads_state_by_rows
+    choose = decoders.reads_state_by_rows
     bags: list[int] = []
-    real_bag = generation.F.embedding_bag
+    real_bag = decoders.F.embedding_bag
     monkeypatch.setattr(
-        generation.F, "embedding_bag", lambda *a, **k: bags.append(1) or real_bag(*a, **k)
+        decoders.F, "embedding_bag", lambda *a, **k: bags.append(1) or real_bag(*a, **k)
     )
 
     def logits_when(by_rows: bool) -> torch.Tensor:
-        monkeypatch.setattr(generation, "reads_state_by_rows", lambda rho: by_rows)
+        monkeypatch.setattr(decoders, "reads_state_by_rows", lambda rho: by_rows)
         bags.clear()
         states = []
         for prompt in ([3, 1, 4], [1], [5, 9, 2, 6, 5]):

@@ -11,10 +11,10 @@ import torch
 from helpers import assert_close, tiny_model
 
 from bdh_train.data.events import SummaryEventTrigger
-from bdh_train.model import BDH, QuantConfig
+from bdh_train.model import BDH, QuantConfig, decoders
 from bdh_train.model import generate as generation
 from bdh_train.model.config import SummaryMemoryConfig
-from bdh_train.model.generate import FastDecoder, GenericDecoder
+from bdh_train.model.decoders import FastDecoder, GenericDecoder
 
 
 def _seeded(seed: int = 5) -> torch.Generator:
@@ -112,9 +112,9 @@ def test_a_temperature_near_0_draws_the_largest_logit(dtype, scale):
 
 def test_make_decoder_defaults_to_the_fast_one_where_it_applies():
     model = tiny_model().eval()
-    assert isinstance(generation.make_decoder(model, model.init_state(1)), FastDecoder)
+    assert isinstance(decoders.make_decoder(model, model.init_state(1)), FastDecoder)
     summary = tiny_model(summary_memory=SummaryMemoryConfig(enabled=True, chunk_tokens=2)).eval()
-    assert isinstance(generation.make_decoder(summary, summary.init_state(1)), GenericDecoder)
+    assert isinstance(decoders.make_decoder(summary, summary.init_state(1)), GenericDecoder)
 
 
 @pytest.mark.parametrize("batch", [False, True], ids=["stream_generate_batch", "generate_batch"])
@@ -242,8 +242,8 @@ def test_unsupported_models_are_named_exactly():
         (tiny_model(torch.bfloat16), "dtype torch.bfloat16"),
     )
     for model, reason in cases:
-        assert generation.fast_decoder_unsupported(model) == reason
-    assert generation.fast_decoder_unsupported(tiny_model(dropout=0.0).train()) is None
+        assert decoders.fast_decoder_unsupported(model) == reason
+    assert decoders.fast_decoder_unsupported(tiny_model(dropout=0.0).train()) is None
 
 
 # ------------------------------------------------------------------- the fast decoder
@@ -256,7 +256,7 @@ def _steps(decoder, model, tokens: list[list[int]]) -> torch.Tensor:
 def test_the_fast_decoder_on_a_state_that_read_nothing(monkeypatch, dtype, position):
     """Built on `init_state` (no layer has a state yet) it starts from zero states, as the
     generic step does; 7 steps fold twice."""
-    monkeypatch.setattr(generation, "FOLD_TOKENS", 3)
+    monkeypatch.setattr(decoders, "FOLD_TOKENS", 3)
     model = tiny_model(dtype, position=position).eval()
     tokens = [[i % 5, (3 * i) % 7] for i in range(7)]
     with torch.no_grad():
@@ -271,8 +271,8 @@ def test_one_row_steps_at_its_own_rope_phase(monkeypatch, static):
     per-row gather): the logits of 11 steps past a prompt agree with the generic step's
     (fp32 1e-5 over all of them) while the table of 3 positions moves on; the table is
     refilled only when the row leaves it."""
-    monkeypatch.setattr(generation, "ROPE_TABLE_TOKENS", 3)
-    monkeypatch.setattr(generation, "FOLD_TOKENS", 4)
+    monkeypatch.setattr(decoders, "ROPE_TABLE_TOKENS", 3)
+    monkeypatch.setattr(decoders, "FOLD_TOKENS", 4)
     model = tiny_model().eval()
     fills: list[int] = []
     real_fill = FastDecoder._fill_rope_table

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import gc
+import signal
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from bdh_train.config import RunConfig
 from bdh_train.distributed.env import DistContext, resolve_device
-from bdh_train.errors import ConfigError
+from bdh_train.errors import BDHTrainError, ConfigError
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.run_dir import RUNS_ROOT, RunDir, run_of_checkpoint
 from bdh_train.trainer import RunResult, Trainer
@@ -103,6 +104,8 @@ def train(
         with stop_handler(trainer.request_stop):
             return trainer.run()
     except BaseException as exc:
+        if dist_ctx.active and isinstance(exc, BDHTrainError):
+            _ignore_sigterm()  # ending already: torchrun's SIGTERM would hide the exit status
         # the traceback's frames (Trainer.run's `self` among them) would keep the trainer
         # alive past the collection below; the messages keep their files and lines
         traceback.clear_frames(exc.__traceback__)
@@ -116,3 +119,11 @@ def train(
         trainer = None
         gc.collect()
         dist_ctx.close()
+
+
+def _ignore_sigterm() -> None:
+    """A process of a launch that ends with an error: torchrun sends SIGTERM to the others as
+    soon as the first one exits, which would end them (exit -15) before they print their own
+    `error:` line and exit 2 (the group is freed next, which does not wait on the others)."""
+    with contextlib.suppress(ValueError):  # not the main thread: leave the handlers
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)

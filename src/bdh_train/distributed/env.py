@@ -78,6 +78,18 @@ class DistContext:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
 
+    def share_refusal(self, refusal: BDHTrainError | None, device_type: str) -> None:
+        """Raise the main process's refusal (None: none) on every process: one broadcast of
+        its message, so that the others stop with the same error instead of waiting in the
+        next collective for a process that is gone."""
+        if self.active:
+            message = [None if refusal is None else str(refusal)]
+            dist.broadcast_object_list(message, src=0, device=self.device(device_type))
+            if message[0] is not None and refusal is None:
+                raise BDHTrainError(message[0])
+        if refusal is not None:
+            raise refusal
+
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -104,12 +104,17 @@ def train(
         with stop_handler(trainer.request_stop):
             return trainer.run()
     except BaseException as exc:
-        if dist_ctx.active and isinstance(exc, BDHTrainError):
+        error: BaseException = exc
+        if dist_ctx.active and _collective_failure(exc):
+            error = _unanswered(exc, dist_ctx, cfg.parallel.collective_timeout_s, run)
+        if dist_ctx.active and isinstance(error, BDHTrainError):
             _ignore_sigterm()  # ending already: torchrun's SIGTERM would hide the exit status
         # the traceback's frames (Trainer.run's `self` among them) would keep the trainer
         # alive past the collection below; the messages keep their files and lines
         traceback.clear_frames(exc.__traceback__)
-        raise
+        if error is exc:
+            raise
+        raise error from None
     finally:
         # The trainer sits in reference cycles, and its wrapped model (DDP's reducer, FSDP,
         # pipeline stages) holds the process group: left to the cycle collector, gloo's
@@ -127,3 +132,37 @@ def _ignore_sigterm() -> None:
     `error:` line and exit 2 (the group is freed next, which does not wait on the others)."""
     with contextlib.suppress(ValueError):  # not the main thread: leave the handlers
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """A wait on the other processes that failed: torch.distributed's errors, and gloo's,
+    which come as plain RuntimeErrors naming its sources."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
+
+
+def _unanswered(
+    exc: BaseException, dist_ctx: DistContext, timeout_s: float, run: RunDir
+) -> BDHTrainError:
+    """The one-line error of a process whose collective failed: which processes did not
+    answer (those that did not report through the store), what gloo said, the last
+    checkpoint."""
+    silent = dist_ctx.silent_ranks()
+    if silent:
+        who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+    else:
+        who = "another process"
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    said = said.split("] ", 1)[-1]  # gloo's source location
+    if "timed out" in said.lower():
+        what = f"{who} did not answer within parallel.collective_timeout_s = {timeout_s:g} s"
+    else:
+        what = f"{who} left the run"
+    kept = ckpt.list_checkpoints(run.checkpoints) if run.checkpoints.is_dir() else []
+    last = (
+        f"the last checkpoint is {kept[-1]} (continue with --resume {run.path})"
+        if kept
+        else "no checkpoint was written"
+    )
+    return BDHTrainError(f"{what} (stopped, hung or gone; rank {dist_ctx.rank}: {said}); {last}")

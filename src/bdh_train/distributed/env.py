@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -89,6 +90,24 @@ class DistContext:
                 raise BDHTrainError(message[0])
         if refusal is not None:
             raise refusal
+
+    def silent_ranks(self, wait_s: float = 3.0) -> list[int] | None:
+        """After a collective failed: the processes that did not say, through the launch's
+        store, that they are still here within `wait_s` seconds (every process whose
+        collective failed says so); None when the store cannot tell."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(timedelta(seconds=wait_s))
+            store.set(f"bdh-train/alive/{self.rank}", "1")
+            keys = [f"bdh-train/alive/{r}" for r in range(self.world_size)]
+            deadline = time.monotonic() + wait_s
+            while True:
+                silent = [r for r, key in enumerate(keys) if not store.check([key])]
+                if not silent or time.monotonic() >= deadline:
+                    return silent
+                time.sleep(0.1)
+        except (RuntimeError, ValueError):
+            return None
 
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import gc
+import signal
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from bdh_train.config import RunConfig
 from bdh_train.distributed.env import DistContext, resolve_device
-from bdh_train.errors import ConfigError
+from bdh_train.errors import BDHTrainError, ConfigError
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.run_dir import RUNS_ROOT, RunDir, run_of_checkpoint
 from bdh_train.trainer import RunResult, Trainer
@@ -103,10 +104,17 @@ def train(
         with stop_handler(trainer.request_stop):
             return trainer.run()
     except BaseException as exc:
+        error: BaseException = exc
+        if dist_ctx.active and _collective_failure(exc):
+            error = _unanswered(exc, dist_ctx, cfg.parallel.collective_timeout_s, run)
+        if dist_ctx.active and isinstance(error, BDHTrainError):
+            _ignore_sigterm()  # ending already: torchrun's SIGTERM would hide the exit status
         # the traceback's frames (Trainer.run's `self` among them) would keep the trainer
         # alive past the collection below; the messages keep their files and lines
         traceback.clear_frames(exc.__traceback__)
-        raise
+        if error is exc:
+            raise
+        raise error from None
     finally:
         # The trainer sits in reference cycles, and its wrapped model (DDP's reducer, FSDP,
         # pipeline stages) holds the process group: left to the cycle collector, gloo's
@@ -116,3 +124,45 @@ def train(
         trainer = None
         gc.collect()
         dist_ctx.close()
+
+
+def _ignore_sigterm() -> None:
+    """A process of a launch that ends with an error: torchrun sends SIGTERM to the others as
+    soon as the first one exits, which would end them (exit -15) before they print their own
+    `error:` line and exit 2 (the group is freed next, which does not wait on the others)."""
+    with contextlib.suppress(ValueError):  # not the main thread: leave the handlers
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """A wait on the other processes that failed: torch.distributed's errors, and gloo's,
+    which come as plain RuntimeErrors naming its sources."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
+
+
+def _unanswered(
+    exc: BaseException, dist_ctx: DistContext, timeout_s: float, run: RunDir
+) -> BDHTrainError:
+    """The one-line error of a process whose collective failed: which processes did not
+    answer (those that did not report through the store), what gloo said, the last
+    checkpoint."""
+    silent = dist_ctx.silent_ranks()
+    if silent:
+        who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+    else:
+        who = "another process"
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    said = said.split("] ", 1)[-1]  # gloo's source location
+    if "timed out" in said.lower():
+        what = f"{who} did not answer within parallel.collective_timeout_s = {timeout_s:g} s"
+    else:
+        what = f"{who} left the run"
+    kept = ckpt.list_checkpoints(run.checkpoints) if run.checkpoints.is_dir() else []
+    last = (
+        f"the last checkpoint is {kept[-1]} (continue with --resume {run.path})"
+        if kept
+        else "no checkpoint was written"
+    )
+    return BDHTrainError(f"{what} (stopped, hung or gone; rank {dist_ctx.rank}: {said}); {last}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -77,6 +78,36 @@ class DistContext:
         value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
+
+    def share_refusal(self, refusal: BDHTrainError | None, device_type: str) -> None:
+        """Raise the main process's refusal (None: none) on every process: one broadcast of
+        its message, so that the others stop with the same error instead of waiting in the
+        next collective for a process that is gone."""
+        if self.active:
+            message = [None if refusal is None else str(refusal)]
+            dist.broadcast_object_list(message, src=0, device=self.device(device_type))
+            if message[0] is not None and refusal is None:
+                raise BDHTrainError(message[0])
+        if refusal is not None:
+            raise refusal
+
+    def silent_ranks(self, wait_s: float = 3.0) -> list[int] | None:
+        """After a collective failed: the processes that did not say, through the launch's
+        store, that they are still here within `wait_s` seconds (every process whose
+        collective failed says so); None when the store cannot tell."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(timedelta(seconds=wait_s))
+            store.set(f"bdh-train/alive/{self.rank}", "1")
+            keys = [f"bdh-train/alive/{r}" for r in range(self.world_size)]
+            deadline = time.monotonic() + wait_s
+            while True:
+                silent = [r for r, key in enumerate(keys) if not store.check([key])]
+                if not silent or time.monotonic() >= deadline:
+                    return silent
+                time.sleep(0.1)
+        except (RuntimeError, ValueError):
+            return None
 
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():

@@ -24,7 +24,6 @@ from bdh_train.config import RunConfig, dump_toml, save_config
 from bdh_train.data.tokenizer import HFTokenizer
 from bdh_train.distributed import fsdp
 from bdh_train.distributed.env import DistContext, resolve_device
-from bdh_train.errors import BDHTrainError
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.accumulate import WeightedGradientAccumulator
 from bdh_train.train.allocator import configure_host_allocator
@@ -96,15 +95,8 @@ class Trainer:
         self.run_files = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
         self.run_dir = self.run_files.path
         self.overwrite = overwrite and not resume
-        refusal = None
-        if self.dist.is_main:
-            try:
-                self.run_files.lock()
-            except BDHTrainError as exc:
-                refusal = exc
-        # before any collective of the build: the other processes would wait in it for a
-        # main process that already gave up
-        self.dist.share_refusal(refusal, resolve_device(cfg.training.device).type)
+        # the main process's refusal is every process's, before the build's first collective
+        self.dist.on_main(self.run_files.lock, resolve_device(cfg.training.device).type)
         try:
             self._build(cfg, resume, stream, overwrite, resume_fallback, checkpoint)
         except BaseException:

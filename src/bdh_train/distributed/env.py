@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -78,6 +79,17 @@ class DistContext:
         value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
+
+    def on_main(self, action: Callable[[], object], device_type: str) -> None:
+        """Run `action` on the main process; a BDHTrainError it raises is raised on every
+        process (`share_refusal`)."""
+        refusal = None
+        if self.is_main:
+            try:
+                action()
+            except BDHTrainError as exc:
+                refusal = exc
+        self.share_refusal(refusal, device_type)
 
     def share_refusal(self, refusal: BDHTrainError | None, device_type: str) -> None:
         """Raise the main process's refusal (None: none) on every process: one broadcast of

@@ -24,6 +24,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import tomllib
 from pathlib import Path
@@ -236,11 +237,13 @@ class RunDir:
     # ------------------------------------------------------------------ fresh and resumed runs
     def check_fresh(self, overwrite: bool) -> None:
         """A fresh run needs an empty (or absent) directory, unless `overwrite` clears an
-        earlier run from it: a directory holding anything but a run's own files (`LAYOUT`)
-        is never cleared."""
+        earlier run from it: a directory holding anything but a run's own files (`LAYOUT`),
+        or whose checkpoints/ holds anything but checkpoints, is never cleared."""
         refuse_a_file(self.path)
         used = used_entries(self.path)
-        foreign = [name for name in used if name not in LAYOUT]
+        foreign = [name for name in used if name not in LAYOUT] + _foreign_checkpoints(
+            self.path / CHECKPOINTS
+        )
         if foreign:
             replaces = "--overwrite replaces only a run directory (or an empty one); "
             raise ConfigError(
@@ -325,6 +328,29 @@ def check_outside_checkpoints(source: Path, out: str | os.PathLike[str]) -> None
             f"OUT {out} is inside {kept}, the checkpoints it exports from, which it "
             "would damage; write the export outside it"
         )
+
+
+_CHECKPOINT_ENTRY = re.compile(
+    r"step-\d{7,}(?:-m\d{2,})?|\.(?:tmp|old)-step-\d{7,}(?:-m\d{2,})?-.+"
+)
+"""A checkpoint directory's name, or that of one being written or set aside (checkpoint.py)."""
+
+
+def _foreign_checkpoints(checkpoints: Path) -> list[str]:
+    """What in a run's checkpoints folder is not the run's, which `clear` would remove with
+    it: anything but checkpoint directories (written, being written or set aside) and the
+    `latest` file; a link there is never the run's."""
+    if checkpoints.is_symlink() or not checkpoints.is_dir():
+        return []  # a link in place of the folder is removed as a link; its target is kept
+    return sorted(
+        f"{CHECKPOINTS}/{entry.name}"
+        for entry in checkpoints.iterdir()
+        if entry.is_symlink()
+        or not (
+            (entry.name == "latest" and entry.is_file())
+            or (entry.is_dir() and _CHECKPOINT_ENTRY.fullmatch(entry.name))
+        )
+    )
 
 
 def _shown(names: list[str]) -> str:

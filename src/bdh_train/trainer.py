@@ -286,22 +286,20 @@ class Trainer:
     def _start(self) -> MetricsReporter:
         """Open the metrics (a resumed run's rows are checked first), write the run's
         tokenizer copy and config, print the banner."""
-        t, s = self.training, self.state
-        if self.dist.is_main and self.overwrite:
-            self.run_files.clear()
-        self.metrics = MetricsReporter(
-            self.run_dir,
-            self.cfg.metrics,
-            s.step if self.resumed_from is not None else None,
-            enabled=self.dist.is_main,
-            config=self.saved_cfg.to_dict(),
-            config_text=dump_toml(self.saved_cfg),
-            log_every=t.log_every,
-            last_step=t.max_steps,
-        )
-        if self.dist.is_main:
+        t, s, cfg = self.training, self.state, self.saved_cfg
+        resumed_at = s.step if self.resumed_from is not None else None
+        metrics = partial(MetricsReporter, self.run_dir, self.cfg.metrics, resumed_at)
+        metrics = partial(metrics, config=cfg.to_dict(), config_text=dump_toml(cfg))
+        self.metrics = metrics(enabled=False, log_every=t.log_every, last_step=t.max_steps)
+
+        def write() -> None:  # the main process's part; a refusal in it is every process's
+            if self.overwrite:
+                self.run_files.clear()
+            self.metrics = metrics(log_every=t.log_every, last_step=t.max_steps)
             self.tokenizer.save(self.run_dir)  # before the config that names this copy
-            save_config(self.saved_cfg, self.run_files.config)
+            save_config(cfg, self.run_files.config)
+
+        self.dist.on_main(write, self.device.type)
         self.metrics.restart_clock(s.tokens)
         lines = [*self.banner().lines(), *self.cfg.notes()]
         if self.resumed_from is not None:

@@ -309,3 +309,25 @@ def test_available_memory_takes_the_tightest_cgroup_limit(tmp_path, monkeypatch,
     monkeypatch.setattr(resource, "getrlimit", lambda which: (-1, -1))
     room = machine_memory.available_memory(CPU)
     assert (room.bytes, room.source) == (5 * GIB, "its cgroup's memory limit")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_cgroup_headroom_counts_inactive_file_cache_as_free(tmp_path, monkeypatch, version):
+    """A container that has just installed torch holds gigabytes of page cache in its usage;
+    the inactive part is reclaimed when a process needs it, so it is not 'used'."""
+    if version == 2:
+        names, key, membership = ("memory.max", "memory.current"), "inactive_file", "0::/\n"
+        root = tmp_path
+    else:
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        key, membership, root = "total_inactive_file", "4:memory:/\n", tmp_path / "memory"
+    root.mkdir(exist_ok=True)
+    (root / names[0]).write_text(f"{4 * GIB}\n")
+    (root / names[1]).write_text(f"{4 * GIB - 100 * MIB}\n")
+    (root / "memory.stat").write_text(f"active_file {GIB}\n{key} {3 * GIB}\nanon {MIB}\n")
+    (tmp_path / "cgroup").write_text(membership)
+    monkeypatch.setattr(machine_memory, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(machine_memory, "PROC_CGROUP", tmp_path / "cgroup")
+    assert machine_memory._cgroup_headroom() == 3 * GIB + 100 * MIB
+    (root / "memory.stat").unlink()  # no counters: the usage as it is
+    assert machine_memory._cgroup_headroom() == 100 * MIB

@@ -81,22 +81,22 @@ class DistContext:
         return bool(value.item())
 
     def on_main(self, action: Callable[[], object], device_type: str) -> None:
-        """Run `action` on the main process; a BDHTrainError it raises is raised on every
-        process (`share_refusal`)."""
+        """Run `action` on the main process; a BDHTrainError or OSError (a directory it may
+        not write) it raises is raised on every process (`share_refusal`)."""
         refusal = None
         if self.is_main:
             try:
                 action()
-            except BDHTrainError as exc:
+            except (BDHTrainError, OSError) as exc:
                 refusal = exc
         self.share_refusal(refusal, device_type)
 
-    def share_refusal(self, refusal: BDHTrainError | None, device_type: str) -> None:
+    def share_refusal(self, refusal: BDHTrainError | OSError | None, device_type: str) -> None:
         """Raise the main process's refusal (None: none) on every process: one broadcast of
         its message, so that the others stop with the same error instead of waiting in the
         next collective for a process that is gone."""
         if self.active:
-            message = [None if refusal is None else str(refusal)]
+            message = [None if refusal is None else _one_line(refusal)]
             dist.broadcast_object_list(message, src=0, device=self.device(device_type))
             if message[0] is not None and refusal is None:
                 raise BDHTrainError(message[0])
@@ -151,3 +151,12 @@ def pipeline_mesh(world: DistContext, device_type: str, replicas: int, stages: i
         mesh.get_local_rank("dp"), replicas, world.local_rank, group=mesh.get_group("dp")
     )
     return PipelineMesh(data, mesh.get_local_rank("pp"), mesh.get_group("pp"))
+
+
+def _one_line(refusal: BaseException) -> str:
+    """What the other processes raise for the main process's refusal: its message, or an
+    OSError's reason and file."""
+    if isinstance(refusal, OSError):
+        where = f": {refusal.filename}" if refusal.filename else ""
+        return f"the main process could not go on ({refusal.strerror or refusal}{where})"
+    return str(refusal)

@@ -145,7 +145,7 @@ def written_by_v0_1(directory: Path) -> bool:
     try:
         with safe_open(str(directory / MODEL_FILE), "pt") as handle:
             config = json.loads((handle.metadata() or {}).get("bdh_config", "null"))
-    except (SafetensorError, OSError, ValueError):
+    except (SafetensorError, ValueError):  # an OSError (unreadable) is not an answer: raised
         return False
     return isinstance(config, dict) and set(config) == _V0_1_MODEL_KEYS
 

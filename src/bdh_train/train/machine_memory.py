@@ -1,6 +1,6 @@
 """The memory this process may still allocate: a CUDA device's total, or on the CPU the least
-of the address-space limit, the memory cgroup's headroom and the machine's free physical
-memory."""
+of the address-space limit, the memory cgroup's headroom and the machine's physical memory
+less this process's resident set."""
 
 from __future__ import annotations
 
@@ -44,10 +44,24 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def _stat_value(path: Path, key: str) -> int:
+    """One counter of a cgroup's memory.stat (0 when it cannot be read)."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
+
+
 def _cgroup_headroom() -> int | None:
-    """The least (limit - usage) over this process's memory cgroup and its ancestors
-    (v2: memory.max and memory.current; v1: memory.limit_in_bytes and
-    memory.usage_in_bytes), None where no limit is set."""
+    """The least (limit - working set) over this process's memory cgroup and its ancestors,
+    None where no limit is set. The working set is the usage (v2: memory.current; v1:
+    memory.usage_in_bytes) less the inactive file cache (memory.stat's inactive_file; v1:
+    total_inactive_file), which the kernel reclaims when a process needs memory, as kubelet
+    and docker count it."""
     try:
         lines = PROC_CGROUP.read_text().splitlines()
     except OSError:
@@ -60,9 +74,11 @@ def _cgroup_headroom() -> int | None:
         _, controllers, path = fields
         if controllers == "":
             base, limit_file, usage_file = CGROUP_ROOT, "memory.max", "memory.current"
+            cache = "inactive_file"
         elif "memory" in controllers.split(","):
             base = CGROUP_ROOT / "memory"
             limit_file, usage_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
+            cache = "total_inactive_file"
         else:
             continue
         parts = [p for p in path.split("/") if p]
@@ -71,7 +87,8 @@ def _cgroup_headroom() -> int | None:
             limit = _read_int(directory / limit_file)  # 'max' (no limit) reads as None
             usage = _read_int(directory / usage_file)
             if limit is not None and usage is not None and limit < UNLIMITED_CGROUP:
-                found.append(limit - usage)
+                reclaimable = _stat_value(directory / "memory.stat", cache)
+                found.append(limit - max(usage - reclaimable, 0))
     return min(found) if found else None
 
 

@@ -75,18 +75,10 @@ def worker(spec: dict[str, Any]) -> None:
     import torch
 
     from bdh_train.batch import SequenceBatch
-    from bdh_train.distributed.config import ParallelConfig
-    from bdh_train.distributed.env import DistContext
     from bdh_train.model import BDHConfig
-    from bdh_train.train.accumulate import WeightedGradientAccumulator
     from bdh_train.train.allocator import configure_host_allocator
-    from bdh_train.train.build import build_executor, build_model
     from bdh_train.train.config import TrainingConfig
     from bdh_train.train.memory import estimate_step_memory
-    from bdh_train.train.optim import OptimizerConfig
-    from bdh_train.train.schedules import GradientScaleSchedule
-    from bdh_train.train.state import TrainerState
-    from bdh_train.train.window import StepWindow, reduction_for
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
@@ -99,30 +91,6 @@ def worker(spec: dict[str, Any]) -> None:
     tokens = torch.randint(0, model.vocab_size, shape, generator=g).to(device)
     batch = SequenceBatch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
-    def two_steps(full: SequenceBatch = batch) -> None:
-        bdh = build_model(model, training, device)
-        scales = GradientScaleSchedule(bdh)
-        executor, group = build_executor(
-            bdh, training, ParallelConfig(), DistContext(), device, scales, None
-        )
-        accumulator = WeightedGradientAccumulator(bdh, torch.float32)
-        optim = OptimizerConfig()
-        window = StepWindow(
-            bdh,
-            reduction_for(executor, accumulator, bdh, group),
-            optim.build(bdh),
-            scales,
-            TrainerState(),
-            optim,
-            training,
-            log=print,
-            last_good=str,
-        )
-        for piece in (full.time_slice(0, PRIMER_TOKENS), full):
-            for _ in range(training.accumulation_steps):
-                window.micro_step(lambda piece=piece: piece)
-            window.optimizer_step()
-
     result: dict[str, Any] = {
         "estimate": estimate.total,
         "activations": estimate.activations,
@@ -133,20 +101,60 @@ def worker(spec: dict[str, Any]) -> None:
         result["allocator"] = configure_host_allocator(
             spec["host_allocator"], device, saving_memory=training.recompute != "none"
         )
-        two_steps(batch.rows(0, 1).time_slice(0, PRIMER_TOKENS))  # code paged in, pools made
-        base = settle_baseline()
-        two_steps()
+        two_steps(model, training, device, batch.rows(0, 1).time_slice(0, PRIMER_TOKENS))
+        base = settle_baseline()  # code paged in, pools made above
+        two_steps(model, training, device, batch)
         result["rss_delta"] = (peak_rss_mib() - base) * MIB
     elif device.type == "cuda":
         torch.cuda.synchronize()
         start = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        two_steps()
+        two_steps(model, training, device, batch)
         torch.cuda.synchronize()
         result["tensors"] = torch.cuda.max_memory_allocated(device) - start
     else:
-        result["tensors"] = profiled_peak(two_steps)
+        result["tensors"] = profiled_peak(lambda: two_steps(model, training, device, batch))
     emit(result)
+
+
+def two_steps(model: Any, training: Any, device: Any, batch: Any) -> None:
+    """Two optimizer steps of the trainer's own components (`build_model`, `build_executor`,
+    the accumulator, `StepWindow` with AdamW) on `batch`, the first on its first
+    PRIMER_TOKENS tokens, so AdamW's moments exist during the second step's backward
+    (tests/train/test_memory.py measures the same)."""
+    import torch
+
+    from bdh_train.distributed.config import ParallelConfig
+    from bdh_train.distributed.env import DistContext
+    from bdh_train.train.accumulate import WeightedGradientAccumulator
+    from bdh_train.train.build import build_executor, build_model
+    from bdh_train.train.optim import OptimizerConfig
+    from bdh_train.train.schedules import GradientScaleSchedule
+    from bdh_train.train.state import TrainerState
+    from bdh_train.train.window import StepWindow, reduction_for
+
+    bdh = build_model(model, training, device)
+    scales = GradientScaleSchedule(bdh)
+    executor, group = build_executor(
+        bdh, training, ParallelConfig(), DistContext(), device, scales, None
+    )
+    accumulator = WeightedGradientAccumulator(bdh, torch.float32)
+    optim = OptimizerConfig()
+    window = StepWindow(
+        bdh,
+        reduction_for(executor, accumulator, bdh, group),
+        optim.build(bdh),
+        scales,
+        TrainerState(),
+        optim,
+        training,
+        log=print,
+        last_good=str,
+    )
+    for piece in (batch.time_slice(0, PRIMER_TOKENS), batch):
+        for _ in range(training.accumulation_steps):
+            window.micro_step(lambda piece=piece: piece)
+        window.optimizer_step()
 
 
 def profiled_peak(run) -> int:

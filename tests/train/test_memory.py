@@ -17,21 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import resource
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
 from bdh_train.batch import SequenceBatch
 from bdh_train.cli import main
-from bdh_train.distributed.config import ParallelConfig
-from bdh_train.distributed.env import DistContext
 from bdh_train.errors import ConfigError
 from bdh_train.model import BDHConfig
 from bdh_train.train import build, machine_memory, memory
-from bdh_train.train.accumulate import WeightedGradientAccumulator
-from bdh_train.train.build import build_executor, build_model
 from bdh_train.train.config import TrainingConfig
 from bdh_train.train.machine_memory import AvailableMemory
 from bdh_train.train.memory import (
@@ -40,62 +36,25 @@ from bdh_train.train.memory import (
     check_step_memory,
     estimate_step_memory,
 )
-from bdh_train.train.optim import OptimizerConfig
-from bdh_train.train.schedules import GradientScaleSchedule
-from bdh_train.train.state import TrainerState
-from bdh_train.train.window import StepWindow, reduction_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_step_memory  # noqa: E402  (two_steps and profiled_peak: one measurement for both)
 
 CPU = torch.device("cpu")
 SMALL = dict(n_layer=2, n_embd=64, n_head=4, mlp_internal_dim_multiplier=16, dropout=0.0)
 """N = 256 neurons a head: dense up to T = 402 on the CPU, chunked/128 beyond."""
 
 
-def allocation_peak(prof: profile) -> int:
-    """The highest running sum of the CPU allocator's allocations and frees (bytes)."""
-    events: list[tuple[int, int]] = []
-    nodes = list(prof.profiler.kineto_results.experimental_event_tree())
-    while nodes:
-        node = nodes.pop()
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        nodes.extend(node.children)
-    held = peak = 0
-    for _, size in sorted(events):
-        held += size
-        peak = max(peak, held)
-    return peak
-
-
 def measured_step_peak(model: BDHConfig, training: TrainingConfig) -> int:
-    """Bytes torch held at the peak of a train step (the module docstring says how)."""
+    """Bytes torch held at the peak of a train step (the module docstring says how): the
+    benchmark's two optimizer steps under torch's profiler."""
     g = torch.Generator().manual_seed(0)
     shape = (training.batch_size, training.block_size + 1)
     tokens = torch.randint(0, model.vocab_size, shape, generator=g)
     batch = SequenceBatch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        bdh = build_model(model, training, CPU)
-        scales = GradientScaleSchedule(bdh)
-        executor, group = build_executor(
-            bdh, training, ParallelConfig(), DistContext(), CPU, scales, None
-        )
-        accumulator = WeightedGradientAccumulator(bdh, torch.float32)
-        optim = OptimizerConfig()
-        window = StepWindow(
-            bdh,
-            reduction_for(executor, accumulator, bdh, group),
-            optim.build(bdh),
-            scales,
-            TrainerState(),
-            optim,
-            training,
-            log=print,
-            last_good=str,
-        )
-        for piece in (batch.time_slice(0, 16), batch):
-            for _ in range(training.accumulation_steps):
-                window.micro_step(lambda piece=piece: piece)
-            window.optimizer_step()
-    return allocation_peak(prof)
+    return bench_step_memory.profiled_peak(
+        lambda: bench_step_memory.two_steps(model, training, CPU, batch)
+    )
 
 
 CASES = {

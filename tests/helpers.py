@@ -351,3 +351,20 @@ def fork_cli(
     )
     process.start()
     return process
+
+
+MICRO_RUN = [
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.mlp_internal_dim_multiplier=4",
+    "training.block_size=16",
+    "training.batch_size=4",
+]
+"""The smallest run the run-directory and checkpoint tests train through the CLI (seconds on
+two cores); each adds the length and cadence it needs."""
+
+
+def set_args(overrides: list[str]) -> list[str]:
+    """`--set` arguments of `bdh-train` for `overrides`."""
+    return [arg for override in overrides for arg in ("--set", override)]

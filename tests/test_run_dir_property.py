@@ -18,6 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
+from helpers import MICRO_RUN, set_args
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -28,17 +29,12 @@ from bdh_train.train.run_dir import LAYOUT
 from bdh_train.trainer import Trainer
 
 MICRO = [
-    "model.n_layer=2",
-    "model.n_embd=32",
-    "model.n_head=2",
-    "model.mlp_internal_dim_multiplier=4",
-    "training.block_size=16",
-    "training.batch_size=4",
+    *MICRO_RUN,
     "training.log_every=1",
     "training.eval_every=0",
     "training.checkpoint_every=1",
 ]
-SETS = [a for o in MICRO for a in ("--set", o)]
+SETS = set_args(MICRO)
 
 # What a user may put into the run directory (relative to it) and what it is: a link (to a
 # path relative to the link's folder) or a file's bytes. A link whose name is in the run's

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkpoint_weights, metric_rows
+from helpers import MICRO_RUN, checkpoint_weights, metric_rows, set_args
 
 from bdh_train.cli import main
 from bdh_train.errors import ConfigError
@@ -23,18 +23,13 @@ from bdh_train.train.metrics import MetricsLog
 from bdh_train.train.run_dir import ERROR_LOG, LOCK_FILE
 
 MICRO = [
-    "model.n_layer=2",
-    "model.n_embd=32",
-    "model.n_head=2",
-    "model.mlp_internal_dim_multiplier=4",
-    "training.block_size=16",
-    "training.batch_size=4",
+    *MICRO_RUN,
     "training.log_every=1",
     "training.eval_every=0",
     "training.checkpoint_every=2",
     "training.keep_checkpoints=0",
 ]
-SETS = [a for o in MICRO for a in ("--set", o)]
+SETS = set_args(MICRO)
 
 
 def digest(root: Path) -> dict[str, tuple[str, int]]:

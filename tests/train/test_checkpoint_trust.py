@@ -18,6 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
+from helpers import MICRO_RUN, set_args
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -26,22 +27,15 @@ from bdh_train.errors import CheckpointError
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train import dcp
 
-SETS = [
-    a
-    for o in (
-        "model.n_layer=2",
-        "model.n_embd=32",
-        "model.n_head=2",
-        "model.mlp_internal_dim_multiplier=4",
-        "training.block_size=16",
-        "training.batch_size=4",
+SETS = set_args(
+    [
+        *MICRO_RUN,
         "training.eval_every=0",
         "training.checkpoint_every=2",
         "training.keep_checkpoints=0",
         "training.max_steps=4",
-    )
-    for a in ("--set", o)
-]
+    ]
+)
 FIXTURE_V0_1 = Path(__file__).parents[1] / "fixtures" / "checkpoint_v0_1"
 V0_1_CHECKPOINT = FIXTURE_V0_1 / "checkpoints" / "step-0000004-m01"
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import MICRO_RUN, set_args
 
 from bdh_train.cli import main
 from bdh_train.errors import ConfigError
@@ -18,16 +19,11 @@ from bdh_train.launch import plan_train
 from bdh_train.train.run_dir import ERROR_LOG, LOCK_FILE, RunDirLock
 
 MICRO = [
-    "model.n_layer=2",
-    "model.n_embd=32",
-    "model.n_head=2",
-    "model.mlp_internal_dim_multiplier=4",
-    "training.block_size=16",
-    "training.batch_size=4",
+    *MICRO_RUN,
     "training.eval_every=0",
     "training.max_steps=2",
 ]
-SETS = [a for o in MICRO for a in ("--set", o)]
+SETS = set_args(MICRO)
 SRC = Path(__file__).resolve().parents[2] / "src" / "bdh_train"
 
 

@@ -134,6 +134,21 @@ def test_a_checkpoint_continues_bit_exactly_in_a_new_run_directory(run4, tmp_pat
     assert [r for r in metric_rows(new)] == [r for r in metric_rows(run4) if r["step"] > 2]
 
 
+def test_a_checkpoint_not_named_as_the_runs_are_is_refused_in_its_run(run4, tmp_path, capsys):
+    """checkpoints/mycopy (a user's copy) is none of the run's checkpoints, even as the only
+    directory there."""
+    import shutil
+
+    run = copy_of(run4, tmp_path / "run")
+    shutil.rmtree(run / "checkpoints" / "step-0000002")
+    (run / "checkpoints" / "step-0000004").rename(run / "checkpoints" / "mycopy")
+    before = digest(run)
+    mine = run / "checkpoints" / "mycopy"
+    assert main(["train", "--resume", str(mine), "--set=training.max_steps=6"]) == 2
+    assert f"{mine} is not the newest checkpoint of {run}: " in capsys.readouterr().err
+    assert digest(run) == before
+
+
 def test_a_checkpoint_outside_a_run_needs_a_run_directory(run4, tmp_path, capsys):
     loose = copy_of(run4 / "checkpoints" / "step-0000004", tmp_path / "loose")
     before = digest(loose)

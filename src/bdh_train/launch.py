@@ -61,12 +61,14 @@ def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
             f"{path} is a checkpoint outside a run directory: continue it in a new run "
             f"directory with --run-dir NEW --resume {path}"
         )
-    newest = ckpt.list_checkpoints(owner.checkpoints)[-1]
-    if newest.resolve() != path.resolve():
+    # a directory of checkpoints/ not named step-N is no checkpoint of the run's (none listed)
+    listed = ckpt.list_checkpoints(owner.checkpoints)
+    if not listed or listed[-1].resolve() != path.resolve():
+        newest = f" ({listed[-1].name} is)" if listed else ""
         raise ConfigError(
-            f"{path} is not the newest checkpoint of {owner.path} ({newest.name} is): resuming "
-            f"the run from it would overwrite the later ones; continue it in a new run "
-            f"directory with --run-dir NEW --resume {path}"
+            f"{path} is not the newest checkpoint of {owner.path}{newest}: resuming the run "
+            f"from it would overwrite the later ones; continue it in a new run directory with "
+            f"--run-dir NEW --resume {path}"
         )
     return TrainPlan(RunDir(owner.path, fresh=False), True, path, RunDir(path, fresh=False))
 

@@ -86,9 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _report(args: argparse.Namespace, message: str, log: bool = True) -> None:
     """`message` on stderr (when it is still open) and in the error log of a run directory
-    the command owns."""
+    the command owns. The line and its newline go out in one write, so the lines of several
+    processes sharing stderr (torchrun's ranks) never run into each other."""
     with contextlib.suppress(OSError):
-        print(message, file=sys.stderr)
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
     if log and args.run is not None:
         args.run.log_error(message)
 

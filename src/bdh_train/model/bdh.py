@@ -39,6 +39,7 @@ from bdh_train.model.positions import (
     alibi_log_decay,
     apply_rope,
     learned_alibi_log_decay,
+    rope_frequencies,
     rope_phases,
 )
 from bdh_train.model.quant import LowBitQuantizer
@@ -46,6 +47,12 @@ from bdh_train.model.state import ModelState
 from bdh_train.model.summary import summary_branch
 
 LN_EPS = 1e-5
+
+ROPE_FREQS = "rope_freqs"
+"""The buffer (and state_dict key) of a rope model's per-neuron frequency table [N], float64."""
+DEFAULTED_KEYS = frozenset({ROPE_FREQS})
+"""state_dict keys a checkpoint may lack: written before they existed, they load as the values
+every such checkpoint had (`rope_frequencies(N)`)."""
 
 RECOMPUTE_MODES = ("none", "layer", "mixer")
 """What backward recomputes instead of keeping: nothing, the whole shared layer, or its mixer."""
@@ -117,6 +124,10 @@ class BDH(nn.Module):
     # token head has lm_head, the NCA head nca_lm_head (and maybe nca_special_head).
     lm_head: nn.Parameter
     nca_lm_head: nn.Parameter
+    rope_freqs: torch.Tensor
+    """Under rope: each neuron's rotation frequency [N] in float64, the same for every head
+    (a fresh model's: `rope_frequencies(N)`; a merged or grown model keeps its sources'). Saved
+    with the weights; it stays float64 whatever dtype the model is cast to."""
 
     def __init__(self, config: BDHConfig):
         super().__init__()
@@ -140,7 +151,20 @@ class BDH(nn.Module):
         self._compiled_layer: Callable[..., Any] | None = None
         self._gate_kernels: GateKernels | None = None  # from use_fused_gate()
         self._summary_layers = frozenset(c.summary_memory.layers(c.n_layer))
+        if c.position == "rope":
+            self.register_buffer(ROPE_FREQS, rope_frequencies(n))
+            self.register_load_state_dict_pre_hook(_default_rope_freqs)
         self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """Module._apply (to, cuda, half, ...) that moves the rope table but keeps it float64:
+        a phase in float32 would drift by whole turns at long positions."""
+        table = self._buffers.get(ROPE_FREQS)
+        super()._apply(fn, recurse)
+        moved = self._buffers.get(ROPE_FREQS)
+        if table is not None and moved is not None and moved.dtype != torch.float64:
+            self._buffers[ROPE_FREQS] = table.to(moved.device)
+        return self
 
     def reset_parameters(self) -> None:
         """Official init: every weight N(0, 0.02); the shared affine norm starts as identity."""
@@ -216,7 +240,7 @@ class BDH(nn.Module):
     def _position_terms(self, positions: torch.Tensor, dtype: torch.dtype):
         """What the mixer needs for positions [B, T]: rope cos/sin or alibi log-decays."""
         if self.config.position == "rope":
-            return rope_phases(positions, self.config.n_neurons, dtype), None
+            return rope_phases(positions, self.rope_freqs, dtype), None
         if self.config.position == "alibi_learned":
             return None, learned_alibi_log_decay(self.decay_log_gain)
         return None, alibi_log_decay(self.config.n_head)
@@ -484,6 +508,14 @@ class BDH(nn.Module):
     generate = generation.generate
     stream_generate_batch = generation.stream_generate_batch
     generate_batch = generation.generate_batch
+
+
+def _default_rope_freqs(module: nn.Module, state_dict, prefix: str, *args) -> None:
+    """A state_dict without the rope table (written before the model kept one) loads the
+    table every such model had: `rope_frequencies(N)`."""
+    key = prefix + ROPE_FREQS
+    if key not in state_dict:
+        state_dict[key] = rope_frequencies(module.config.n_neurons)
 
 
 def token_positions(

@@ -61,9 +61,12 @@ class OptimizerConfig:
         return self
 
     def build(self, model: nn.Module) -> torch.optim.AdamW:
-        """AdamW over `model`: matrices decay, vectors do not."""
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        """AdamW over `model`'s trainable parameters: matrices decay, vectors do not. A frozen
+        parameter (requires_grad False) is left out: AdamW's decoupled decay would shrink it
+        at every step, gradient or none."""
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        decay = [p for p in trainable if p.dim() >= 2]
+        no_decay = [p for p in trainable if p.dim() < 2]
         param_groups = [{"params": decay, "weight_decay": self.weight_decay}]
         if no_decay:
             param_groups.append({"params": no_decay, "weight_decay": 0.0})

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from bdh_train.config import RunConfig, dump_toml
-from bdh_train.data.tokenizer import BYTES, TOKENIZER_FILE, Tokenizer
+from bdh_train.data.tokenizer import TOKENIZER_FILE, HFTokenizer, Tokenizer
 from bdh_train.data.tokens import TokenData
 from bdh_train.errors import ConfigError
 from bdh_train.inference import load_run
@@ -54,7 +54,7 @@ def _load(path: str) -> Source:
 def _tokenizer_text(source: Source) -> str | None:
     """The tokenizer.json text of a source's own tokenizer (None for bytes or none)."""
     tok = source.tokenizer
-    return tok.to_json() if tok is not None and tok.kind != BYTES else None
+    return tok.to_json() if isinstance(tok, HFTokenizer) else None
 
 
 def _check_out(out: str | Path) -> Path:

@@ -156,7 +156,7 @@ class BDH(nn.Module):
             self.register_load_state_dict_pre_hook(_default_rope_freqs)
         self.reset_parameters()
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn, recurse=True):
         """Module._apply (to, cuda, half, ...) that moves the rope table but keeps it float64:
         a phase in float32 would drift by whole turns at long positions."""
         table = self._buffers.get(ROPE_FREQS)
@@ -510,7 +510,7 @@ class BDH(nn.Module):
     generate_batch = generation.generate_batch
 
 
-def _default_rope_freqs(module: nn.Module, state_dict, prefix: str, *args) -> None:
+def _default_rope_freqs(module: BDH, state_dict, prefix: str, *args) -> None:
     """A state_dict without the rope table (written before the model kept one) loads the
     table every such model had: `rope_frequencies(N)`."""
     key = prefix + ROPE_FREQS

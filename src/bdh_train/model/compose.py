@@ -43,7 +43,7 @@ GROW_ENCODER_SCALE = 1e-3
 """Grow gives its new neurons a fresh model's x-encoder columns times this / sqrt(M - 1):
 their terms in the attention scores add up to (M - 1) times the factor squared, 1e-6 of a
 fresh model's for every multiplier M (measured on trained tiny models: logits moved by
-1e-7 to 7e-7 of their norm), and they are not zero, so relu passes them gradient (a zero
+7e-8 to 3e-7 of their norm), and they are not zero, so relu passes them gradient (a zero
 column never fires and never learns)."""
 
 _SAME = (

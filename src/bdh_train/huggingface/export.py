@@ -345,4 +345,3 @@ def write_directory(out: Path, files: dict[str, bytes]) -> Path:
 
 def _json(data: dict) -> str:
     return json.dumps(data, indent=2) + "\n"
-

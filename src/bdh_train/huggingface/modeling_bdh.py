@@ -204,9 +204,7 @@ class BDHModel(nn.Module):
         phase = torch.frac(turns) * (2 * math.pi)
         return phase.cos().to(dtype).unsqueeze(1), phase.sin().to(dtype).unsqueeze(1)
 
-    def forward_block(
-        self, ids: torch.Tensor, mask: torch.Tensor, cache: BDHCache
-    ) -> torch.Tensor:
+    def forward_block(self, ids: torch.Tensor, mask: torch.Tensor, cache: BDHCache) -> torch.Tensor:
         """Hidden states [B, T, D] of one block of tokens; advances `cache`."""
         batch, seq_len = ids.shape
         c = self.config

@@ -68,8 +68,18 @@ for name, job in jobs.items():
     if "prompt" not in job:
         continue
     prompt = torch.tensor([job["prompt"]])
+    widths, read_block = [], model.model.forward_block
+    def counting(ids, mask, cache):
+        widths.append(ids.shape[1])
+        out["cache"] = [c.__name__ for c in type(cache).__mro__]
+        return read_block(ids, mask, cache)
+    model.model.forward_block = counting
     greedy = model.generate(prompt, max_new_tokens=200, do_sample=False)
-    out["greedy"] = greedy[0, prompt.shape[1]:].tolist()
+    out["greedy"], out["widths"] = greedy[0, prompt.shape[1]:].tolist(), widths
+    model.model.forward_block = read_block
+    batch = tok(job["texts"], padding=True, return_tensors="pt")
+    rows = model.generate(**batch, max_new_tokens=20, do_sample=False)
+    out["batch_greedy"] = rows[:, batch["input_ids"].shape[1]:].tolist()
     torch.manual_seed(0)
     top1 = model.generate(prompt, max_new_tokens=20, do_sample=True, top_k=1)
     out["top1"] = top1[0, prompt.shape[1]:].tolist()
@@ -201,7 +211,8 @@ def test_left_padded_logits_equal_bdh_train(exported, name):
 
 def test_generation_equals_bdh_train(exported):
     """Greedy generate() gives bdh-train's greedy 200 tokens (sampling with top_k=1 their
-    first 20); beam search's best score is the sum of bdh-train's log-probabilities of the
+    first 20), one cache step per token after the prompt, and each row of a left-padded
+    batch the tokens bdh-train generates for it alone; beam search's best score is the sum of bdh-train's log-probabilities of the
     tokens it generated (length_penalty=0: the score is not divided by a length)."""
     _, sides, results = exported
     model, tok = sides["run"]
@@ -210,6 +221,12 @@ def test_generation_equals_bdh_train(exported):
     expected = model.generate(torch.tensor([prompt]), 200, temperature=0.0)[0, len(prompt) :]
     assert out["greedy"] == expected.tolist()
     assert out["top1"] == out["greedy"][:20]
+    # the state is a transformers Cache, and each new token is one step on it
+    assert "Cache" in out["cache"] and out["cache"][0] == "BDHCache"
+    assert out["widths"] == [len(prompt)] + [1] * 199
+    for row, text in zip(out["batch_greedy"], TEXTS, strict=True):  # a left-padded batch
+        ids = torch.tensor([tok.encode(text)])
+        assert row == model.generate(ids, 20, temperature=0.0)[0, ids.shape[1] :].tolist()
     beam = out["beam"]
     assert beam[: len(prompt)] == prompt and len(beam) == len(prompt) + 8
     with torch.no_grad():

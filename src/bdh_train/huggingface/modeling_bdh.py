@@ -19,6 +19,10 @@ token's position, which counts the real tokens a row has read. A padded token (m
 neither writes into the state nor decays it nor advances the position, so a left-padded row
 gives its real tokens the logits the row gives unpadded.
 
+Projections named in `config.quant_targets` were trained quantized (BitNet b1.58): the
+weights file holds their quantized values, and their inputs are rounded to int8 steps with
+one scale per token, as in training.
+
 The whole past of a sequence is `BDHCache`: one rho [B, H, N, D] per layer and each row's
 position, a fixed size however long the text. A generated token costs one step on it. A long
 input is read `config.prefill_chunk` tokens at a time, the state carrying one block to the next.

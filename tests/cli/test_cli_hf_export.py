@@ -51,7 +51,7 @@ else:
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny models: a second thread only waits on the first
 jobs, results = json.load(open(sys.argv[1])), {}
 for name, job in jobs.items():
     tok = AutoTokenizer.from_pretrained(job["dir"])
@@ -212,8 +212,9 @@ def test_left_padded_logits_equal_bdh_train(exported, name):
 def test_generation_equals_bdh_train(exported):
     """Greedy generate() gives bdh-train's greedy 200 tokens (sampling with top_k=1 their
     first 20), one cache step per token after the prompt, and each row of a left-padded
-    batch the tokens bdh-train generates for it alone; beam search's best score is the sum of bdh-train's log-probabilities of the
-    tokens it generated (length_penalty=0: the score is not divided by a length)."""
+    batch the tokens bdh-train generates for it alone; beam search's best score is the sum
+    of bdh-train's log-probabilities of the tokens it generated (length_penalty=0: the score
+    is not divided by a length)."""
     _, sides, results = exported
     model, tok = sides["run"]
     out = results["run"]
@@ -224,9 +225,11 @@ def test_generation_equals_bdh_train(exported):
     # the state is a transformers Cache, and each new token is one step on it
     assert "Cache" in out["cache"] and out["cache"][0] == "BDHCache"
     assert out["widths"] == [len(prompt)] + [1] * 199
-    for row, text in zip(out["batch_greedy"], TEXTS, strict=True):  # a left-padded batch
-        ids = torch.tensor([tok.encode(text)])
-        assert row == model.generate(ids, 20, temperature=0.0)[0, ids.shape[1] :].tolist()
+    prompts = [tok.encode(text) for text in TEXTS]  # a left-padded batch: each row's own
+    alone = model.generate_batch(prompts, 20, temperature=0.0)
+    assert out["batch_greedy"] == [
+        r[len(p) :].tolist() for r, p in zip(alone, prompts, strict=True)
+    ]
     beam = out["beam"]
     assert beam[: len(prompt)] == prompt and len(beam) == len(prompt) + 8
     with torch.no_grad():
@@ -306,4 +309,9 @@ def test_bad_input_is_one_line_and_writes_nothing(exported, tmp_path, capsys):
         torch.manual_seed(0)
         export_ternary(BDH(tiny_config(**overrides)), source)
         assert reason in _refusal(capsys, ["export", "--hf", str(out), str(source)])
+    broken = BDH(tiny_config(vocab_size=256, quant=QuantConfig(enable=True)))
+    with torch.no_grad():
+        broken.embed.weight[3, 1] = float("nan")
+    export_ternary(broken, source)
+    assert "not finite" in _refusal(capsys, ["export", "--hf", str(out), str(source)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "model.safetensors"]

@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "bdh_train.inference",
             "bdh_train.completions",
             "bdh_train.compose",
+            "bdh_train.huggingface",
         ),
     ),
     ("cli", ("bdh_train.cli", "bdh_train.__main__", "bdh_train")),

@@ -1,6 +1,6 @@
 """The smaller commands: `config` (the resolved config, --explain), `plot` (loss curves),
 `profile` (where a step's time goes), `plan` (a pipeline schedule) and `export` (a ternary
-file for inference)."""
+file for inference, or a Hugging Face model directory)."""
 
 from __future__ import annotations
 
@@ -25,15 +25,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--png", default=None, metavar="PATH", help="draw the bars to PATH instead")
     _register_plan(sub)
 
-    p = sub.add_parser("export", help="export a checkpoint for inference")
-    p.add_argument(
+    p = sub.add_parser(
+        "export",
+        help="export a run, checkpoint or ternary export: packed ternary weights (--ternary "
+        "RUN OUT) or a Hugging Face transformers model directory (--hf DIR RUN)",
+    )
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument(
         "--ternary",
         action="store_true",
-        required=True,
-        help="pack ternary (BitNet b1.58) weights 4 per byte",
+        help="pack ternary (BitNet b1.58) weights 4 per byte into the file OUT",
     )
-    p.add_argument("run_dir")
-    p.add_argument("out")
+    kind.add_argument(
+        "--hf",
+        metavar="DIR",
+        help="write a new directory DIR that AutoModelForCausalLM.from_pretrained(DIR, "
+        "trust_remote_code=True) and AutoTokenizer load with no bdh-train installed",
+    )
+    p.add_argument("run_dir", help="a run directory, a checkpoint, or a ternary export file")
+    p.add_argument("out", nargs="?", help="the file --ternary writes")
 
 
 def _register_config(sub: argparse._SubParsersAction) -> None:
@@ -200,6 +210,15 @@ def _plan_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.hf is not None:
+        if args.out is not None:
+            raise ConfigError(f"export --hf DIR takes one RUN; drop {args.out}")
+        from bdh_train.huggingface.export import export_hf
+
+        print(export_hf(args.run_dir, args.hf))
+        return 0
+    if args.out is None:
+        raise ConfigError("export --ternary needs RUN and OUT, the file to write")
     from bdh_train.data.tokenizer import HFTokenizer
     from bdh_train.export import export_ternary
     from bdh_train.inference import load_run

@@ -32,7 +32,7 @@ from bdh_train.data.tokenizer import (
 )
 from bdh_train.distributed.env import resolve_device
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError, DataError
-from bdh_train.export import export_tokenizer_json, load_ternary
+from bdh_train.export import export_tokenizer_json, export_training_json, load_ternary
 from bdh_train.model import BDH, BDHConfig, ModelState, sample_next_token
 from bdh_train.model.decoders import FastDecoder, GenericDecoder, make_decoder
 from bdh_train.model.generate import check_finite_logits, check_finite_weights, read_tokens
@@ -67,8 +67,8 @@ def load_run(
     directory's, else (byte runs, and runs written before tokenizers travelled with them) the
     byte tokenizer for a byte-level token model, else None. When the checkpoint carries the
     tokenizer, the config's data.tokenizer names that copy, so the config works wherever the
-    run now is. For an export, which holds only the model and tokenizer, the config is the
-    defaults with the export's model section. With `finite`, weights holding NaN or
+    run now is. For an export, which holds the model, tokenizer and the run's [training]
+    section, the config is the defaults with those sections. With `finite`, weights holding NaN or
     infinity are refused (NonFiniteModelError naming the checkpoint or export).
     """
     path = Path(path)
@@ -77,12 +77,13 @@ def load_run(
         model = load_ternary(path, dev)
         if finite:
             check_finite_weights(model, f"the export '{path}'")
+        cfg = _export_config(path, model.config)
         text = export_tokenizer_json(path)
         if text is None:
-            return model, tokenizer_for(model.config), RunConfig(model=model.config)
+            return model, tokenizer_for(model.config), cfg
         exported = HFTokenizer.from_json(text, f"the export '{path}'")
         _check_tokenizer_fits(exported, model.config, f"the export '{path}'")
-        return model, exported, RunConfig(model=model.config)
+        return model, exported, cfg
     directory = ckpt.resolve_checkpoint(path)
     try:
         with safe_open(str(directory / ckpt.MODEL_FILE), "pt") as handle:
@@ -120,6 +121,21 @@ def load_run(
         else RunConfig(model=model.config)
     )
     return model.to(dev).eval(), tok, cfg
+
+
+def _export_config(path: Path, model: BDHConfig) -> RunConfig:
+    """The config of an export: the defaults with its model section and the run's [training]
+    section (block and batch sizes of evaluation) when the export carries it."""
+    text = export_training_json(path)
+    if text is None:
+        return RunConfig(model=model)
+    try:
+        training = json.loads(text)
+        return RunConfig.from_dict({"model": model.to_dict(), "training": training})
+    except (BDHTrainError, ValueError, TypeError) as exc:
+        raise CheckpointError(
+            f"the training metadata of the export '{path}' is unusable: {exc}"
+        ) from None
 
 
 def run_tokenizer_file(checkpoint: Path) -> Path | None:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -38,6 +39,7 @@ from bdh_train.model.decoders import FastDecoder, GenericDecoder, make_decoder
 from bdh_train.model.generate import check_finite_logits, check_finite_weights, read_tokens
 from bdh_train.model.summary import SummaryEvents
 from bdh_train.train import checkpoint as ckpt
+from bdh_train.train.evaluate import bits_per_byte
 from bdh_train.train.run_dir import config_path, run_of_checkpoint
 from bdh_train.utils import atomic_write
 
@@ -288,6 +290,46 @@ def encode_text(tokenizer: Tokenizer, text: str, where: str) -> list[int]:
             "surrogate escape); remove it"
         ) from exc
     return tokenizer.encode(text)
+
+
+@dataclass(frozen=True)
+class TextScore:
+    """How well a model predicts a text (`score_text`)."""
+
+    loss: float
+    """Mean loss in nats per predicted token (every token after the first)."""
+    tokens: int
+    """Predicted tokens."""
+    bits_per_byte: float
+    """The summed loss in bits per UTF-8 byte of the predicted tokens."""
+
+
+SCORE_CHUNK_TOKENS = 1024
+"""`score_text` reads a text this many tokens per call, the state carried between calls."""
+
+
+@torch.no_grad()
+def score_text(
+    model: BDH, tokenizer: Tokenizer, text: str, chunk_tokens: int = SCORE_CHUNK_TOKENS
+) -> TextScore:
+    """The loss of `model` on `text` without gradients: each token after the first predicted
+    from all the text before it (read `chunk_tokens` at a time with the carried state, so
+    memory does not grow with the text), in nats per token and bits per byte."""
+    ids = torch.as_tensor(encode_text(tokenizer, text, "the text"), dtype=torch.long)
+    if ids.numel() < 2:
+        raise DataError(f"the text is {ids.numel()} token(s): scoring needs at least 2")
+    device = model.embed.weight.device
+    inputs, targets = ids[:-1].to(device), ids[1:].to(device)
+    state = model.init_state(1)
+    total = 0.0
+    for start in range(0, inputs.numel(), chunk_tokens):
+        chunk = slice(start, start + chunk_tokens)
+        hidden = model.forward_hidden(inputs[chunk].unsqueeze(0), state)
+        loss = model.loss_from_hidden(hidden, targets[chunk].unsqueeze(0), reduction="sum")
+        total += float(loss)
+    lengths = torch.as_tensor(tokenizer.token_byte_lengths(), dtype=torch.int64)
+    text_bytes = int(lengths[targets.cpu()].sum())
+    return TextScore(total / targets.numel(), targets.numel(), bits_per_byte(total, text_bytes))
 
 
 def stop_token_ids(stops: Sequence[str], tokenizer: Tokenizer) -> dict[int, str]:

@@ -249,9 +249,10 @@ class RunDir:
         """Remove this command's directory (and the runs/ folder it made for it) when it holds
         nothing but the lock file and error log."""
         with contextlib.suppress(OSError):
-            for name in (LOCK_FILE, ERROR_LOG):
-                (self.path / name).unlink(missing_ok=True)
-            self.path.rmdir()
+            if self.path.is_dir():
+                for name in (LOCK_FILE, ERROR_LOG):
+                    (self.path / name).unlink(missing_ok=True)
+                self.path.rmdir()
             if not self._parent_existed:
                 self.path.parent.rmdir()
 

@@ -65,17 +65,19 @@ def test_a_prepared_corpus_brings_its_tokenizer(corpus_run, capsys):
     assert f"vocab_size = {own.vocab_size}" in config  # followed the tokenizer
 
 
-def test_a_named_tokenizer_that_is_not_the_corpus_s_is_one_line(corpus_run, capsys):
+def test_a_named_tokenizer_that_is_not_the_corpus_s_is_one_line(corpus_run, tmp_path, capsys):
     corpus, _, _ = corpus_run
-    argv = ["config", "--set", f"data.source='{corpus}'", "--set", "data.tokenizer=bytes"]
-    assert main(argv) == 2
+    run = tmp_path / "run"
+    source = ["--set", f"data.source='{corpus}'"]
+    assert main(["train", "--run-dir", str(run), *source, "--set", "data.tokenizer=bytes"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: prepared corpus '{corpus}' was ")
     assert err.rstrip().endswith(
         f"set data.tokenizer = '{corpus}', or leave data.tokenizer out (a prepared corpus "
         "brings its own)"
     )
-    assert main([*argv[:3], "--set", f"data.tokenizer='{corpus}'"]) == 0  # the same one
+    assert sorted(p.name for p in run.iterdir()) == ["error.log"]  # a --run-dir keeps its log
+    assert main(["config", *source, "--set", f"data.tokenizer='{corpus}'"]) == 0  # its own
 
 
 def _eval(*args: str) -> tuple[dict, str]:

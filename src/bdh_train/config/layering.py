@@ -32,7 +32,7 @@ import tomli_w
 from bdh_train.config.keys import check_keys, key_hint
 from bdh_train.config.schema import SECTIONS, RunConfig
 from bdh_train.data.layout import prepared_directory
-from bdh_train.data.prepared import check_corpus_tokenizer, corpus_tokenizer
+from bdh_train.data.prepared import corpus_tokenizer
 from bdh_train.data.sources import BUILTIN_PREFIX
 from bdh_train.data.tokenizer import BYTES, load_tokenizer
 from bdh_train.errors import ConfigError
@@ -258,18 +258,15 @@ def load_config(
 def _tokenizer_of_corpus(merged: dict[str, Any], named: bool) -> dict[str, Any]:
     """A prepared corpus brings its tokenizer: data.tokenizer set to the tokenizer.json of a
     prepared ``data.source`` (the directory, or one of its split files) when no config file
-    or --set names one (a preset's value gives way); one that is named must be the corpus's
-    (`check_corpus_tokenizer`)."""
+    or --set names one (`named`; a preset's value gives way). One that is named must be the
+    corpus's, which reading the corpus checks (`data/prepared.py`), so a finished run's
+    config still loads for inference after its corpus changed."""
     data = merged.get("data")
     source = data.get("source") if isinstance(data, Mapping) else None
-    if not isinstance(source, str) or source.startswith(BUILTIN_PREFIX):
+    if named or not isinstance(source, str) or source.startswith(BUILTIN_PREFIX):
         return merged  # a non-string is refused, with its key, by DataConfig.validate
     corpus = prepared_directory(Path(source).expanduser())
     if corpus is None:
-        return merged
-    name = data.get("tokenizer", BYTES)  # type: ignore[union-attr]
-    if named and isinstance(name, str):
-        check_corpus_tokenizer(corpus, load_tokenizer(name))
         return merged
     own = corpus_tokenizer(corpus)
     return deep_merge(merged, {"data": {"tokenizer": str(own) if own else BYTES}})

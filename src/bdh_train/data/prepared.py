@@ -516,11 +516,6 @@ def corpus_tokenizer(directory: Path) -> Path | None:
     return None if meta["tokenizer"] == BYTES else directory / TOKENIZER_FILE
 
 
-def check_corpus_tokenizer(directory: Path, tokenizer: Tokenizer) -> None:
-    """DataError unless `tokenizer` is the one prepared corpus `directory` was tokenized with."""
-    _check_tokenizer(directory, read_meta(directory), tokenizer)
-
-
 def _check_tokenizer(directory: Path, meta: dict[str, Any], tokenizer: Tokenizer) -> None:
     if tokenizer.fingerprint() == meta["tokenizer_sha256"]:
         return

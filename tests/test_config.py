@@ -277,7 +277,7 @@ def test_set_applies_after_files_in_order(tmp_path: Path) -> None:
         ("max_steps=3", "dotted path like section.key"),
         ("training..x=3", "dotted path"),
         ("training.blok_size=3", r"unknown key training\.blok_size.*'block_size'"),
-        ("trainig.max_steps=3", r"unknown section trainig.*'training'"),
+        ("trainig.max_steps=3", r"unknown section trainig.*'training\.max_steps'"),
         ("model.quant.enabel=true", r"unknown key model\.quant\.enabel.*'enable'"),
         ("training.max_steps.x=1", r"training\.max_steps is not a table"),
         ("training.max_steps=abc", r"training\.max_steps must be a positive integer, got 'abc'"),

@@ -47,7 +47,8 @@ def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
     continues in that new run directory. Nothing is ever written inside a checkpoint."""
     if resume is None:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        return TrainPlan(RunDir(run_dir or Path(RUNS_ROOT) / stamp), False, None, None)
+        run = RunDir(run_dir) if run_dir else RunDir(Path(RUNS_ROOT) / stamp, stamped=True)
+        return TrainPlan(run, False, None, None)
     path = Path(resume or run_dir or "")
     if str(path) in ("", "."):
         raise ConfigError("--resume needs a run directory: --resume DIR or --run-dir DIR")

@@ -53,6 +53,7 @@ from bdh_train.train.state import (
     model_metadata,
     saved_files,
 )
+from bdh_train.train.threads import set_threads
 from bdh_train.train.window import StepWindow, TrainingDiverged, reduction_for
 
 __all__ = ["RunResult", "Trainer", "TrainingDiverged"]
@@ -132,8 +133,7 @@ class Trainer:
             self.run_files.check_fresh(overwrite)
             self.dist.barrier()  # every process has looked before the first one writes
         self.device = self.dist.device(resolve_device(t.device).type)
-        if t.threads:
-            torch.set_num_threads(t.threads)
+        self.threads = set_threads(t.threads)
         self.host_allocator = configure_host_allocator(
             t.host_allocator, self.device, saving_memory=t.recompute != "none"
         )
@@ -363,6 +363,8 @@ class Trainer:
             self.state.step if self.resumed_from is not None else None,
             cfg.layered_on,
             self.run_files.config.name,
+            self.threads.describe() if self.device.type == "cpu" else None,
+            self.training.recurrence(),
         )
 
     # ------------------------------------------------------------------ evaluation

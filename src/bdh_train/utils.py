@@ -29,9 +29,25 @@ if TYPE_CHECKING:
 T = TypeVar("T", bound="DataclassInstance")
 
 
+SYNONYMS = {
+    "gpu": "cuda",
+    "cuda:0": "cuda",
+    "nvidia": "cuda",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+}
+"""Names users give for an option under another name: suggested before a near spelling
+(difflib finds 'cpu' nearest to 'gpu')."""
+
+
 def suggest(name: str, options: typing.Iterable[str]) -> str:
-    """' (did you mean 'x'?)' for the nearest valid name, or '' when nothing is close."""
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    """' (did you mean 'x'?)' for the option `name` is another name of (`SYNONYMS`), else
+    the nearest valid name, or '' when nothing is close."""
+    options = list(options)
+    meant = SYNONYMS.get(name.lower())
+    if meant in options:
+        return f" (did you mean {meant!r}?)"
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

@@ -5,6 +5,7 @@ file for inference, or a Hugging Face model directory)."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from bdh_train.cli.args import _add_config_args
@@ -58,8 +59,10 @@ def _register_config(sub: argparse._SubParsersAction) -> None:
         const="",
         default=None,
         metavar="KEY",
-        help="list every config key (or KEY, a section or table) with its default, allowed "
-        "values and description",
+        help="list every config key (or KEY: a key, section or table, or a word such as lr "
+        "to search the key names) with its value under the preset, --config and --set "
+        "(default preset: tiny), the dataclass default where it differs, the allowed values "
+        "and the description",
     )
     p.add_argument(
         "--markdown",
@@ -99,11 +102,16 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
 
 def cmd_config(args: argparse.Namespace) -> int:
     if args.explain is not None:
+        from bdh_train.config import load_config
         from bdh_train.config.explain import explain_markdown, explain_text
 
         if args.markdown and args.explain:
             raise ConfigError("--markdown lists every key; drop KEY from --explain")
-        print(explain_markdown() if args.markdown else explain_text(args.explain), end="")
+        if args.markdown:
+            print(explain_markdown(), end="")
+            return 0
+        cfg = load_config(args.config, args.overrides, args.preset)
+        print(explain_text(args.explain, cfg), end="")
         return 0
     from bdh_train.config import dump_toml, load_config
 
@@ -225,7 +233,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from bdh_train.train.run_dir import check_outside_checkpoints
 
     check_outside_checkpoints(Path(args.run_dir), args.out)
-    model, tok, _ = load_run(args.run_dir)
+    model, tok, cfg = load_run(args.run_dir)
     tokenizer_json = tok.to_json() if isinstance(tok, HFTokenizer) else None
-    print(export_ternary(model, args.out, tokenizer_json))
+    training_json = json.dumps(cfg.to_dict()["training"])
+    print(export_ternary(model, args.out, tokenizer_json, training_json))
     return 0

@@ -4,6 +4,7 @@ trains, the evaluation and stop lines, and the summary with the commands that us
 from __future__ import annotations
 
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -162,6 +163,10 @@ class Banner:
     """The preset the config was layered on (`RunConfig.layered_on`)."""
     saved_config: str
     """The run's saved config file (a resume's source)."""
+    threads: str | None = None
+    """torch's CPU thread count and why (`ThreadChoice.describe`); None off the CPU."""
+    recurrence: str | None = None
+    """TBPTT and streaming in words (`TrainingConfig.recurrence`); None when both are off."""
 
     def lines(self) -> list[str]:
         params, accum = self.parameters, self.accumulation_steps
@@ -179,17 +184,31 @@ class Banner:
             layered = f"the run's saved {self.saved_config}"
         else:
             layered = "built directly (no preset)"
+        threads = [f"threads        {self.threads}"] if self.threads is not None else []
+        recurrence = [f"recurrence     {self.recurrence}"] if self.recurrence is not None else []
         return [
             f"run directory  {self.run_dir.resolve()}",
             f"device         {self.device}",
+            *threads,
             f"model          {params / 1e6:.2f} M parameters ({params:,})",
             f"data           {self.source}: {self.train_tokens:,} train tokens, {val}",
             *tokenizer,
             f"per step       {self.batch_size} x {self.block_size} tokens{micro} = "
             f"{per_step:,} tokens",
+            *recurrence,
             f"length         {steps} ({self.max_steps * per_step:,} tokens in all)",
             f"config         {layered}",
         ]
+
+
+def command_name() -> str:
+    """How to run bdh-train here: `bdh-train` when that is on PATH, else the interpreter
+    running this with `-m bdh_train` (`python -m bdh_train` when `python` on PATH is it)."""
+    if shutil.which("bdh-train"):
+        return "bdh-train"
+    python = shutil.which("python")
+    same = python is not None and Path(python).resolve() == Path(sys.executable).resolve()
+    return f"{'python' if same else shlex.quote(sys.executable)} -m bdh_train"
 
 
 def summary_lines(
@@ -214,12 +233,13 @@ def summary_lines(
         lines.append(f"checkpoint     {checkpoint.resolve()}")
     if loss_plot.is_file():
         lines.append(f"loss plot      {loss_plot.resolve()}")
+    command = command_name()
     lines.append(
-        f"train on       bdh-train train --resume {quoted} --set training.max_steps={2 * max_steps}"
+        f"train on       {command} train --resume {quoted} --set training.max_steps={2 * max_steps}"
     )
     if writes_text:
-        lines.append(f"generate       bdh-train generate --checkpoint {quoted} --prompt 'The '")
-    lines.append(f"evaluate       bdh-train eval --checkpoint {quoted}")
+        lines.append(f"generate       {command} generate --checkpoint {quoted} --prompt 'The '")
+    lines.append(f"evaluate       {command} eval --checkpoint {quoted}")
     return lines
 
 
@@ -231,7 +251,7 @@ def eval_line(step: int, val_loss: float, bits_per_byte: float | None) -> str:
 def stop_line(step: int, micro: int, checkpoint: Path, run_dir: Path) -> str:
     return (
         f"stopped at step {step} (+{micro} micro-steps); checkpoint {checkpoint}; continue "
-        f"with: bdh-train train --resume {run_dir}"
+        f"with: {command_name()} train --resume {run_dir}"
     )
 
 

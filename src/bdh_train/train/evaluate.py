@@ -24,7 +24,7 @@ import torch
 from bdh_train.batch import SequenceBatch
 from bdh_train.data.config import DataConfig, is_text_of
 from bdh_train.data.events import SummaryEventTrigger
-from bdh_train.data.loaders import eval_batches
+from bdh_train.data.loaders import eval_batches, eval_window_count
 from bdh_train.data.tokenizer import BYTES, Tokenizer
 from bdh_train.data.tokens import TokenData
 from bdh_train.errors import DataError
@@ -89,6 +89,7 @@ def evaluate(
     head: LanguageHeadConfig | None = None,
     part: tuple[int, int] = (0, 1),
     add_across_ranks: Callable[[list[float]], list[float]] | None = None,
+    progress: Callable[[], object] | None = None,
 ) -> EvalResult:
     """Every token after the first of the first `max_batches` eval batches, predicted once
     (with their summary event masks when there is a trigger).
@@ -100,7 +101,8 @@ def evaluate(
 
     With `part = (rank, world)` this process evaluates batches rank, rank + world, ... and
     `add_across_ranks` (an all-reduce SUM over the data-parallel ranks) turns its sums into
-    the sums over all batches, so every rank returns the one-process result."""
+    the sums over all batches, so every rank returns the one-process result. `progress` is
+    called after each batch."""
     head = head if head is not None else LanguageHeadConfig()
     lengths = None if byte_lengths is None else torch.as_tensor(byte_lengths, dtype=torch.int64)
     rank, world = part
@@ -112,6 +114,8 @@ def evaluate(
         count += counted
         if lengths is not None:
             text_bytes += counted_target_bytes(batch.targets, lengths, head)
+        if progress is not None:
+            progress()
     if add_across_ranks is not None:
         total, count, text_bytes = add_across_ranks([total, count, text_bytes])
     if count == 0:  # a mean over nothing is no number, least of all 0.0
@@ -157,6 +161,8 @@ class Evaluator:
     add_across_ranks: Callable[[list[float]], list[float]] | None = None
     every: int = 0
     last_step: int = 0
+    progress: Callable[[], object] | None = None
+    """Called after each batch (`bdh-train eval`'s progress bar)."""
 
     def should_evaluate(self, step: int) -> bool:
         return every_and_last(step, self.every, self.last_step)
@@ -175,7 +181,15 @@ class Evaluator:
             head=self.head,
             part=self.part,
             add_across_ranks=self.add_across_ranks,
+            progress=self.progress,
         )
+
+    @property
+    def batch_count(self) -> int:
+        """The batches `run` evaluates (of this process and its data-parallel peers)."""
+        windows = eval_window_count(len(self.data), self.block_size)
+        batches = -(-windows // self.batch_size)
+        return batches if self.max_batches is None else min(batches, self.max_batches)
 
 
 SAMPLE_PROMPT_TOKENS = 32

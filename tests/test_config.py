@@ -447,7 +447,7 @@ BAD_VALUES = [
         "parallel.virtual_stages_per_rank must be in [1, parallel.pipeline_stages (1)], got 2",
     ),
     ("parallel.microbatches=0", "parallel.microbatches must be a positive integer"),
-    ("parallel.microbatches=17", "parallel.microbatches must be <= training.batch_size (16)"),
+    ("parallel.microbatches=17", "parallel.microbatches must be <= training.batch_size (8)"),
     (
         "parallel.schedule=zb",
         "parallel.schedule must be one of 'gpipe', 'interleaved_1f1b', '1f1b'",
@@ -581,7 +581,7 @@ def test_valid_cross_field_combinations() -> None:
     )
     assert cfg.training.logical_block_size == 512 and cfg.training.streaming
     cfg = load_config(overrides=["training.target_tokens_per_step=8192"])
-    assert cfg.training.accumulation_steps == 4 and cfg.training.tokens_per_step == 8192
+    assert cfg.training.accumulation_steps == 8 and cfg.training.tokens_per_step == 8192
     assert load_config().training.accumulation_steps == 1
     assert load_config().training.logical_block_size == 128
     cfg = load_config(

@@ -184,6 +184,8 @@ def test_train_refuses_before_the_model_is_allocated(tmp_path, capsys, monkeypat
             "--set",
             "model.mlp_internal_dim_multiplier=32",
             "--set",
+            "training.batch_size=16",
+            "--set",
             "training.device='cpu'",
         ]
     )

@@ -35,11 +35,16 @@ from bdh_train.train.console import (
     device_line,
     eval_line,
     resume_lines,
-    sample_line,
+    sample_lines,
     stop_line,
     summary_lines,
 )
-from bdh_train.train.evaluate import Evaluator, sample_continuation, writes_text
+from bdh_train.train.evaluate import (
+    SAMPLE_TEMPERATURES,
+    Evaluator,
+    sample_continuation,
+    writes_text,
+)
 from bdh_train.train.init_from import init_weights_from
 from bdh_train.train.metrics import MetricsReporter, plot_losses
 from bdh_train.train.profile import ProfileSettings, StepProfiler
@@ -380,16 +385,28 @@ class Trainer:
         return result.val_loss
 
     def sample(self, max_new_tokens: int = 200) -> str | None:
-        """The end-of-run sample (`sample_continuation`), printed; None when the model does
-        not write text of the run's tokenizer."""
+        """The end-of-run samples (`sample_continuation` at each of `SAMPLE_TEMPERATURES`),
+        printed; returns the first; None when the model does not write text of the run's
+        tokenizer."""
         cfg, splits = self.cfg, (self.train_data, self.val_data)
-        out = sample_continuation(
-            self.model, self.tokenizer, cfg.model, cfg.data, splits, self.device, max_new_tokens
-        )
-        if out is None:
-            return None
-        self.progress.log(sample_line(*out))
-        return out[1]
+        prompt, samples = "", []
+        for temperature in SAMPLE_TEMPERATURES:
+            out = sample_continuation(
+                self.model,
+                self.tokenizer,
+                cfg.model,
+                cfg.data,
+                splits,
+                self.device,
+                max_new_tokens,
+                temperature=temperature,
+            )
+            if out is None:
+                return None
+            prompt = out[0]
+            samples.append((temperature, out[1]))
+        self.progress.log(sample_lines(prompt, samples))
+        return samples[0][1]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, before_rename: Callable[[Path], None] | None = None) -> Path:

@@ -1,15 +1,14 @@
-"""`bdh-train`: train, generate, chat, eval, prepare, config, plot, profile, plan, export,
-grow, merge.
+"""`bdh-train`: train, generate, chat, eval, prepare, corpus, config, plot, profile, plan,
+export, grow, merge.
 
 Every user error (bad config, data, checkpoint) is a BDHTrainError: printed as one line on
 stderr with exit status 2, never a traceback.
 
 Each command is a plain function of the parsed arguments, listed in COMMANDS; the module of
 its group adds its parser (`register`): train, generate (generate, chat), evaluate (eval),
-prepare, tools (config, plot, profile, plan, export), compose (grow, merge). What the parsers
-share is in `args`.
-Torch, numpy and the rest of the package are imported inside the commands, so `--help` pays
-for none of them.
+prepare (prepare, corpus), tools (config, plot, profile, plan, export), compose (grow, merge).
+What the parsers share is in `args`. Torch, numpy and the rest of the package are imported
+inside the commands, so `--help` pays for none of them.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "chat": generate.cmd_chat,
     "eval": evaluate.cmd_eval,
     "prepare": prepare.cmd_prepare,
+    "corpus": prepare.cmd_corpus,
     "config": tools.cmd_config,
     "plot": tools.cmd_plot,
     "profile": tools.cmd_profile,

@@ -41,6 +41,7 @@ from bdh_train.train.profile import StepProfiler
 from bdh_train.train.reduce import all_reduce_sums
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.step import LanguageTrainModel, StepExecutor
+from bdh_train.utils import steps_cap
 
 Loader = RandomWindowLoader | StreamingDocumentLoader | StreamingCorpusLoader
 
@@ -214,9 +215,13 @@ def evaluate_model(
 ) -> EvalResult:
     """`bdh-train eval`: the run's evaluation recipe (`build_evaluator`) on `source`, else
     the run's validation split, with the model where it is. A model without a tokenizer of
-    its own reads bytes. With `report` (stderr), what is evaluated and how it relates to the
-    figure `train` printed (`eval_scope`) is written there first, then a progress bar."""
+    its own reads bytes. At most `steps_cap()` batches when the environment sets it. With
+    `report` (stderr), what is evaluated and how it relates to the figure `train` printed
+    (`eval_scope`) is written there first, then a progress bar."""
     t = training
+    cap = steps_cap()
+    if cap is not None:
+        max_batches = cap if max_batches is None else min(max_batches, cap)
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
     data = evaluation_data(data_config, source, model.config.vocab_size, t.block_size, tok)
     step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)

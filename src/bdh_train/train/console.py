@@ -3,6 +3,7 @@ trains, the evaluation and stop lines, and the summary with the commands that us
 
 from __future__ import annotations
 
+import math
 import shlex
 import shutil
 import sys
@@ -244,8 +245,15 @@ def summary_lines(
 
 
 def eval_line(step: int, val_loss: float, bits_per_byte: float | None) -> str:
-    bits = f" | {bits_per_byte:.3f} bits/byte" if bits_per_byte is not None else ""
-    return f"step {step:>6} | val_loss {val_loss:.4f}{bits}"
+    """An evaluation's line: the mean loss per token, and for text the same loss per UTF-8
+    byte of that text in nats and in bits (a byte-level run's nats/byte is its val_loss; for
+    ASCII text such as Shakespeare a byte is a character)."""
+    per_byte = (
+        f" | {bits_per_byte * math.log(2):.4f} nats/byte = {bits_per_byte:.3f} bits/byte"
+        if bits_per_byte is not None
+        else ""
+    )
+    return f"step {step:>6} | val_loss {val_loss:.4f}{per_byte}"
 
 
 def stop_line(step: int, micro: int, checkpoint: Path, run_dir: Path) -> str:
@@ -255,8 +263,14 @@ def stop_line(step: int, micro: int, checkpoint: Path, run_dir: Path) -> str:
     )
 
 
-def sample_line(prompt: str, text: str) -> str:
-    return f"--- sample (prompt: {prompt!r}) ---\n{text}\n---"
+def sample_lines(prompt: str, samples: list[tuple[float, str]]) -> str:
+    """The end-of-run samples: each (temperature, continuation) of the one prompt."""
+    heads = [f"(prompt: {prompt!r})"] + ["(the same prompt)"] * (len(samples) - 1)
+    parts = [
+        f"--- sample at temperature {t:g} {head} ---\n{text}"
+        for head, (t, text) in zip(heads, samples, strict=True)
+    ]
+    return "\n".join([*parts, "---"])
 
 
 class CompileNotice:

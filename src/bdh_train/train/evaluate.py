@@ -195,6 +195,10 @@ class Evaluator:
 SAMPLE_PROMPT_TOKENS = 32
 """The end-of-run sample continues this many tokens of the validation (else train) data."""
 
+SAMPLE_TEMPERATURES = (0.8, 0.5)
+"""The end-of-run samples' temperatures: the usual one, then a lower one, whose text keeps
+to the model's likeliest words (a young model's 0.8 sample wanders more)."""
+
 
 def sample_prompt(ids: np.ndarray, tokenizer: Tokenizer) -> np.ndarray:
     """The longest prefix of `ids` (at least one token) that decodes to whole UTF-8
@@ -219,9 +223,10 @@ def sample_continuation(
     device: torch.device,
     max_new_tokens: int = 200,
     where: str = "the trained model",
+    temperature: float = SAMPLE_TEMPERATURES[0],
 ) -> tuple[str, str] | None:
     """(prompt, continuation) of the end-of-run sample: the first `SAMPLE_PROMPT_TOKENS` of
-    the validation (else train) split of `splits` continued by `model` at temperature 0.8,
+    the validation (else train) split of `splits` continued by `model` at `temperature`,
     top-k 50, seed 0, decoded; None unless the model writes text of `tokenizer`
     (`writes_text`). Weights holding NaN or infinity are a NonFiniteModelError naming
     `where` (what the weights are: 'checkpoint RUN/...')."""
@@ -239,7 +244,7 @@ def sample_continuation(
     out = model.generate(
         prompt,
         max_new_tokens,
-        temperature=0.8,
+        temperature=temperature,
         top_k=50,
         generator=torch.Generator(device).manual_seed(0),
         summary_events=data_config.summary_trigger(),

@@ -153,8 +153,10 @@ def build_evaluator(
     and batch sizes, summary trigger and head on `data` (of `source`, default the run's
     validation source), in bits per byte too when it is text of the run's tokenizer. Under
     torchrun (`dp`), data-parallel ranks split the batches and add their sums (pipeline ranks
-    evaluate every batch together)."""
+    evaluate every batch together). With `training.eval_activity` the same forwards record the
+    neurons' activity (not under a multi-process pipeline, whose ranks hold some layers each)."""
     t, dp = training, dp or DistContext()
+    recorded = executor if isinstance(executor, LanguageTrainModel) and t.eval_activity else None
     source = validation_source(data_config) if source is None else source
     return Evaluator(
         executor,
@@ -170,6 +172,7 @@ def build_evaluator(
         add_across_ranks=partial(all_reduce_sums, group=dp.group) if dp.active else None,
         every=t.eval_every,
         last_step=t.max_steps,
+        activity_of=None if recorded is None else recorded.model,
     )
 
 

@@ -27,7 +27,7 @@ from bdh_train.inspect.graph import (
     write_hub_graphml,
 )
 from bdh_train.inspect.report import degree_figure, render, sparsity_figure
-from bdh_train.inspect.synapses import synapse_report
+from bdh_train.inspect.synapses import check_probe_classes, synapse_report
 from bdh_train.model.bdh import BDH
 
 REPORT_FILE = "report.html"
@@ -324,6 +324,7 @@ def read_probe_prompts(
                 "not true or false"
             )
         labels.append(value)
+    check_probe_classes(labels)
     return [r.ids for r in records], labels
 
 

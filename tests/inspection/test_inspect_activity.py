@@ -5,7 +5,6 @@ fix every neuron's sign, and the more-than-half rule on chosen tensors."""
 from __future__ import annotations
 
 import torch
-
 from helpers import tiny_model
 
 from bdh_train.data.tokens import TokenData

@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from helpers import DETERMINISTIC_METRICS, MICRO_RUN, checkpoint_weights, metric_rows, set_args
 
 from bdh_train.cli import main

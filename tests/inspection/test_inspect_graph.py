@@ -8,7 +8,6 @@ import networkx as nx
 import numpy as np
 import pytest
 import torch
-
 from helpers import tiny_model
 
 from bdh_train.inspect.graph import (

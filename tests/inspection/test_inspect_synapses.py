@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import tiny_model
 
 from bdh_train.errors import BDHTrainError

@@ -12,9 +12,19 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import DETERMINISTIC_METRICS, MICRO_RUN, checkpoint_weights, metric_rows, set_args
+import torch
+from helpers import (
+    DETERMINISTIC_METRICS,
+    MICRO_RUN,
+    checkpoint_weights,
+    metric_rows,
+    set_args,
+    tiny_model,
+)
 
 from bdh_train.cli import main
+from bdh_train.errors import BDHTrainError
+from bdh_train.inspect.run import InspectOptions, inspect_model, write_report
 from bdh_train.train.metrics import read_metrics
 
 RUN = [*MICRO_RUN, "training.max_steps=4", "training.eval_every=2", "training.eval_steps=2"]
@@ -193,3 +203,36 @@ def test_the_report_loads_in_chromium_without_requests_and_its_images_render(rep
     leaky = page.replace("</body>", '<img src="http://example.invalid/x.png"></body>')
     seen = _load_in_chromium(chromium, leaky, tmp_path)
     assert seen["violations"] == ["img-src http://example.invalid/x.png"]
+
+
+@pytest.fixture(scope="module")
+def inspection():
+    model = tiny_model(vocab_size=16)
+    tokens = torch.randint(0, 16, (40,), generator=torch.Generator().manual_seed(0))
+    options = InspectOptions(block_size=8, graph_neurons=16, edges_per_neuron=2, hubs=4)
+    found = inspect_model(model, tokens, None, options)
+    found.numbers |= {"checkpoint": "tiny", "data": "random ids"}
+    return found
+
+
+def test_the_report_directory_appears_whole_or_not_at_all(inspection, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    assert write_report(inspection, out, hubs=4) == out / "report.html"
+    first = (out / "inspect.json").read_text()
+    assert json.loads(first)["tokens"] == 40
+    (out / "report.html").write_text("old")
+    write_report(inspection, out, hubs=4)  # an earlier report is replaced whole
+    assert (out / "report.html").read_text() != "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+    def fail(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("bdh_train.inspect.run.write_hub_graphml", fail)
+    with pytest.raises(OSError):
+        write_report(inspection, tmp_path / "new", hubs=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing half-built
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    with pytest.raises(BDHTrainError, match="exists and holds no earlier report"):
+        write_report(inspection, foreign, hubs=4)

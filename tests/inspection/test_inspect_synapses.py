@@ -51,7 +51,7 @@ def test_the_probe_finds_a_planted_synapse_and_a_random_one_is_chance():
     generator = torch.Generator().manual_seed(0)
     labels = [True] * 200 + [False] * 200
     features = torch.randn(400, 30, generator=generator)
-    features[:200, 7] += 10.0  # the concept's synapse: far apart in both halves
+    features[:200, 7] -= 10.0  # the concept's synapse, weaker with it: far apart in both halves
     probe = concept_probe(features, labels, count=3)
     assert probe.features[0] == 7 and probe.held_out_auc[0] == 1.0
     assert probe.train_counts == (100, 100) and probe.held_out_counts == (100, 100)

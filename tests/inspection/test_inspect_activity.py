@@ -64,17 +64,18 @@ def test_planted_neurons_give_the_hand_counted_activity():
 
 
 def test_more_than_half_is_always_on_and_never_is_dead():
-    counts = ActivityCounts(1, 1, 3)
-    x = torch.tensor([[1.0, 2, -1], [0, 1, 0], [3, 1, 0], [0, -2, -5]]).view(1, 1, 4, 3)
-    pre = torch.tensor([[1.0, -1, 1], [1, 1, 1], [-1, 0, 1], [1, 1, 1]]).view(1, 1, 4, 3)
-    counts.record(x, pre)
-    # neuron 0 fires on 2 of 4 tokens (half: not always on), 1 on 3, 2 never
-    assert counts.fires.tolist() == [[[2, 3, 0]]]
-    assert counts.always_on().tolist() == [[1 / 3]]
-    assert counts.dead().tolist() == [[1 / 3]]
+    counts = ActivityCounts(1, 1, 4)
+    x = torch.tensor([[1.0, 2, -1, 0], [0, 1, 0, 4], [3, 1, 0, 0], [0, -2, -5, 0]])
+    pre = torch.tensor([[1.0, -1, 1, 1], [1, 1, 1, 1], [-1, 0, 1, 1], [1, 1, 1, 1]])
+    counts.record(x.view(1, 1, 4, 4), pre.view(1, 1, 4, 4))
+    # on 4 tokens: neuron 0 fires on 2 (half: not always on), 1 on 3, 2 never, 3 once
+    assert counts.fires.tolist() == [[[2, 3, 0, 1]]]
+    assert counts.always_on().tolist() == [[1 / 4]]
+    assert counts.dead().tolist() == [[1 / 4]]
     shares = counts.shares()
-    assert shares["x"].item() == 5 / 12 and shares["y"].item() == 9 / 12
-    assert shares["xy"].item() == 2 / 12  # (token 0, neuron 0), (token 1, neuron 1)
+    assert shares["x"].item() == 6 / 16 and shares["y"].item() == 13 / 16
+    # x > 0 and pre > 0: (token 0, neuron 0), (token 1, neuron 1), (token 1, neuron 3)
+    assert shares["xy"].item() == 3 / 16
 
 
 def test_the_evaluator_records_the_activity_of_its_own_forwards():

@@ -61,13 +61,15 @@ class ActivityCounts:
 
     def record(self, x: torch.Tensor, pre: torch.Tensor) -> None:
         """Add one layer call's counts (x, pre: [B, H, T, N])."""
-        fires_x, fires_y = x > 0, pre > 0
-        per_neuron = fires_x.sum(dim=(0, 2))
+        # 0/1 floats sum faster than bools; each float sum below runs over at most T or N
+        # entries, so it is exact (below 2**24) before the integer sums take over
+        fires_x, fires_y = (x > 0).float(), (pre > 0).float()
+        per_neuron = fires_x.sum(2).long().sum(0)  # [H, N]
         layer = self.layer
         self.fires[layer] += per_neuron
         self.positive["x"][layer] += per_neuron.sum(-1)
-        self.positive["y"][layer] += fires_y.sum(dim=(0, 2, 3))
-        self.positive["xy"][layer] += (fires_x & fires_y).sum(dim=(0, 2, 3))
+        self.positive["y"][layer] += fires_y.sum(-1).long().sum(dim=(0, 2))
+        self.positive["xy"][layer] += (fires_x * fires_y).sum(-1).long().sum(dim=(0, 2))
         self.tokens[layer] += x.shape[0] * x.shape[2]
 
     def counts(self) -> list[torch.Tensor]:

@@ -27,7 +27,7 @@ from bdh_train.errors import BDHTrainError
 from bdh_train.inspect.run import InspectOptions, inspect_model, write_report
 from bdh_train.train.metrics import read_metrics
 
-RUN = [*MICRO_RUN, "training.max_steps=4", "training.eval_every=2", "training.eval_steps=2"]
+RUN = [*MICRO_RUN, "training.max_steps=2", "training.eval_every=1", "training.eval_steps=1"]
 ACTIVITY = ("x_active", "y_active", "xy_active", "dead", "always_on")
 PROMPTS = [
     {"prompt": "the dollar and the euro", "concept": True},
@@ -72,7 +72,7 @@ def test_recording_activity_leaves_training_unchanged(run_dir, tmp_path):
     }
     with_activity = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
     without = [r for r in read_metrics(plain / "metrics.jsonl") if "val_loss" in r]
-    assert [r["step"] for r in with_activity] == [2, 4]
+    assert [r["step"] for r in with_activity] == [1, 2]
     for row, bare in zip(with_activity, without, strict=True):
         assert all(0 <= row[k] <= 1 and 0 <= row[f"{k}_l1"] <= 1 for k in ACTIVITY)
         assert row["x_active"] == pytest.approx((row["x_active_l0"] + row["x_active_l1"]) / 2)

@@ -104,8 +104,7 @@ def check_options(options: InspectOptions) -> None:
 
 def sparsity_numbers(recorder: InspectRecorder) -> dict[str, Any]:
     """Per layer and head: x, y, xy activity, dead and always-on shares; layer means; all."""
-    tables = {name: share for name, share in recorder.shares().items()}
-    tables |= {"dead": recorder.dead(), "always_on": recorder.always_on()}
+    tables = recorder.tables()
     layers = []
     for layer in range(recorder.tokens.numel()):
         heads = [

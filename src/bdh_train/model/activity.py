@@ -94,13 +94,16 @@ class ActivityCounts:
         """[L, H] share of the head's neurons whose x was > 0 on more than half the tokens."""
         return (2 * self.fires > self.tokens.view(-1, 1, 1)).double().mean(-1)
 
+    def tables(self) -> dict[str, torch.Tensor]:
+        """Every statistic as [L, H]: the activities (`shares`), `dead` and `always_on`."""
+        return self.shares() | {"dead": self.dead(), "always_on": self.always_on()}
+
     def row(self) -> dict[str, float]:
         """The metrics-row numbers: each statistic over all layers and heads (`x_active`,
         `y_active`, `xy_active`, `dead`, `always_on`) and per layer (`x_active_l0`, ...)."""
-        tables = {f"{name}_active": share for name, share in self.shares().items()}
-        tables |= {"dead": self.dead(), "always_on": self.always_on()}
         out: dict[str, float] = {}
-        for key, table in tables.items():
+        for name, table in self.tables().items():
+            key = f"{name}_active" if name in ACTIVITIES else name
             out[key] = float(table.mean())
             for layer, value in enumerate(table.mean(-1).tolist()):
                 out[f"{key}_l{layer}"] = value

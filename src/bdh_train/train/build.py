@@ -148,15 +148,18 @@ def build_evaluator(
     tokenizer: Tokenizer,
     device: torch.device,
     dp: DistContext | None = None,
+    record_activity: bool = True,
 ) -> Evaluator:
     """The evaluation recipe of `bdh-train train` and `bdh-train eval` alike: the run's block
     and batch sizes, summary trigger and head on `data` (of `source`, default the run's
     validation source), in bits per byte too when it is text of the run's tokenizer. Under
     torchrun (`dp`), data-parallel ranks split the batches and add their sums (pipeline ranks
-    evaluate every batch together). With `training.eval_activity` the same forwards record the
-    neurons' activity (not under a multi-process pipeline, whose ranks hold some layers each)."""
+    evaluate every batch together). With `record_activity` and `training.eval_activity` the same
+    forwards record the neurons' activity (not under a multi-process pipeline, whose ranks hold
+    some layers each)."""
     t, dp = training, dp or DistContext()
-    recorded = executor if isinstance(executor, LanguageTrainModel) and t.eval_activity else None
+    records = record_activity and t.eval_activity
+    recorded = executor if isinstance(executor, LanguageTrainModel) and records else None
     source = validation_source(data_config) if source is None else source
     return Evaluator(
         executor,
@@ -202,7 +205,7 @@ def evaluate_model(
 ) -> EvalResult:
     """`bdh-train eval`: the run's evaluation recipe (`build_evaluator`) on `source`, else
     the run's validation split, with the model where it is. A model without a tokenizer of
-    its own reads bytes."""
+    its own reads bytes. Its row is the loss alone: `inspect` reports the activity."""
     t = training
     data = evaluation_data(data_config, source, model.config.vocab_size, t.block_size)
     step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
@@ -210,6 +213,15 @@ def evaluate_model(
     name = source or validation_source(data_config)
     device = model.embed.weight.device
     evaluator = build_evaluator(
-        step, data, name, max_batches, t, data_config, model.config, tok, device
+        step,
+        data,
+        name,
+        max_batches,
+        t,
+        data_config,
+        model.config,
+        tok,
+        device,
+        record_activity=False,
     )
     return evaluator.run()

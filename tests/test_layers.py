@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "bdh_train.completions",
             "bdh_train.compose",
             "bdh_train.huggingface",
+            "bdh_train.inspect",
         ),
     ),
     ("cli", ("bdh_train.cli", "bdh_train.__main__", "bdh_train")),

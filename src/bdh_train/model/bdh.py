@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bdh_train.errors import BDHTrainError
 from bdh_train.model import generate as generation
+from bdh_train.model.activity import ActivationRecorder
 from bdh_train.model.config import BDHConfig, head_parameter_shapes
 from bdh_train.model.gate import GateKernels, gate
 from bdh_train.model.heads import nca_factorized_loss, token_cross_entropy
@@ -150,6 +151,7 @@ class BDH(nn.Module):
         # the training twin of layer_call, from compile_layers()
         self._compiled_layer: Callable[..., Any] | None = None
         self._gate_kernels: GateKernels | None = None  # from use_fused_gate()
+        self.recorder: ActivationRecorder | None = None  # model/activity.py's `recording`
         self._summary_layers = frozenset(c.summary_memory.layers(c.n_layer))
         if c.position == "rope":
             self.register_buffer(ROPE_FREQS, rope_frequencies(n))
@@ -269,6 +271,8 @@ class BDH(nn.Module):
             )
             if need_state:
                 state.summary[layer_index] = carry
+        if self.recorder is not None:
+            self.recorder.layer = layer_index
         layer_fn, rho = self._layer_fn_for(u, state.rho[layer_index], need_state, reset_mask)
         u, new_rho = layer_fn(
             u, rho, position_terms, executor or self.config.executor, need_state, reset_mask
@@ -310,7 +314,10 @@ class BDH(nn.Module):
             )
         else:
             a, new_rho = self.mix(*mix_args)
-        y = gate(x, self._project("encoder_v", a, self.encoder_v), self._gate_kernels)
+        pre = self._project("encoder_v", a, self.encoder_v)
+        if self.recorder is not None:
+            self.recorder.record(x, pre)
+        y = gate(x, pre, self._gate_kernels)
         y = F.dropout(y, self.config.dropout, self.training)
         m = self._norm(self._decode(y))
         return self._norm(u + m), new_rho

@@ -154,13 +154,18 @@ def build_evaluator(
     tokenizer: Tokenizer,
     device: torch.device,
     dp: DistContext | None = None,
+    record_activity: bool = True,
 ) -> Evaluator:
     """The evaluation recipe of `bdh-train train` and `bdh-train eval` alike: the run's block
     and batch sizes, summary trigger and head on `data` (of `source`, default the run's
     validation source), in bits per byte too when it is text of the run's tokenizer. Under
     torchrun (`dp`), data-parallel ranks split the batches and add their sums (pipeline ranks
-    evaluate every batch together)."""
+    evaluate every batch together). With `record_activity` and `training.eval_activity` the same
+    forwards record the neurons' activity (not under a multi-process pipeline, whose ranks hold
+    some layers each)."""
     t, dp = training, dp or DistContext()
+    records = record_activity and t.eval_activity
+    recorded = executor if isinstance(executor, LanguageTrainModel) and records else None
     source = validation_source(data_config) if source is None else source
     return Evaluator(
         executor,
@@ -176,6 +181,7 @@ def build_evaluator(
         add_across_ranks=partial(all_reduce_sums, group=dp.group) if dp.active else None,
         every=t.eval_every,
         last_step=t.max_steps,
+        activity_of=None if recorded is None else recorded.model,
     )
 
 
@@ -217,7 +223,8 @@ def evaluate_model(
     the run's validation split, with the model where it is. A model without a tokenizer of
     its own reads bytes. At most `steps_cap()` batches when the environment sets it. With
     `report` (stderr), what is evaluated and how it relates to the figure `train` printed
-    (`eval_scope`) is written there first, then a progress bar."""
+    (`eval_scope`) is written there first, then a progress bar. Its row is the loss alone:
+    `inspect` reports the activity."""
     t = training
     cap = steps_cap()
     if cap is not None:
@@ -228,7 +235,16 @@ def evaluate_model(
     name = source or validation_source(data_config)
     device = model.embed.weight.device
     evaluator = build_evaluator(
-        step, data, name, max_batches, t, data_config, model.config, tok, device
+        step,
+        data,
+        name,
+        max_batches,
+        t,
+        data_config,
+        model.config,
+        tok,
+        device,
+        record_activity=False,
     )
     if report is None:
         return evaluator.run()

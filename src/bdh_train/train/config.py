@@ -66,6 +66,10 @@ class TrainingConfig:
     """Evaluate on the validation split every this many optimizer steps."""
     eval_steps: int = 20
     """Validation batches per evaluation."""
+    eval_activity: bool = True
+    """Record the neurons' activity on the evaluation's own forwards (shares of positive x, y
+    and x*y, dead and always-on neurons, per layer) into the evaluation's metrics row; it
+    leaves training unchanged."""
     checkpoint_every: int = 1000
     """Write a checkpoint every this many optimizer steps."""
     keep_checkpoints: int = 3
@@ -201,6 +205,7 @@ class TrainingConfig:
             self.profile = "step" if self.profile else "off"
         checks.choice(f"{p}.profile", self.profile, PROFILE_MODES)
         checks.boolean(f"{p}.profile_memory", self.profile_memory)
+        checks.boolean(f"{p}.eval_activity", self.eval_activity)
 
         self._normalise_lengths(p)
         if self.target_tokens_per_step:

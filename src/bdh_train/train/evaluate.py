@@ -8,10 +8,15 @@ Bits per byte (the one rule): the loss in nats summed over the counted targets, 
 ln 2 and by the UTF-8 bytes those same targets decode to (`Tokenizer.token_byte_lengths`,
 counted with the head's own mask, `heads.counted_target_mask`). For the byte tokenizer every
 target is one byte, so it is the mean loss / ln 2; for a BPE it compares across vocabularies.
+
+Activity (`Evaluator.activity_of`): the same forward passes, recorded by model/activity.py's
+`ActivityCounts` (shares of positive x, yg and x * yg, dead and always-on neurons, over all
+layers and per layer); no extra pass over any data.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Callable
@@ -28,6 +33,7 @@ from bdh_train.data.loaders import eval_batches, eval_window_count
 from bdh_train.data.tokenizer import BYTES, Tokenizer
 from bdh_train.data.tokens import TokenData
 from bdh_train.errors import DataError
+from bdh_train.model.activity import ActivityCounts, recording
 from bdh_train.model.bdh import BDH
 from bdh_train.model.config import BDHConfig, LanguageHeadConfig
 from bdh_train.model.generate import check_finite_weights
@@ -53,12 +59,14 @@ class EvalResult:
     bits_per_byte: float | None
     """The loss in bits per UTF-8 byte of the text; None when the tokens are not text of a
     tokenizer."""
+    activity: dict[str, float] | None = None
+    """`ActivityCounts.row` of the evaluated tokens, when recorded."""
 
     def row(self) -> dict[str, Any]:
         out: dict[str, Any] = {"val_loss": self.val_loss}
         if self.bits_per_byte is not None:
             out["bits_per_byte"] = self.bits_per_byte
-        return out
+        return out | (self.activity or {})
 
 
 def counted_target_bytes(
@@ -163,11 +171,27 @@ class Evaluator:
     last_step: int = 0
     progress: Callable[[], object] | None = None
     """Called after each batch (`bdh-train eval`'s progress bar)."""
+    activity_of: BDH | None = None
+    """The model whose neurons' activity the evaluation's own forwards record, else None."""
 
     def should_evaluate(self, step: int) -> bool:
         return every_and_last(step, self.every, self.last_step)
 
     def run(self) -> EvalResult:
+        counts = None
+        with contextlib.ExitStack() as stack:
+            if self.activity_of is not None:
+                c = self.activity_of.config
+                counts = ActivityCounts(c.n_layer, c.n_head, c.n_neurons, self.device)
+                stack.enter_context(recording(self.activity_of, counts))
+            result = self._evaluate()
+        if counts is not None:
+            if self.add_across_ranks is not None:
+                counts.set_counts(_summed(counts.counts(), self.add_across_ranks))
+            result.activity = counts.row()
+        return result
+
+    def _evaluate(self) -> EvalResult:
         text_of = self.text_of
         return evaluate(
             self.executor,
@@ -190,6 +214,16 @@ class Evaluator:
         windows = eval_window_count(len(self.data), self.block_size)
         batches = -(-windows // self.batch_size)
         return batches if self.max_batches is None else min(batches, self.max_batches)
+
+
+def _summed(
+    counts: list[torch.Tensor], add: Callable[[list[float]], list[float]]
+) -> list[torch.Tensor]:
+    """`counts` added over the ranks by `add` (float64 sums: exact below 2**53)."""
+    flat = torch.cat([c.reshape(-1) for c in counts]).double()
+    summed = torch.tensor(add(flat.tolist()), dtype=torch.float64)
+    pieces = summed.split([c.numel() for c in counts])
+    return [p.view(c.shape).to(c) for p, c in zip(pieces, counts, strict=True)]
 
 
 SAMPLE_PROMPT_TOKENS = 32

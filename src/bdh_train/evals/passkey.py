@@ -100,7 +100,7 @@ def passkey_prompt(
         hay.extend(sentences[(len(bounds) - 1) % len(sentences)])
         bounds.append(len(hay))
     hay = hay[:fill]
-    bounds = [b for b in bounds if b <= fill]
+    bounds = [b for b in bounds if b < fill] + [fill]  # the end too: depth 1 is just before Q
     at = min(bounds, key=lambda b: abs(b - depth * fill))
     prompt = hay[:at] + needle + hay[at:] + question
     return prompt, tokenizer.encode(" " + key)

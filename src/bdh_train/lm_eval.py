@@ -9,7 +9,8 @@ model_args="checkpoint=RUN")`, or pass a `BDHLM` instance as the model. Nothing 
 package imports this module, so lm-eval is needed only here.
 
 model_args: `checkpoint` (a run directory, checkpoint or ternary export: `load_run`),
-`device` ('auto', 'cpu', 'cuda'), `batch_size` (rows scored together), `rolling` ('state' or
+`device` ('auto', 'cpu', 'cuda', 'cuda:N'; lm-eval's default cuda:0 is 'auto' where there is
+no such GPU), `batch_size` (rows scored together), `rolling` ('state' or
 'windows', below), `max_length` (the disjoint windows' length; default: the run's
 training.block_size), `max_gen_toks` (default of generate_until).
 
@@ -82,7 +83,7 @@ class BDHLM(TemplateLM):
             raise ConfigError("give the bdh model either checkpoint=RUN or a loaded model")
         if model is None:
             assert checkpoint is not None
-            model, tokenizer, cfg = load_run(checkpoint, device or "auto", finite=True)
+            model, tokenizer, cfg = load_run(checkpoint, _device(device), finite=True)
             if max_length is None:
                 max_length = cfg.training.block_size
             if model.config.summary_memory.write_gate:
@@ -208,6 +209,17 @@ class BDHLM(TemplateLM):
                 if all(done):  # the stream is dropped unfinished: no further step runs
                     break
         return [_cut(self.tok_decode(ids), until) for ids in new]
+
+
+def _device(name: str | None) -> str:
+    """The device to load on: lm-eval's command line asks for cuda:0 unless told otherwise,
+    which (as lm-eval's own hf model does) means 'auto' on a machine without that GPU."""
+    if name is None:
+        return "auto"
+    index = name.removeprefix("cuda:")
+    if index != name and index.isdigit() and int(index) >= torch.cuda.device_count():
+        return "auto"
+    return name
 
 
 def _cut(text: str, until: Sequence[str]) -> str:

@@ -242,5 +242,9 @@ def test_a_model_without_a_text_tokenizer_and_bad_options_are_refused(harness):
         BDHLM(model=tiny_model(vocab_size=32), tokenizer=None)
     with pytest.raises(ConfigError, match="rolling must be one of"):
         BDHLM(model=tiny_model(vocab_size=256), tokenizer=ByteTokenizer(), rolling="sliding")
+    # lm-eval's command line asks for cuda:0 by default: 'auto' where there is no such GPU
+    assert harness.backend._device("cuda:0") == ("cuda:0" if torch.cuda.device_count() else "auto")
+    assert harness.backend._device(None) == "auto"
+    assert harness.backend._device("cpu") == "cpu"
     with pytest.raises(ConfigError, match=r"\['pretrained'\] are not options"):
         BDHLM(model=tiny_model(vocab_size=256), tokenizer=ByteTokenizer(), pretrained="gpt2")

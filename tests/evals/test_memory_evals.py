@@ -44,7 +44,8 @@ def _losses(model, ids: list[int]) -> torch.Tensor:
 def test_log_buckets_by_hand():
     assert memory.log_buckets(1) == [1, 2]
     assert memory.log_buckets(12) == [1, 2, 4, 8, 13]
-    assert memory.log_buckets(16) == [1, 2, 4, 8, 16, 17]
+    assert memory.log_buckets(16) == [1, 2, 4, 8, 17]  # not a bucket of t = 16 alone
+    assert memory.log_buckets(17) == [1, 2, 4, 8, 16, 18]
 
 
 def test_context_curve_against_one_call_per_stretch_and_per_block(model64, monkeypatch):
@@ -180,7 +181,7 @@ def test_the_command_writes_each_measure(byte_run, tmp_path, capsys):
         "retention.json",
     ]
     curve = json.loads((out / "context_curve.json").read_text())
-    assert curve["edges"] == [1, 2, 4, 8, 16, 32, 33]
+    assert curve["edges"] == [1, 2, 4, 8, 16, 33]
     assert len(json.loads((out / "retention.json").read_text())["reset"]) == 2
     grid = json.loads((out / "passkey.json").read_text())
     assert grid["lengths"] == [100, 140] and grid["depths"] == [0.0, 1.0]

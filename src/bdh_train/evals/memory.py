@@ -4,9 +4,9 @@ Context curve: R stretches of L + 1 consecutive tokens are each read twice, once
 state carried through all L tokens and once in independent blocks of the training length B
 (each from a fresh state, as in training). Target t (1 <= t <= L) is predicted after t tokens
 of its stretch in the carried reading and after ((t - 1) mod B) + 1 in the blocks. The mean
-loss is reported per bucket of t, log-spaced: [1, 2), [2, 4), [4, 8), ... (the last ends at
-L + 1). Up to B the two readings are the same computation; beyond it the carried curve
-falling below the blocks' says the state uses more context than a block holds.
+loss is reported per bucket of t, log-spaced: [1, 2), [2, 4), [4, 8), ..., the last holding
+t = L (`log_buckets`). Up to B the two readings are the same computation; beyond it the
+carried curve falling below the blocks' says the state uses more context than a block holds.
 
 Retention: K chunks of C consecutive tokens; each chunk k >= 1 is scored three ways on the
 same targets: `window` (a fresh state reads chunk k - 1 then chunk k: the previous chunk and
@@ -46,9 +46,10 @@ def stretches(tokens: np.ndarray, rows: int, length: int, what: str) -> list[lis
 
 
 def log_buckets(length: int) -> list[int]:
-    """Edges of the position buckets [1, 2), [2, 4), ..., the last ending at length + 1."""
+    """Edges of the position buckets [1, 2), [2, 4), ..., the last ending at length + 1 (a
+    power-of-two length ends the bucket before it, not a bucket of one position)."""
     edges = [1]
-    while edges[-1] * 2 <= length:
+    while edges[-1] * 2 < length:
         edges.append(edges[-1] * 2)
     return [*edges, length + 1]
 

@@ -81,6 +81,7 @@ class BDHLM(TemplateLM):
             raise ConfigError(f"rolling must be one of {ROLLING_MODES}, got {rolling!r}")
         if (checkpoint is None) == (model is None):
             raise ConfigError("give the bdh model either checkpoint=RUN or a loaded model")
+        self._batch_size = _batch_size(batch_size)
         if model is None:
             assert checkpoint is not None
             model, tokenizer, cfg = load_run(checkpoint, _device(device), finite=True)
@@ -91,15 +92,12 @@ class BDHLM(TemplateLM):
         self.model = model.eval()
         self.tok = text_model(model, tokenizer, checkpoint or "the model")
         self.separator = [int(i) for i in document_separator(self.tok)]
+        if rolling == "windows" and max_length is None:
+            raise ConfigError("rolling='windows' needs max_length (the windows' length)")
         self.rolling = rolling
         self._max_length = max_length
         self.max_gen_toks = int(max_gen_toks)
         self.events = summary_events
-        self._batch_size = (
-            DEFAULT_BATCH_SIZE if batch_size in (None, "auto") else int(str(batch_size))
-        )
-        if self._batch_size < 1:
-            raise ConfigError(f"batch_size must be a positive integer, got {batch_size}")
         self.checkpoint = checkpoint
 
     # ---------------------------------------------------------------- what lm-eval asks
@@ -109,9 +107,8 @@ class BDHLM(TemplateLM):
 
     @property
     def max_length(self) -> int:
-        if self._max_length is None:
-            raise ConfigError("rolling='windows' needs max_length (the windows' length)")
-        return int(self._max_length)
+        """The disjoint windows' length (rolling='windows'); 0 when none was given."""
+        return int(self._max_length or 0)
 
     @property
     def batch_size(self) -> int:
@@ -209,6 +206,19 @@ class BDHLM(TemplateLM):
                 if all(done):  # the stream is dropped unfinished: no further step runs
                     break
         return [_cut(self.tok_decode(ids), until) for ids in new]
+
+
+def _batch_size(value: int | str | None) -> int:
+    """model_args' batch_size: a positive integer; lm-eval's 'auto' (and 'auto:N', which
+    searches sizes for Hugging Face models) is DEFAULT_BATCH_SIZE."""
+    size = str(DEFAULT_BATCH_SIZE if value is None else value)
+    if size.startswith("auto"):
+        return DEFAULT_BATCH_SIZE
+    if size.isdigit() and int(size) >= 1:
+        return int(size)
+    raise ConfigError(
+        f"batch_size must be a positive integer or 'auto' (= {DEFAULT_BATCH_SIZE}), got {value!r}"
+    )
 
 
 def _device(name: str | None) -> str:

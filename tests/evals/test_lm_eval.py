@@ -236,6 +236,8 @@ def test_a_model_without_a_text_tokenizer_and_bad_options_are_refused(harness):
         BDHLM(model=tiny_model(vocab_size=32), tokenizer=None)
     with pytest.raises(ConfigError, match="rolling must be one of"):
         BDHLM(model=tiny_model(vocab_size=256), tokenizer=ByteTokenizer(), rolling="sliding")
+    with pytest.raises(ConfigError, match="batch_size must be a positive integer"):
+        BDHLM(model=tiny_model(vocab_size=256), tokenizer=ByteTokenizer(), batch_size="0")
     # lm-eval's command line asks for cuda:0 by default: 'auto' where there is no such GPU
     assert harness.backend._device("cuda:0") == ("cuda:0" if torch.cuda.device_count() else "auto")
     assert harness.backend._device(None) == "auto"

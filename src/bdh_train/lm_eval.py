@@ -38,7 +38,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from bdh_train.data.encode import document_separator
 from bdh_train.data.tokenizer import Tokenizer
-from bdh_train.errors import ConfigError
+from bdh_train.errors import BDHTrainError, ConfigError
 from bdh_train.evals.scoring import score_continuations, text_model
 from bdh_train.inference import encode_text, load_run
 from bdh_train.model.bdh import BDH
@@ -243,13 +243,20 @@ def _cut(text: str, until: Sequence[str]) -> str:
 model_registry.register(MODEL_NAME, target="bdh_train.lm_eval:BDHLM")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """lm-eval's command line (`lm_eval run ...`) with the `bdh` model registered."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """lm-eval's command line (`lm_eval run ...`) with the `bdh` model registered; a
+    bdh-train refusal (a bad checkpoint, a model without a text tokenizer, a bad model_arg)
+    is one `error:` line and exit status 2."""
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except BDHTrainError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -97,8 +97,7 @@ def harness(tmp_path_factory):
         yield SimpleNamespace(
             evaluate=lm_eval.simple_evaluate,
             backend=backend,
-            tasks=TaskManager(include_path=str(tasks)),
-            tasks_dir=tasks,
+            tasks=TaskManager(include_path=str(tasks), include_defaults=False),
         )
     finally:
         patch.undo()
@@ -246,12 +245,3 @@ def test_a_model_without_a_text_tokenizer_and_bad_options_are_refused(harness):
     with pytest.raises(ConfigError, match=r"\['pretrained'\] are not options"):
         BDHLM(model=tiny_model(vocab_size=256), tokenizer=ByteTokenizer(), pretrained="gpt2")
 
-
-def test_the_command_line_refuses_a_missing_checkpoint_in_one_line(harness, tmp_path, capsys):
-    # lm-eval's own command line, with `bdh` registered: a bdh-train refusal is one line
-    argv = ["--model", "bdh", "--tasks", "bdh_choice", "--include_path", str(harness.tasks_dir)]
-    missing = tmp_path / "no-run"
-    assert harness.backend.main([*argv, "--model_args", f"checkpoint={missing}"]) == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and str(missing) in errors[0] and err.endswith(errors[0] + "\n")

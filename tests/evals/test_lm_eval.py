@@ -244,4 +244,3 @@ def test_a_model_without_a_text_tokenizer_and_bad_options_are_refused(harness):
     assert harness.backend._device("cpu") == "cpu"
     with pytest.raises(ConfigError, match=r"\['pretrained'\] are not options"):
         BDHLM(model=tiny_model(vocab_size=256), tokenizer=ByteTokenizer(), pretrained="gpt2")
-

@@ -71,8 +71,9 @@ class ContextCurve:
     def table(self) -> str:
         lines = [
             f"context curve: {self.sequences} x {self.length:,} tokens, blocks of "
-            f"{self.block_size} (loss in nats/token)",
-            f"{'positions':>17} {'targets':>9} {'carried':>9} {'blocks':>9} {'gap':>8}",
+            f"{self.block_size} (loss in nats/token; gain = blocks - carried, > 0: the state "
+            "helps)",
+            f"{'positions':>17} {'targets':>9} {'carried':>9} {'blocks':>9} {'gain':>8}",
         ]
         for b, (carried, blocks) in enumerate(zip(self.carried, self.blocks, strict=True)):
             span = f"{self.edges[b]}-{self.edges[b + 1] - 1}"

@@ -147,6 +147,16 @@ def test_a_local_task_scores_each_choice_as_a_hand_loop(harness, model64):
     assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-10, msg="loglikelihoods")
 
 
+def test_is_greedy_means_every_continuation_token_is_the_argmax(harness, model64):
+    lm = harness.backend.BDHLM(model=model64, tokenizer=ByteTokenizer(), batch_size=2)
+    context = list(b"The cat sat")
+    greedy = model64.generate(torch.tensor(context), 3, temperature=0.0)[len(context) :].tolist()
+    other = [(t + 1) % 256 for t in greedy]
+    continuations = [greedy, greedy[:1] + other[1:], other[:1] + greedy[1:], greedy[:2]]
+    results = lm._loglikelihood_tokens([((None, None), context, c) for c in continuations])
+    assert [greedy for _, greedy in results] == [True, False, False, True]
+
+
 def _document_loss(model, text: str) -> float:
     """The model's summed loss over the document read in one call, after the separator."""
     ids = [NEWLINE, *text.encode()]

@@ -38,6 +38,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "bdh_train.compose",
             "bdh_train.huggingface",
             "bdh_train.inspect",
+            "bdh_train.evals",
+            "bdh_train.lm_eval",
         ),
     ),
     ("cli", ("bdh_train.cli", "bdh_train.__main__", "bdh_train")),

@@ -21,9 +21,67 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the run's validation split)",
     )
     p.add_argument("--batches", type=int, default=None, help="at most this many batches")
+    _add_memory_args(p)
+
+
+def _add_memory_args(p: argparse.ArgumentParser) -> None:
+    """What the state remembers (bdh_train.evals.run; docs/evaluation.md)."""
+    g = p.add_argument_group("what the state remembers (instead of the loss)")
+    g.add_argument(
+        "--context-curve",
+        action="store_true",
+        help="loss by position with the state carried through sequences longer than the "
+        "training block, against the same text in independent blocks (a table and a PNG)",
+    )
+    g.add_argument(
+        "--retention",
+        action="store_true",
+        help="per chunk: loss after only the previous chunk, with the state carried from "
+        "the start, and with a reset state",
+    )
+    g.add_argument(
+        "--passkey",
+        action="store_true",
+        help="needle-in-a-haystack accuracy over needle depth x prompt length (a heat map)",
+    )
+    g.add_argument(
+        "--length",
+        type=int,
+        default=None,
+        help="context curve: tokens per sequence, a multiple of the training block "
+        "(default: 16 blocks)",
+    )
+    g.add_argument("--sequences", type=int, default=4, help="context curve: sequences")
+    g.add_argument("--chunks", type=int, default=8, help="retention: chunks of one block")
+    g.add_argument(
+        "--passkey-lengths",
+        type=_ints,
+        default=None,
+        metavar="L,L,...",
+        help="prompt lengths in tokens (default: 1, 2, 4, 8 training blocks)",
+    )
+    g.add_argument(
+        "--passkey-depths",
+        type=_floats,
+        default=None,
+        metavar="D,D,...",
+        help="needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)",
+    )
+    g.add_argument("--passkey-trials", type=int, default=4, help="keys per grid cell")
+    g.add_argument("--out", default=".", metavar="DIR", help="where the JSON and PNG files go")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",")]
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    if args.context_curve or args.retention or args.passkey:
+        return _memory_evals(args)
     from bdh_train.train.build import evaluate_model
 
     if args.batches is not None and args.batches < 1:
@@ -40,4 +98,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
         model, tok, cfg.training, cfg.data, args.data, args.batches, report=sys.stderr
     )
     print(json.dumps({**result.row(), "tokens": result.tokens}))
+    return 0
+
+
+def _memory_evals(args: argparse.Namespace) -> int:
+    """eval --context-curve / --retention / --passkey: each option checked before loading."""
+    from bdh_train.evals.run import MemoryEvals, run_memory_evals
+
+    options = MemoryEvals(
+        context_curve=args.context_curve,
+        retention=args.retention,
+        passkey=args.passkey,
+        length=args.length,
+        sequences=args.sequences,
+        chunks=args.chunks,
+        passkey_lengths=args.passkey_lengths,
+        passkey_depths=args.passkey_depths,
+        passkey_trials=args.passkey_trials,
+        out=Path(args.out),
+    )
+    options.check()
+    if Path(args.checkpoint).is_file() and not args.data and options.reads_data:
+        raise ConfigError(
+            f"{args.checkpoint} is a ternary export, which holds no data settings: pass "
+            "--data SOURCE"
+        )
+    model, tok, cfg = _load_for_inference(args, need_text=True, finite=True)
+    for line in run_memory_evals(model, tok, cfg, args.data, options):
+        print(line)
     return 0

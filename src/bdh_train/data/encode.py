@@ -36,6 +36,23 @@ def encode_texts(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]
     return [np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(texts)]
 
 
+def document_separator(tokenizer: Tokenizer) -> np.ndarray:
+    """The ids that part two documents of a split: the end-of-document id (written after each
+    document), else the ids of a newline (written between documents). A tokenizer with
+    neither is a DataError."""
+    if tokenizer.eot_id is not None:
+        return np.array([tokenizer.eot_id], dtype=np.int64)
+    between = encode_texts(tokenizer, ["\n"])[0]
+    if between.size == 0:
+        raise DataError(
+            f"tokenizer {getattr(tokenizer, 'source', tokenizer.kind)} has no "
+            f"end-of-document token ({', '.join(EOT_NAMES)}) and encodes a newline to "
+            f"nothing, so documents would run together: add one of those special tokens "
+            f"to it, or use a tokenizer that keeps newlines"
+        )
+    return between
+
+
 class SplitWriter:
     """One split's token stream, written as documents arrive: the separator rule of the
     module docstring, the document starts, and the token and text byte counts. A document
@@ -47,14 +64,8 @@ class SplitWriter:
         self._tokens, self._index = tokens, index
         self._lengths = tokenizer.token_byte_lengths()
         self.eot_id = tokenizer.eot_id
-        self._between = None if self.eot_id is not None else encode_texts(tokenizer, ["\n"])[0]
-        if self._between is not None and self._between.size == 0:
-            raise DataError(
-                f"tokenizer {getattr(tokenizer, 'source', tokenizer.kind)} has no "
-                f"end-of-document token ({', '.join(EOT_NAMES)}) and encodes a newline to "
-                f"nothing, so documents would run together: add one of those special tokens "
-                f"to it, or use a tokenizer that keeps newlines"
-            )
+        separator = document_separator(tokenizer)
+        self._between = None if self.eot_id is not None else separator
         self.n_tokens = self.n_documents = self.text_bytes = 0
         self._open = False  # a document has tokens and is not yet ended
         self._starting = False  # a document began and has no tokens yet

@@ -15,7 +15,7 @@ the stream yields `pad_id` for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -112,9 +112,12 @@ def read_tokens(
     recent: torch.Tensor | None = None,
     executor: str | None = None,
     chunk_tokens: int | None = PREFILL_TOKENS,
+    on_hidden: Callable[[int, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Read token ids [B, T] (T >= 1, any integer dtype) into `state`, `chunk_tokens` at a
     time (None: in one call); -> (last token's hidden [B, D], the last history_len tokens).
+    `on_hidden(start, hidden)` is given each chunk's hidden states [B, t, D] (tokens start
+    to start + t), for a caller that scores every token (bdh_train.evals.scoring).
 
     The state carries everything from one chunk to the next, so the chunks read what one
     call reads (tests/model/test_prefill.py) and the activations of one chunk at a time are
@@ -142,6 +145,8 @@ def read_tokens(
             if keep:
                 recent = torch.cat([recent, part], dim=1)[:, -keep:]
         out = model.forward_hidden(part, state, executor=executor, summary_event_mask=events)
+        if on_hidden is not None:
+            on_hidden(start, out)
         hidden = out[:, -1]
     if hidden is None:
         raise ValueError(f"read_tokens needs at least one token, got shape {tuple(ids.shape)}")

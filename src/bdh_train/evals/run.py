@@ -1,0 +1,142 @@
+"""`bdh-train eval --context-curve / --retention / --passkey`: the options, their checks
+(all before the model is loaded or anything is allocated), the run of the measures on a
+loaded model and the files they write: OUT/context_curve.{png,json}, OUT/retention.json,
+OUT/passkey.{png,json}. Every measure is computed before the first file is written, so a
+refused or failed run writes nothing."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from bdh_train.config import RunConfig
+from bdh_train.data.tokenizer import Tokenizer
+from bdh_train.errors import ConfigError
+from bdh_train.evals import memory, passkey
+from bdh_train.evals.scoring import score_continuations, text_model
+from bdh_train.model.bdh import BDH
+from bdh_train.train.machine_memory import available_memory
+from bdh_train.utils import atomic_write
+
+CURVE_BLOCKS = 16
+"""--length defaults to this many training blocks."""
+PASSKEY_BLOCKS = (1, 2, 4, 8)
+"""--passkey-lengths defaults to these multiples of the training block."""
+PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass
+class MemoryEvals:
+    """Which measures to run and their sizes (None: the default derived from the run)."""
+
+    context_curve: bool = False
+    retention: bool = False
+    passkey: bool = False
+    length: int | None = None
+    """Context curve: tokens per sequence (default CURVE_BLOCKS training blocks)."""
+    sequences: int = 4
+    chunks: int = 8
+    """Retention: chunks of one training block each."""
+    passkey_lengths: list[int] | None = None
+    passkey_depths: list[float] | None = None
+    """Needle depths (default PASSKEY_DEPTHS)."""
+    passkey_trials: int = 4
+    out: Path = Path(".")
+
+    @property
+    def reads_data(self) -> bool:
+        """Whether a measure reads evaluation data (the passkey makes its own text)."""
+        return self.context_curve or self.retention
+
+    @property
+    def depths(self) -> list[float]:
+        return list(PASSKEY_DEPTHS) if self.passkey_depths is None else self.passkey_depths
+
+    def check(self) -> None:
+        """ConfigError for a size that is not positive or a depth outside [0, 1]."""
+        sizes = {
+            "--length": self.length,
+            "--sequences": self.sequences,
+            "--chunks": self.chunks,
+            "--passkey-trials": self.passkey_trials,
+        }
+        for name, value in sizes.items():
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value}")
+        if self.chunks < 2:
+            raise ConfigError("--chunks must be at least 2 (chunk 0 is only context), got 1")
+        if self.passkey_lengths is not None and min(self.passkey_lengths, default=0) < 1:
+            raise ConfigError(f"--passkey-lengths must be positive, got {self.passkey_lengths}")
+        if not self.depths or not all(0.0 <= d <= 1.0 for d in self.depths):
+            raise ConfigError(f"--passkey-depths must lie in [0, 1], got {self.depths}")
+        if self.out.exists() and not self.out.is_dir():
+            raise ConfigError(f"--out {self.out} exists and is not a directory")
+
+
+def run_memory_evals(
+    model: BDH,
+    tokenizer: Tokenizer,
+    cfg: RunConfig,
+    source: str | None,
+    options: MemoryEvals,
+) -> list[str]:
+    """Run the measures `options` asks for on `model` (a token-head model whose text
+    `tokenizer` is), on `source` (else the run's validation split); write their files under
+    options.out and return their tables and the paths written, to print."""
+    from bdh_train.train.build import evaluation_data
+
+    text_model(model, tokenizer, "the model")
+    block = cfg.training.block_size
+    batch = cfg.training.batch_size
+    events = cfg.data.summary_trigger() if model.config.summary_memory.write_gate else None
+    lengths = options.passkey_lengths or [block * m for m in PASSKEY_BLOCKS]
+    if options.passkey:
+        room = available_memory(torch.device("cpu"))
+        passkey.check_fits(lengths, options.passkey_trials, room.bytes, room.source)
+    tokens = None
+    if options.reads_data:
+        tokens = evaluation_data(cfg.data, source, model.config.vocab_size, block).tokens
+    files: dict[str, object] = {}
+    lines: list[str] = []
+    if options.context_curve:
+        assert tokens is not None
+        length = options.length or CURVE_BLOCKS * block
+        curve = memory.context_curve(model, tokens, block, length, options.sequences, batch, events)
+        files["context_curve"] = curve
+        lines.append(curve.table())
+    if options.retention:
+        assert tokens is not None
+        kept = memory.retention(model, tokens, block, options.chunks, batch, events)
+        files["retention"] = kept
+        lines.append(kept.table())
+    if options.passkey:
+
+        def scorer(pairs):
+            return score_continuations(model, pairs, batch, events)
+
+        grid = passkey.passkey_grid(
+            scorer, tokenizer, lengths, options.depths, options.passkey_trials
+        )
+        files["passkey"] = grid
+        lines.append(grid.table())
+    lines.extend(f"wrote {path}" for path in _write(files, options.out))
+    return lines
+
+
+def _write(results: dict[str, object], out: Path) -> list[Path]:
+    """Each result's JSON (and plot, for the curve and the passkey grid) under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, result in results.items():
+        path = out / f"{name}.json"
+        with atomic_write(path, "w") as handle:
+            json.dump(asdict(result), handle, indent=1)  # type: ignore[call-overload]
+        written.append(path)
+        if isinstance(result, memory.ContextCurve):
+            written.append(memory.plot_context_curve(result, out / f"{name}.png"))
+        elif isinstance(result, passkey.PasskeyGrid):
+            written.append(passkey.plot_passkey(result, out / f"{name}.png"))
+    return written

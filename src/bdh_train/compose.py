@@ -32,8 +32,7 @@ from bdh_train.model.compose import grow_weights, grown_config, merge_weights, m
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.build import evaluate_model
 from bdh_train.train.optim import OptimizerConfig
-
-METRICS_FILE = "metrics.jsonl"
+from bdh_train.train.run_dir import CONFIG_FILE, METRICS_FILE
 
 
 @dataclass
@@ -84,7 +83,7 @@ def write_composed(
 
         metadata = {"bdh_config": json.dumps(config), "step": "0"}
         save_file(tensors, str(directory / ckpt.MODEL_FILE), metadata=metadata)
-        (directory / "config.toml").write_text(dump_toml(cfg), encoding="utf-8")
+        (directory / CONFIG_FILE).write_text(dump_toml(cfg), encoding="utf-8")
         if tokenizer_text is not None:
             (directory / TOKENIZER_FILE).write_text(tokenizer_text, encoding="utf-8")
         if rows is not None:

@@ -185,6 +185,7 @@ def test_off_adds_no_parameter_buffer_or_state_and_changes_no_bit():
         "encoder",
         "encoder_v",
         "lm_head",
+        "rope_freqs",
     ]
     expected, _ = default(idx)
     state = off.init_state(2)

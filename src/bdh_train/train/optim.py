@@ -1,4 +1,5 @@
-"""`[optimizer]`: AdamW with warm-up, a constant or cosine learning rate, and clipping."""
+"""`[optimizer]`: AdamW, or Muon for the weight matrices with AdamW for the rest, with warm-up,
+a constant or cosine learning rate, and clipping."""
 
 from __future__ import annotations
 
@@ -10,14 +11,22 @@ from torch import nn
 
 from bdh_train import checks
 from bdh_train.errors import ConfigError
+from bdh_train.train.muon import muon_adamw
 
 LR_SCHEDULES = ("constant", "cosine")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass
 class OptimizerConfig:
-    """AdamW with optional warmup + cosine decay and gradient-norm clipping."""
+    """AdamW (or Muon for the matrices) with optional warmup + cosine decay and gradient-norm
+    clipping."""
 
+    name: str = "adamw"
+    """'adamw', or 'muon': Newton-Schulz orthogonalised momentum updates for the encoders (each
+    head's [D, N] matrix on its own) and the decoder, scaled to AdamW's update size so lr,
+    schedule and weight_decay keep their meaning; AdamW for the embedding, the head, norms and
+    decays. Not with parallel.shard = 'fsdp'."""
     lr: float = 1e-3
     """The base learning rate, reached at the end of warm-up."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -35,8 +44,11 @@ class OptimizerConfig:
     """The floor of the cosine schedule (ignored by 'constant')."""
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm to this; 0 = off."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov) for name = 'muon'; betas are AdamW's."""
 
     def validate(self, prefix: str = "optimizer") -> OptimizerConfig:
+        checks.choice(f"{prefix}.name", self.name, OPTIMIZERS)
         checks.number(f"{prefix}.lr", self.lr, low=0.0, low_open=True)
         betas = self.betas
         if (
@@ -58,16 +70,22 @@ class OptimizerConfig:
                 f"got {self.min_lr}"
             )
         checks.number(f"{prefix}.grad_clip_norm", self.grad_clip_norm, low=0.0)
+        checks.number(f"{prefix}.muon_momentum", self.muon_momentum, low=0.0, high=1.0)
         return self
 
     def build(self, model: nn.Module) -> torch.optim.AdamW:
-        """AdamW over `model`: matrices decay, vectors do not."""
+        """AdamW over `model`, matrices decaying and vectors not; with name = 'muon', Muon for
+        the encoders and the decoder (`muon.MUON_PARAMETERS`) instead."""
+        betas = (self.betas[0], self.betas[1])  # validate() checked there are two
+        if self.name == "muon":
+            return muon_adamw(
+                model, self.lr, betas, self.eps, self.weight_decay, self.muon_momentum
+            )
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         param_groups = [{"params": decay, "weight_decay": self.weight_decay}]
         if no_decay:
             param_groups.append({"params": no_decay, "weight_decay": 0.0})
-        betas = (self.betas[0], self.betas[1])  # validate() checked there are two
         return torch.optim.AdamW(param_groups, lr=self.lr, betas=betas, eps=self.eps)
 
     def lr_at(self, step: int, total_steps: int) -> float:

@@ -38,10 +38,9 @@ import torch.nn.functional as F
 from _common import cpu_counters, fmt, machine_line, others_cpu_share, print_table
 from torch import nn
 
-from bdh_train.config import load_config
+from bdh_train.config import RunConfig, load_config
 from bdh_train.model.bdh import BDH
 from bdh_train.train.allocator import configure_host_allocator
-from bdh_train.train.muon import MuonAdamW
 from bdh_train.train.optim import OptimizerConfig
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
@@ -194,9 +193,20 @@ class Arm:
         self.losses.append(loss.item())
 
 
-def overridden(preset: str, changes: Sequence[str]) -> list[str]:
-    """`--set` overrides from sweep changes ('key=value', 'key*f', 'key/f' of the preset's)."""
-    base = load_config(preset=preset)
+@dataclass(frozen=True)
+class Recipe:
+    """A preset and the `--set` overrides every arm of the run applies on top of it."""
+
+    preset: str
+    sets: tuple[str, ...] = ()
+
+    def config(self, *overrides: str) -> RunConfig:
+        return load_config(preset=self.preset, overrides=[*self.sets, *overrides])
+
+
+def overridden(recipe: Recipe, changes: Sequence[str]) -> list[str]:
+    """Overrides from sweep changes ('key=value', 'key*f', 'key/f' of the recipe's value)."""
+    base = recipe.config()
     out = []
     for change in changes:
         if "=" in change:
@@ -211,10 +221,9 @@ def overridden(preset: str, changes: Sequence[str]) -> list[str]:
     return out
 
 
-def bdh_arm(preset: str, optimizer: str, changes: Sequence[str], budget: float, label: str):
-    cfg = load_config(
-        preset=preset, overrides=[*overridden(preset, changes), f"optimizer.name='{optimizer}'"]
-    )
+def bdh_arm(recipe: Recipe, optimizer: str, changes: Sequence[str], budget: float, label: str):
+    """BDH of `recipe` with `changes` (a sweep variant's) and `optimizer`."""
+    cfg = recipe.config(*overridden(recipe, changes), f"optimizer.name='{optimizer}'")
     torch.manual_seed(cfg.training.seed)
     model = BDH(cfg.model)
     t = cfg.training
@@ -231,38 +240,23 @@ def bdh_arm(preset: str, optimizer: str, changes: Sequence[str], budget: float, 
     )
 
 
-def gpt_model(preset: str, target_params: int) -> GPT:
-    """The GPT of `preset`'s layers and heads nearest `target_params`."""
-    m = load_config(preset=preset).model
+def gpt_model(recipe: Recipe, target_params: int) -> GPT:
+    """The GPT of `recipe`'s layers, heads and dropout nearest `target_params`."""
+    m = recipe.config().model
     dim = gpt_width(m.vocab_size, m.n_layer, m.n_head, target_params)
     return GPT(m.vocab_size, m.n_layer, dim, m.n_head, m.dropout)
 
 
-def gpt_arm(preset: str, optimizer: str, target_params: int, budget: float) -> Arm:
-    """GPT with `preset`'s optimizer settings; 'muon' orthogonalises its block matrices."""
-    cfg = load_config(preset=preset, overrides=[f"optimizer.name='{optimizer}'"])
+def gpt_arm(recipe: Recipe, optimizer: str, target_params: int, budget: float) -> Arm:
+    """GPT with `recipe`'s optimizer settings; 'muon' orthogonalises its block matrices."""
+    cfg = recipe.config(f"optimizer.name='{optimizer}'")
     torch.manual_seed(cfg.training.seed)
-    model = gpt_model(preset, target_params)
-    o = cfg.optimizer
-    matrices = {n: p for n, p in model.named_parameters() if p.dim() == 2}
-    hidden = [p for n, p in matrices.items() if n.startswith("blocks.")]
-    muon_ids = {id(p) for p in hidden} if optimizer == "muon" else set()
-    decay = [p for p in matrices.values() if id(p) not in muon_ids]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": o.weight_decay},
-        {"params": vectors, "weight_decay": 0.0},
-    ]
-    betas = (o.betas[0], o.betas[1])
-    opt: torch.optim.Optimizer
-    if optimizer == "muon":
-        muon = [{"params": hidden, "weight_decay": o.weight_decay}]
-        opt = MuonAdamW(muon, groups, lr=o.lr, betas=betas, eps=o.eps, momentum=o.muon_momentum)
-    else:
-        opt = torch.optim.AdamW(groups, lr=o.lr, betas=betas, eps=o.eps)
+    model = gpt_model(recipe, target_params)
+    hidden = [n for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+    opt = cfg.optimizer.build(model, muon_names=hidden)
     t = cfg.training
-    label = f"{preset}'s ({optimizer})"
-    return Arm("GPT", label, model, opt, o, t.block_size, t.batch_size, budget, t.seed)
+    label = f"{recipe.preset}'s ({optimizer})"
+    return Arm("GPT", label, model, opt, cfg.optimizer, t.block_size, t.batch_size, budget, t.seed)
 
 
 @torch.no_grad()
@@ -294,11 +288,13 @@ def race(arms: list[Arm], train: torch.Tensor) -> float:
 
 def report(title: str, arms: list[Arm], held: torch.Tensor, args: argparse.Namespace) -> None:
     common = min(a.steps for a in arms)  # every arm saw these batches (same order and shape)
-    rows = []
+    rows, held_out, speed, early = [], {}, {}, {}
     for a in arms:
-        loss = held_out_loss(a.model, held, args.context, args.eval_bytes)
+        held_out[id(a)] = loss = held_out_loss(a.model, held, args.context, args.eval_bytes)
         tokens = a.steps * a.block * a.batch
+        speed[id(a)] = tokens / a.elapsed
         tail = a.losses[max(common - 10, 0) : common]
+        early[id(a)] = sum(tail) / len(tail)
         rows.append(
             [
                 a.model_name,
@@ -307,8 +303,8 @@ def report(title: str, arms: list[Arm], held: torch.Tensor, args: argparse.Names
                 f"{a.params:,}",
                 a.steps,
                 f"{tokens:,}",
-                fmt(tokens / a.elapsed),
-                fmt(sum(tail) / len(tail), ".3f"),
+                fmt(speed[id(a)]),
+                fmt(early[id(a)], ".3f"),
                 fmt(loss, ".4f"),
                 fmt(loss / math.log(2), ".4f"),
             ]
@@ -321,11 +317,21 @@ def report(title: str, arms: list[Arm], held: torch.Tensor, args: argparse.Names
         "steps",
         "tokens",
         "tok/s",
-        f"train loss @{common}",
+        f"train loss {max(common - 10, 0) + 1}-{common}",
         "held-out nats/byte",
         "bits/byte",
     ]
     print_table(title, headers, rows)
+    print()
+    for b in (a for a in arms if a.model_name == "BDH"):
+        for g in (a for a in arms if a.model_name == "GPT" and a.optim.name == b.optim.name):
+            print(
+                f"BDH {b.recipe} against GPT {g.recipe}: tokens/s x"
+                f"{speed[id(b)] / speed[id(g)]:.2f}, held-out "
+                f"{held_out[id(b)] - held_out[id(g)]:+.4f} nats/byte, train loss over steps "
+                f"{max(common - 10, 0) + 1}-{common} (the same batches) "
+                f"{early[id(b)] - early[id(g)]:+.3f}"
+            )
 
 
 def load_bytes(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,6 +346,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--budgets", default="180,600", help="seconds of training per arm")
     parser.add_argument("--presets", default="tiny", help="BDH presets, comma-separated")
     parser.add_argument("--optimizers", default="adamw,muon")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="for every arm"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=128, help="held-out window, bytes")
     parser.add_argument("--eval-bytes", type=int, default=65536)
@@ -357,16 +366,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     optimizers = args.optimizers.split(",")
     for budget in (float(b) for b in args.budgets.split(",")):
         for preset in args.presets.split(","):
+            recipe = Recipe(preset, tuple(args.set))
             arms = []
             if args.sweep:
                 chosen = args.variants.split(",") if args.variants else list(SWEEP)
-                arms.append(bdh_arm(preset, optimizers[0], [], budget, f"{preset}'s"))
-                arms += [bdh_arm(preset, optimizers[0], SWEEP[v], budget, v) for v in chosen]
+                arms.append(bdh_arm(recipe, optimizers[0], [], budget, f"{preset}'s"))
+                arms += [bdh_arm(recipe, optimizers[0], SWEEP[v], budget, v) for v in chosen]
             else:
-                arms += [bdh_arm(preset, o, [], budget, f"{preset}'s ({o})") for o in optimizers]
+                arms += [bdh_arm(recipe, o, [], budget, f"{preset}'s ({o})") for o in optimizers]
             target = arms[0].params
             baselines = optimizers[:1] if args.sweep else optimizers
-            arms += [gpt_arm(preset, o, target, budget) for o in baselines]
+            arms += [gpt_arm(recipe, o, target, budget) for o in baselines]
             load = os.getloadavg()[0]
             others = race(arms, train)
             report(

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic Newton-Schulz coefficients (a, b, c) of torch.optim.Muon and Keller Jordan's
@@ -87,7 +86,7 @@ class MuonAdamW(torch.optim.AdamW):
         AdamW's step then has nothing to do for them (and gives them no AdamW state)."""
         if group["muon"]:
             return False  # no complex parameters gathered
-        return bool(super()._init_group(group, *lists))  # type: ignore[misc]
+        return bool(super()._init_group(group, *lists))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -105,30 +104,12 @@ class MuonAdamW(torch.optim.AdamW):
             if p.grad is None:
                 continue
             state = self.state[p]
-            if "momentum_buffer" not in state:
+            if not state:  # a step count as AdamW's state has (its loading reads one)
+                state["step"] = torch.tensor(0.0)
                 state["momentum_buffer"] = torch.zeros_like(p)
+            state["step"] += 1
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - mu)
             update = orthogonalise(p.grad.lerp(buf, mu))
             p.mul_(1 - lr * decay)
             p.add_(update, alpha=-lr * rms_scale(p.shape))
-
-
-def muon_adamw(
-    model: nn.Module,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    momentum: float,
-) -> MuonAdamW:
-    """`MuonAdamW` over `model`: MUON_PARAMETERS to Muon; AdamW for the rest, matrices
-    decaying and vectors not (as the AdamW-only optimizer splits them)."""
-    muon, decay, no_decay = [], [], []
-    for name, p in model.named_parameters():
-        (muon if name in MUON_PARAMETERS else decay if p.dim() >= 2 else no_decay).append(p)
-    adamw_groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        adamw_groups.append({"params": no_decay, "weight_decay": 0.0})
-    muon_groups = [{"params": muon, "weight_decay": weight_decay}] if muon else []
-    return MuonAdamW(muon_groups, adamw_groups, lr=lr, betas=betas, eps=eps, momentum=momentum)

@@ -4,6 +4,7 @@ a constant or cosine learning rate, and clipping."""
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from bdh_train import checks
 from bdh_train.errors import ConfigError
-from bdh_train.train.muon import muon_adamw
+from bdh_train.train.muon import MUON_PARAMETERS, MuonAdamW
 
 LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZERS = ("adamw", "muon")
@@ -22,11 +23,6 @@ class OptimizerConfig:
     """AdamW (or Muon for the matrices) with optional warmup + cosine decay and gradient-norm
     clipping."""
 
-    name: str = "adamw"
-    """'adamw', or 'muon': Newton-Schulz orthogonalised momentum updates for the encoders (each
-    head's [D, N] matrix on its own) and the decoder, scaled to AdamW's update size so lr,
-    schedule and weight_decay keep their meaning; AdamW for the embedding, the head, norms and
-    decays. Not with parallel.shard = 'fsdp'."""
     lr: float = 1e-3
     """The base learning rate, reached at the end of warm-up."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -44,6 +40,11 @@ class OptimizerConfig:
     """The floor of the cosine schedule (ignored by 'constant')."""
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm to this; 0 = off."""
+    name: str = "adamw"
+    """'adamw', or 'muon': Newton-Schulz orthogonalised momentum updates for the encoders (each
+    head's [D, N] matrix on its own) and the decoder, scaled to AdamW's update size so lr,
+    schedule and weight_decay keep their meaning; AdamW for the embedding, the head, norms and
+    decays. Not with parallel.shard = 'fsdp'."""
     muon_momentum: float = 0.95
     """Muon's momentum (Nesterov) for name = 'muon'; betas are AdamW's."""
 
@@ -73,20 +74,29 @@ class OptimizerConfig:
         checks.number(f"{prefix}.muon_momentum", self.muon_momentum, low=0.0, high=1.0)
         return self
 
-    def build(self, model: nn.Module) -> torch.optim.AdamW:
+    def build(
+        self, model: nn.Module, muon_names: Collection[str] = MUON_PARAMETERS
+    ) -> torch.optim.AdamW:
         """AdamW over `model`, matrices decaying and vectors not; with name = 'muon', Muon for
-        the encoders and the decoder (`muon.MUON_PARAMETERS`) instead."""
+        the parameters named in `muon_names` (BDH's encoders and decoder) instead."""
         betas = (self.betas[0], self.betas[1])  # validate() checked there are two
+        muon: list[nn.Parameter] = []
+        rest: list[nn.Parameter] = []
+        for name, p in model.named_parameters():
+            (muon if self.name == "muon" and name in muon_names else rest).append(p)
+        groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": self.weight_decay}]
+        if any(p.dim() < 2 for p in rest):
+            groups.append({"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0})
         if self.name == "muon":
-            return muon_adamw(
-                model, self.lr, betas, self.eps, self.weight_decay, self.muon_momentum
+            return MuonAdamW(
+                [{"params": muon, "weight_decay": self.weight_decay}],
+                groups,
+                lr=self.lr,
+                betas=betas,
+                eps=self.eps,
+                momentum=self.muon_momentum,
             )
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        param_groups = [{"params": decay, "weight_decay": self.weight_decay}]
-        if no_decay:
-            param_groups.append({"params": no_decay, "weight_decay": 0.0})
-        return torch.optim.AdamW(param_groups, lr=self.lr, betas=betas, eps=self.eps)
+        return torch.optim.AdamW(groups, lr=self.lr, betas=betas, eps=self.eps)
 
     def lr_at(self, step: int, total_steps: int) -> float:
         """The learning rate of optimizer step `step` (0-based) of `total_steps`."""

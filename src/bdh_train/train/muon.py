@@ -83,7 +83,9 @@ class MuonAdamW(torch.optim.AdamW):
 
     def _init_group(self, group: dict[str, Any], *lists: Any) -> bool:
         """AdamW's gathering of a group's parameters and state, which skips the Muon groups:
-        AdamW's step then has nothing to do for them (and gives them no AdamW state)."""
+        AdamW's step then has nothing to do for them (and gives them no AdamW state). torch's
+        Adam.step gathers every group through this method (private, with this signature from
+        torch 2.0 on); the AdamW-equality test fails if that changes."""
         if group["muon"]:
             return False  # no complex parameters gathered
         return bool(super()._init_group(group, *lists))

@@ -85,7 +85,8 @@ class MuonAdamW(torch.optim.AdamW):
         """AdamW's gathering of a group's parameters and state, which skips the Muon groups:
         AdamW's step then has nothing to do for them (and gives them no AdamW state). torch's
         Adam.step gathers every group through this method (private, with this signature from
-        torch 2.0 on); the AdamW-equality test fails if that changes."""
+        torch 2.0 on); were it bypassed, AdamW would step the Muon groups too, and the
+        hand-computed Muon tests would fail."""
         if group["muon"]:
             return False  # no complex parameters gathered
         return bool(super()._init_group(group, *lists))

@@ -6,7 +6,8 @@ order (the same seeded window starts, block and batch), each with its recipe's l
 warm-up, betas, weight decay, clipping and dropout; the cosine runs over the budget's seconds
 (progress = seconds trained / budget), not over a step count nobody knows beforehand. The
 arms train in one process, one optimizer step each in turn, and each counts only its own
-steps' seconds, so machine load falls on all of them alike. When an arm has spent its budget
+steps' seconds (after one untimed forward and backward, which takes each arm's start-up off
+its clock), so machine load falls on all of them alike. When an arm has spent its budget
 it stops; then every arm is scored on the same held-out windows (the last 10%, `--context`
 bytes of context each): loss in nats per byte and bits per byte.
 
@@ -175,6 +176,13 @@ class Arm:
         progress = min(self.elapsed / self.budget_s, 1.0)
         return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
 
+    def prime(self, train: torch.Tensor) -> None:
+        """An untimed forward and backward on the first windows of `train`, gradients dropped:
+        one-time start-up (thread pools, kernel choices) is not charged to the budget."""
+        windows = train[: 2 * (self.block + 1)].view(2, self.block + 1)
+        self.model(windows[:, :-1], windows[:, 1:])[1].backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
     def step(self, train: torch.Tensor) -> None:
         """One timed optimizer step on the next windows of `train`."""
         started = time.perf_counter()
@@ -278,6 +286,8 @@ def held_out_loss(model: nn.Module, held: torch.Tensor, context: int, max_bytes:
 def race(arms: list[Arm], train: torch.Tensor) -> float:
     """Alternate one step per unfinished arm until every arm has spent its budget; the share
     of the machine's CPUs other processes used meanwhile."""
+    for arm in arms:
+        arm.prime(train)
     before = cpu_counters()
     while not all(a.done for a in arms):
         for arm in arms:

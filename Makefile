@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # What ruff lints and formats; mypy's files are set in pyproject.toml ([tool.mypy]: src).
 CODE := src tests benchmarks tools
 
-.PHONY: setup demo test lint format typecheck mutate clean
+.PHONY: setup demo browser test lint format typecheck mutate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,19 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/bdh-train train
 
+# The report's browser test (tests/inspection) loads report.html in Debian's Chromium: installed
+# here when it is missing, apt-get exists and we are root; otherwise this says why and that
+# test is skipped.
+browser:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" != 0 ]; then echo "no chromium and not root: the browser test is skipped"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "no chromium, no apt-get: the browser test is skipped"; \
+	else apt-get install -y -q chromium >/dev/null 2>&1 \
+		|| (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null) \
+		|| echo "apt-get could not install chromium: the browser test is skipped"; fi
+
 # Lint, format check, type check, then the tests: the first failure stops it (CI: .ci/run).
-test: $(STAMP)
+test: $(STAMP) browser
 	$(VENV)/bin/ruff check $(CODE)
 	$(VENV)/bin/ruff format --check $(CODE)
 	$(VENV)/bin/mypy

@@ -1,13 +1,13 @@
 """Training quality on real text (issue 7's quality bar). Prints tables; not a test.
 
-1. `tiny`: the default `bdh-train train` (tiny preset, builtin:pydoc): wall time, the
+1. `tiny`: the default `bdh-train train` (the tiny preset, on its corpus): wall time, the
    validation curve, and the unigram byte entropy of the corpus it must beat.
 2. `shakespeare`: on tinyshakespeare, the validation loss after a fixed token budget for
    full-context training (random 256-token windows) vs streaming TBPTT (64-token blocks of
    1024-token logical documents, state carried across steps), at the same tokens per step.
 
     python benchmarks/bench_quality.py tiny
-    python benchmarks/bench_quality.py shakespeare --data ../shared/data/tinyshakespeare.txt
+    python benchmarks/bench_quality.py shakespeare          # --data SOURCE: another text
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def val_loss_at(trainer: Trainer, block_size: int, max_batches: int = 8) -> floa
 
 
 def bench_tiny(args: argparse.Namespace) -> None:
-    text = builtin_corpus("pydoc").encode()
+    source = load_config().data.source
+    text = builtin_corpus(source.removeprefix("builtin:")).encode()
     val = text[int(len(text) * 0.9) :]
     h_train = unigram_entropy_nats(text)
     h_val = unigram_entropy_nats(val)
@@ -61,7 +62,7 @@ def bench_tiny(args: argparse.Namespace) -> None:
         seconds, rows, _ = train([], Path(tmp))
         final = [r for r in rows if "loss" in r][-1]
         print(
-            f"tiny preset on builtin:pydoc: {final['step']} steps, {final['tokens']} tokens, "
+            f"tiny preset on {source}: {final['step']} steps, {final['tokens']} tokens, "
             f"{seconds:.0f} s wall ({final['tokens'] / seconds:.0f} tok/s overall)"
         )
         print(
@@ -127,7 +128,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="which", required=True)
     sub.add_parser("tiny")
     p = sub.add_parser("shakespeare")
-    p.add_argument("--data", default="../shared/data/tinyshakespeare.txt")
+    p.add_argument("--data", default="builtin:shakespeare")
     p.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     {"tiny": bench_tiny, "shakespeare": bench_shakespeare}[args.which](args)

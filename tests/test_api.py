@@ -25,6 +25,7 @@ PUBLIC = {
         "__version__",
         "load_config",
         "load_run",
+        "score_text",
     ],
     "bdh_train.model": [
         "BDH",

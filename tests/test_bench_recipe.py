@@ -34,9 +34,9 @@ def test_gpt_parameter_count_matches_its_formula(vocab, layers, dim, heads):
     )
 
 
-def test_gpt_width_for_the_tiny_preset():
-    """tiny's BDH has 851,968 parameters (3 * H * D * N + 2 * V * D, D=128, N=512); with its
-    4 layers the nearest GPT is D=128: 2*256*128 + 4*(12*128^2 + 4*128) + 2*128 = 854,272."""
+def test_gpt_width_nearest_a_bdh_of_851968_parameters():
+    """A BDH of L4 D128 H4 N512 has 851,968 parameters (3 * H * D * N + 2 * V * D); with 4
+    layers the nearest GPT is D=128: 2*256*128 + 4*(12*128^2 + 4*128) + 2*128 = 854,272."""
     bdh = 3 * 4 * 128 * 512 + 2 * 256 * 128
     assert bdh == 851_968
     assert recipe.gpt_width(256, 4, 4, bdh) == 128

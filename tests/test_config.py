@@ -69,9 +69,9 @@ def test_a_file_without_extends_layers_on_the_default_preset(tmp_path: Path) -> 
 def test_preset_contents() -> None:
     tiny = load_config(preset="tiny")
     assert (tiny.model.n_layer, tiny.model.n_embd, tiny.model.n_head) == (4, 128, 4)
-    assert tiny.model.mlp_internal_dim_multiplier == 16 and tiny.model.dropout == 0.0
-    assert (tiny.training.block_size, tiny.training.batch_size) == (128, 16)
-    assert tiny.data.source == "builtin:pydoc" and tiny.training.device == "auto"
+    assert tiny.model.mlp_internal_dim_multiplier == 8 and tiny.model.dropout == 0.0
+    assert (tiny.training.block_size, tiny.training.batch_size) == (128, 8)
+    assert tiny.data.source == "builtin:shakespeare" and tiny.training.device == "auto"
     assert tiny.optimizer.schedule == "cosine" and tiny.optimizer.lr == 3e-3
 
     small = load_config(preset="small")
@@ -125,10 +125,10 @@ def test_extends_chain_and_order(tmp_path: Path) -> None:
     )
     cfg = load_config([top])
     # preset:tiny listed after mid.toml overrides it; top's own values win over both
-    assert cfg.training.max_steps == 300
+    assert cfg.training.max_steps == 900
     assert cfg.model.n_layer == 4
     assert cfg.training.eval_steps == 2
-    assert cfg.training.log_every == 10
+    assert cfg.training.log_every == 50
 
     top2 = write(tmp_path / "top2.toml", 'extends = ["preset:tiny", "mid.toml"]\n')
     cfg2 = load_config([top2])
@@ -277,7 +277,7 @@ def test_set_applies_after_files_in_order(tmp_path: Path) -> None:
         ("max_steps=3", "dotted path like section.key"),
         ("training..x=3", "dotted path"),
         ("training.blok_size=3", r"unknown key training\.blok_size.*'block_size'"),
-        ("trainig.max_steps=3", r"unknown section trainig.*'training'"),
+        ("trainig.max_steps=3", r"unknown section trainig.*'training\.max_steps'"),
         ("model.quant.enabel=true", r"unknown key model\.quant\.enabel.*'enable'"),
         ("training.max_steps.x=1", r"training\.max_steps is not a table"),
         ("training.max_steps=abc", r"training\.max_steps must be a positive integer, got 'abc'"),
@@ -318,7 +318,7 @@ BAD_VALUES = [
     (
         "training.target_tokens_per_step=1000",
         "training.target_tokens_per_step must be a multiple of training.block_size * "
-        "training.batch_size (2048)",
+        "training.batch_size (1024)",
     ),
     ("training.max_steps=0", "training.max_steps must be a positive integer"),
     ("training.seed=-1", "training.seed must be a non-negative integer"),
@@ -447,7 +447,7 @@ BAD_VALUES = [
         "parallel.virtual_stages_per_rank must be in [1, parallel.pipeline_stages (1)], got 2",
     ),
     ("parallel.microbatches=0", "parallel.microbatches must be a positive integer"),
-    ("parallel.microbatches=17", "parallel.microbatches must be <= training.batch_size (16)"),
+    ("parallel.microbatches=17", "parallel.microbatches must be <= training.batch_size (8)"),
     (
         "parallel.schedule=zb",
         "parallel.schedule must be one of 'gpipe', 'interleaved_1f1b', '1f1b'",
@@ -581,7 +581,7 @@ def test_valid_cross_field_combinations() -> None:
     )
     assert cfg.training.logical_block_size == 512 and cfg.training.streaming
     cfg = load_config(overrides=["training.target_tokens_per_step=8192"])
-    assert cfg.training.accumulation_steps == 4 and cfg.training.tokens_per_step == 8192
+    assert cfg.training.accumulation_steps == 8 and cfg.training.tokens_per_step == 8192
     assert load_config().training.accumulation_steps == 1
     assert load_config().training.logical_block_size == 128
     cfg = load_config(

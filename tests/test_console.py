@@ -15,10 +15,12 @@ from bdh_train.data.sources import load_tokens
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.model import BDH
 from bdh_train.train import checkpoint as ckpt
-from bdh_train.train.console import Progress, format_duration
+from bdh_train.train import console
+from bdh_train.train.console import Progress, command_name, format_duration
 from bdh_train.train.evaluate import evaluate
 from bdh_train.train.run_dir import LOCK_FILE
 from bdh_train.train.step import LanguageTrainModel
+from bdh_train.train.threads import usable_cpus
 from bdh_train.trainer import Trainer
 
 SMALL = [
@@ -71,6 +73,7 @@ def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypat
     banner = [
         f"run directory  {run}",
         "device         cpu",
+        f"threads        2 (auto: {usable_cpus()} CPUs, 0.0 busy with other work; torch's count 2)",
         f"model          {params / 1e6:.2f} M parameters ({params:,})",
         f"data           {home / 'corpus.txt'}: {train_tokens:,} train tokens, "
         f"{val_tokens:,} val tokens",
@@ -88,12 +91,13 @@ def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypat
     assert ckpt.resolve_checkpoint(run) == final  # checkpoint_every = 0: still the final step
     summary = lines[-6:]
     assert summary[0].startswith("finished 3 steps, 48 tokens in ")
+    command = command_name()  # bdh-train where it is on PATH (test_command_name)
     assert summary[1:] == [
         f"checkpoint     {final}",
         f"loss plot      {run / 'loss.png'}",
-        f"train on       bdh-train train --resume {run} --set training.max_steps=6",
-        f"generate       bdh-train generate --checkpoint {run} --prompt 'The '",
-        f"evaluate       bdh-train eval --checkpoint {run}",
+        f"train on       {command} train --resume {run} --set training.max_steps=6",
+        f"generate       {command} generate --checkpoint {run} --prompt 'The '",
+        f"evaluate       {command} eval --checkpoint {run}",
     ]
     assert (run / "loss.png").is_file()
 
@@ -277,3 +281,53 @@ def test_a_resume_past_the_end_is_refused_before_anything_is_written(tmp_path):
         Trainer(cfg, tmp_path, resume=True, stream=io.StringIO())
     assert written() == before
     assert ckpt.resolve_checkpoint(tmp_path).name == "step-0000002"
+
+
+def test_command_name_is_bdh_train_only_where_it_is_on_path(monkeypatch, tmp_path):
+    """The closing hints name `bdh-train` when PATH has it, else `python -m bdh_train` (the
+    interpreter's own path when `python` on PATH is another one)."""
+    import sys
+
+    found = {"bdh-train": None, "python": sys.executable}
+    monkeypatch.setattr(console.shutil, "which", lambda name: found[name])
+    assert command_name() == "python -m bdh_train"
+    found["python"] = str(tmp_path / "python")  # another interpreter
+    assert command_name() == f"{sys.executable} -m bdh_train"
+    found["bdh-train"] = "/somewhere/bin/bdh-train"
+    assert command_name() == "bdh-train"
+    stop = console.stop_line(3, 0, tmp_path / "ckpt", tmp_path)
+    assert stop.endswith(f"continue with: bdh-train train --resume {tmp_path}")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        ([], None),
+        (
+            ["training.tbptt_chunk_size=4"],
+            "recurrence     TBPTT: backward through 1 chunk of 4 tokens at a time",
+        ),
+        (
+            ["training.min_logical_block_size=16"],
+            "recurrence     streaming: state carried across the blocks of 16-token documents",
+        ),
+        (
+            [
+                "training.tbptt_persist_across_steps=true",
+                "training.tbptt_chunk_size=4",
+                "training.tbptt_backprop_chunks=2",
+            ],
+            "recurrence     TBPTT: backward through 2 chunks of 4 tokens at a time; streaming: "
+            "state carried from each step's block to the next",
+        ),
+    ],
+)
+def test_the_banner_says_when_tbptt_or_streaming_is_on(tmp_path, overrides, line):
+    cfg = load_config(overrides=[*SMALL, *overrides])
+    trainer = Trainer(cfg, tmp_path, stream=io.StringIO())
+    try:
+        lines = trainer.banner().lines()
+    finally:
+        trainer.close()
+    found = [text for text in lines if text.startswith("recurrence")]
+    assert found == ([] if line is None else [line])

@@ -13,7 +13,7 @@ from helpers import assert_close, tiny_model
 
 from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.data.tokenizer import ByteTokenizer
-from bdh_train.errors import CheckpointError
+from bdh_train.errors import CheckpointError, DataError
 from bdh_train.inference import Continuation, chat
 from bdh_train.model.config import SummaryMemoryConfig
 
@@ -220,3 +220,34 @@ def test_the_end_of_run_sample_refuses_nan_weights():
         sample_continuation(*args)
     with pytest.raises(NonFiniteModelError, match="the weights of checkpoint RUN/step-3 are"):
         sample_continuation(*args, where="checkpoint RUN/step-3")
+
+
+def test_score_text_is_the_mean_loss_of_each_token_given_the_text_before_it():
+    """`score_text` (read 16 tokens a call, the state carried) against one forward pass:
+    -log p(token | text before it) averaged over every token after the first, and the sum in
+    bits over the UTF-8 bytes of those tokens (a BPE: tokens of several bytes, some
+    characters cut between tokens)."""
+    import math
+
+    from helpers import BPE_TEXT
+
+    from bdh_train import score_text
+    from bdh_train.data.tokenizer import train_bpe
+
+    tok = train_bpe([BPE_TEXT], 300)
+    model = tiny_model(torch.float64, vocab_size=tok.vocab_size).eval()
+    text = BPE_TEXT[:130]
+    ids = tok.encode(text)
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([ids[:-1]]))
+    nll = -torch.log_softmax(logits[0], -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    text_bytes = sum(len(tok.decode_bytes([t])) for t in ids[1:])
+    score = score_text(model, tok, text, chunk_tokens=16)
+    assert score.tokens == len(ids) - 1 > 32  # three calls at least
+    assert score.loss == pytest.approx(float(nll.mean()), rel=1e-10)
+    assert score.bits_per_byte == pytest.approx(
+        float(nll.sum()) / math.log(2) / text_bytes, rel=1e-10
+    )
+    assert text_bytes > score.tokens  # bits per byte differs from bits per token here
+    with pytest.raises(DataError, match="scoring needs at least 2"):
+        score_text(model, tok, "R")

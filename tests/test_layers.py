@@ -30,7 +30,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("bdh_train.config",)),
     (
         "trainer",
-        ("bdh_train.trainer", "bdh_train.launch", "bdh_train.inference", "bdh_train.completions"),
+        (
+            "bdh_train.trainer",
+            "bdh_train.launch",
+            "bdh_train.inference",
+            "bdh_train.completions",
+            "bdh_train.compose",
+            "bdh_train.huggingface",
+            "bdh_train.inspect",
+        ),
     ),
     ("cli", ("bdh_train.cli", "bdh_train.__main__", "bdh_train")),
 ]

@@ -19,6 +19,7 @@ from helpers import MICRO_RUN, checkpoint_weights, metric_rows, set_args
 from bdh_train.cli import main
 from bdh_train.errors import ConfigError
 from bdh_train.train import checkpoint as ckpt
+from bdh_train.train.console import command_name
 from bdh_train.train.metrics import MetricsLog
 from bdh_train.train.run_dir import ERROR_LOG, LOCK_FILE
 
@@ -261,4 +262,4 @@ def test_ctrl_c_with_the_console_gone_still_saves(tmp_path):
         proc.kill()
     stopped = ckpt.resolve_checkpoint(run)
     log = (run / ERROR_LOG).read_text()
-    assert f"checkpoint {stopped}" in log and "bdh-train train --resume" in log
+    assert f"checkpoint {stopped}" in log and f"{command_name()} train --resume" in log

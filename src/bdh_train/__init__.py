@@ -26,6 +26,7 @@ _LAZY = {
     "WeightedGradientAccumulator": "bdh_train.train.accumulate",
     "load_config": "bdh_train.config",
     "load_run": "bdh_train.inference",
+    "score_text": "bdh_train.inference",
 }
 """Public name -> the module that defines it."""
 
@@ -43,6 +44,7 @@ __all__ = [
     "__version__",
     "load_config",
     "load_run",
+    "score_text",
 ]
 
 
@@ -52,7 +54,7 @@ __getattr__, __dir__ = lazy_names("bdh_train", _LAZY)
 if TYPE_CHECKING:
     from bdh_train.batch import IGNORE_INDEX, SequenceBatch, StepOutput
     from bdh_train.config import RunConfig, load_config
-    from bdh_train.inference import load_run
+    from bdh_train.inference import load_run, score_text
     from bdh_train.model import BDH, BDHConfig, ModelState
     from bdh_train.train.accumulate import WeightedGradientAccumulator
     from bdh_train.train.step import LanguageTrainModel

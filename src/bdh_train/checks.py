@@ -54,14 +54,14 @@ def nonneg_int(path: str, value: Any) -> int:
 
 
 def cpu_threads(path: str, value: Any) -> int:
-    """A count of CPU threads for torch: 0 (torch's default) up to this machine's CPUs
+    """A count of CPU threads for torch: 0 (automatic) up to this machine's CPUs
     (torch's thread pool crashed the process at 100000)."""
     nonneg_int(path, value)
     cpus = os.cpu_count() or 1
     if value > cpus:
         raise ConfigError(
             f"{path} = {value} is more than this machine's {cpus} CPUs; give at most {cpus} "
-            "(0 = torch's default)"
+            "(0 = automatic)"
         )
     return int(value)
 

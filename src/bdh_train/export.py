@@ -32,6 +32,8 @@ from bdh_train.utils import atomic_write
 FORMAT = "bdh-ternary/1"
 TOKENIZER_KEY = "tokenizer"
 """The metadata key holding the text of the run's tokenizer.json (absent for byte models)."""
+TRAINING_KEY = "training"
+"""The metadata key holding the run's [training] section as JSON (absent in older exports)."""
 PACKED_SUFFIX = ".ternary"
 SCALE_SUFFIX = ".scale"
 
@@ -66,12 +68,17 @@ def _targeted(config: BDHConfig) -> list[str]:
 
 
 def export_ternary(
-    model: BDH, out_path: str | os.PathLike[str], tokenizer_json: str | None = None
+    model: BDH,
+    out_path: str | os.PathLike[str],
+    tokenizer_json: str | None = None,
+    training_json: str | None = None,
 ) -> Path:
     """Write `model` as a packed ternary safetensors file; returns the path.
 
     `tokenizer_json` (the run's tokenizer.json text) is stored in the metadata, so the export
     alone decodes (`export_tokenizer_json`); None for the byte tokenizer, which needs no file.
+    `training_json` (the run's ``[training]`` section as JSON) is stored too, so evaluating
+    the export uses the run's block and batch sizes (`export_training_json`).
 
     Needs a model configured for ternary QAT (quant.enable with a ternary weight_format);
     exporting a float model would silently destroy it.
@@ -102,10 +109,23 @@ def export_ternary(
     }
     if tokenizer_json is not None:
         metadata[TOKENIZER_KEY] = tokenizer_json
+    if training_json is not None:
+        metadata[TRAINING_KEY] = training_json
     out = Path(out_path)
     with atomic_write(out, "wb") as handle:
         handle.write(safetensors_bytes(tensors, metadata=metadata))
     return out
+
+
+def _is_safetensors(path: Path) -> bool:
+    """Whether `path` begins as a safetensors file does: an 8-byte little-endian header
+    length that fits in the file, then the header's JSON object."""
+    with open(path, "rb") as handle:
+        head = handle.read(9)
+    if len(head) < 9:
+        return False
+    length = int.from_bytes(head[:8], "little")
+    return 8 + length <= path.stat().st_size and head[8:9] == b"{"
 
 
 def _read_export(
@@ -114,6 +134,12 @@ def _read_export(
     """(metadata, tensors) of an export, refused unless it is one; tensors only when asked."""
     if not path.is_file():
         raise CheckpointError(f"ternary export '{path}' does not exist")
+    if not _is_safetensors(path):
+        raise CheckpointError(
+            f"'{path}' is neither a checkpoint nor a ternary export (not a safetensors file): "
+            "give a run directory, a checkpoint directory or a file written by "
+            "`bdh-train export --ternary`"
+        )
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = f.metadata() or {}
@@ -131,6 +157,11 @@ def _read_export(
 def export_tokenizer_json(path: str | os.PathLike[str]) -> str | None:
     """The tokenizer.json text an export carries, or None (a byte model's export)."""
     return _read_export(Path(path), with_tensors=False)[0].get(TOKENIZER_KEY)
+
+
+def export_training_json(path: str | os.PathLike[str]) -> str | None:
+    """The run's [training] section (JSON) an export carries, or None (an older export)."""
+    return _read_export(Path(path), with_tensors=False)[0].get(TRAINING_KEY)
 
 
 def load_ternary(path: str | os.PathLike[str], device: torch.device | str = "cpu") -> BDH:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -32,12 +33,13 @@ from bdh_train.data.tokenizer import (
 )
 from bdh_train.distributed.env import resolve_device
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError, DataError
-from bdh_train.export import export_tokenizer_json, load_ternary
+from bdh_train.export import export_tokenizer_json, export_training_json, load_ternary
 from bdh_train.model import BDH, BDHConfig, ModelState, sample_next_token
 from bdh_train.model.decoders import FastDecoder, GenericDecoder, make_decoder
 from bdh_train.model.generate import check_finite_logits, check_finite_weights, read_tokens
 from bdh_train.model.summary import SummaryEvents
 from bdh_train.train import checkpoint as ckpt
+from bdh_train.train.evaluate import bits_per_byte
 from bdh_train.train.run_dir import config_path, run_of_checkpoint
 from bdh_train.utils import atomic_write
 
@@ -67,8 +69,8 @@ def load_run(
     directory's, else (byte runs, and runs written before tokenizers travelled with them) the
     byte tokenizer for a byte-level token model, else None. When the checkpoint carries the
     tokenizer, the config's data.tokenizer names that copy, so the config works wherever the
-    run now is. For an export, which holds only the model and tokenizer, the config is the
-    defaults with the export's model section. With `finite`, weights holding NaN or
+    run now is. For an export, which holds the model, tokenizer and the run's [training]
+    section, the config is the defaults with those sections. With `finite`, weights holding NaN or
     infinity are refused (NonFiniteModelError naming the checkpoint or export).
     """
     path = Path(path)
@@ -77,12 +79,13 @@ def load_run(
         model = load_ternary(path, dev)
         if finite:
             check_finite_weights(model, f"the export '{path}'")
+        cfg = _export_config(path, model.config)
         text = export_tokenizer_json(path)
         if text is None:
-            return model, tokenizer_for(model.config), RunConfig(model=model.config)
+            return model, tokenizer_for(model.config), cfg
         exported = HFTokenizer.from_json(text, f"the export '{path}'")
         _check_tokenizer_fits(exported, model.config, f"the export '{path}'")
-        return model, exported, RunConfig(model=model.config)
+        return model, exported, cfg
     directory = ckpt.resolve_checkpoint(path)
     try:
         with safe_open(str(directory / ckpt.MODEL_FILE), "pt") as handle:
@@ -120,6 +123,21 @@ def load_run(
         else RunConfig(model=model.config)
     )
     return model.to(dev).eval(), tok, cfg
+
+
+def _export_config(path: Path, model: BDHConfig) -> RunConfig:
+    """The config of an export: the defaults with its model section and the run's [training]
+    section (block and batch sizes of evaluation) when the export carries it."""
+    text = export_training_json(path)
+    if text is None:
+        return RunConfig(model=model)
+    try:
+        training = json.loads(text)
+        return RunConfig.from_dict({"model": model.to_dict(), "training": training})
+    except (BDHTrainError, ValueError, TypeError) as exc:
+        raise CheckpointError(
+            f"the training metadata of the export '{path}' is unusable: {exc}"
+        ) from None
 
 
 def run_tokenizer_file(checkpoint: Path) -> Path | None:
@@ -272,6 +290,46 @@ def encode_text(tokenizer: Tokenizer, text: str, where: str) -> list[int]:
             "surrogate escape); remove it"
         ) from exc
     return tokenizer.encode(text)
+
+
+@dataclass(frozen=True)
+class TextScore:
+    """How well a model predicts a text (`score_text`)."""
+
+    loss: float
+    """Mean loss in nats per predicted token (every token after the first)."""
+    tokens: int
+    """Predicted tokens."""
+    bits_per_byte: float
+    """The summed loss in bits per UTF-8 byte of the predicted tokens."""
+
+
+SCORE_CHUNK_TOKENS = 1024
+"""`score_text` reads a text this many tokens per call, the state carried between calls."""
+
+
+@torch.no_grad()
+def score_text(
+    model: BDH, tokenizer: Tokenizer, text: str, chunk_tokens: int = SCORE_CHUNK_TOKENS
+) -> TextScore:
+    """The loss of `model` on `text` without gradients: each token after the first predicted
+    from all the text before it (read `chunk_tokens` at a time with the carried state, so
+    memory does not grow with the text), in nats per token and bits per byte."""
+    ids = torch.as_tensor(encode_text(tokenizer, text, "the text"), dtype=torch.long)
+    if ids.numel() < 2:
+        raise DataError(f"the text is {ids.numel()} token(s): scoring needs at least 2")
+    device = model.embed.weight.device
+    inputs, targets = ids[:-1].to(device), ids[1:].to(device)
+    state = model.init_state(1)
+    total = 0.0
+    for start in range(0, inputs.numel(), chunk_tokens):
+        chunk = slice(start, start + chunk_tokens)
+        hidden = model.forward_hidden(inputs[chunk].unsqueeze(0), state)
+        loss = model.loss_from_hidden(hidden, targets[chunk].unsqueeze(0), reduction="sum")
+        total += float(loss)
+    lengths = torch.as_tensor(tokenizer.token_byte_lengths(), dtype=torch.int64)
+    text_bytes = int(lengths[targets.cpu()].sum())
+    return TextScore(total / targets.numel(), targets.numel(), bits_per_byte(total, text_bytes))
 
 
 def stop_token_ids(stops: Sequence[str], tokenizer: Tokenizer) -> dict[int, str]:

@@ -7,10 +7,11 @@ import contextlib
 import datetime as _dt
 import gc
 import signal
+import sys
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bdh_train.config import RunConfig
@@ -19,6 +20,7 @@ from bdh_train.errors import BDHTrainError, ConfigError
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.run_dir import RUNS_ROOT, RunDir, run_of_checkpoint
 from bdh_train.trainer import RunResult, Trainer
+from bdh_train.utils import STEPS_CAP_ENV, steps_cap
 
 StopHandler = Callable[[Callable[[], None]], AbstractContextManager[None]]
 """Given the trainer's `request_stop`, a context that calls it when the run is asked to stop
@@ -47,7 +49,8 @@ def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
     continues in that new run directory. Nothing is ever written inside a checkpoint."""
     if resume is None:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        return TrainPlan(RunDir(run_dir or Path(RUNS_ROOT) / stamp), False, None, None)
+        run = RunDir(run_dir) if run_dir else RunDir(Path(RUNS_ROOT) / stamp, stamped=True)
+        return TrainPlan(run, False, None, None)
     path = Path(resume or run_dir or "")
     if str(path) in ("", "."):
         raise ConfigError("--resume needs a run directory: --resume DIR or --run-dir DIR")
@@ -89,9 +92,12 @@ def train(
     """Train `cfg` in `run` (a fresh run, or with `resume` the run continued; from
     `checkpoint` when given) on the process group torchrun describes in the environment, or
     alone."""
+    cfg, note = capped_steps(cfg, run, resume, resume_fallback, checkpoint)
     dist_ctx = DistContext.from_env(
         resolve_device(cfg.training.device).type, cfg.parallel.collective_timeout_s
     )
+    if note and dist_ctx.is_main:
+        print(note, file=sys.stderr)
     trainer = None
     try:
         trainer = Trainer(
@@ -126,6 +132,38 @@ def train(
         trainer = None
         gc.collect()
         dist_ctx.close()
+
+
+def capped_steps(
+    cfg: RunConfig,
+    run: RunDir,
+    resume: bool = False,
+    resume_fallback: bool = False,
+    checkpoint: Path | None = None,
+) -> tuple[RunConfig, str | None]:
+    """`cfg` shortened by `steps_cap()`: training.max_steps to at most that many steps past
+    where the run starts (0, or a resume's checkpoint step) and training.eval_steps to at
+    most that many batches, with the line that says so; `cfg` and None when the cap is unset
+    or shortens nothing."""
+    cap = steps_cap()
+    if cap is None:
+        return cfg, None
+    start = 0
+    if resume or checkpoint is not None:
+        found = ckpt.resolve_checkpoint(checkpoint or run.path, fallback=resume_fallback)
+        start = (ckpt.checkpoint_position(found.name) or (0, 0))[0]
+    t = cfg.training
+    steps, evals = min(t.max_steps, start + cap), min(t.eval_steps, cap)
+    if (steps, evals) == (t.max_steps, t.eval_steps):
+        return cfg, None
+    capped = replace(cfg, training=replace(t, max_steps=steps, eval_steps=evals))
+    # layered_on is a ClassVar only so that it is no dataclass field; it is set per instance
+    capped.layered_on = cfg.layered_on  # type: ignore[misc]
+    return capped, (
+        f"note: {STEPS_CAP_ENV}={cap} in the environment: training.max_steps {t.max_steps} -> "
+        f"{steps}, training.eval_steps {t.eval_steps} -> {evals} (a shortened run; unset it "
+        "to train the configured length)"
+    )
 
 
 def _ignore_sigterm() -> None:

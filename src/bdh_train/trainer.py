@@ -35,11 +35,16 @@ from bdh_train.train.console import (
     device_line,
     eval_line,
     resume_lines,
-    sample_line,
+    sample_lines,
     stop_line,
     summary_lines,
 )
-from bdh_train.train.evaluate import Evaluator, sample_continuation, writes_text
+from bdh_train.train.evaluate import (
+    SAMPLE_TEMPERATURES,
+    Evaluator,
+    sample_continuation,
+    writes_text,
+)
 from bdh_train.train.init_from import init_weights_from
 from bdh_train.train.metrics import MetricsReporter, plot_losses
 from bdh_train.train.profile import ProfileSettings, StepProfiler
@@ -53,6 +58,7 @@ from bdh_train.train.state import (
     model_metadata,
     saved_files,
 )
+from bdh_train.train.threads import set_threads
 from bdh_train.train.window import StepWindow, TrainingDiverged, reduction_for
 
 __all__ = ["RunResult", "Trainer", "TrainingDiverged"]
@@ -132,8 +138,7 @@ class Trainer:
             self.run_files.check_fresh(overwrite)
             self.dist.barrier()  # every process has looked before the first one writes
         self.device = self.dist.device(resolve_device(t.device).type)
-        if t.threads:
-            torch.set_num_threads(t.threads)
+        self.threads = set_threads(t.threads)
         self.host_allocator = configure_host_allocator(
             t.host_allocator, self.device, saving_memory=t.recompute != "none"
         )
@@ -363,6 +368,8 @@ class Trainer:
             self.state.step if self.resumed_from is not None else None,
             cfg.layered_on,
             self.run_files.config.name,
+            self.threads.describe() if self.device.type == "cpu" else None,
+            self.training.recurrence(),
         )
 
     # ------------------------------------------------------------------ evaluation
@@ -378,16 +385,28 @@ class Trainer:
         return result.val_loss
 
     def sample(self, max_new_tokens: int = 200) -> str | None:
-        """The end-of-run sample (`sample_continuation`), printed; None when the model does
-        not write text of the run's tokenizer."""
+        """The end-of-run samples (`sample_continuation` at each of `SAMPLE_TEMPERATURES`),
+        printed; returns the first; None when the model does not write text of the run's
+        tokenizer."""
         cfg, splits = self.cfg, (self.train_data, self.val_data)
-        out = sample_continuation(
-            self.model, self.tokenizer, cfg.model, cfg.data, splits, self.device, max_new_tokens
-        )
-        if out is None:
-            return None
-        self.progress.log(sample_line(*out))
-        return out[1]
+        prompt, samples = "", []
+        for temperature in SAMPLE_TEMPERATURES:
+            out = sample_continuation(
+                self.model,
+                self.tokenizer,
+                cfg.model,
+                cfg.data,
+                splits,
+                self.device,
+                max_new_tokens,
+                temperature=temperature,
+            )
+            if out is None:
+                return None
+            prompt = out[0]
+            samples.append((temperature, out[1]))
+        self.progress.log(sample_lines(prompt, samples))
+        return samples[0][1]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, before_rename: Callable[[Path], None] | None = None) -> Path:

@@ -1,7 +1,8 @@
 """Small shared helpers: the nearest-name hint, dataclasses built from TOML tables with helpful
 errors, the one atomic file write (temporary file, fsync, rename), and the one way to read a
 file a user names: only a regular file (`open_regular`), whole up to a size limit
-(`read_regular_file`) or line by line with a limit per line (`read_lines`)."""
+(`read_regular_file`) or line by line with a limit per line (`read_lines`), and the
+environment's cap on a command's steps (`steps_cap`)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,46 @@ if TYPE_CHECKING:
 T = TypeVar("T", bound="DataclassInstance")
 
 
+SYNONYMS = {
+    "gpu": "cuda",
+    "cuda:0": "cuda",
+    "nvidia": "cuda",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+}
+"""Names users give for an option under another name: suggested before a near spelling
+(difflib finds 'cpu' nearest to 'gpu')."""
+
+
+STEPS_CAP_ENV = "BDH_TRAIN_MAX_STEPS"
+"""The environment variable that shortens every command for a smoke test (the README's
+commands in its test, a config tried before a long run): a `train` command trains at most
+this many optimizer steps past where it starts, and `eval` reads at most this many batches."""
+
+
+def steps_cap(environ: Mapping[str, str] | None = None) -> int | None:
+    """The positive integer in `STEPS_CAP_ENV` (default: os.environ); None when it is unset or
+    empty. Anything else is a ConfigError."""
+    env = os.environ if environ is None else environ
+    value = env.get(STEPS_CAP_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(
+            f"environment variable {STEPS_CAP_ENV} must be a positive integer (a number of "
+            f"steps), got {value!r}; unset it to train the configured length"
+        )
+    return int(value)
+
+
 def suggest(name: str, options: typing.Iterable[str]) -> str:
-    """' (did you mean 'x'?)' for the nearest valid name, or '' when nothing is close."""
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    """' (did you mean 'x'?)' for the option `name` is another name of (`SYNONYMS`), else
+    the nearest valid name, or '' when nothing is close."""
+    options = list(options)
+    meant = SYNONYMS.get(name.lower())
+    if meant in options:
+        return f" (did you mean {meant!r}?)"
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

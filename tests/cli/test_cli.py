@@ -107,7 +107,7 @@ def test_generate_is_deterministic_for_a_seed(tmp_path, capsys):
 def test_config_show_prints_the_resolved_config(capsys):
     assert main(["config", "--set", "training.max_steps=7"]) == 0
     out = capsys.readouterr().out
-    assert "max_steps = 7" in out and "[model]" in out and 'source = "builtin:pydoc"' in out
+    assert "max_steps = 7" in out and "[model]" in out and 'source = "builtin:shakespeare"' in out
 
 
 def test_plan_prints_timeline_and_png(tmp_path, capsys):

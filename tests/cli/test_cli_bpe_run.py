@@ -97,7 +97,7 @@ def test_generate_and_eval_decode_with_the_run_tokenizer(bpe_run, capsys):
     assert set(json.loads(capsys.readouterr().out)) == {"val_loss", "bits_per_byte", "tokens"}
     assert f"({tok.vocab_size} ids)" in console.split("tokenizer      ")[1].splitlines()[0]
     # the end-of-run sample: the first tokens of the validation split, decoded with the BPE
-    sample = console.split("--- sample (prompt: ")[1].split(") ---")[0]
+    sample = console.split("--- sample at temperature 0.8 (prompt: ")[1].split(") ---")[0]
     assert eval(sample) in BPE_TEXT and len(eval(sample)) > 32  # noqa: S307 (a repr we wrote)
 
 

@@ -242,6 +242,27 @@ def test_chat_turns_continue_one_state(run_dir, capsys, monkeypatch):
     assert replies[:3] == [tok.decode(first), tok.decode(second), ""]
 
 
+def test_chat_save_state_equals_generate_save_state_for_the_same_text(
+    run_dir, tmp_path, capsys, monkeypatch
+):
+    """The state chat saves when the conversation ends is the one generate --save-state saves
+    after reading the same text (the lines typed, each read on top of the ones before)."""
+    from safetensors.torch import load_file
+
+    turns = ["def add(a, b):\n", "    return\n"]
+    chat_state, generate_state = tmp_path / "chat.state", tmp_path / "generate.state"
+    quiet = ["--max-new-tokens", "0", "--device", "cpu"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(turns)))
+    argv = ["chat", "--checkpoint", str(run_dir), *quiet, "--save-state", str(chat_state)]
+    assert main(argv) == 0
+    prompt = ["--prompt", "".join(turns), "--max-new-tokens", "0"]
+    _generate(capsys, run_dir, *prompt, "--save-state", str(generate_state))
+    chat_tensors, generate_tensors = load_file(chat_state), load_file(generate_state)
+    assert set(chat_tensors) == set(generate_tensors)
+    for name, tensor in chat_tensors.items():
+        assert_close(tensor, generate_tensors[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _cut_at(tokens: list[int], stop: int) -> list[int]:
     return tokens[: tokens.index(stop)] if stop in tokens else tokens
 

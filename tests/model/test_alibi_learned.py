@@ -20,7 +20,11 @@ from bdh_train.config import load_config
 from bdh_train.errors import ConfigError
 from bdh_train.model import BDH
 from bdh_train.model.mixer import EXECUTORS
-from bdh_train.model.positions import alibi_log_decay, learned_alibi_log_decay
+from bdh_train.model.positions import (
+    alibi_log_decay,
+    learned_alibi_log_decay,
+    rope_frequencies,
+)
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.init_from import InitTransferConfig, init_weights_from
 from bdh_train.train.schedules import GradientScaleSchedule
@@ -148,14 +152,20 @@ def test_reference_schedule_case_with_the_decay_target():
 
 @pytest.mark.parametrize("position", ["rope", "alibi"])
 def test_old_checkpoint_without_the_parameter_loads_for_rope_and_alibi(position):
-    """A model.safetensors written by v0.1 (before alibi_learned) loads strictly."""
+    """A model.safetensors written by v0.1 (before alibi_learned and the rope table) loads
+    strictly; a rope model gets the table v0.1 computed from N."""
     cfg = load_config([FIXTURE_V0_1 / "config.toml"], default_preset=False).model
     model = BDH(dataclasses.replace(cfg, position=position))
+    if position == "rope":
+        model.rope_freqs.zero_()  # the load must fill it
     where = next((FIXTURE_V0_1 / "checkpoints").glob("step-*"))
     weights = ckpt.load_model_weights(where)
     ckpt.load_into_model(model, weights, where)
     for name, tensor in model.state_dict().items():
-        assert torch.equal(tensor, weights[name]), name
+        if name == "rope_freqs":
+            assert torch.equal(tensor, rope_frequencies(cfg.n_neurons)), name
+        else:
+            assert torch.equal(tensor, weights[name]), name
 
 
 def test_alibi_weights_start_an_alibi_learned_run_at_alibi(tmp_path):

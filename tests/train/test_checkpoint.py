@@ -746,3 +746,26 @@ def test_checkpointer_defaults_and_a_shard_failure_after_its_directory_vanished(
     model = _linear()
     with pytest.raises(ckpt.CheckpointWriteError, match=r"\(\[Errno 28\] No space left\)"):
         ckpt.Checkpointer(tmp_path).save("step-0000001", {}, sharded=Vanishing(model, _adam(model)))
+
+
+def test_a_sharded_state_written_before_the_rope_table_loads_with_the_default_table(tmp_path):
+    """DCP shards of a model without `rope_freqs` (written before models kept the table)
+    load into today's model, which gets rope_frequencies(N), and every saved tensor."""
+    from helpers import tiny_model
+
+    from bdh_train.model.positions import rope_frequencies
+    from bdh_train.train.dcp import ShardedState
+
+    old = tiny_model()
+    adamw = torch.optim.AdamW(old.parameters())
+    x = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    old(x[:, :-1], x[:, 1:])[1].backward()
+    adamw.step()
+    del old._buffers["rope_freqs"]  # the model as it was before the table
+    ShardedState(old, adamw).save(tmp_path / "sharded")
+    new = tiny_model(seed=5)
+    new.rope_freqs.zero_()
+    ShardedState(new, torch.optim.AdamW(new.parameters())).load(tmp_path / "sharded")
+    assert torch.equal(new.rope_freqs, rope_frequencies(new.config.n_neurons))
+    for name, tensor in old.state_dict().items():
+        assert torch.equal(new.state_dict()[name], tensor), name

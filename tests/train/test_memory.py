@@ -184,6 +184,8 @@ def test_train_refuses_before_the_model_is_allocated(tmp_path, capsys, monkeypat
             "--set",
             "model.mlp_internal_dim_multiplier=32",
             "--set",
+            "training.batch_size=16",
+            "--set",
             "training.device='cpu'",
         ]
     )
@@ -207,7 +209,7 @@ def test_plan_prints_the_estimate_and_the_verdict(capsys, monkeypatch):
     estimate = estimate_step_memory(cfg.model, cfg.training, "cpu")
     assert out.splitlines()[0] == "a train step's peak memory, estimated (one process, cpu):"
     assert (
-        f"  parameters  {memory.format_bytes(estimate.parameters):>11}   851,968 parameters" in out
+        f"  parameters  {memory.format_bytes(estimate.parameters):>11}   458,752 parameters" in out
     )
     total = f"  total       {memory.format_bytes(estimate.total):>11}   at its peak in backward"
     assert total in out

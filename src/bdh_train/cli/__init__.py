@@ -1,13 +1,14 @@
-"""`bdh-train`: train, generate, chat, eval, prepare, config, plot, profile, plan, export.
+"""`bdh-train`: train, generate, chat, eval, prepare, corpus, config, plot, profile, plan,
+export, grow, merge, inspect.
 
 Every user error (bad config, data, checkpoint) is a BDHTrainError: printed as one line on
 stderr with exit status 2, never a traceback.
 
 Each command is a plain function of the parsed arguments, listed in COMMANDS; the module of
 its group adds its parser (`register`): train, generate (generate, chat), evaluate (eval),
-prepare, tools (config, plot, profile, plan, export). What the parsers share is in `args`.
-Torch, numpy and the rest of the package are imported inside the commands, so `--help` pays
-for none of them.
+prepare (prepare, corpus), tools (config, plot, profile, plan, export), compose (grow, merge),
+inspect. What the parsers share is in `args`. Torch, numpy and the rest of the package are
+imported inside the commands, so `--help` pays for none of them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from bdh_train import __version__
-from bdh_train.cli import evaluate, generate, prepare, tools, train
+from bdh_train.cli import compose, evaluate, generate, inspect, prepare, tools, train
 from bdh_train.cli.args import _HelpFormatter
 from bdh_train.cli.train import EXIT_STOPPED
 from bdh_train.errors import BDHTrainError
@@ -35,11 +36,15 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "chat": generate.cmd_chat,
     "eval": evaluate.cmd_eval,
     "prepare": prepare.cmd_prepare,
+    "corpus": prepare.cmd_corpus,
     "config": tools.cmd_config,
     "plot": tools.cmd_plot,
     "profile": tools.cmd_profile,
     "plan": tools.cmd_plan,
     "export": tools.cmd_export,
+    "grow": compose.cmd_grow,
+    "merge": compose.cmd_merge,
+    "inspect": inspect.cmd_inspect,
 }
 """Each command's name -> the function that runs it (its parser: the group's `register`)."""
 
@@ -55,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser = functools.partial(  # type: ignore[method-assign]
         sub.add_parser, formatter_class=_HelpFormatter
     )
-    for group in (train, generate, evaluate, prepare, tools):
+    for group in (train, generate, evaluate, prepare, tools, compose, inspect):
         group.register(sub)
     return parser
 

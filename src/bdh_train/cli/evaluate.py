@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from bdh_train.cli.generate import _add_inference_args, _load_for_inference
-from bdh_train.errors import BDHTrainError, ConfigError
+from bdh_train.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="validation loss and bits per byte of a checkpoint")
     _add_inference_args(p)
     p.add_argument(
-        "--data", default=None, help="held-out data source (default: the run's validation split)"
+        "--data",
+        default=None,
+        help="held-out data source; a prepared corpus gives its validation split (default: "
+        "the run's validation split)",
     )
     p.add_argument("--batches", type=int, default=None, help="at most this many batches")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from bdh_train.data.tokenizer import BYTES
     from bdh_train.train.build import evaluate_model
-    from bdh_train.train.evaluate import validation_source
 
     if args.batches is not None and args.batches < 1:
         raise ConfigError(
@@ -34,14 +36,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "--data SOURCE"
         )
     model, tok, cfg = _load_for_inference(args, need_text=False)
-    exported = Path(args.checkpoint).is_file()
-    source = args.data or validation_source(cfg.data)
-    if exported and tok is not None and tok.kind != BYTES and not source.endswith(".bin"):
-        raise BDHTrainError(
-            f"{args.checkpoint} is an export of a model with its own tokenizer: pass --data "
-            "a .bin token file of that tokenizer, or eval the run directory, which encodes "
-            "text with it"
-        )
-    result = evaluate_model(model, tok, cfg.training, cfg.data, args.data, args.batches)
+    result = evaluate_model(
+        model, tok, cfg.training, cfg.data, args.data, args.batches, report=sys.stderr
+    )
     print(json.dumps({**result.row(), "tokens": result.tokens}))
     return 0

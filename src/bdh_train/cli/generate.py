@@ -42,7 +42,8 @@ def _add_inference_args(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=0,
-        help="CPU threads for torch, at most the machine's CPUs (0: torch's default)",
+        help="CPU threads for torch, at most the machine's CPUs (0: the cores other work "
+        "leaves free, as training.threads = 0)",
     )
 
 
@@ -98,6 +99,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     _add_inference_args(p)
     _add_sampling_args(p)
+    p.add_argument(
+        "--save-state",
+        default=None,
+        metavar="FILE",
+        help="when the conversation ends, save the model's state (everything read and "
+        "replied) to FILE, to continue from later with --load-state",
+    )
 
 
 def _add_generate_output_args(p: argparse.ArgumentParser) -> None:
@@ -151,12 +159,11 @@ def _load_for_inference(args: argparse.Namespace, need_text: bool, finite: bool 
     """(model, tokenizer, config) of --checkpoint on --device with --threads set; with
     `finite` (commands that sample), weights holding NaN or infinity are refused."""
     _check_inference_args(args)
-    import torch
 
     from bdh_train.inference import load_run
+    from bdh_train.train.threads import set_threads
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model, tok, cfg = load_run(args.checkpoint, device=args.device, finite=finite)
     if need_text and tok is None:
         raise BDHTrainError(
@@ -297,13 +304,18 @@ def _generate_with_state(
         cont.load(args.load_state)
     cont.feed(ids)
     if args.save_state is not None:
-        saved = cont.save(args.save_state)
-        print(f"saved the state after {cont.tokens_read} tokens to {saved}", file=sys.stderr)
+        _save_state(cont, args.save_state)
     out.write(text)
     sampled = cont.sample(args.max_new_tokens, args.temperature, args.top_k, generator)
     stream_text(until_stop(sampled, stops), out, tok)
     out.write("\n")
     return 0
+
+
+def _save_state(cont, path: str) -> None:
+    """Save a Continuation's state to `path`, saying so on stderr."""
+    saved = cont.save(path)
+    print(f"saved the state after {cont.tokens_read} tokens to {saved}", file=sys.stderr)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -332,4 +344,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
         prompt=prompt,
         stops=stops,
     )
+    if args.save_state is not None:
+        _save_state(cont, args.save_state)
     return 0

@@ -1,4 +1,5 @@
-"""`bdh-train prepare`: tokenize corpora once into a directory training memory-maps."""
+"""`bdh-train prepare`: tokenize corpora once into a directory training memory-maps;
+`bdh-train corpus`: the built-in corpora, listed or written out as text files."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_split_args(p)
     p.add_argument("--force", action="store_true", help="replace an existing prepared DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    c = sub.add_parser(
+        "corpus", help="list the built-in corpora (builtin:NAME), or write one out as a text file"
+    )
+    c.add_argument("name", nargs="?", default=None, help="a built-in corpus (default: list them)")
+    c.add_argument("--out", default=None, metavar="FILE", help="write NAME's text to FILE")
+    c.add_argument("--force", action="store_true", help="replace an existing FILE")
 
 
 def _add_tokenizer_args(p: argparse.ArgumentParser) -> None:
@@ -105,3 +112,19 @@ def _prepared_line(out: str, meta: dict, seconds: float) -> str:
         f"{out}: {splits}; vocab_size {meta['vocab_size']} ({meta['tokenizer']}); "
         f"{text_mb:.1f} MB of text in {seconds:.1f}s ({text_mb / max(seconds, 1e-9):.1f} MB/s)"
     )
+
+
+def cmd_corpus(args: argparse.Namespace) -> int:
+    from bdh_train.data.sources import BUILTIN_CORPORA, BUILTIN_PREFIX, write_builtin_corpus
+
+    if args.name is None:
+        for name, make in sorted(BUILTIN_CORPORA.items()):
+            about = " ".join((make.__doc__ or "").split()).split(":")[0]
+            print(f"{BUILTIN_PREFIX}{name:<12} {about}")
+        return 0
+    name = args.name.removeprefix(BUILTIN_PREFIX)
+    if args.out is None:
+        raise ConfigError(f"bdh-train corpus {args.name} needs --out FILE (where to write it)")
+    size = write_builtin_corpus(name, args.out, args.force)
+    print(f"{args.out}: {BUILTIN_PREFIX}{name}, {size:,} bytes of UTF-8 text")
+    return 0

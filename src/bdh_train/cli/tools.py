@@ -1,10 +1,11 @@
 """The smaller commands: `config` (the resolved config, --explain), `plot` (loss curves),
 `profile` (where a step's time goes), `plan` (a pipeline schedule) and `export` (a ternary
-file for inference)."""
+file for inference, or a Hugging Face model directory)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from bdh_train.cli.args import _add_config_args
@@ -25,15 +26,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--png", default=None, metavar="PATH", help="draw the bars to PATH instead")
     _register_plan(sub)
 
-    p = sub.add_parser("export", help="export a checkpoint for inference")
-    p.add_argument(
+    p = sub.add_parser(
+        "export",
+        help="export a run, checkpoint or ternary export: packed ternary weights (--ternary "
+        "RUN OUT) or a Hugging Face transformers model directory (--hf DIR RUN)",
+    )
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument(
         "--ternary",
         action="store_true",
-        required=True,
-        help="pack ternary (BitNet b1.58) weights 4 per byte",
+        help="pack ternary (BitNet b1.58) weights 4 per byte into the file OUT",
     )
-    p.add_argument("run_dir")
-    p.add_argument("out")
+    kind.add_argument(
+        "--hf",
+        metavar="DIR",
+        help="write a new directory DIR that AutoModelForCausalLM.from_pretrained(DIR, "
+        "trust_remote_code=True) and AutoTokenizer load with no bdh-train installed",
+    )
+    p.add_argument("run_dir", help="a run directory, a checkpoint, or a ternary export file")
+    p.add_argument("out", nargs="?", help="the file --ternary writes")
 
 
 def _register_config(sub: argparse._SubParsersAction) -> None:
@@ -48,8 +59,10 @@ def _register_config(sub: argparse._SubParsersAction) -> None:
         const="",
         default=None,
         metavar="KEY",
-        help="list every config key (or KEY, a section or table) with its default, allowed "
-        "values and description",
+        help="list every config key (or KEY: a key, section or table, or a word such as lr "
+        "to search the key names) with its value under the preset, --config and --set "
+        "(default preset: tiny), the dataclass default where it differs, the allowed values "
+        "and the description",
     )
     p.add_argument(
         "--markdown",
@@ -89,11 +102,16 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
 
 def cmd_config(args: argparse.Namespace) -> int:
     if args.explain is not None:
+        from bdh_train.config import load_config
         from bdh_train.config.explain import explain_markdown, explain_text
 
         if args.markdown and args.explain:
             raise ConfigError("--markdown lists every key; drop KEY from --explain")
-        print(explain_markdown() if args.markdown else explain_text(args.explain), end="")
+        if args.markdown:
+            print(explain_markdown(), end="")
+            return 0
+        cfg = load_config(args.config, args.overrides, args.preset)
+        print(explain_text(args.explain, cfg), end="")
         return 0
     from bdh_train.config import dump_toml, load_config
 
@@ -200,13 +218,23 @@ def _plan_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.hf is not None:
+        if args.out is not None:
+            raise ConfigError(f"export --hf DIR takes one RUN; drop {args.out}")
+        from bdh_train.huggingface.export import export_hf
+
+        print(export_hf(args.run_dir, args.hf))
+        return 0
+    if args.out is None:
+        raise ConfigError("export --ternary needs RUN and OUT, the file to write")
     from bdh_train.data.tokenizer import HFTokenizer
     from bdh_train.export import export_ternary
     from bdh_train.inference import load_run
     from bdh_train.train.run_dir import check_outside_checkpoints
 
     check_outside_checkpoints(Path(args.run_dir), args.out)
-    model, tok, _ = load_run(args.run_dir)
+    model, tok, cfg = load_run(args.run_dir)
     tokenizer_json = tok.to_json() if isinstance(tok, HFTokenizer) else None
-    print(export_ternary(model, args.out, tokenizer_json))
+    training_json = json.dumps(cfg.to_dict()["training"])
+    print(export_ternary(model, args.out, tokenizer_json, training_json))
     return 0

@@ -15,7 +15,9 @@ EXIT_STOPPED = 75
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a BDH (default: the tiny preset on builtin:pydoc)")
+    p = sub.add_parser(
+        "train", help="train a BDH (default: the tiny preset on builtin:shakespeare)"
+    )
     _add_config_args(p)
     p.add_argument("--run-dir", default=None, help="run directory (default runs/<date-time>)")
     p.add_argument(

@@ -24,9 +24,10 @@ from typing import Any
 
 import tomli_w
 
-from bdh_train.config.schema import SECTIONS
+from bdh_train.config.keys import config_keys, nearest_key, search_keys
+from bdh_train.config.schema import SECTIONS, RunConfig
 from bdh_train.errors import ConfigError
-from bdh_train.utils import dataclass_in, suggest
+from bdh_train.utils import dataclass_in
 
 _PROBE = "\x00not-a-valid-value"
 """A value no rule accepts: a string where a number, flag or list is due, and no choice's name."""
@@ -163,7 +164,10 @@ def explain_keys() -> tuple[KeyDoc, ...]:
 
 
 def select_keys(prefix: str = "") -> list[KeyDoc]:
-    """The keys equal to `prefix` or under it (a section or table); all when ''."""
+    """The keys equal to `prefix` or under it (a section or table); all when ''. A word
+    without a dot that is no section names the keys it finds (`search_keys`: ``lr`` ->
+    ``optimizer.lr``, ``optimizer.min_lr``). Nothing found is a ConfigError with the nearest
+    key."""
     if not prefix:
         return list(explain_keys())
     chosen = [
@@ -171,18 +175,52 @@ def select_keys(prefix: str = "") -> list[KeyDoc]:
         for k in explain_keys()
         if k.key == prefix or k.key.startswith(prefix + ".") or k.key.startswith(prefix + "[]")
     ]
+    if not chosen and "." not in prefix:
+        found = set(search_keys(prefix, [k.key for k in explain_keys()]))
+        chosen = [k for k in explain_keys() if k.key in found]
     if not chosen:
-        names = [k.key for k in explain_keys()] + list(SECTIONS)
-        raise ConfigError(f"unknown config key {prefix!r}{suggest(prefix, names)}")
+        table, _, name = prefix.rpartition(".")
+        near = nearest_key(table, name) if table in (*SECTIONS, *config_keys()) else None
+        near = near if near is None or "." in near else f"{table}.{near}"
+        near = near or nearest_key("", prefix)
+        hint = f" (did you mean {near!r}?)" if near else ""
+        raise ConfigError(
+            f"unknown config key {prefix!r}{hint}; `bdh-train config --explain` lists them all"
+        )
     return chosen
 
 
-def explain_text(prefix: str = "") -> str:
-    """The plain-text listing: `key = default  [allowed]` then the description, indented."""
+def _value_at(table: Any, key: str) -> Any:
+    """The value of dotted `key` in the nested dict of a config; MISSING inside a list of
+    tables (no one value) or an unset table."""
+    node = table
+    for name in key.split("."):
+        if not isinstance(node, dict) or name.endswith("[]") or name not in node:
+            return dataclasses.MISSING
+        node = node[name]
+    return node
+
+
+def explain_text(prefix: str = "", cfg: RunConfig | None = None) -> str:
+    """The plain-text listing: `key = value  (allowed)` then the description, indented. With
+    `cfg` (a layered config), the value is `cfg`'s, the dataclass default beside it where
+    they differ, under a first line saying what `cfg` is layered on."""
+    keys = select_keys(prefix)
+    effective = cfg.to_dict() if cfg is not None else None
     lines = []
-    for k in select_keys(prefix):
-        allowed = f"  ({k.allowed})" if k.allowed else ""
-        lines.append(f"{k.key} = {k.default}{allowed}")
+    if cfg is not None:
+        on = cfg.layered_on or "no preset"
+        lines.append(f"# values as layered on {on}; where they differ, the dataclass default")
+    for k in keys:
+        notes = [k.allowed] if k.allowed else []
+        value = k.default
+        if effective is not None and k.default != "(the keys below)":
+            found = _value_at(effective, k.key)
+            if found is not dataclasses.MISSING and format_value(found) != k.default:
+                value = format_value(found)
+                notes.append(f"dataclass default {k.default}")
+        shown = f"  ({'; '.join(notes)})" if notes else ""
+        lines.append(f"{k.key} = {value}{shown}")
         lines.extend(
             textwrap.wrap(k.description, 92, initial_indent="    ", subsequent_indent="    ")
         )

@@ -29,7 +29,11 @@ from typing import Any
 
 import tomli_w
 
+from bdh_train.config.keys import check_keys, key_hint
 from bdh_train.config.schema import SECTIONS, RunConfig
+from bdh_train.data.layout import prepared_directory
+from bdh_train.data.prepared import corpus_tokenizer
+from bdh_train.data.sources import BUILTIN_PREFIX
 from bdh_train.data.tokenizer import BYTES, load_tokenizer
 from bdh_train.errors import ConfigError
 from bdh_train.train.run_dir import RunDir
@@ -135,6 +139,7 @@ class _Layerer:
                     for name in table
                 }
             parents = data.pop(EXTENDS_KEY, [])
+            check_keys(data, key)
             if isinstance(parents, str):
                 parents = [parents]
             if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
@@ -177,7 +182,8 @@ def _check_override_path(keys: list[str], item: str) -> None:
         path = ".".join(keys[: depth + 1])
         if key not in options:
             what = "section" if cls is None else "key"
-            raise ConfigError(f"--set {item!r}: unknown {what} {path}{suggest(key, options)}")
+            table, name = (".".join(keys[:depth]), key) if depth else ("", ".".join(keys))
+            raise ConfigError(f"--set {item!r}: unknown {what} {path}{key_hint(table, name)}")
         if cls is None:
             cls = SECTIONS[key]
             continue
@@ -240,12 +246,30 @@ def load_config(
         override = parse_override(item)
         explicit |= {(section, name) for section, table in override.items() for name in table}
         merged = deep_merge(merged, override)
+    merged = _tokenizer_of_corpus(merged, ("data", "tokenizer") in explicit)
     if ("model", "vocab_size") not in explicit:
         merged = _vocab_from_tokenizer(merged)
     cfg = RunConfig.from_dict(merged)
     # RunConfig.layered_on is a ClassVar only so that it is no dataclass field (set per instance)
     cfg.layered_on = layered_on  # type: ignore[misc]
     return cfg
+
+
+def _tokenizer_of_corpus(merged: dict[str, Any], named: bool) -> dict[str, Any]:
+    """A prepared corpus brings its tokenizer: data.tokenizer set to the tokenizer.json of a
+    prepared ``data.source`` (the directory, or one of its split files) when no config file
+    or --set names one (`named`; a preset's value gives way). One that is named must be the
+    corpus's, which reading the corpus checks (`data/prepared.py`), so a finished run's
+    config still loads for inference after its corpus changed."""
+    data = merged.get("data")
+    source = data.get("source") if isinstance(data, Mapping) else None
+    if named or not isinstance(source, str) or source.startswith(BUILTIN_PREFIX):
+        return merged  # a non-string is refused, with its key, by DataConfig.validate
+    corpus = prepared_directory(Path(source).expanduser())
+    if corpus is None:
+        return merged
+    own = corpus_tokenizer(corpus)
+    return deep_merge(merged, {"data": {"tokenizer": str(own) if own else BYTES}})
 
 
 def _vocab_from_tokenizer(merged: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,13 @@ from bdh_train.data.sources import (
     load_splits,
     load_tokens,
 )
-from bdh_train.data.tokenizer import BYTES, ByteTokenizer, HFTokenizer, load_tokenizer
+from bdh_train.data.tokenizer import (
+    BYTES,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 from bdh_train.data.tokens import TOKEN_DTYPES, VAL_FRACTION, TokenData
 from bdh_train.errors import ConfigError
 from bdh_train.model.config import SummaryMemoryConfig
@@ -205,14 +211,17 @@ class DataConfig:
             text_field=self.text_field,
         )
 
-    def load_source(self, source: str, vocab_size: int) -> TokenData:
+    def load_source(
+        self, source: str, vocab_size: int, tokenizer: Tokenizer | None = None
+    ) -> TokenData:
         """Any other source (e.g. held-out eval data), read like ``source`` (this config's
-        generators, tokenizer, bin_dtype and text_field)."""
+        generators, bin_dtype and text_field, and its tokenizer unless `tokenizer` is given:
+        an export carries its own)."""
         return load_tokens(
             source,
             vocab_size,
             self.generators(),
-            tokenizer=self.load_tokenizer(),
+            tokenizer=self.load_tokenizer() if tokenizer is None else tokenizer,
             bin_dtype=self.bin_dtype,
             text_field=self.text_field,
         )

@@ -72,6 +72,14 @@ def is_prepared(path: str | os.PathLike[str]) -> bool:
     return isinstance(parsed, dict) and parsed.get("format") == FORMAT_NAME
 
 
+def prepared_directory(path: Path) -> Path | None:
+    """The prepared corpus a source names: the directory itself, or the one a split file of
+    it (`DIR/val.bin`) sits in; None for any other source."""
+    if path.is_dir() and is_prepared(path):
+        return path
+    return path.parent if is_prepared_split(path) else None
+
+
 def is_prepared_split(path: Path) -> bool:
     """Whether token file `path` is a split of the prepared corpus it sits in (`DIR/val.bin`
     without a `.json` header of its own)."""

@@ -531,6 +531,12 @@ def _check_state(state: dict[str, Any], kind: str, expected: dict[str, int]) -> 
         )
 
 
+def eval_window_count(n_tokens: int, block_size: int) -> int:
+    """The evaluation windows of `n_tokens` tokens (`eval_batches`): each predicts
+    `block_size` of them, after the first token."""
+    return (n_tokens - 1) // block_size
+
+
 def eval_batches(
     tokens: TokenSource,
     block_size: int,
@@ -547,7 +553,7 @@ def eval_batches(
     batch_size = checks.positive_int("batch_size", batch_size)
     if max_batches is not None and (isinstance(max_batches, bool) or max_batches < 0):
         raise ConfigError(f"max_batches must be None or >= 0, got {max_batches!r}")
-    n_windows = (int(arr.shape[0]) - 1) // block_size
+    n_windows = eval_window_count(int(arr.shape[0]), block_size)
     if n_windows < 1:
         raise DataError(
             f"validation data from {source} has {arr.shape[0]} tokens, fewer than block_size + "

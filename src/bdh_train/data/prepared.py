@@ -510,6 +510,12 @@ def read_meta(directory: Path) -> dict[str, Any]:
     return meta
 
 
+def corpus_tokenizer(directory: Path) -> Path | None:
+    """The tokenizer.json a prepared corpus was tokenized with; None for the byte tokenizer."""
+    meta = read_meta(directory)
+    return None if meta["tokenizer"] == BYTES else directory / TOKENIZER_FILE
+
+
 def _check_tokenizer(directory: Path, meta: dict[str, Any], tokenizer: Tokenizer) -> None:
     if tokenizer.fingerprint() == meta["tokenizer_sha256"]:
         return
@@ -521,7 +527,8 @@ def _check_tokenizer(directory: Path, meta: dict[str, Any], tokenizer: Tokenizer
         f"prepared corpus '{directory}' was tokenized with {theirs} (sha256 "
         f"{meta['tokenizer_sha256'][:12]}...), not with data.tokenizer "
         f"({getattr(tokenizer, 'source', tokenizer.kind)}, sha256 "
-        f"{tokenizer.fingerprint()[:12]}...): set data.tokenizer = {fix}"
+        f"{tokenizer.fingerprint()[:12]}...): set data.tokenizer = {fix}, or leave "
+        "data.tokenizer out (a prepared corpus brings its own)"
     )
 
 

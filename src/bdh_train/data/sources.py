@@ -24,7 +24,7 @@ from bdh_train.data.layout import is_prepared, is_prepared_split
 from bdh_train.data.tokenizer import BYTES, ByteTokenizer, Tokenizer, piece_cuts
 from bdh_train.data.tokens import TokenData, file_size, memmap_file, read_token_file
 from bdh_train.errors import ConfigError, DataError
-from bdh_train.utils import suggest
+from bdh_train.utils import atomic_write, suggest
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -37,8 +37,35 @@ def _pydoc_text() -> str:
     return "\n\n".join(topics[key].rstrip() for key in sorted(topics)) + "\n"
 
 
-BUILTIN_CORPORA: Mapping[str, Callable[[], str]] = MappingProxyType({"pydoc": _pydoc_text})
+def _shakespeare_text() -> str:
+    """Speeches from Shakespeare's plays, each headed by its speaker's name (tinyshakespeare,
+    1.1 MB of ASCII): public domain, shipped gzip-compressed in `data/corpora`, whose NOTICE
+    gives its source."""
+    import gzip
+    import importlib.resources
+
+    packed = importlib.resources.files("bdh_train.data") / "corpora" / "shakespeare.txt.gz"
+    return gzip.decompress(packed.read_bytes()).decode("utf-8")
+
+
+BUILTIN_CORPORA: Mapping[str, Callable[[], str]] = MappingProxyType(
+    {"pydoc": _pydoc_text, "shakespeare": _shakespeare_text}
+)
 """Name -> function returning the corpus text. Read-only: corpora are fixed, not plugins."""
+
+
+def write_builtin_corpus(name: str, out: str | os.PathLike[str], force: bool = False) -> int:
+    """Write builtin corpus `name` to the file `out` as UTF-8 (atomically) and return its
+    size in bytes: the text as a file, for tools that read files (`bdh-train corpus`). An
+    existing `out` is a DataError unless `force`; nothing is written then."""
+    text = builtin_corpus(name).encode("utf-8")
+    path = Path(out).expanduser()
+    if path.exists() and not force:
+        raise DataError(f"{path} exists; pass --force to replace it, or name another file")
+    with atomic_write(path, "wb") as handle:
+        handle.write(text)
+    return len(text)
+
 
 TokenGenerator = Callable[[int], "TokenData | np.ndarray"]
 """A synthetic source: called with the model's vocab_size, returns the token stream.
@@ -84,7 +111,7 @@ def load_tokens(
     name = os.fspath(source)
     if not name:
         raise ConfigError(
-            "data.source is empty; give 'builtin:pydoc', a text file, a directory of .txt "
+            "data.source is empty; give 'builtin:shakespeare', a text file, a directory of .txt "
             "files or a .bin token file"
         )
     generators = generators or {}

@@ -129,10 +129,10 @@ class ByteTokenizer:
 
 
 @cache
-def _byte_level_decoding() -> dict[str, int]:
-    """The byte-level BPE alphabet: the printable character each byte value is written as
-    inside a token (printable Latin-1 bytes stand for themselves, the other 68 are shifted
-    to code points from 256 on), inverted to character -> byte."""
+def byte_level_alphabet() -> tuple[str, ...]:
+    """The byte-level BPE alphabet: the printable character each byte value 0..255 is
+    written as inside a token (printable Latin-1 bytes stand for themselves, the other 68 are
+    shifted to code points from 256 on)."""
     printable = [
         *range(ord("!"), ord("~") + 1),
         *range(ord("\u00a1"), ord("\u00ac") + 1),
@@ -144,7 +144,13 @@ def _byte_level_decoding() -> dict[str, int]:
         if b not in chars:
             chars[b] = 256 + shifted
             shifted += 1
-    return {chr(c): b for b, c in chars.items()}
+    return tuple(chr(chars[b]) for b in range(256))
+
+
+@cache
+def _byte_level_decoding() -> dict[str, int]:
+    """`byte_level_alphabet` inverted: character -> byte."""
+    return {c: b for b, c in enumerate(byte_level_alphabet())}
 
 
 class HFTokenizer:

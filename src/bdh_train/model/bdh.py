@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bdh_train.errors import BDHTrainError
 from bdh_train.model import generate as generation
+from bdh_train.model.activity import ActivationRecorder
 from bdh_train.model.config import BDHConfig, head_parameter_shapes
 from bdh_train.model.gate import GateKernels, gate
 from bdh_train.model.heads import nca_factorized_loss, token_cross_entropy
@@ -39,6 +40,7 @@ from bdh_train.model.positions import (
     alibi_log_decay,
     apply_rope,
     learned_alibi_log_decay,
+    rope_frequencies,
     rope_phases,
 )
 from bdh_train.model.quant import LowBitQuantizer
@@ -46,6 +48,12 @@ from bdh_train.model.state import ModelState
 from bdh_train.model.summary import summary_branch
 
 LN_EPS = 1e-5
+
+ROPE_FREQS = "rope_freqs"
+"""The buffer (and state_dict key) of a rope model's per-neuron frequency table [N], float64."""
+DEFAULTED_KEYS = frozenset({ROPE_FREQS})
+"""state_dict keys a checkpoint may lack: written before they existed, they load as the values
+every such checkpoint had (`rope_frequencies(N)`)."""
 
 RECOMPUTE_MODES = ("none", "layer", "mixer")
 """What backward recomputes instead of keeping: nothing, the whole shared layer, or its mixer."""
@@ -117,6 +125,10 @@ class BDH(nn.Module):
     # token head has lm_head, the NCA head nca_lm_head (and maybe nca_special_head).
     lm_head: nn.Parameter
     nca_lm_head: nn.Parameter
+    rope_freqs: torch.Tensor
+    """Under rope: each neuron's rotation frequency [N] in float64, the same for every head
+    (a fresh model's: `rope_frequencies(N)`; a merged or grown model keeps its sources'). Saved
+    with the weights; it stays float64 whatever dtype the model is cast to."""
 
     def __init__(self, config: BDHConfig):
         super().__init__()
@@ -139,8 +151,22 @@ class BDH(nn.Module):
         # the training twin of layer_call, from compile_layers()
         self._compiled_layer: Callable[..., Any] | None = None
         self._gate_kernels: GateKernels | None = None  # from use_fused_gate()
+        self.recorder: ActivationRecorder | None = None  # model/activity.py's `recording`
         self._summary_layers = frozenset(c.summary_memory.layers(c.n_layer))
+        if c.position == "rope":
+            self.register_buffer(ROPE_FREQS, rope_frequencies(n))
+            self.register_load_state_dict_pre_hook(_default_rope_freqs)
         self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        """Module._apply (to, cuda, half, ...) that moves the rope table but keeps it float64:
+        a phase in float32 would drift by whole turns at long positions."""
+        table = self._buffers.get(ROPE_FREQS)
+        super()._apply(fn, recurse)
+        moved = self._buffers.get(ROPE_FREQS)
+        if table is not None and moved is not None and moved.dtype != torch.float64:
+            self._buffers[ROPE_FREQS] = table.to(moved.device)
+        return self
 
     def reset_parameters(self) -> None:
         """Official init: every weight N(0, 0.02); the shared affine norm starts as identity."""
@@ -216,7 +242,7 @@ class BDH(nn.Module):
     def _position_terms(self, positions: torch.Tensor, dtype: torch.dtype):
         """What the mixer needs for positions [B, T]: rope cos/sin or alibi log-decays."""
         if self.config.position == "rope":
-            return rope_phases(positions, self.config.n_neurons, dtype), None
+            return rope_phases(positions, self.rope_freqs, dtype), None
         if self.config.position == "alibi_learned":
             return None, learned_alibi_log_decay(self.decay_log_gain)
         return None, alibi_log_decay(self.config.n_head)
@@ -245,6 +271,8 @@ class BDH(nn.Module):
             )
             if need_state:
                 state.summary[layer_index] = carry
+        if self.recorder is not None:
+            self.recorder.layer = layer_index
         layer_fn, rho = self._layer_fn_for(u, state.rho[layer_index], need_state, reset_mask)
         u, new_rho = layer_fn(
             u, rho, position_terms, executor or self.config.executor, need_state, reset_mask
@@ -286,7 +314,10 @@ class BDH(nn.Module):
             )
         else:
             a, new_rho = self.mix(*mix_args)
-        y = gate(x, self._project("encoder_v", a, self.encoder_v), self._gate_kernels)
+        pre = self._project("encoder_v", a, self.encoder_v)
+        if self.recorder is not None:
+            self.recorder.record(x, pre)
+        y = gate(x, pre, self._gate_kernels)
         y = F.dropout(y, self.config.dropout, self.training)
         m = self._norm(self._decode(y))
         return self._norm(u + m), new_rho
@@ -484,6 +515,14 @@ class BDH(nn.Module):
     generate = generation.generate
     stream_generate_batch = generation.stream_generate_batch
     generate_batch = generation.generate_batch
+
+
+def _default_rope_freqs(module: BDH, state_dict, prefix: str, *args) -> None:
+    """A state_dict without the rope table (written before the model kept one) loads the
+    table every such model had: `rope_frequencies(N)`."""
+    key = prefix + ROPE_FREQS
+    if key not in state_dict:
+        state_dict[key] = rope_frequencies(module.config.n_neurons)
 
 
 def token_positions(

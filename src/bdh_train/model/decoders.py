@@ -172,6 +172,7 @@ class FastDecoder:
             powers = torch.exp(log_decay.to(weight.device).unsqueeze(1) * exponents)
             self.decay_powers = powers.to(weight.dtype)
             self.decay_powers_reversed = self.decay_powers.flip(1).contiguous()
+        self.rope_freqs = model.rope_freqs if c.position == "rope" else None  # [N], float64
         self.rope_table: torch.Tensor | None = None  # rotations [positions, 1, N/2], complex
         self.table_start = 0
         self._positions_known = False
@@ -244,7 +245,8 @@ class FastDecoder:
         form of the phases `rope_cos_sin` gives (so bit-identical ones)."""
         start, end = self.first_position, self.last_position + ROPE_TABLE_TOKENS
         positions = torch.arange(start, end, device=self.embed.device).view(1, -1)
-        cos, sin = rope_cos_sin(positions, self.neurons, self.embed.dtype)  # [1, 1, P, N]
+        assert self.rope_freqs is not None  # rotations exist under rope only
+        cos, sin = rope_cos_sin(positions, self.rope_freqs, self.embed.dtype)  # [1, 1, P, N]
         turn = torch.complex(cos[0, 0, :, ::2], sin[0, 0, :, ::2])  # [P, N/2]
         self.rope_table = turn.unsqueeze(1).contiguous()  # [P, 1, N/2]
         self.table_start = start

@@ -21,17 +21,25 @@ def rope_frequencies(n: int, device: torch.device | None = None) -> torch.Tensor
     return 1.0 / ROPE_THETA ** (torch.floor(i / 2) * 2 / n) / (2 * math.pi)
 
 
-def rope_cos_sin(
-    positions: torch.Tensor, n: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of the phases for absolute positions [B, T] -> each [B, 1, T, n].
+def rope_phase(positions: torch.Tensor, freqs: torch.Tensor | int) -> torch.Tensor:
+    """phase = frac(p * freq) * 2 pi in float64 for absolute positions [B, T] and a per-neuron
+    frequency table [N] (a model's `rope_freqs`; an int N: `rope_frequencies(N)`) -> [B, T, N].
 
-    Phases are computed in float64 from integer positions, so a token gets bit-identical
-    phases however the sequence is split into calls.
+    Computed in float64 from integer positions, so a token gets bit-identical phases however
+    the sequence is split into calls, and a neuron's phases depend on its own frequency only.
     """
-    freqs = rope_frequencies(n, positions.device)
+    if isinstance(freqs, int):
+        freqs = rope_frequencies(freqs, positions.device)
+    freqs = freqs.to(device=positions.device, dtype=torch.float64)
     turns = positions.to(torch.float64).unsqueeze(-1) * freqs
-    phase = torch.frac(turns) * (2 * math.pi)
+    return torch.frac(turns) * (2 * math.pi)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, freqs: torch.Tensor | int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of `rope_phase` for absolute positions [B, T] -> each [B, 1, T, N]."""
+    phase = rope_phase(positions, freqs)
     return phase.cos().to(dtype).unsqueeze(1), phase.sin().to(dtype).unsqueeze(1)
 
 
@@ -57,9 +65,12 @@ def _unit_turns(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
     return turn, turn.conj().resolve_conj()
 
 
-def rope_phases(positions: torch.Tensor, n: int, dtype: torch.dtype) -> RopePhases:
+def rope_phases(
+    positions: torch.Tensor, freqs: torch.Tensor | int, dtype: torch.dtype
+) -> RopePhases:
     """`RopePhases` for absolute positions [B, T] (`rope_cos_sin`'s phases)."""
-    cos, sin = rope_cos_sin(positions, n, dtype)
+    cos, sin = rope_cos_sin(positions, freqs, dtype)
+    n = cos.shape[-1]
     if not _turns_apply(n, dtype):
         return RopePhases(cos, sin, None, None)
     return RopePhases(cos, sin, *_unit_turns(cos, sin))

@@ -280,6 +280,14 @@ class LowBitQuantizer(nn.Module):
         self.register_buffer(f"{name}_scale", scale.reshape(()), persistent=False)
         self._frozen.add(name)
 
+    def quantized_weight(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """The values projection `name` multiplies by at lambda = 1: its frozen codes * scale,
+        else its parameter `w` quantized (what a float export of the quantized model holds)."""
+        if name in self._frozen:
+            codes, scale = getattr(self, f"{name}_codes"), getattr(self, f"{name}_scale")
+            return dequantize_weight(codes, scale, w.dtype)
+        return fake_quant_weight(w, self.cfg.weight_format)
+
     def project(self, name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if name in self._frozen:
             codes, scale = getattr(self, f"{name}_codes"), getattr(self, f"{name}_scale")

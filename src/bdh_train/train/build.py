@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
+from pathlib import Path
+from typing import IO
 
 import torch
+from tqdm import tqdm
 
 from bdh_train.data.config import DataConfig
+from bdh_train.data.layout import prepared_directory, tokens_file
 from bdh_train.data.loaders import (
     RandomWindowLoader,
     StreamingCorpusLoader,
     StreamingDocumentLoader,
+    eval_window_count,
 )
 from bdh_train.data.tokenizer import ByteTokenizer, Tokenizer
 from bdh_train.data.tokens import TokenData
@@ -36,6 +41,7 @@ from bdh_train.train.profile import StepProfiler
 from bdh_train.train.reduce import all_reduce_sums
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.step import LanguageTrainModel, StepExecutor
+from bdh_train.utils import steps_cap
 
 Loader = RandomWindowLoader | StreamingDocumentLoader | StreamingCorpusLoader
 
@@ -148,13 +154,18 @@ def build_evaluator(
     tokenizer: Tokenizer,
     device: torch.device,
     dp: DistContext | None = None,
+    record_activity: bool = True,
 ) -> Evaluator:
     """The evaluation recipe of `bdh-train train` and `bdh-train eval` alike: the run's block
     and batch sizes, summary trigger and head on `data` (of `source`, default the run's
     validation source), in bits per byte too when it is text of the run's tokenizer. Under
     torchrun (`dp`), data-parallel ranks split the batches and add their sums (pipeline ranks
-    evaluate every batch together)."""
+    evaluate every batch together). With `record_activity` and `training.eval_activity` the same
+    forwards record the neurons' activity (not under a multi-process pipeline, whose ranks hold
+    some layers each)."""
     t, dp = training, dp or DistContext()
+    records = record_activity and t.eval_activity
+    recorded = executor if isinstance(executor, LanguageTrainModel) and records else None
     source = validation_source(data_config) if source is None else source
     return Evaluator(
         executor,
@@ -170,15 +181,25 @@ def build_evaluator(
         add_across_ranks=partial(all_reduce_sums, group=dp.group) if dp.active else None,
         every=t.eval_every,
         last_step=t.max_steps,
+        activity_of=None if recorded is None else recorded.model,
     )
 
 
 def evaluation_data(
-    data: DataConfig, source: str | None, vocab_size: int, block_size: int
+    data: DataConfig,
+    source: str | None,
+    vocab_size: int,
+    block_size: int,
+    tokenizer: Tokenizer | None = None,
 ) -> TokenData:
-    """`source` (`bdh-train eval --data`), else the run's validation split."""
+    """`source` (`bdh-train eval --data`; a prepared corpus gives its validation split, when
+    it has one), else the run's validation split; text is read with `tokenizer` (default:
+    the config's)."""
     if source:
-        tokens = data.load_source(source, vocab_size)
+        corpus = Path(source).expanduser()
+        if prepared_directory(corpus) == corpus and (corpus / tokens_file("val")).is_file():
+            source = str(corpus / tokens_file("val"))
+        tokens = data.load_source(source, vocab_size, tokenizer)
         tokens.validate_for_block(block_size, "eval data")
         return tokens
     _, val = data.load_splits(vocab_size, block_size)
@@ -196,17 +217,62 @@ def evaluate_model(
     data_config: DataConfig,
     source: str | None,
     max_batches: int | None,
+    report: IO[str] | None = None,
 ) -> EvalResult:
     """`bdh-train eval`: the run's evaluation recipe (`build_evaluator`) on `source`, else
     the run's validation split, with the model where it is. A model without a tokenizer of
-    its own reads bytes."""
+    its own reads bytes. At most `steps_cap()` batches when the environment sets it. With
+    `report` (stderr), what is evaluated and how it relates to the figure `train` printed
+    (`eval_scope`) is written there first, then a progress bar. Its row is the loss alone:
+    `inspect` reports the activity."""
     t = training
-    data = evaluation_data(data_config, source, model.config.vocab_size, t.block_size)
-    step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
+    cap = steps_cap()
+    if cap is not None:
+        max_batches = cap if max_batches is None else min(max_batches, cap)
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
+    data = evaluation_data(data_config, source, model.config.vocab_size, t.block_size, tok)
+    step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
     name = source or validation_source(data_config)
     device = model.embed.weight.device
     evaluator = build_evaluator(
-        step, data, name, max_batches, t, data_config, model.config, tok, device
+        step,
+        data,
+        name,
+        max_batches,
+        t,
+        data_config,
+        model.config,
+        tok,
+        device,
+        record_activity=False,
     )
-    return evaluator.run()
+    if report is None:
+        return evaluator.run()
+    report.write(eval_scope(evaluator, source, name, t.eval_steps) + "\n")
+    bar = tqdm(total=evaluator.batch_count, file=report, unit="batch", leave=False, mininterval=1)
+    with bar:
+        evaluator.progress = bar.update
+        return evaluator.run()
+
+
+def eval_scope(evaluator: Evaluator, source: str | None, name: str, eval_steps: int) -> str:
+    """What `bdh-train eval` evaluates, and how its figure relates to the one `train`
+    printed: train evaluates the first `training.eval_steps` batches of its validation
+    split, the same batches in the same order, so `--batches eval_steps` on that split gives
+    train's last figure (from the same weights, in float32); eval takes every batch unless
+    --batches limits it. `source` is eval's --data (None: the run's validation split), `name`
+    what the data is called."""
+    e = evaluator
+    windows = eval_window_count(len(e.data), e.block_size)
+    total = -(-windows // e.batch_size)
+    what = f"the run's validation split (of {name})" if source is None else e.data.source
+    count = (
+        f"all {total} batches" if e.batch_count == total else f"{e.batch_count} of {total} batches"
+    )
+    relation = (
+        f"train's val_loss is over the first training.eval_steps = {eval_steps} batches of "
+        "the run's validation split"
+    )
+    if source is None:
+        relation += f" (--batches {eval_steps} gives the figure train printed last)"
+    return f"eval: {count} of {e.batch_size} x {e.block_size} tokens of {what}; {relation}"

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from bdh_train import checks
 from bdh_train.errors import BDHTrainError, CheckpointError
+from bdh_train.model.bdh import DEFAULTED_KEYS
 from bdh_train.train.dcp import ShardedState, dcp_errors
 from bdh_train.train.run_dir import CHECKPOINTS, CONFIG_FILE
 from bdh_train.utils import atomic_write, current_umask, first_line
@@ -243,12 +244,7 @@ def save_checkpoint(
     old: Path | None = None
     try:
         write(tmp)
-        _write_manifest(tmp)
-        for child in _checkpoint_files(tmp):
-            with open(child, "rb") as handle:
-                os.fsync(handle.fileno())
-        for sub in (p for p in tmp.rglob("*") if p.is_dir()):
-            _fsync_dir(sub)
+        _seal(tmp)
         if before_rename is not None:
             before_rename(tmp)
         if final.exists():  # a re-save of the same point (e.g. after resume): swap it
@@ -267,6 +263,37 @@ def save_checkpoint(
         intact.add(final.name)
     if keep > 0:
         prune_checkpoints(root, keep, intact)
+    return final
+
+
+def _seal(directory: Path) -> None:
+    """Add the manifest of a checkpoint directory's files and put them all on disk."""
+    _write_manifest(directory)
+    for child in _checkpoint_files(directory):
+        with open(child, "rb") as handle:
+            os.fsync(handle.fileno())
+    for sub in (p for p in directory.rglob("*") if p.is_dir()):
+        _fsync_dir(sub)
+
+
+def publish_checkpoint_dir(final: Path, write: Callable[[Path], None]) -> Path:
+    """A checkpoint directory `final` outside any run (`resolve_checkpoint` reads it), written
+    whole or not at all: `write` fills a hidden temporary directory beside it, the manifest
+    is added, and the directory is renamed into place. Refused when `final` exists."""
+    final = Path(final)
+    if final.exists():
+        raise CheckpointError(f"{final} exists: choose a new path for the output")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f"{_TMP_PREFIX}{final.name}-"))
+    os.chmod(tmp, 0o777 & ~current_umask())
+    try:
+        write(tmp)
+        _seal(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 
@@ -404,9 +431,10 @@ def load_model_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def load_into_model(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: Path) -> None:
-    """Strict load with one message listing every missing, unexpected or mis-shaped key."""
+    """Strict load with one message listing every missing, unexpected or mis-shaped key (a
+    key of DEFAULTED_KEYS may be missing: the model fills it)."""
     own = model.state_dict()
-    missing = sorted(set(own) - set(weights))
+    missing = sorted(set(own) - set(weights) - DEFAULTED_KEYS)
     unexpected = sorted(set(weights) - set(own))
     wrong = [
         f"{k}: checkpoint {list(weights[k].shape)} vs model {list(own[k].shape)}"

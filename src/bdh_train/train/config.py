@@ -66,6 +66,10 @@ class TrainingConfig:
     """Evaluate on the validation split every this many optimizer steps."""
     eval_steps: int = 20
     """Validation batches per evaluation."""
+    eval_activity: bool = True
+    """Record the neurons' activity on the evaluation's own forwards (shares of positive x, y
+    and x*y, dead and always-on neurons, per layer) into the evaluation's metrics row; it
+    leaves training unchanged."""
     checkpoint_every: int = 1000
     """Write a checkpoint every this many optimizer steps."""
     keep_checkpoints: int = 3
@@ -74,8 +78,10 @@ class TrainingConfig:
     """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'."""
     threads: int = 0
     """CPU threads torch uses (torch.set_num_threads at the start of the run), at most the
-    machine's CPUs; 0 = torch's default (one per core). On a busy machine fewer threads can be
-    much faster."""
+    machine's CPUs; 0 = automatic: the cores other work leaves free (from the load average),
+    at least 1 and at most torch's default of one per core, or OMP_NUM_THREADS when that is
+    set. The start banner says what it chose. On a busy machine fewer threads are much
+    faster."""
     host_allocator: str = "auto"
     """Host memory policy: 'retain' keeps freed memory in malloc's heap for the next step
     instead of unmapping it (glibc; CPU training ran 1.65-1.8x faster without re-faulting
@@ -127,6 +133,30 @@ class TrainingConfig:
             or self.stream_documents == "corpus"
         )
 
+    def recurrence(self) -> str | None:
+        """What carries the recurrent state and its gradients past a block, in words (the
+        start banner's); None when neither TBPTT nor streaming is on."""
+        parts = []
+        if self.tbptt_chunk_size:
+            chunks = self.tbptt_backprop_chunks
+            parts.append(
+                f"TBPTT: backward through {chunks} chunk{'s' if chunks > 1 else ''} of "
+                f"{self.tbptt_chunk_size} tokens at a time"
+            )
+        if self.stream_documents == "corpus":
+            parts.append(
+                "streaming: each row reads the corpus's documents in turn, its state carried "
+                "across steps and reset where a document begins"
+            )
+        elif self.logical_block_size > self.block_size:
+            parts.append(
+                f"streaming: state carried across the blocks of {self.logical_block_size}-token "
+                "documents"
+            )
+        elif self.tbptt_persist_across_steps:
+            parts.append("streaming: state carried from each step's block to the next")
+        return "; ".join(parts) or None
+
     @property
     def accumulation_steps(self) -> int:
         """Micro-batches per optimizer step, derived from target_tokens_per_step when set."""
@@ -175,6 +205,7 @@ class TrainingConfig:
             self.profile = "step" if self.profile else "off"
         checks.choice(f"{p}.profile", self.profile, PROFILE_MODES)
         checks.boolean(f"{p}.profile_memory", self.profile_memory)
+        checks.boolean(f"{p}.eval_activity", self.eval_activity)
 
         self._normalise_lengths(p)
         if self.target_tokens_per_step:

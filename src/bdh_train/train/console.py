@@ -3,7 +3,9 @@ trains, the evaluation and stop lines, and the summary with the commands that us
 
 from __future__ import annotations
 
+import math
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -162,6 +164,10 @@ class Banner:
     """The preset the config was layered on (`RunConfig.layered_on`)."""
     saved_config: str
     """The run's saved config file (a resume's source)."""
+    threads: str | None = None
+    """torch's CPU thread count and why (`ThreadChoice.describe`); None off the CPU."""
+    recurrence: str | None = None
+    """TBPTT and streaming in words (`TrainingConfig.recurrence`); None when both are off."""
 
     def lines(self) -> list[str]:
         params, accum = self.parameters, self.accumulation_steps
@@ -179,17 +185,31 @@ class Banner:
             layered = f"the run's saved {self.saved_config}"
         else:
             layered = "built directly (no preset)"
+        threads = [f"threads        {self.threads}"] if self.threads is not None else []
+        recurrence = [f"recurrence     {self.recurrence}"] if self.recurrence is not None else []
         return [
             f"run directory  {self.run_dir.resolve()}",
             f"device         {self.device}",
+            *threads,
             f"model          {params / 1e6:.2f} M parameters ({params:,})",
             f"data           {self.source}: {self.train_tokens:,} train tokens, {val}",
             *tokenizer,
             f"per step       {self.batch_size} x {self.block_size} tokens{micro} = "
             f"{per_step:,} tokens",
+            *recurrence,
             f"length         {steps} ({self.max_steps * per_step:,} tokens in all)",
             f"config         {layered}",
         ]
+
+
+def command_name() -> str:
+    """How to run bdh-train here: `bdh-train` when that is on PATH, else the interpreter
+    running this with `-m bdh_train` (`python -m bdh_train` when `python` on PATH is it)."""
+    if shutil.which("bdh-train"):
+        return "bdh-train"
+    python = shutil.which("python")
+    same = python is not None and Path(python).resolve() == Path(sys.executable).resolve()
+    return f"{'python' if same else shlex.quote(sys.executable)} -m bdh_train"
 
 
 def summary_lines(
@@ -214,29 +234,43 @@ def summary_lines(
         lines.append(f"checkpoint     {checkpoint.resolve()}")
     if loss_plot.is_file():
         lines.append(f"loss plot      {loss_plot.resolve()}")
+    command = command_name()
     lines.append(
-        f"train on       bdh-train train --resume {quoted} --set training.max_steps={2 * max_steps}"
+        f"train on       {command} train --resume {quoted} --set training.max_steps={2 * max_steps}"
     )
     if writes_text:
-        lines.append(f"generate       bdh-train generate --checkpoint {quoted} --prompt 'The '")
-    lines.append(f"evaluate       bdh-train eval --checkpoint {quoted}")
+        lines.append(f"generate       {command} generate --checkpoint {quoted} --prompt 'The '")
+    lines.append(f"evaluate       {command} eval --checkpoint {quoted}")
     return lines
 
 
 def eval_line(step: int, val_loss: float, bits_per_byte: float | None) -> str:
-    bits = f" | {bits_per_byte:.3f} bits/byte" if bits_per_byte is not None else ""
-    return f"step {step:>6} | val_loss {val_loss:.4f}{bits}"
+    """An evaluation's line: the mean loss per token, and for text the same loss per UTF-8
+    byte of that text in nats and in bits (a byte-level run's nats/byte is its val_loss; for
+    ASCII text such as Shakespeare a byte is a character)."""
+    per_byte = (
+        f" | {bits_per_byte * math.log(2):.4f} nats/byte = {bits_per_byte:.3f} bits/byte"
+        if bits_per_byte is not None
+        else ""
+    )
+    return f"step {step:>6} | val_loss {val_loss:.4f}{per_byte}"
 
 
 def stop_line(step: int, micro: int, checkpoint: Path, run_dir: Path) -> str:
     return (
         f"stopped at step {step} (+{micro} micro-steps); checkpoint {checkpoint}; continue "
-        f"with: bdh-train train --resume {run_dir}"
+        f"with: {command_name()} train --resume {run_dir}"
     )
 
 
-def sample_line(prompt: str, text: str) -> str:
-    return f"--- sample (prompt: {prompt!r}) ---\n{text}\n---"
+def sample_lines(prompt: str, samples: list[tuple[float, str]]) -> str:
+    """The end-of-run samples: each (temperature, continuation) of the one prompt."""
+    heads = [f"(prompt: {prompt!r})"] + ["(the same prompt)"] * (len(samples) - 1)
+    parts = [
+        f"--- sample at temperature {t:g} {head} ---\n{text}"
+        for head, (t, text) in zip(heads, samples, strict=True)
+    ]
+    return "\n".join([*parts, "---"])
 
 
 class CompileNotice:

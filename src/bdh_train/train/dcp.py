@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from bdh_train.errors import CheckpointError
+from bdh_train.model.bdh import DEFAULTED_KEYS
 from bdh_train.utils import first_line
 
 
@@ -50,6 +51,7 @@ class ShardedState:
 
         state = self._template()
         try:
+            _leave_out_defaulted(state, Path(directory))
             _dcp_load(state, Path(directory))
         except dcp_errors() as exc:
             own = _dcp_failure(exc)
@@ -139,6 +141,15 @@ def read_dcp_metadata(directory: Path) -> Any:
     ):
         raise CheckpointError(f"{path} is not DCP metadata of the files beside it; {damaged}")
     return metadata
+
+
+def _leave_out_defaulted(state: dict[str, Any], directory: Path) -> None:
+    """Leave out of the model's template the DEFAULTED_KEYS that `directory` was written
+    without (before the model had them): loading the model then fills their values."""
+    saved = read_dcp_metadata(directory).state_dict_metadata
+    for key in DEFAULTED_KEYS:
+        if f"model.{key}" not in saved:
+            state["model"].pop(key, None)
 
 
 def _dcp_load(state: dict[str, Any], directory: Path) -> None:

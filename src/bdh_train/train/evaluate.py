@@ -8,10 +8,15 @@ Bits per byte (the one rule): the loss in nats summed over the counted targets, 
 ln 2 and by the UTF-8 bytes those same targets decode to (`Tokenizer.token_byte_lengths`,
 counted with the head's own mask, `heads.counted_target_mask`). For the byte tokenizer every
 target is one byte, so it is the mean loss / ln 2; for a BPE it compares across vocabularies.
+
+Activity (`Evaluator.activity_of`): the same forward passes, recorded by model/activity.py's
+`ActivityCounts` (shares of positive x, yg and x * yg, dead and always-on neurons, over all
+layers and per layer); no extra pass over any data.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Callable
@@ -24,10 +29,11 @@ import torch
 from bdh_train.batch import SequenceBatch
 from bdh_train.data.config import DataConfig, is_text_of
 from bdh_train.data.events import SummaryEventTrigger
-from bdh_train.data.loaders import eval_batches
+from bdh_train.data.loaders import eval_batches, eval_window_count
 from bdh_train.data.tokenizer import BYTES, Tokenizer
 from bdh_train.data.tokens import TokenData
 from bdh_train.errors import DataError
+from bdh_train.model.activity import ActivityCounts, recording
 from bdh_train.model.bdh import BDH
 from bdh_train.model.config import BDHConfig, LanguageHeadConfig
 from bdh_train.model.generate import check_finite_weights
@@ -53,12 +59,14 @@ class EvalResult:
     bits_per_byte: float | None
     """The loss in bits per UTF-8 byte of the text; None when the tokens are not text of a
     tokenizer."""
+    activity: dict[str, float] | None = None
+    """`ActivityCounts.row` of the evaluated tokens, when recorded."""
 
     def row(self) -> dict[str, Any]:
         out: dict[str, Any] = {"val_loss": self.val_loss}
         if self.bits_per_byte is not None:
             out["bits_per_byte"] = self.bits_per_byte
-        return out
+        return out | (self.activity or {})
 
 
 def counted_target_bytes(
@@ -89,6 +97,7 @@ def evaluate(
     head: LanguageHeadConfig | None = None,
     part: tuple[int, int] = (0, 1),
     add_across_ranks: Callable[[list[float]], list[float]] | None = None,
+    progress: Callable[[], object] | None = None,
 ) -> EvalResult:
     """Every token after the first of the first `max_batches` eval batches, predicted once
     (with their summary event masks when there is a trigger).
@@ -100,7 +109,8 @@ def evaluate(
 
     With `part = (rank, world)` this process evaluates batches rank, rank + world, ... and
     `add_across_ranks` (an all-reduce SUM over the data-parallel ranks) turns its sums into
-    the sums over all batches, so every rank returns the one-process result."""
+    the sums over all batches, so every rank returns the one-process result. `progress` is
+    called after each batch."""
     head = head if head is not None else LanguageHeadConfig()
     lengths = None if byte_lengths is None else torch.as_tensor(byte_lengths, dtype=torch.int64)
     rank, world = part
@@ -112,6 +122,8 @@ def evaluate(
         count += counted
         if lengths is not None:
             text_bytes += counted_target_bytes(batch.targets, lengths, head)
+        if progress is not None:
+            progress()
     if add_across_ranks is not None:
         total, count, text_bytes = add_across_ranks([total, count, text_bytes])
     if count == 0:  # a mean over nothing is no number, least of all 0.0
@@ -157,11 +169,29 @@ class Evaluator:
     add_across_ranks: Callable[[list[float]], list[float]] | None = None
     every: int = 0
     last_step: int = 0
+    progress: Callable[[], object] | None = None
+    """Called after each batch (`bdh-train eval`'s progress bar)."""
+    activity_of: BDH | None = None
+    """The model whose neurons' activity the evaluation's own forwards record, else None."""
 
     def should_evaluate(self, step: int) -> bool:
         return every_and_last(step, self.every, self.last_step)
 
     def run(self) -> EvalResult:
+        counts = None
+        with contextlib.ExitStack() as stack:
+            if self.activity_of is not None:
+                c = self.activity_of.config
+                counts = ActivityCounts(c.n_layer, c.n_head, c.n_neurons, self.device)
+                stack.enter_context(recording(self.activity_of, counts))
+            result = self._evaluate()
+        if counts is not None:
+            if self.add_across_ranks is not None:
+                counts.set_counts(_summed(counts.counts(), self.add_across_ranks))
+            result.activity = counts.row()
+        return result
+
+    def _evaluate(self) -> EvalResult:
         text_of = self.text_of
         return evaluate(
             self.executor,
@@ -175,11 +205,33 @@ class Evaluator:
             head=self.head,
             part=self.part,
             add_across_ranks=self.add_across_ranks,
+            progress=self.progress,
         )
+
+    @property
+    def batch_count(self) -> int:
+        """The batches `run` evaluates (of this process and its data-parallel peers)."""
+        windows = eval_window_count(len(self.data), self.block_size)
+        batches = -(-windows // self.batch_size)
+        return batches if self.max_batches is None else min(batches, self.max_batches)
+
+
+def _summed(
+    counts: list[torch.Tensor], add: Callable[[list[float]], list[float]]
+) -> list[torch.Tensor]:
+    """`counts` added over the ranks by `add` (float64 sums: exact below 2**53)."""
+    flat = torch.cat([c.reshape(-1) for c in counts]).double()
+    summed = torch.tensor(add(flat.tolist()), dtype=torch.float64)
+    pieces = summed.split([c.numel() for c in counts])
+    return [p.view(c.shape).to(c) for p, c in zip(pieces, counts, strict=True)]
 
 
 SAMPLE_PROMPT_TOKENS = 32
 """The end-of-run sample continues this many tokens of the validation (else train) data."""
+
+SAMPLE_TEMPERATURES = (0.8, 0.5)
+"""The end-of-run samples' temperatures: the usual one, then a lower one, whose text keeps
+to the model's likeliest words (a young model's 0.8 sample wanders more)."""
 
 
 def sample_prompt(ids: np.ndarray, tokenizer: Tokenizer) -> np.ndarray:
@@ -205,9 +257,10 @@ def sample_continuation(
     device: torch.device,
     max_new_tokens: int = 200,
     where: str = "the trained model",
+    temperature: float = SAMPLE_TEMPERATURES[0],
 ) -> tuple[str, str] | None:
     """(prompt, continuation) of the end-of-run sample: the first `SAMPLE_PROMPT_TOKENS` of
-    the validation (else train) split of `splits` continued by `model` at temperature 0.8,
+    the validation (else train) split of `splits` continued by `model` at `temperature`,
     top-k 50, seed 0, decoded; None unless the model writes text of `tokenizer`
     (`writes_text`). Weights holding NaN or infinity are a NonFiniteModelError naming
     `where` (what the weights are: 'checkpoint RUN/...')."""
@@ -225,7 +278,7 @@ def sample_continuation(
     out = model.generate(
         prompt,
         max_new_tokens,
-        temperature=0.8,
+        temperature=temperature,
         top_k=50,
         generator=torch.Generator(device).manual_seed(0),
         summary_events=data_config.summary_trigger(),

@@ -277,17 +277,24 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return _read_rows(path)[0]
 
 
+ACTIVITY_KEYS = ("x_active", "y_active", "xy_active", "dead", "always_on")
+"""The evaluation's activity numbers (model/activity.py) `plot_losses` draws under the loss."""
+
+
 def plot_losses(run_dir: Path) -> Path:
-    """Draw train and validation loss against step into run_dir/loss.png."""
+    """Draw train and validation loss against step into run_dir/loss.png, and below them the
+    evaluations' neuron activity where the rows hold it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     rows = read_metrics(Path(run_dir) / METRICS_FILE)
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    fig = Figure(figsize=(7, 4.2))
+    activity = {k: [(r["step"], r[k]) for r in rows if k in r] for k in ACTIVITY_KEYS}
+    panels = 2 if any(activity.values()) else 1
+    fig = Figure(figsize=(7, 4.2 * panels))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(panels, 1, 1)
     if train:
         ax.plot(*zip(*train, strict=True), label="train loss", color="tab:blue")
     if val:
@@ -296,6 +303,15 @@ def plot_losses(run_dir: Path) -> Path:
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
+    if panels == 2:
+        ax = fig.add_subplot(2, 1, 2)
+        for key, points in activity.items():
+            if points:
+                ax.plot(*zip(*points, strict=True), "o-", label=key)
+        ax.set_xlabel("step")
+        ax.set_ylabel("share (validation tokens, all layers)")
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     out = Path(run_dir) / PLOT_FILE
     with atomic_write(out, "wb") as handle:

@@ -77,13 +77,16 @@ class OptimizerConfig:
     def build(
         self, model: nn.Module, muon_names: Collection[str] = MUON_PARAMETERS
     ) -> torch.optim.AdamW:
-        """AdamW over `model`, matrices decaying and vectors not; with name = 'muon', Muon for
-        the parameters named in `muon_names` (BDH's encoders and decoder) instead."""
+        """AdamW over `model`'s trainable parameters, matrices decaying and vectors not; with
+        name = 'muon', Muon for the parameters named in `muon_names` (BDH's encoders and
+        decoder) instead. A frozen parameter (requires_grad False) is left out: the decoupled
+        decay would shrink it at every step, gradient or none."""
         betas = (self.betas[0], self.betas[1])  # validate() checked there are two
         muon: list[nn.Parameter] = []
         rest: list[nn.Parameter] = []
         for name, p in model.named_parameters():
-            (muon if self.name == "muon" and name in muon_names else rest).append(p)
+            if p.requires_grad:
+                (muon if self.name == "muon" and name in muon_names else rest).append(p)
         groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": self.weight_decay}]
         if any(p.dim() < 2 for p in rest):
             groups.append({"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0})

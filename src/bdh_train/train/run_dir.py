@@ -146,15 +146,23 @@ class RunDir:
 
     The directory is the command's own (`owned`) when it did not exist before the command
     named it, or once a trainer was built on it: only then does `log_error` write into it.
-    A refused command leaves the directory byte for byte as it was: taking the lock
+    A stamped directory (no --run-dir) that a failure left with nothing but the lock and log
+    is removed instead. A refused command leaves the directory byte for byte as it was:
+    taking the lock
     rewrites the lock file's pid, and giving it back after a refusal puts the file back
     (or removes it, and the directory, where the command created them)."""
 
-    def __init__(self, path: str | os.PathLike[str], fresh: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], fresh: bool = True, stamped: bool = False
+    ) -> None:
         """`fresh`: a directory for a new run (one a resume names is never created for its
-        error log)."""
+        error log). `stamped`: the runs/<date>-<time> directory of a command given no
+        --run-dir, which a failure that wrote nothing else leaves no trace of (no directory
+        holding only its error log: `log_error`)."""
         self.path = Path(path)
+        self.stamped = stamped
         self._existed = self.path.exists()
+        self._parent_existed = self.path.parent.exists()
         self._lock: RunDirLock | None = None
         self.owned = fresh and not self._existed
         """Whether the command may write its error log here."""
@@ -227,12 +235,26 @@ class RunDir:
         the log."""
         if not self.owned:
             return
+        if self.stamped and not used_entries(self.path):
+            self._remove_unused()
+            return
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             stamp = _dt.datetime.now().isoformat(timespec="seconds")
             append_line(self.error_log, f"{stamp} {message}")
         except (OSError, ConfigError):  # the error itself is on stderr
             pass
+
+    def _remove_unused(self) -> None:
+        """Remove this command's directory (and the runs/ folder it made for it) when it holds
+        nothing but the lock file and error log."""
+        with contextlib.suppress(OSError):
+            if self.path.is_dir():
+                for name in (LOCK_FILE, ERROR_LOG):
+                    (self.path / name).unlink(missing_ok=True)
+                self.path.rmdir()
+            if not self._parent_existed:
+                self.path.parent.rmdir()
 
     # ------------------------------------------------------------------ fresh and resumed runs
     def check_fresh(self, overwrite: bool) -> None:

@@ -1,0 +1,312 @@
+"""`bdh-train grow` and `bdh-train merge` on runs: read the sources (run directories or
+checkpoints), join or widen their weights (model/compose.py), optionally fine-tune a merge
+with chosen parameter groups frozen, measure each source domain's loss, and write the result
+as a checkpoint directory that a new run starts from (`checkpoint.init_from`).
+
+The output directory holds model.safetensors, a config.toml (the first source's run config
+with the new model section and `checkpoint.init_from` naming the directory, so
+`bdh-train train --config OUT/config.toml` trains on from it), the source's tokenizer.json
+when it has one, a merge's metrics.jsonl (its report and fine-tune losses) and a manifest. It
+is written beside its final path and renamed into place, so a refusal or a crash leaves
+nothing. No optimizer state is carried: the run that trains on starts a fresh AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bdh_train.config import RunConfig, dump_toml
+from bdh_train.data.tokenizer import TOKENIZER_FILE, HFTokenizer, Tokenizer
+from bdh_train.data.tokens import TokenData
+from bdh_train.errors import ConfigError
+from bdh_train.inference import load_run
+from bdh_train.model import BDH, groups
+from bdh_train.model.compose import grow_weights, grown_config, merge_weights, merged_config
+from bdh_train.train import checkpoint as ckpt
+from bdh_train.train.build import evaluate_model
+from bdh_train.train.optim import OptimizerConfig
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class Source:
+    """One loaded source run: its model, tokenizer and run config."""
+
+    path: str
+    model: BDH
+    tokenizer: Tokenizer | None
+    cfg: RunConfig
+
+
+def _load(path: str) -> Source:
+    model, tokenizer, cfg = load_run(path)
+    return Source(path, model, tokenizer, cfg)
+
+
+def _tokenizer_text(source: Source) -> str | None:
+    """The tokenizer.json text of a source's own tokenizer (None for bytes or none)."""
+    tok = source.tokenizer
+    return tok.to_json() if isinstance(tok, HFTokenizer) else None
+
+
+def _check_out(out: str | Path) -> Path:
+    out = Path(out)
+    if out.exists():
+        raise ConfigError(f"--out {out} exists: choose a new path for the output")
+    return out
+
+
+def write_composed(
+    out: Path, model: BDH, source: Source, rows: list[dict[str, Any]] | None = None
+) -> Path:
+    """Write `model` as the checkpoint directory `out` (this module's docstring), with the
+    run config and tokenizer of `source`, atomically."""
+    tokenizer_text = _tokenizer_text(source)
+    final = out.resolve()
+    data = source.cfg.data
+    if tokenizer_text is not None:
+        data = dataclasses.replace(data, tokenizer=str(final / TOKENIZER_FILE))
+    checkpoint = dataclasses.replace(source.cfg.checkpoint, init_from=str(final), resume="")
+    cfg = dataclasses.replace(source.cfg, model=model.config, data=data, checkpoint=checkpoint)
+    config = model.config.to_dict()
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+
+    def write(directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        metadata = {"bdh_config": json.dumps(config), "step": "0"}
+        save_file(tensors, str(directory / ckpt.MODEL_FILE), metadata=metadata)
+        (directory / "config.toml").write_text(dump_toml(cfg), encoding="utf-8")
+        if tokenizer_text is not None:
+            (directory / TOKENIZER_FILE).write_text(tokenizer_text, encoding="utf-8")
+        if rows is not None:
+            lines = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+            (directory / METRICS_FILE).write_text(lines, encoding="utf-8")
+
+    return ckpt.publish_checkpoint_dir(out, write)
+
+
+# ---------------------------------------------------------------- grow
+def grow_run(source: str, multiplier: int, out: str | Path, seed: int = 0) -> Path:
+    """Write `source`'s model widened to `multiplier` times its neurons per head
+    (`grow_weights`: the same function, new neurons drawn from a fresh model seeded with
+    `seed`) as the checkpoint directory `out`."""
+    out = _check_out(out)
+    src = _load(source)
+    config = grown_config(src.model.config, multiplier)
+    torch.manual_seed(seed)
+    grown = BDH(config).to(src.model.embed.weight.dtype)
+    weights = grow_weights(src.model.state_dict(), src.model.config, multiplier, grown.state_dict())
+    grown.load_state_dict(weights)
+    return write_composed(out, grown, src)
+
+
+# ---------------------------------------------------------------- merge
+@dataclass
+class MergeReport:
+    """Each source domain's validation loss (and bits per byte) for each model: the sources,
+    the merge and, after a fine-tune, the fine-tuned merge."""
+
+    names: list[str]
+    """The sources' short names (A, B, ...), which also name their domains."""
+    paths: list[str]
+    results: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    """model name -> domain name -> EvalResult.row()."""
+    finetune_losses: list[float] = field(default_factory=list)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """metrics.jsonl rows: one per fine-tune step, then one per (model, domain)."""
+        out: list[dict[str, Any]] = [
+            {"step": step, "loss": loss} for step, loss in enumerate(self.finetune_losses, 1)
+        ]
+        for model, domains in self.results.items():
+            for domain, row in domains.items():
+                out.append({"model": model, "domain": domain, **row})
+        return out
+
+    def table(self) -> str:
+        """The report as text: a row per model, a column per domain (bits per byte where the
+        domain is text, else the loss in nats)."""
+        sources = [f"{n} = {p}" for n, p in zip(self.names, self.paths, strict=True)]
+        header = ["model", *(f"domain {n}" for n in self.names)]
+        lines = ["  ".join(f"{h:>14}" for h in header)]
+        for model, domains in self.results.items():
+            cells = [f"{model:>14}"]
+            for name in self.names:
+                row = domains[name]
+                value = row.get("bits_per_byte", row["val_loss"])
+                unit = "bpb" if "bits_per_byte" in row else "nats"
+                cells.append(f"{value:>9.4f} {unit:<4}")
+            lines.append("  ".join(cells))
+        return "\n".join(["sources: " + "; ".join(sources), *lines])
+
+
+@dataclass
+class FinetuneConfig:
+    """The optional short fine-tune of a merge."""
+
+    steps: int = 0
+    """Optimizer steps (0: none)."""
+    data: list[str] = field(default_factory=list)
+    """Sources to fine-tune on (mixed row by row); empty: the sources' training splits."""
+    freeze: list[str] = field(default_factory=list)
+    """Parameter groups (model.groups.TARGETS) that get no gradient and no weight decay."""
+    seed: int = 0
+
+    def validate(self) -> FinetuneConfig:
+        if self.steps < 0:
+            raise ConfigError(f"--finetune-steps must be >= 0, got {self.steps}")
+        for target in self.freeze:
+            if target not in groups.TARGETS:
+                raise ConfigError(
+                    f"--freeze names an unknown parameter group {target!r}; expected some of "
+                    f"{', '.join(groups.TARGETS)}"
+                )
+        if self.data and not self.steps:
+            raise ConfigError("--data is the fine-tune's data: pass --finetune-steps K too")
+        return self
+
+
+def _check_tokenizers(sources: list[Source], names: list[str]) -> None:
+    first = _tokenizer_text(sources[0])
+    for source, name in zip(sources[1:], names[1:], strict=True):
+        if _tokenizer_text(source) != first:
+            raise ConfigError(
+                f"cannot merge {name} ({source.path}) with A ({sources[0].path}): their "
+                "tokenizers differ; merge only models trained with the same tokenizer"
+            )
+
+
+def _domain_losses(
+    model: BDH, sources: list[Source], names: list[str], batches: int | None
+) -> dict[str, dict[str, float]]:
+    """Each source's validation split, evaluated with its own run's recipe."""
+    out = {}
+    for source, name in zip(sources, names, strict=True):
+        cfg = source.cfg
+        result = evaluate_model(model, source.tokenizer, cfg.training, cfg.data, None, batches)
+        out[name] = result.row()
+    return out
+
+
+def merge_runs(
+    paths: list[str],
+    out: str | Path,
+    embeddings: str = "average",
+    finetune: FinetuneConfig | None = None,
+    eval_batches: int | None = 20,
+) -> MergeReport:
+    """Merge the sources' models along N (`merge_weights`), report each source domain's loss
+    for every source, the merge and the fine-tuned merge, and write the merge (fine-tuned
+    when asked) as the checkpoint directory `out` with the report in its metrics.jsonl."""
+    finetune = (finetune or FinetuneConfig()).validate()
+    if len(paths) < 2:
+        raise ConfigError(f"merge needs at least two sources, got {len(paths)}")
+    if len(paths) > 26:
+        raise ConfigError(f"merge takes at most 26 sources (named A-Z), got {len(paths)}")
+    out = _check_out(out)
+    names = [chr(ord("A") + i) for i in range(len(paths))]
+    sources = [_load(p) for p in paths]
+    config = merged_config(
+        [s.model.config for s in sources],
+        [f"{n} ({s.path})" for n, s in zip(names, sources, strict=True)],
+    )
+    _check_tokenizers(sources, names)
+    weights = merge_weights(
+        [s.model.state_dict() for s in sources], [s.model.config for s in sources], embeddings
+    )
+    merged = BDH(config).to(sources[0].model.embed.weight.dtype)
+    merged.load_state_dict(weights)
+    merged.eval()
+    report = MergeReport(names, [s.path for s in sources])
+    for source, name in zip(sources, names, strict=True):
+        report.results[name] = _domain_losses(source.model, sources, names, eval_batches)
+    report.results["merged"] = _domain_losses(merged, sources, names, eval_batches)
+    if finetune.steps:
+        first = sources[0].cfg
+        data = _finetune_data(sources, finetune.data, merged.config.vocab_size)
+        report.finetune_losses = finetune_model(
+            merged,
+            data,
+            finetune,
+            first.optimizer,
+            first.training.block_size,
+            first.training.batch_size,
+        )
+        label = f"merged+ft{finetune.steps}"
+        report.results[label] = _domain_losses(merged, sources, names, eval_batches)
+    write_composed(out, merged, sources[0], report.rows())
+    return report
+
+
+def _finetune_data(sources: list[Source], named: list[str], vocab_size: int) -> list[TokenData]:
+    """The fine-tune's domains: the named sources read as the first run reads data, else
+    every source run's training split."""
+    if named:
+        data = sources[0].cfg.data
+        return [data.load_source(name, vocab_size) for name in named]
+    return [s.cfg.data.load_splits(vocab_size, s.cfg.training.block_size)[0] for s in sources]
+
+
+def mixed_batch(
+    domains: list[TokenData], block: int, batch: int, rng: np.random.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) [batch, block] of random windows, row r from domain r mod len(domains)."""
+    rows = []
+    for r in range(batch):
+        tokens = domains[r % len(domains)].tokens
+        start = int(rng.integers(0, len(tokens) - block))
+        rows.append(np.asarray(tokens[start : start + block + 1], dtype=np.int64))
+    window = torch.from_numpy(np.stack(rows))
+    return window[:, :-1], window[:, 1:]
+
+
+def finetune_model(
+    model: BDH,
+    domains: list[TokenData],
+    finetune: FinetuneConfig,
+    optimizer: OptimizerConfig,
+    block: int,
+    batch: int,
+) -> list[float]:
+    """`finetune.steps` AdamW steps (`optimizer`'s lr, betas, decay and clipping, no schedule)
+    on rows mixed from `domains`; returns each step's loss. Parameters of the frozen groups
+    have requires_grad False for the fine-tune, so they get no gradient, and are left out of
+    the optimizer, so its decoupled weight decay never touches them."""
+    for data in domains:
+        data.validate_for_block(block, "fine-tune data")
+    frozen = {
+        name for target in finetune.freeze for name in groups.params_for_target(model, target)
+    }
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+    adamw = optimizer.build(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    rng = np.random.default_rng(finetune.seed)
+    torch.manual_seed(finetune.seed)
+    losses = []
+    model.train()
+    try:
+        for _ in range(finetune.steps):
+            inputs, targets = mixed_batch(domains, block, batch, rng)
+            device = model.embed.weight.device
+            _, loss = model(inputs.to(device), targets.to(device))
+            assert loss is not None
+            adamw.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, optimizer.clip_norm())
+            adamw.step()
+            losses.append(float(loss.detach()))
+    finally:
+        model.eval()
+        for param in model.parameters():
+            param.requires_grad_(True)
+    return losses

@@ -1,0 +1,377 @@
+"""`bdh-train inspect`: a run's neurons, neuron graphs and synapses, as numbers
+(`inspect_model`, for notebooks) and as a report directory (`inspect_checkpoint`:
+report.html, inspect.json and one GraphML file of hubs per graph), written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bdh_train.data.tokenizer import Tokenizer
+from bdh_train.errors import BDHTrainError, DataError
+from bdh_train.inspect.activity import InspectRecorder, record_activity
+from bdh_train.inspect.graph import (
+    GRAPH_KINDS,
+    GraphSummary,
+    graph_factors,
+    summarize_graph,
+    write_hub_graphml,
+)
+from bdh_train.inspect.report import degree_figure, render, sparsity_figure
+from bdh_train.inspect.synapses import check_probe_classes, synapse_report
+from bdh_train.model.bdh import BDH
+
+REPORT_FILE = "report.html"
+NUMBERS_FILE = "inspect.json"
+CONCEPT_KEY = "concept"
+"""A prompts-file line's key marking a text with (true) or without (false) the concept."""
+
+GRAPH_METHOD = (
+    "G_x[h] = decoder_h @ encoder[h], G_y[h] = decoder_h @ encoder_v[h]; the graph keeps the "
+    "{edges} largest |entries| (i != j) among {nodes} neurons{sampled} as undirected "
+    "unweighted edges; communities: Louvain (networkx, seed 0); heavy-tail fit: discrete "
+    "power law by maximum likelihood, xmin by Kolmogorov-Smirnov, R = log-likelihood ratio "
+    "against an exponential (R > 0 favours the power law; p its significance)."
+)
+
+
+@dataclass
+class InspectOptions:
+    """What an inspection reads and how much."""
+
+    max_tokens: int = 8192
+    """Tokens of data read for the activity and the neuron dashboards."""
+    block_size: int = 256
+    """Tokens a row; each row starts from a fresh state."""
+    batch_size: int = 8
+    """Rows a forward call."""
+    graph_neurons: int = 8192
+    """Neurons a graph is built over; a head with more is sampled uniformly (seeded)."""
+    edges_per_neuron: int = 8
+    """The thresholded graph keeps this many entries per neuron (the largest |G_ij|)."""
+    hubs: int = 20
+    """Hubs listed per graph and nodes of the GraphML hub subgraph."""
+    dashboard_neurons: int = 12
+    """Neurons shown in the dashboards (those firing most often)."""
+    top_k: int = 4
+    """Contexts shown per dashboard neuron."""
+    context: int = 24
+    """Tokens of context either side of a dashboard token."""
+    probe_neurons: int = 64
+    """Neurons a head whose synapses the synapse section reads."""
+    layer: int = -1
+    """The layer of the dashboards and the synapses (-1: the last)."""
+    seed: int = 0
+
+
+@dataclass
+class Inspection:
+    """What `inspect_model` found: the JSON numbers and what the report draws from."""
+
+    numbers: dict[str, Any]
+    recorder: InspectRecorder
+    graphs: list[GraphSummary]
+    dashboard: list[list[Any]] = field(default_factory=list)
+
+
+def check_options(options: InspectOptions) -> None:
+    """Refuse sizes below 1 before anything is read."""
+    for name in (
+        "max_tokens",
+        "block_size",
+        "batch_size",
+        "graph_neurons",
+        "edges_per_neuron",
+        "hubs",
+        "dashboard_neurons",
+        "top_k",
+        "probe_neurons",
+    ):
+        value = getattr(options, name)
+        if value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise BDHTrainError(f"{flag} must be >= 1, got {value}")
+
+
+def sparsity_numbers(recorder: InspectRecorder) -> dict[str, Any]:
+    """Per layer and head: x, y, xy activity, dead and always-on shares; layer means; all."""
+    tables = recorder.tables()
+    layers = []
+    for layer in range(recorder.tokens.numel()):
+        heads = [
+            {"head": h, **{k: float(t[layer, h]) for k, t in tables.items()}}
+            for h in range(recorder.fires.shape[1])
+        ]
+        layers.append(
+            {
+                "layer": layer,
+                **{k: float(t[layer].mean()) for k, t in tables.items()},
+                "heads": heads,
+            }
+        )
+    shares = recorder.token_shares()
+    quantiles = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    return {
+        "layers": layers,
+        "all": {k: float(t.mean()) for k, t in tables.items()},
+        "token_x_share_quantiles": [
+            dict(zip(("p10", "p50", "p90"), s.quantile(quantiles).tolist(), strict=True))
+            for s in shares
+        ],
+    }
+
+
+def _context(tokenizer: Tokenizer | None, tokens: torch.Tensor, at: int, width: int) -> str:
+    """HTML of the tokens around position `at`, that token marked."""
+
+    def text(ids: torch.Tensor) -> str:
+        values = ids.tolist()
+        if tokenizer is None:
+            return " ".join(str(v) for v in values) + " "
+        return tokenizer.decode(values)
+
+    before = text(tokens[max(0, at - width) : at])
+    after = text(tokens[at + 1 : at + 1 + width])
+    return (
+        html.escape(before)
+        + "<mark>"
+        + html.escape(text(tokens[at : at + 1]))
+        + "</mark>"
+        + html.escape(after)
+    )
+
+
+def dashboard(
+    recorder: InspectRecorder,
+    tokens: torch.Tensor,
+    tokenizer: Tokenizer | None,
+    options: InspectOptions,
+) -> tuple[list[dict[str, Any]], list[list[Any]]]:
+    """(JSON, table rows) of the most often firing neurons of the dashboard layer."""
+    layer = recorder.dashboard_layer
+    fires = recorder.fires[layer].cpu()  # [H, N]
+    total = max(int(recorder.tokens[layer]), 1)
+    order = fires.reshape(-1).topk(min(options.dashboard_neurons, fires.numel())).indices
+    n = fires.shape[1]
+    numbers, rows = [], []
+    for flat in order.tolist():
+        head, neuron = divmod(flat, n)
+        values = recorder.top_values[head, :, neuron].cpu().tolist()
+        where = recorder.top_tokens[head, :, neuron].cpu().tolist()
+        top = []
+        for value, at in zip(values, where, strict=True):
+            if value <= 0:
+                continue
+            context = _context(tokenizer, tokens, at, options.context)
+            top.append({"activation": value, "token": at})
+            rows.append([head, neuron, int(fires[head, neuron]) / total, value, context])
+        numbers.append(
+            {
+                "layer": layer,
+                "head": head,
+                "neuron": neuron,
+                "firing_rate": int(fires[head, neuron]) / total,
+                "top": top,
+            }
+        )
+    return numbers, rows
+
+
+def inspect_model(
+    model: BDH,
+    tokens: torch.Tensor,
+    tokenizer: Tokenizer | None,
+    options: InspectOptions,
+    prompts: list[list[int]] | None = None,
+    labels: list[bool] | None = None,
+    progress: Any = None,
+) -> Inspection:
+    """Record the model's neurons over `tokens` [T] (the first `max_tokens`), build and fit
+    every head's G_x and G_y, and read the synapses after each prompt (the concept probe with
+    `labels`). `progress(tokens)` is called as the data is read."""
+    check_options(options)
+    c = model.config
+    layer = options.layer % c.n_layer
+    tokens = tokens[: options.max_tokens].to(torch.int64)
+    if tokens.numel() == 0:
+        raise DataError("no tokens to inspect: give --data a source with at least one token")
+    recorder = InspectRecorder(
+        c.n_layer, c.n_head, c.n_neurons, layer, options.top_k, model.embed.weight.device
+    )
+    record_activity(model, tokens, options.block_size, options.batch_size, recorder, progress)
+    graphs = [
+        summarize_graph(
+            *graph_factors(model, kind, head),
+            kind,
+            head,
+            options.edges_per_neuron,
+            options.graph_neurons,
+            options.hubs,
+            options.seed,
+        )
+        for kind in GRAPH_KINDS
+        for head in range(c.n_head)
+    ]
+    nodes = min(c.n_neurons, options.graph_neurons)
+    sampled = (
+        f" (a uniform sample of the head's {c.n_neurons}, seed {options.seed})"
+        if nodes < c.n_neurons
+        else ""
+    )
+    neuron_numbers, rows = dashboard(recorder, tokens, tokenizer, options)
+    numbers: dict[str, Any] = {
+        "tokens": int(tokens.numel()),
+        "position": c.position,
+        "sparsity": sparsity_numbers(recorder),
+        "graph_method": GRAPH_METHOD.format(
+            edges=options.edges_per_neuron * nodes, nodes=nodes, sampled=sampled
+        ),
+        "graphs": [g.numbers() for g in graphs],
+        "dashboard_layer": layer,
+        "neurons": neuron_numbers,
+        "synapses": None,
+    }
+    if prompts:
+        numbers["synapses"] = synapse_report(
+            model, prompts, labels, layer, options.probe_neurons, options.hubs
+        )
+        numbers["synapses"]["position"] = c.position
+    return Inspection(numbers, recorder, graphs, rows)
+
+
+def write_report(inspection: Inspection, out: Path, hubs: int) -> Path:
+    """Write report.html, inspect.json and the hub GraphML files into a new directory beside
+    `out`, then rename it to `out`: a reader sees the whole report or none. An `out` holding
+    an earlier report (its inspect.json) is replaced; any other existing `out` is refused."""
+    out = Path(out)
+    if out.exists() and not (out.is_dir() and (out / NUMBERS_FILE).is_file()):
+        raise BDHTrainError(f"--out {out} exists and holds no earlier report: name a new directory")
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        raise BDHTrainError(f"--out {out}: the directory {parent} does not exist")
+    building = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    try:
+        numbers = inspection.numbers
+        figures = {"sparsity": sparsity_figure(numbers, inspection.recorder.token_shares())}
+        if inspection.graphs:
+            figures["degrees"] = degree_figure(inspection.graphs)
+        for g in inspection.graphs:
+            write_hub_graphml(g, building / f"hubs_G{g.kind}_head{g.head}.graphml", hubs)
+        (building / NUMBERS_FILE).write_text(json.dumps(numbers, indent=1) + "\n")
+        (building / REPORT_FILE).write_text(render(numbers, figures, inspection.dashboard))
+        os.chmod(building, 0o777 & ~_umask())
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=parent))
+            os.replace(out, old / "report")
+            os.replace(building, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(building, out)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    return out / REPORT_FILE
+
+
+def _umask() -> int:
+    from bdh_train.utils import current_umask
+
+    return current_umask()
+
+
+def read_probe_prompts(
+    prompt: str | None, prompts_file: str | None, tokenizer: Tokenizer
+) -> tuple[list[list[int]], list[bool] | None]:
+    """(token ids of each prompt, concept labels or None): `prompt`, or the JSON lines of
+    `prompts_file` ({"prompt": TEXT, "concept": true|false}; "concept" on every line or on
+    none)."""
+    from bdh_train.completions import read_prompts
+    from bdh_train.inference import encode_text
+
+    if prompt is not None:
+        ids = encode_text(tokenizer, prompt, "--prompt")
+        if not ids:
+            raise DataError("--prompt is 0 tokens in this run's tokenizer: give a longer text")
+        return [ids], None
+    if prompts_file is None:
+        return [], None
+    records = list(read_prompts(prompts_file, tokenizer))
+    marked = [CONCEPT_KEY in r.fields for r in records]
+    if any(marked) and not all(marked):
+        line = marked.index(False) + 1
+        raise DataError(
+            f'{prompts_file}: prompt {line} has no "{CONCEPT_KEY}" key but others have: mark '
+            "every prompt true or false, or none"
+        )
+    if not any(marked):
+        return [r.ids for r in records], None
+    labels = []
+    for number, record in enumerate(records, 1):
+        value = record.fields[CONCEPT_KEY]
+        if not isinstance(value, bool):
+            raise DataError(
+                f'{prompts_file}: prompt {number}: "{CONCEPT_KEY}" is {json.dumps(value)}, '
+                "not true or false"
+            )
+        labels.append(value)
+    check_probe_classes(labels)
+    return [r.ids for r in records], labels
+
+
+def inspect_checkpoint(
+    checkpoint: str,
+    out: str,
+    options: InspectOptions,
+    data: str | None = None,
+    prompt: str | None = None,
+    prompts_file: str | None = None,
+    device: str = "cpu",
+) -> Path:
+    """Inspect a run (directory, checkpoint or export) on `data` (default: its validation
+    split, else its training data) and the prompts; write the report directory `out`
+    (`write_report`) and return its report.html. Every input is checked before anything is
+    computed or written."""
+    from bdh_train.inference import load_run
+
+    check_options(options)
+    model, tokenizer, cfg = load_run(checkpoint, device=device)
+    if tokenizer is None and (data is None or prompt is not None or prompts_file is not None):
+        raise DataError(
+            f"{checkpoint} carries no text tokenizer, so its data and prompts cannot be read "
+            "as text: pass --data a .bin file of its token ids, and no prompts"
+        )
+    prompts, labels = (
+        read_probe_prompts(prompt, prompts_file, tokenizer) if tokenizer else ([], None)
+    )
+    vocab = model.config.vocab_size
+    if data is not None:
+        stream = cfg.data.load_source(data, vocab)
+    else:
+        train, val = cfg.data.load_splits(vocab, 2)
+        stream = val if val is not None else train
+    tokens = torch.from_numpy(stream.tokens[: options.max_tokens].astype("int64"))
+    inspection = inspect_model(
+        model, tokens, tokenizer, options, prompts, labels, progress=_bar(len(tokens))
+    )
+    inspection.numbers = {
+        "checkpoint": str(checkpoint),
+        "data": stream.source,
+        **inspection.numbers,
+    }
+    return write_report(inspection, Path(out), options.hubs)
+
+
+def _bar(total: int):
+    """A tqdm bar of tokens read on stderr (shown on a terminal only); its update method."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tok", desc="inspect", disable=None, leave=False).update

@@ -1,0 +1,77 @@
+"""Synapses and the concept probe (inspect/synapses.py) against hand computations: sigma =
+rho @ encoder_v on chosen numbers, the state a prompt leaves, ROC AUC on hand-ranked scores,
+and a planted synapse the probe finds with held-out AUC 1 while a random one scores ~0.5."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from bdh_train.errors import BDHTrainError
+from bdh_train.inspect.synapses import (
+    concept_probe,
+    read_state,
+    roc_auc,
+    strongest,
+    synapse_report,
+    synapses,
+)
+
+
+def test_synapses_are_the_state_composed_with_encoder_v():
+    rho = torch.tensor([[[1.0, 2.0], [0.0, -1.0], [3.0, 0.5]]])  # H = 1, N = 3, D = 2
+    encoder_v = torch.tensor([[[1.0, 0.0, 2.0], [0.0, 1.0, -1.0]]])  # [1, D, N]
+    # sigma = rho @ encoder_v = [[1, 2, 0], [0, -1, 1], [3, 0.5, 5.5]]; rows 0, 2 x cols 1, 2
+    block = synapses(rho, encoder_v, torch.tensor([[0, 2]]), torch.tensor([[1, 2]]))
+    assert block.tolist() == [[[2.0, 0.0], [0.5, 5.5]]]
+    assert strongest(block, 2) == [(0, 1, 1, 5.5), (0, 0, 0, 2.0)]
+
+
+def test_the_state_read_is_the_one_the_forward_leaves():
+    model = tiny_model(position="alibi").eval()
+    ids = [3, 1, 4, 1, 5]
+    state = model.init_state(1)
+    with torch.no_grad():
+        model.forward_hidden(torch.tensor([ids]), state)
+    assert torch.equal(read_state(model, ids, 1), state.rho[1][0])
+
+
+def test_roc_auc_is_the_hand_counted_share_of_ordered_pairs():
+    labels = torch.tensor([0, 0, 1, 1])
+    # pairs (positive, negative): (0.35 > 0.1), (0.35 < 0.4), (0.8 > both): 3 of 4
+    assert roc_auc(torch.tensor([0.1, 0.4, 0.35, 0.8]), labels) == 0.75
+    assert roc_auc(torch.tensor([0.0, 0.1, 0.2, 0.3]), labels) == 1.0
+    assert roc_auc(torch.tensor([0.3, 0.2, 0.1, 0.0]), labels) == 0.0
+    # ties count one half: (1 vs 1) 0.5, (1 vs 0) 1, (2 vs both) 2 -> 3.5 / 4
+    assert roc_auc(torch.tensor([1.0, 0.0, 1.0, 2.0]), labels) == 0.875
+
+
+def test_the_probe_finds_a_planted_synapse_and_a_random_one_is_chance():
+    generator = torch.Generator().manual_seed(0)
+    labels = [True] * 200 + [False] * 200
+    features = torch.randn(400, 30, generator=generator)
+    features[:200, 7] -= 10.0  # the concept's synapse, weaker with it: far apart in both halves
+    probe = concept_probe(features, labels, count=3)
+    assert probe.features[0] == 7 and probe.held_out_auc[0] == 1.0
+    assert probe.train_counts == (100, 100) and probe.held_out_counts == (100, 100)
+    held = torch.arange(1, 400, 2)  # the odd members of each class
+    chance = roc_auc(features[held, 3], torch.tensor(labels)[held])
+    assert abs(chance - 0.5) < 0.1
+
+
+@pytest.mark.parametrize("labels", [[True, True, True], [True, False, False], [False] * 4])
+def test_a_probe_without_two_texts_of_each_class_is_refused(labels):
+    with pytest.raises(BDHTrainError, match="at least 2 prompts with the concept and 2 without"):
+        concept_probe(torch.zeros(len(labels), 3), labels)
+
+
+def test_synapse_report_reads_the_probe_neurons_block_of_each_prompt():
+    model = tiny_model(position="alibi").eval()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [2, 2]]
+    report = synapse_report(model, prompts, [True, True, False, False], layer=0, size=5, count=4)
+    rho = read_state(model, prompts[0], 0)
+    top = report["strongest"][0][0]
+    sigma = rho[top["head"]] @ model.encoder_v[top["head"]].detach()
+    assert top["value"] == pytest.approx(float(sigma[top["from"], top["to"]]), abs=1e-5)
+    assert report["neurons_per_head"] == 5 and len(report["probe"]["synapses"]) == 4

@@ -1,0 +1,132 @@
+"""`bdh-train grow` and `bdh-train merge` on runs (bdh_train.compose): the output trains on
+and resumes bit-exactly, a merge reports every domain, refusals write nothing, and a frozen
+group stays bit-identical through a fine-tune with weight decay."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import MICRO_RUN, assert_close, checkpoint_weights, metric_rows
+
+from bdh_train.cli import main
+from bdh_train.compose import FinetuneConfig, Source, finetune_model, write_composed
+from bdh_train.config import load_config
+from bdh_train.data.tokens import TokenData
+from bdh_train.inference import load_run
+from bdh_train.model import BDH
+from bdh_train.train.optim import OptimizerConfig
+from bdh_train.trainer import Trainer
+
+SHORT = [*MICRO_RUN, "training.max_steps=2", "training.eval_every=0", "training.eval_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    """Two short runs of the same shape on different text (pydoc and a generated file), and
+    an untrained model of another width written as a checkpoint directory."""
+    root = tmp_path_factory.mktemp("sources")
+    text = root / "text.txt"
+    text.write_text("".join(f"line {i}: the cat sat on mat {i * 7}\n" for i in range(400)))
+    runs = {"A": SHORT, "B": [*SHORT, f"data.source='{text}'", "training.seed=7"]}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Trainer, "sample", lambda self, *args, **kwargs: None)  # not under test
+        for name, overrides in runs.items():
+            Trainer(load_config(overrides=overrides), root / name, stream=io.StringIO()).run()
+    cfg = load_config(overrides=[*SHORT, "model.n_embd=64"])
+    write_composed(root / "wide", BDH(cfg.model), Source("wide", BDH(cfg.model), None, cfg))
+    return {name: root / name for name in ("A", "B", "wide")}
+
+
+def test_a_grown_run_computes_the_same_then_trains_and_resumes_bit_exactly(
+    sources, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(Trainer, "sample", lambda self, *args, **kwargs: None)
+    grown = tmp_path / "grown"
+    assert main(["grow", "--checkpoint", str(sources["A"]), "--neurons-multiplier", "2",
+                 "--out", str(grown)]) == 0  # fmt: skip
+    old, _, _ = load_run(sources["A"])
+    new, _, _ = load_run(grown)
+    assert new.config.n_neurons == 2 * old.config.n_neurons
+    idx = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    assert_close(new(idx)[0], old(idx)[0], rtol=1e-6)
+
+    overrides = ["training.max_steps=3", "training.checkpoint_every=0", "training.log_every=1"]
+
+    def config():
+        return load_config([grown / "config.toml"], overrides, default_preset=False)
+
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    Trainer(config(), whole, stream=io.StringIO()).run()
+    assert Trainer(config(), split, stream=io.StringIO()).run(1).stopped_early
+    Trainer(config(), split, resume=True, stream=io.StringIO()).run()
+    a, b = checkpoint_weights(whole), checkpoint_weights(split)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert metric_rows(whole) == metric_rows(split)
+    losses = [row["loss"] for row in metric_rows(whole) if "loss" in row]
+    assert losses[-1] < losses[0], losses
+    assert torch.equal(a["rope_freqs"], old.rope_freqs.repeat(2))  # a buffer: never trained
+    n = old.config.n_neurons
+    new_rows = a["decoder"].view(old.config.n_head, 2 * n, -1)[:, n:]
+    assert new_rows.abs().max() > 0  # the new neurons learn
+
+
+def test_merge_reports_every_domain_and_fine_tunes_with_the_embedding_frozen(
+    sources, tmp_path, capsys
+):
+    out = tmp_path / "merged"
+    argv = ["merge", str(sources["A"]), str(sources["B"]), "--out", str(out)]
+    argv += ["--finetune-steps", "3", "--freeze", "embedding", "--eval-batches", "1"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for model in ("A", "B", "merged", "merged+ft3"):
+        assert f"{model} " in printed, printed
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r] == [1, 2, 3]
+    table = {(r["model"], r["domain"]): r for r in rows if "domain" in r}
+    assert set(table) == {(m, d) for m in ("A", "B", "merged", "merged+ft3") for d in "AB"}
+    assert all("bits_per_byte" in r and "val_loss" in r for r in table.values())
+    a, b = checkpoint_weights(sources["A"]), checkpoint_weights(sources["B"])
+    merged = checkpoint_weights(out)
+    average = ((a["embed.weight"].double() + b["embed.weight"].double()) / 2).float()
+    assert torch.equal(merged["embed.weight"], average)  # frozen through the fine-tune
+    assert not torch.equal(merged["lm_head"], ((a["lm_head"] + b["lm_head"]) / 2))
+
+
+def test_a_refused_merge_or_grow_is_one_line_and_writes_nothing(sources, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["merge", str(sources["A"]), str(sources["wide"]), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot merge B") and "model.n_embd differs" in err
+    assert err.count("\n") == 1
+    out.mkdir()
+    argv = ["grow", "--checkpoint", str(sources["A"]), "--neurons-multiplier", "2"]
+    assert main([*argv, "--out", str(out)]) == 2
+    assert "exists: choose a new path" in capsys.readouterr().err
+    assert main([*argv[:-1], "1", "--out", str(tmp_path / "new")]) == 2
+    assert "--neurons-multiplier must be an integer >= 2" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert not any(out.iterdir())
+
+
+def test_a_frozen_group_gets_neither_gradient_nor_weight_decay():
+    """Five AdamW steps with a large weight decay (0.5, lr 0.05): the frozen embedding is
+    bit-identical, every other matrix moved (a frozen tensor left in the optimizer with a
+    masked gradient would shrink by lr * decay a step)."""
+    torch.manual_seed(0)
+    model = BDH(load_config(overrides=MICRO_RUN).model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tokens = torch.randint(0, 256, (4000,), generator=torch.Generator().manual_seed(1))
+    data = [TokenData(tokens.numpy(), 256, "random")]
+    adamw = OptimizerConfig(lr=0.05, weight_decay=0.5)
+    losses = finetune_model(model, data, FinetuneConfig(5, freeze=["embedding"]), adamw, 16, 4)
+    assert len(losses) == 5
+    after = model.state_dict()
+    assert torch.equal(after["embed.weight"], before["embed.weight"])
+    for name in ("encoder", "encoder_v", "decoder", "lm_head"):
+        assert not torch.equal(after[name], before[name]), name
+    assert all(p.requires_grad for p in model.parameters())  # unfrozen afterwards

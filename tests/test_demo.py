@@ -1,0 +1,125 @@
+"""The demo's parts: the built-in Shakespeare corpus and `bdh-train corpus`, the evaluation
+line in nats and bits per byte, the two end-of-run samples, and BDH_TRAIN_MAX_STEPS."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+
+import pytest
+from helpers import MICRO_RUN
+
+from bdh_train.cli import main
+from bdh_train.config import load_config
+from bdh_train.data import builtin_corpus, load_tokens
+from bdh_train.errors import ConfigError
+from bdh_train.launch import capped_steps
+from bdh_train.train.console import eval_line, sample_lines
+from bdh_train.train.evaluate import SAMPLE_TEMPERATURES, sample_continuation
+from bdh_train.train.run_dir import RunDir
+from bdh_train.trainer import Trainer
+from bdh_train.utils import STEPS_CAP_ENV, steps_cap
+
+SHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"
+"""Of Karpathy's tinyshakespeare input.txt (1,115,394 bytes), the text the package ships."""
+
+
+def test_builtin_shakespeare_is_tinyshakespeare_byte_for_byte():
+    text = builtin_corpus("shakespeare")
+    raw = text.encode("utf-8")
+    assert len(raw) == 1_115_394 and text.isascii()
+    assert hashlib.md5(raw).hexdigest() == SHAKESPEARE_MD5  # noqa: S324 (a checksum, not security)
+    assert text.startswith("First Citizen:\nBefore we proceed any further, hear me speak.\n")
+    data = load_tokens("builtin:shakespeare")
+    assert data.byte_level and len(data) == len(raw) and bytes(data.tokens[:5]) == b"First"
+
+
+def test_the_demo_preset_trains_on_shakespeare():
+    assert load_config().data.source == "builtin:shakespeare"
+
+
+def test_corpus_lists_and_writes_the_builtins(tmp_path, capsys):
+    assert main(["corpus"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listed] == ["builtin:pydoc", "builtin:shakespeare"]
+    out = tmp_path / "s.txt"
+    assert main(["corpus", "builtin:shakespeare", "--out", str(out)]) == 0
+    assert "1,115,394 bytes" in capsys.readouterr().out
+    assert hashlib.md5(out.read_bytes()).hexdigest() == SHAKESPEARE_MD5  # noqa: S324
+    out.write_text("mine")
+    assert main(["corpus", "shakespeare", "--out", str(out)]) == 2  # an existing file is kept
+    assert "exists; pass --force" in capsys.readouterr().err and out.read_text() == "mine"
+    assert main(["corpus", "shakespeare", "--out", str(out), "--force"]) == 0
+    assert out.stat().st_size == 1_115_394
+    assert main(["corpus", "shakespear", "--out", str(tmp_path / "x")]) == 2
+    assert "did you mean 'shakespeare'" in capsys.readouterr().err
+    assert main(["corpus", "pydoc"]) == 2
+    assert "needs --out FILE" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.txt"]
+
+
+def test_eval_line_gives_the_loss_per_byte_in_nats_and_bits():
+    # 2 bits/byte = 2 ln 2 = 1.386294 nats/byte; a run of no text has only its loss per token
+    assert eval_line(7, 1.5, 2.0) == (
+        "step      7 | val_loss 1.5000 | 1.3863 nats/byte = 2.000 bits/byte"
+    )
+    assert eval_line(7, 1.5, None) == "step      7 | val_loss 1.5000"
+    assert math.isclose(2.0 * math.log(2), 1.3862943611198906, rel_tol=1e-12)
+
+
+def test_sample_lines_name_each_temperature_of_one_prompt():
+    assert sample_lines("Ab", [(0.8, "x"), (0.5, "y")]) == (
+        "--- sample at temperature 0.8 (prompt: 'Ab') ---\nx\n"
+        "--- sample at temperature 0.5 (the same prompt) ---\ny\n---"
+    )
+
+
+def test_the_run_ends_with_a_sample_at_each_temperature(tmp_path):
+    stream = io.StringIO()
+    cfg = load_config(overrides=[*MICRO_RUN, "data.source=builtin:shakespeare"])
+    trainer = Trainer(cfg, tmp_path / "run", stream=stream)
+    first = trainer.sample(24)
+    splits = (trainer.train_data, trainer.val_data)
+    expected = [
+        sample_continuation(
+            trainer.model,
+            trainer.tokenizer,
+            cfg.model,
+            cfg.data,
+            splits,
+            trainer.device,
+            24,
+            temperature=t,
+        )
+        for t in SAMPLE_TEMPERATURES
+    ]
+    assert SAMPLE_TEMPERATURES[1] < SAMPLE_TEMPERATURES[0]
+    assert first == expected[0][1] and expected[0][1] != expected[1][1]
+    pairs = [(t, e[1]) for t, e in zip(SAMPLE_TEMPERATURES, expected, strict=True)]
+    assert sample_lines(expected[0][0], pairs) in stream.getvalue()
+
+
+@pytest.mark.parametrize(("value", "cap"), [(None, None), ("", None), ("3", 3), (" 12 ", 12)])
+def test_steps_cap_reads_a_positive_integer(value, cap):
+    assert steps_cap({} if value is None else {STEPS_CAP_ENV: value}) == cap
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_steps_cap_refuses_anything_else(value):
+    with pytest.raises(ConfigError, match=f"{STEPS_CAP_ENV} must be a positive integer"):
+        steps_cap({STEPS_CAP_ENV: value})
+
+
+def test_capped_steps_shortens_a_fresh_run_and_its_evaluation(tmp_path, monkeypatch):
+    cfg = load_config(overrides=["training.max_steps=300", "training.eval_steps=4"])
+    run = RunDir(tmp_path / "run")
+    monkeypatch.delenv(STEPS_CAP_ENV, raising=False)
+    assert capped_steps(cfg, run) == (cfg, None)
+    monkeypatch.setenv(STEPS_CAP_ENV, "2")
+    capped, note = capped_steps(cfg, run)
+    assert (capped.training.max_steps, capped.training.eval_steps) == (2, 2)
+    assert capped.layered_on == cfg.layered_on and capped.model == cfg.model
+    assert note is not None and "training.max_steps 300 -> 2" in note
+    monkeypatch.setenv(STEPS_CAP_ENV, "500")
+    assert capped_steps(cfg, run) == (cfg, None)  # nothing to shorten

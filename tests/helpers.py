@@ -224,6 +224,16 @@ def metric_column(run_dir: Path, key: str) -> list[float]:
     return [r[key] for r in read_metrics(run_dir / "metrics.jsonl") if key in r]
 
 
+def assert_same_run(whole: Path, split: Path) -> None:
+    """The two runs' latest checkpoints hold bit-identical weights, and their metric rows
+    are equal (an uninterrupted run and a resumed one)."""
+    a, b = checkpoint_weights(whole), checkpoint_weights(split)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert metric_rows(whole) == metric_rows(split)
+
+
 def metric_rows(run_dir: Path) -> list[dict]:
     """metrics.jsonl rows with only the deterministic fields."""
     from bdh_train.train.metrics import read_metrics

@@ -17,7 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import STREAMING_TBPTT_SETTINGS, assert_close, checkpoint_weights, metric_rows
+from helpers import (
+    STREAMING_TBPTT_SETTINGS,
+    assert_close,
+    assert_same_run,
+    checkpoint_weights,
+    metric_rows,
+)
 from safetensors.torch import load_file
 
 from bdh_train.cli import main
@@ -78,11 +84,7 @@ def test_resume_is_bit_exact(tmp_path, overrides, stop_micro):
         assert first.accumulator.state.microbatches == 1  # the window really was open
     Trainer(load_config(overrides=overrides), split, resume=True, stream=io.StringIO()).run()
 
-    a, b = checkpoint_weights(whole), checkpoint_weights(split)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    assert metric_rows(whole) == metric_rows(split)
+    assert_same_run(whole, split)
     assert len(metric_rows(whole)) == 20 + 4  # 20 train rows, evals at 5, 10, 15, 20
 
 

@@ -55,6 +55,12 @@ class RunConfig:
         self.parallel.check_model(self.model.n_layer)
         self.parallel.check_training(tr.batch_size, tr.tbptt_chunk_size, tr.streaming)
         self.parallel.check_shard(tr.compile, tr.profile)
+        if self.optimizer.name == "muon" and self.parallel.shard == "fsdp":
+            raise ConfigError(
+                "optimizer.name = 'muon' orthogonalises whole weight matrices, which "
+                "parallel.shard = 'fsdp' splits across processes; set optimizer.name = 'adamw' "
+                "or parallel.shard = 'none' (plain data parallel works with Muon)"
+            )
         for i, scale in enumerate(tr.gradient_scales):
             if scale.target == "shared_lowrank_decay" and self.model.position != "alibi_learned":
                 raise ConfigError(

@@ -1,8 +1,10 @@
-"""`[optimizer]`: AdamW with warm-up, a constant or cosine learning rate, and clipping."""
+"""`[optimizer]`: AdamW, or Muon for the weight matrices with AdamW for the rest, with warm-up,
+a constant or cosine learning rate, and clipping."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -10,13 +12,16 @@ from torch import nn
 
 from bdh_train import checks
 from bdh_train.errors import ConfigError
+from bdh_train.train.muon import MUON_PARAMETERS, MuonAdamW
 
 LR_SCHEDULES = ("constant", "cosine")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass
 class OptimizerConfig:
-    """AdamW with optional warmup + cosine decay and gradient-norm clipping."""
+    """AdamW (or Muon for the matrices) with optional warmup + cosine decay and gradient-norm
+    clipping."""
 
     lr: float = 1e-3
     """The base learning rate, reached at the end of warm-up."""
@@ -35,8 +40,16 @@ class OptimizerConfig:
     """The floor of the cosine schedule (ignored by 'constant')."""
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm to this; 0 = off."""
+    name: str = "adamw"
+    """'adamw', or 'muon': Newton-Schulz orthogonalised momentum updates for the encoders (each
+    head's [D, N] matrix on its own) and the decoder, scaled to AdamW's update size so lr,
+    schedule and weight_decay keep their meaning; AdamW for the embedding, the head, norms and
+    decays. Not with parallel.shard = 'fsdp'."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov) for name = 'muon'; betas are AdamW's."""
 
     def validate(self, prefix: str = "optimizer") -> OptimizerConfig:
+        checks.choice(f"{prefix}.name", self.name, OPTIMIZERS)
         checks.number(f"{prefix}.lr", self.lr, low=0.0, low_open=True)
         betas = self.betas
         if (
@@ -58,20 +71,35 @@ class OptimizerConfig:
                 f"got {self.min_lr}"
             )
         checks.number(f"{prefix}.grad_clip_norm", self.grad_clip_norm, low=0.0)
+        checks.number(f"{prefix}.muon_momentum", self.muon_momentum, low=0.0, high=1.0)
         return self
 
-    def build(self, model: nn.Module) -> torch.optim.AdamW:
-        """AdamW over `model`'s trainable parameters: matrices decay, vectors do not. A frozen
-        parameter (requires_grad False) is left out: AdamW's decoupled decay would shrink it
-        at every step, gradient or none."""
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        decay = [p for p in trainable if p.dim() >= 2]
-        no_decay = [p for p in trainable if p.dim() < 2]
-        param_groups = [{"params": decay, "weight_decay": self.weight_decay}]
-        if no_decay:
-            param_groups.append({"params": no_decay, "weight_decay": 0.0})
+    def build(
+        self, model: nn.Module, muon_names: Collection[str] = MUON_PARAMETERS
+    ) -> torch.optim.AdamW:
+        """AdamW over `model`'s trainable parameters, matrices decaying and vectors not; with
+        name = 'muon', Muon for the parameters named in `muon_names` (BDH's encoders and
+        decoder) instead. A frozen parameter (requires_grad False) is left out: the decoupled
+        decay would shrink it at every step, gradient or none."""
         betas = (self.betas[0], self.betas[1])  # validate() checked there are two
-        return torch.optim.AdamW(param_groups, lr=self.lr, betas=betas, eps=self.eps)
+        muon: list[nn.Parameter] = []
+        rest: list[nn.Parameter] = []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                (muon if self.name == "muon" and name in muon_names else rest).append(p)
+        groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": self.weight_decay}]
+        if any(p.dim() < 2 for p in rest):
+            groups.append({"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0})
+        if self.name == "muon":
+            return MuonAdamW(
+                [{"params": muon, "weight_decay": self.weight_decay}],
+                groups,
+                lr=self.lr,
+                betas=betas,
+                eps=self.eps,
+                momentum=self.muon_momentum,
+            )
+        return torch.optim.AdamW(groups, lr=self.lr, betas=betas, eps=self.eps)
 
     def lr_at(self, step: int, total_steps: int) -> float:
         """The learning rate of optimizer step `step` (0-based) of `total_steps`."""

@@ -257,6 +257,7 @@ class TrainingCheckpoints:
         (data.tokenizer `named`); refused when nothing is left to train; the resume's
         warnings."""
         check_resumed_tokenizer(checkpoint, tokenizer, named)
+        check_resumed_optimizer(checkpoint, optimizer)
         self.load(checkpoint)
         return check_resumed_length(checkpoint, self.training, optimizer, self.state.step)
 
@@ -293,6 +294,23 @@ def check_resumed_tokenizer(checkpoint: Path, tokenizer: Tokenizer, named: str) 
         raise ConfigError(
             f"data.tokenizer '{named}' is not the tokenizer the checkpoint "
             f"{checkpoint} was trained with ({copy}): resume with data.tokenizer = '{copy}'"
+        )
+
+
+def check_resumed_optimizer(checkpoint: Path, optimizer: OptimizerConfig) -> None:
+    """A resume continues with the optimizer whose state the checkpoint holds (a config saved
+    before optimizer.name existed was AdamW's)."""
+    try:
+        saved = tomllib.loads(config_path(checkpoint).read_text(encoding="utf-8"))
+        before = saved.get("optimizer", {}).get("name", "adamw")
+    except (OSError, ValueError, AttributeError, tomllib.TOMLDecodeError):
+        return  # no readable saved config: loading the state itself checks what it can
+    if before != optimizer.name:
+        raise ConfigError(
+            f"optimizer.name = {optimizer.name!r}, but the checkpoint {checkpoint} holds the "
+            f"state of {before!r}, which does not carry over: resume with "
+            f"optimizer.name = {before!r}, or start a new run from its weights with "
+            "checkpoint.init_from"
         )
 
 

@@ -1,0 +1,402 @@
+"""BDH with a preset's recipe against a GPT baseline of equal parameter count, at equal
+wall-clock: which reaches the lower held-out loss in the same seconds of training.
+
+Both train on the same bytes (tokenizer: bytes; the first 90% of `--data`) in the same token
+order (the same seeded window starts, block and batch), each with its recipe's learning rate,
+warm-up, betas, weight decay, clipping and dropout; the cosine runs over the budget's seconds
+(progress = seconds trained / budget), not over a step count nobody knows beforehand. The
+arms train in one process, one optimizer step each in turn, and each counts only its own
+steps' seconds (after one untimed forward and backward, which takes each arm's start-up off
+its clock), so machine load falls on all of them alike. When an arm has spent its budget
+it stops; then every arm is scored on the same held-out windows (the last 10%, `--context`
+bytes of context each): loss in nats per byte and bits per byte.
+
+The GPT baseline: pre-norm decoder blocks (LayerNorm, causal multi-head attention with
+rotary positions, LayerNorm, 4x GELU MLP, no biases), a final LayerNorm and an untied head;
+as many layers and heads as the BDH preset, its width the one whose parameter count
+(`gpt_parameter_count`) is nearest BDH's.
+
+    python benchmarks/recipe.py --budgets 180,600 --presets tiny --optimizers adamw,muon
+    python benchmarks/recipe.py --sweep --budgets 40 --presets tiny
+
+`--sweep` varies the BDH recipe one setting at a time (learning rate, warm-up, width against
+neurons at equal parameters, block, dropout, weight decay, batch) at short budgets, beside
+the preset's own recipe and the GPT baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from _common import cpu_counters, fmt, machine_line, others_cpu_share, print_table
+from torch import nn
+
+from bdh_train.config import RunConfig, load_config
+from bdh_train.model.bdh import BDH
+from bdh_train.train.allocator import configure_host_allocator
+from bdh_train.train.optim import OptimizerConfig
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+SWEEP = {
+    "lr x0.5": ["optimizer.lr*0.5"],
+    "lr x2": ["optimizer.lr*2"],
+    "warm-up 0": ["optimizer.warmup_steps=0"],
+    "warm-up 60": ["optimizer.warmup_steps=60"],
+    "D/2, N x2": ["model.n_embd/2", "model.mlp_internal_dim_multiplier*4"],
+    "D x2, N/2": ["model.n_embd*2", "model.mlp_internal_dim_multiplier/4"],
+    "block/2, batch x2": ["training.block_size/2", "training.batch_size*2"],
+    "block x2, batch/2": ["training.block_size*2", "training.batch_size/2"],
+    "dropout 0.1": ["model.dropout=0.1"],
+    "weight decay 0": ["optimizer.weight_decay=0.0"],
+    "batch/2": ["training.batch_size/2"],
+    "batch x2": ["training.batch_size*2"],
+}
+"""Sweep variants: 'key=value' sets a value, 'key*f' and 'key/f' scale the preset's. D/2 with
+N x2 (and the reverse) keep H * D * N, so the parameters stay within the embedding's share."""
+
+
+# ------------------------------------------------------------------------ GPT baseline
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on x [B, H, T, d] (pairs (i, i + d/2) turned by t * 10000^(-2i/d))."""
+    _, _, seq_len, dim = x.shape
+    half = dim // 2
+    freqs = 10000.0 ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
+    angles = torch.arange(seq_len, dtype=torch.float32, device=x.device)[:, None] * freqs
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.fc = nn.Linear(dim, 4 * dim, bias=False)
+        self.out = nn.Linear(4 * dim, dim, bias=False)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, dim = x.shape
+        q, k, v = (
+            t.view(batch, seq_len, self.heads, dim // self.heads).transpose(1, 2)
+            for t in self.qkv(self.ln1(x)).split(dim, dim=-1)
+        )
+        p = self.dropout if self.training else 0.0
+        a = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True, dropout_p=p)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(batch, seq_len, dim)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    """Token embedding, `layers` pre-norm blocks, a final LayerNorm, an untied head;
+    `forward(x, y)` is (logits, mean cross-entropy) as BDH's."""
+
+    def __init__(self, vocab: int, layers: int, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.drop = nn.Dropout(dropout)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:  # GPT-2's init: N(0, 0.02), residual outputs / sqrt(2 layers)
+                residual = name.endswith(("proj.weight", "out.weight"))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers) if residual else 0.02)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.drop(self.embed(x))
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(self.norm(h))
+        return logits, F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def gpt_parameter_count(vocab: int, layers: int, dim: int) -> int:
+    """Embedding and head 2 V D; per block 12 D^2 (qkv 3, proj 1, MLP 8) and two
+    LayerNorms' 4 D; the final LayerNorm 2 D."""
+    return 2 * vocab * dim + layers * (12 * dim * dim + 4 * dim) + 2 * dim
+
+
+def gpt_width(vocab: int, layers: int, heads: int, target: int) -> int:
+    """The width (a multiple of 2 * heads: rotary pairs) whose count is nearest `target`."""
+    widths = range(2 * heads, 8192, 2 * heads)
+    return min(widths, key=lambda d: abs(gpt_parameter_count(vocab, layers, d) - target))
+
+
+# ------------------------------------------------------------------------ arms
+@dataclass
+class Arm:
+    """One model with its recipe, its own batch order and its own clock."""
+
+    model_name: str
+    recipe: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    optim: OptimizerConfig
+    block: int
+    batch: int
+    budget_s: float
+    seed: int
+    elapsed: float = 0.0
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    order: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.order = torch.Generator().manual_seed(self.seed)
+
+    @property
+    def done(self) -> bool:
+        return self.elapsed >= self.budget_s
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def lr(self) -> float:
+        """Linear warm-up over steps, then constant or cosine over the budget's seconds."""
+        o = self.optim
+        if self.steps < o.warmup_steps:
+            return o.lr * (self.steps + 1) / o.warmup_steps
+        if o.schedule == "constant":
+            return o.lr
+        progress = min(self.elapsed / self.budget_s, 1.0)
+        return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+    def prime(self, train: torch.Tensor) -> None:
+        """An untimed forward and backward on the first windows of `train`, gradients dropped:
+        one-time start-up (thread pools, kernel choices) is not charged to the budget."""
+        windows = train[: 2 * (self.block + 1)].view(2, self.block + 1)
+        self.model(windows[:, :-1], windows[:, 1:])[1].backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, train: torch.Tensor) -> None:
+        """One timed optimizer step on the next windows of `train`."""
+        started = time.perf_counter()
+        starts = torch.randint(0, len(train) - self.block - 1, (self.batch,), generator=self.order)
+        windows = torch.stack([train[s : s + self.block + 1] for s in starts.tolist()])
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr()
+        _, loss = self.model(windows[:, :-1], windows[:, 1:])
+        loss.backward()
+        if self.optim.grad_clip_norm > 0:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.elapsed += time.perf_counter() - started
+        self.steps += 1
+        self.losses.append(loss.item())
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A preset and the `--set` overrides every arm of the run applies on top of it."""
+
+    preset: str
+    sets: tuple[str, ...] = ()
+
+    def config(self, *overrides: str) -> RunConfig:
+        return load_config(preset=self.preset, overrides=[*self.sets, *overrides])
+
+
+def overridden(recipe: Recipe, changes: Sequence[str]) -> list[str]:
+    """Overrides from sweep changes ('key=value', 'key*f', 'key/f' of the recipe's value)."""
+    base = recipe.config()
+    out = []
+    for change in changes:
+        if "=" in change:
+            out.append(change)
+            continue
+        op = "*" if "*" in change else "/"
+        key, factor = change.split(op)
+        section, name = key.split(".")
+        value = getattr(getattr(base, section), name)
+        new = value * float(factor) if op == "*" else value / float(factor)
+        out.append(f"{key}={int(new) if isinstance(value, int) else new}")
+    return out
+
+
+def bdh_arm(recipe: Recipe, optimizer: str, changes: Sequence[str], budget: float, label: str):
+    """BDH of `recipe` with `changes` (a sweep variant's) and `optimizer`."""
+    cfg = recipe.config(*overridden(recipe, changes), f"optimizer.name='{optimizer}'")
+    torch.manual_seed(cfg.training.seed)
+    model = BDH(cfg.model)
+    t = cfg.training
+    return Arm(
+        "BDH",
+        label,
+        model,
+        cfg.optimizer.build(model),
+        cfg.optimizer,
+        t.block_size,
+        t.batch_size,
+        budget,
+        t.seed,
+    )
+
+
+def gpt_model(recipe: Recipe, target_params: int) -> GPT:
+    """The GPT of `recipe`'s layers, heads and dropout nearest `target_params`."""
+    m = recipe.config().model
+    dim = gpt_width(m.vocab_size, m.n_layer, m.n_head, target_params)
+    return GPT(m.vocab_size, m.n_layer, dim, m.n_head, m.dropout)
+
+
+def gpt_arm(recipe: Recipe, optimizer: str, target_params: int, budget: float) -> Arm:
+    """GPT with `recipe`'s optimizer settings; 'muon' orthogonalises its block matrices."""
+    cfg = recipe.config(f"optimizer.name='{optimizer}'")
+    torch.manual_seed(cfg.training.seed)
+    model = gpt_model(recipe, target_params)
+    hidden = [n for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+    opt = cfg.optimizer.build(model, muon_names=hidden)
+    t = cfg.training
+    label = f"{recipe.preset}'s ({optimizer})"
+    return Arm("GPT", label, model, opt, cfg.optimizer, t.block_size, t.batch_size, budget, t.seed)
+
+
+@torch.no_grad()
+def held_out_loss(model: nn.Module, held: torch.Tensor, context: int, max_bytes: int) -> float:
+    """Mean loss (nats per byte) over the non-overlapping `context`-byte windows of the first
+    `max_bytes` of `held`, each predicting its next bytes from a fresh start."""
+    model.eval()
+    total = count = 0.0
+    starts = list(range(0, min(len(held), max_bytes) - context - 1, context))
+    for i in range(0, len(starts), 16):
+        windows = torch.stack([held[s : s + context + 1] for s in starts[i : i + 16]])
+        _, loss = model(windows[:, :-1], windows[:, 1:])
+        total += float(loss) * windows[:, 1:].numel()
+        count += windows[:, 1:].numel()
+    model.train()
+    return total / count
+
+
+def race(arms: list[Arm], train: torch.Tensor) -> float:
+    """Alternate one step per unfinished arm until every arm has spent its budget; the share
+    of the machine's CPUs other processes used meanwhile."""
+    for arm in arms:
+        arm.prime(train)
+    before = cpu_counters()
+    while not all(a.done for a in arms):
+        for arm in arms:
+            if not arm.done:
+                arm.step(train)
+    return others_cpu_share(before, cpu_counters())
+
+
+def report(title: str, arms: list[Arm], held: torch.Tensor, args: argparse.Namespace) -> None:
+    common = min(a.steps for a in arms)  # every arm saw these batches (same order and shape)
+    rows, held_out, speed, early = [], {}, {}, {}
+    for a in arms:
+        held_out[id(a)] = loss = held_out_loss(a.model, held, args.context, args.eval_bytes)
+        tokens = a.steps * a.block * a.batch
+        speed[id(a)] = tokens / a.elapsed
+        tail = a.losses[max(common - 10, 0) : common]
+        early[id(a)] = sum(tail) / len(tail)
+        rows.append(
+            [
+                a.model_name,
+                a.recipe,
+                fmt(a.budget_s),
+                f"{a.params:,}",
+                a.steps,
+                f"{tokens:,}",
+                fmt(speed[id(a)]),
+                fmt(early[id(a)], ".3f"),
+                fmt(loss, ".4f"),
+                fmt(loss / math.log(2), ".4f"),
+            ]
+        )
+    headers = [
+        "model",
+        "recipe",
+        "budget s",
+        "params",
+        "steps",
+        "tokens",
+        "tok/s",
+        f"train loss {max(common - 10, 0) + 1}-{common}",
+        "held-out nats/byte",
+        "bits/byte",
+    ]
+    print_table(title, headers, rows)
+    print()
+    for b in (a for a in arms if a.model_name == "BDH"):
+        for g in (a for a in arms if a.model_name == "GPT" and a.optim.name == b.optim.name):
+            print(
+                f"BDH {b.recipe} against GPT {g.recipe}: tokens/s x"
+                f"{speed[id(b)] / speed[id(g)]:.2f}, held-out "
+                f"{held_out[id(b)] - held_out[id(g)]:+.4f} nats/byte, train loss over steps "
+                f"{max(common - 10, 0) + 1}-{common} (the same batches) "
+                f"{early[id(b)] - early[id(g)]:+.3f}"
+            )
+
+
+def load_bytes(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
+    cut = int(len(data) * 0.9)
+    return data[:cut], data[cut:]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a text file (bytes)")
+    parser.add_argument("--budgets", default="180,600", help="seconds of training per arm")
+    parser.add_argument("--presets", default="tiny", help="BDH presets, comma-separated")
+    parser.add_argument("--optimizers", default="adamw,muon")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="for every arm"
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=128, help="held-out window, bytes")
+    parser.add_argument("--eval-bytes", type=int, default=65536)
+    parser.add_argument("--sweep", action="store_true", help="vary the BDH recipe (SWEEP)")
+    parser.add_argument("--variants", default="", help="with --sweep: only these, comma-separated")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    configure_host_allocator("auto", torch.device("cpu"))
+    train, held = load_bytes(args.data)
+    print(f"machine: {machine_line()}")
+    print(
+        f"data: {args.data} ({len(train):,} train bytes, {len(held):,} held-out); "
+        f"threads {args.threads}; held-out: {args.eval_bytes} bytes in {args.context}-byte windows"
+    )
+    optimizers = args.optimizers.split(",")
+    for budget in (float(b) for b in args.budgets.split(",")):
+        for preset in args.presets.split(","):
+            recipe = Recipe(preset, tuple(args.set))
+            arms = []
+            if args.sweep:
+                chosen = args.variants.split(",") if args.variants else list(SWEEP)
+                arms.append(bdh_arm(recipe, optimizers[0], [], budget, f"{preset}'s"))
+                arms += [bdh_arm(recipe, optimizers[0], SWEEP[v], budget, v) for v in chosen]
+            else:
+                arms += [bdh_arm(recipe, o, [], budget, f"{preset}'s ({o})") for o in optimizers]
+            target = arms[0].params
+            baselines = optimizers[:1] if args.sweep else optimizers
+            arms += [gpt_arm(recipe, o, target, budget) for o in baselines]
+            load = os.getloadavg()[0]
+            others = race(arms, train)
+            report(
+                f"{preset}, {budget:.0f} s per arm: load average {load:.1f} at the start, "
+                f"{os.getloadavg()[0]:.1f} at the end; others used {others:.0%} of the CPUs",
+                arms,
+                held,
+                args,
+            )
+
+
+if __name__ == "__main__":
+    main()

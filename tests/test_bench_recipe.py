@@ -1,0 +1,98 @@
+"""benchmarks/recipe.py: the GPT baseline's parameter count against its formula, the
+held-out loss and the time-based schedule against hand computations, and a whole run at a
+budget of one step per arm on a micro model."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import recipe  # noqa: E402
+
+from bdh_train.train.optim import OptimizerConfig  # noqa: E402
+
+MICRO = [
+    "model.n_layer=1",
+    "model.n_embd=16",
+    "model.n_head=2",
+    "model.mlp_internal_dim_multiplier=4",
+    "training.block_size=16",
+    "training.batch_size=2",
+]
+
+
+@pytest.mark.parametrize(("vocab", "layers", "dim", "heads"), [(256, 1, 16, 2), (32, 3, 24, 4)])
+def test_gpt_parameter_count_matches_its_formula(vocab, layers, dim, heads):
+    model = recipe.GPT(vocab, layers, dim, heads, dropout=0.0)
+    assert sum(p.numel() for p in model.parameters()) == recipe.gpt_parameter_count(
+        vocab, layers, dim
+    )
+
+
+def test_gpt_width_nearest_a_bdh_of_851968_parameters():
+    """A BDH of L4 D128 H4 N512 has 851,968 parameters (3 * H * D * N + 2 * V * D); with 4
+    layers the nearest GPT is D=128: 2*256*128 + 4*(12*128^2 + 4*128) + 2*128 = 854,272."""
+    bdh = 3 * 4 * 128 * 512 + 2 * 256 * 128
+    assert bdh == 851_968
+    assert recipe.gpt_width(256, 4, 4, bdh) == 128
+    assert recipe.gpt_parameter_count(256, 4, 128) == 854_272
+
+
+class MeanTarget(torch.nn.Module):
+    """A 'model' whose loss is the mean of its targets: the held-out mean is then theirs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def forward(self, x, y):
+        return None, y.double().mean()
+
+
+def test_held_out_loss_weights_every_target_of_the_windows_once():
+    held = torch.arange(100) % 7
+    # windows of 10 + 1 bytes start at 0, 10, ..., 80 (a start must leave 11 bytes within
+    # the 95 read); the targets are held[1:91]
+    got = recipe.held_out_loss(MeanTarget(), held, context=10, max_bytes=95)
+    assert got == pytest.approx(float(held[1:91].double().mean()), abs=1e-12)
+
+
+def test_arm_learning_rate_warms_up_over_steps_then_follows_the_clock():
+    optim = OptimizerConfig(lr=0.01, min_lr=0.001, warmup_steps=4, schedule="cosine")
+    arm = recipe.Arm("x", "x", torch.nn.Linear(1, 1), None, optim, 4, 2, 100.0, 0)  # type: ignore[arg-type]
+    assert arm.lr() == pytest.approx(0.0025)  # step 0 of a 4-step warm-up
+    arm.steps, arm.elapsed = 4, 25.0  # a quarter of the budget: cos(pi / 4)
+    assert arm.lr() == pytest.approx(0.001 + 0.009 * (1 + math.sqrt(0.5)) / 2, rel=1e-12)
+    arm.elapsed = 100.0
+    assert arm.lr() == pytest.approx(0.001, rel=1e-12)
+
+
+def test_recipe_runs_one_step_per_arm_and_prints_the_table(tmp_path, capsys, monkeypatch):
+    # the script sets these for its whole process; the test process keeps its own
+    monkeypatch.setattr(recipe, "configure_host_allocator", lambda mode, device: "system")
+    monkeypatch.setattr(recipe.torch, "set_num_threads", lambda threads: None)
+    data = tmp_path / "text.txt"
+    data.write_bytes(bytes(range(32, 127)) * 20)
+    sets = [arg for s in MICRO for arg in ("--set", s)]
+    recipe.main(["--data", str(data), "--budgets", "0.001", "--eval-bytes", "200"] + sets)
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| BDH")]
+    rows += [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| GPT")]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [
+        ("BDH", "tiny's (adamw)"),
+        ("BDH", "tiny's (muon)"),
+        ("GPT", "tiny's (adamw)"),
+        ("GPT", "tiny's (muon)"),
+    ]
+    bdh_params = 3 * 2 * 16 * 32 + 2 * 256 * 16  # N = 4 * 16 / 2
+    gpt_params = recipe.gpt_parameter_count(256, 1, recipe.gpt_width(256, 1, 2, bdh_params))
+    assert [int(r[3].replace(",", "")) for r in rows] == [bdh_params] * 2 + [gpt_params] * 2
+    assert all(int(r[4]) == 1 and int(r[5].replace(",", "")) == 32 for r in rows)
+    for r in rows:  # an untrained byte model: near ln 256 nats, bits = nats / ln 2
+        nats, bits = float(r[8]), float(r[9])
+        assert abs(nats - math.log(256)) < 0.2
+        assert bits == pytest.approx(nats / math.log(2), abs=1e-4)

@@ -20,6 +20,7 @@ from bdh_train.inference import load_run
 from bdh_train.model import BDH
 from bdh_train.train.optim import OptimizerConfig
 from bdh_train.trainer import Trainer
+from bdh_train.utils import STEPS_CAP_ENV
 
 SHORT = [*MICRO_RUN, "training.max_steps=2", "training.eval_every=0", "training.eval_steps=1"]
 
@@ -95,6 +96,17 @@ def test_merge_reports_every_domain_and_fine_tunes_with_the_embedding_frozen(
     average = ((a["embed.weight"].double() + b["embed.weight"].double()) / 2).float()
     assert torch.equal(merged["embed.weight"], average)  # frozen through the fine-tune
     assert not torch.equal(merged["lm_head"], ((a["lm_head"] + b["lm_head"]) / 2))
+
+
+def test_the_steps_cap_shortens_a_merges_fine_tune(sources, tmp_path, monkeypatch, capsys):
+    """BDH_TRAIN_MAX_STEPS=2 (a smoke test, as the README's test runs it): 2 steps, not 5."""
+    monkeypatch.setenv(STEPS_CAP_ENV, "2")
+    out = tmp_path / "capped"
+    argv = ["merge", str(sources["A"]), str(sources["B"]), "--out", str(out)]
+    assert main([*argv, "--finetune-steps", "5", "--eval-batches", "1"]) == 0
+    assert "merged+ft2 " in capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r] == [1, 2]
 
 
 def test_a_refused_merge_or_grow_is_one_line_and_writes_nothing(sources, tmp_path, capsys):

@@ -33,6 +33,7 @@ from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.build import evaluate_model
 from bdh_train.train.optim import OptimizerConfig
 from bdh_train.train.run_dir import CONFIG_FILE, METRICS_FILE
+from bdh_train.utils import steps_cap
 
 
 @dataclass
@@ -207,6 +208,9 @@ def merge_runs(
     for every source, the merge and the fine-tuned merge, and write the merge (fine-tuned
     when asked) as the checkpoint directory `out` with the report in its metrics.jsonl."""
     finetune = (finetune or FinetuneConfig()).validate()
+    cap = steps_cap()
+    if cap is not None and finetune.steps > cap:
+        finetune = dataclasses.replace(finetune, steps=cap)
     if len(paths) < 2:
         raise ConfigError(f"merge needs at least two sources, got {len(paths)}")
     if len(paths) > 26:

@@ -280,7 +280,8 @@ def finetune_model(
     block: int,
     batch: int,
 ) -> list[float]:
-    """`finetune.steps` AdamW steps (`optimizer`'s lr, betas, decay and clipping, no schedule)
+    """`finetune.steps` steps of the first source's optimizer (AdamW, or Muon for the neuron
+    matrices with AdamW for the rest; its lr, betas, decay and clipping, no schedule)
     on rows mixed from `domains`; returns each step's loss. Parameters of the frozen groups
     have requires_grad False for the fine-tune, so they get no gradient, and are left out of
     the optimizer, so its decoupled weight decay never touches them."""
@@ -291,7 +292,7 @@ def finetune_model(
     }
     for name, param in model.named_parameters():
         param.requires_grad_(name not in frozen)
-    adamw = optimizer.build(model)
+    opt = optimizer.build(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     rng = np.random.default_rng(finetune.seed)
     torch.manual_seed(finetune.seed)
@@ -303,10 +304,10 @@ def finetune_model(
             device = model.embed.weight.device
             _, loss = model(inputs.to(device), targets.to(device))
             assert loss is not None
-            adamw.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, optimizer.clip_norm())
-            adamw.step()
+            opt.step()
             losses.append(float(loss.detach()))
     finally:
         model.eval()

@@ -207,3 +207,18 @@ def test_refusals_are_one_line_and_write_nothing(
     monkeypatch.setattr("bdh_train.inference.tokenizer_for", lambda config: None)
     _refused(capsys, [*argv, "--passkey"], "needs a token-head model with a tokenizer")
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "kind"),
+    [("--passkey-lengths", "1,,2", "integers"), ("--passkey-depths", "0,half", "numbers")],
+)
+def test_a_bad_list_names_its_option_and_the_form_it_wants(option, value, kind, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["eval", "--checkpoint", "nowhere", "--passkey", option, value])
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (
+        f"bdh-train eval: error: argument {option}: a comma-separated list of {kind}, "
+        f"e.g. {'512,1024' if kind == 'integers' else '0,0.5,1'}, got {value!r}"
+    )

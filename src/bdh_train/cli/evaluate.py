@@ -72,11 +72,23 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
 
 
 def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
+    """A comma-separated list of integers (argparse names the option when it is not one)."""
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a comma-separated list of integers, e.g. 512,1024, got {text!r}"
+        ) from None
 
 
 def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",")]
+    """A comma-separated list of numbers (argparse names the option when it is not one)."""
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a comma-separated list of numbers, e.g. 0,0.5,1, got {text!r}"
+        ) from None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -250,8 +250,10 @@ def inspect_model(
 
 def write_report(inspection: Inspection, out: Path, hubs: int) -> Path:
     """Write report.html, inspect.json and the hub GraphML files into a new directory beside
-    `out`, then rename it to `out`: a reader sees the whole report or none. An `out` holding
-    an earlier report (its inspect.json) is replaced; any other existing `out` is refused."""
+    `out`, then rename it to `out`: a reader sees the whole new report or none. An `out`
+    holding an earlier report (its inspect.json) is replaced (moved aside first, so a crash
+    between the two renames leaves it whole in a hidden `.OUT.old.*` beside `out`); any other
+    existing `out` is refused."""
     out = Path(out)
     if out.exists() and not (out.is_dir() and (out / NUMBERS_FILE).is_file()):
         raise BDHTrainError(f"--out {out} exists and holds no earlier report: name a new directory")

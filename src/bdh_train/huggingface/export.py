@@ -42,7 +42,6 @@ from bdh_train.data.tokenizer import (
 from bdh_train.errors import BDHTrainError, ConfigError
 from bdh_train.inference import load_run
 from bdh_train.model import BDH
-from bdh_train.model.bdh import ROPE_FREQS
 from bdh_train.model.quant import PROJECTION_TARGETS
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.metrics import read_metrics
@@ -128,12 +127,6 @@ def check_exportable(model: BDH, tok: Tokenizer | None, source: Path) -> None:
         raise BDHTrainError(f"cannot export {source} for Hugging Face: the model {refusal}")
 
 
-def rope_table(model: BDH) -> torch.Tensor:
-    """The rope frequency of each neuron [N] (float64) the model rotates its queries by: its own
-    table, which a grown or merged model keeps per neuron."""
-    return model.rope_freqs.detach().to("cpu", torch.float64).clone()
-
-
 def quantized_projections(model: BDH) -> list[str]:
     """The projections the model computes quantized (none at lambda 0)."""
     q = model.quantizer
@@ -148,15 +141,11 @@ def hf_tensors(model: BDH) -> dict[str, torch.Tensor]:
     quantized = quantized_projections(model)
     tensors = {}
     for name, tensor in model.state_dict().items():
-        if name == ROPE_FREQS:  # written below under the custom code's name
-            continue
         if name in quantized:
             assert model.quantizer is not None
             tensor = model.quantizer.quantized_weight(name, tensor)
         key = name if name == "lm_head" else f"model.{name}"
         tensors[key] = tensor.detach().cpu().contiguous()
-    if model.config.position == "rope":
-        tensors["model.rope_frequencies"] = rope_table(model).to(torch.float64).contiguous()
     return tensors
 
 

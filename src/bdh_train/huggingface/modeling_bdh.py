@@ -169,15 +169,15 @@ class BDHModel(nn.Module):
             nn.LayerNorm(d, eps=config.norm_eps) if config.norm == "layernorm_affine" else None
         )
         if config.position == "rope":  # the trained model's table, read from the weights
-            self.register_buffer("rope_frequencies", torch.zeros(n, dtype=torch.float64))
+            self.register_buffer("rope_freqs", torch.zeros(n, dtype=torch.float64))
 
     def _apply(self, fn, recurse=True):
         """Casts of the model (`.to(dtype)`, `.half()`) move the rope frequencies to the new
         device but keep them in float64: the phases are taken in float64."""
-        frequencies = getattr(self, "rope_frequencies", None)
+        frequencies = getattr(self, "rope_freqs", None)
         super()._apply(fn, recurse)
         if frequencies is not None and frequencies.dtype == torch.float64:
-            self.rope_frequencies = frequencies.to(self.rope_frequencies.device)
+            self.rope_freqs = frequencies.to(self.rope_freqs.device)
         return self
 
     def _project(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -204,7 +204,7 @@ class BDHModel(nn.Module):
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos and sin [B, 1, T, N] of the phases of positions [B, T], taken in float64."""
-        turns = positions.to(torch.float64).unsqueeze(-1) * self.rope_frequencies
+        turns = positions.to(torch.float64).unsqueeze(-1) * self.rope_freqs
         phase = torch.frac(turns) * (2 * math.pi)
         return phase.cos().to(dtype).unsqueeze(1), phase.sin().to(dtype).unsqueeze(1)
 

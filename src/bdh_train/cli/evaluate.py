@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from bdh_train.cli.generate import _add_inference_args, _load_for_inference
 from bdh_train.errors import ConfigError
+
+T = TypeVar("T")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,14 +59,14 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunks", type=int, default=8, help="retention: chunks of one block")
     g.add_argument(
         "--passkey-lengths",
-        type=_ints,
+        type=_comma_list(int, "integers", "512,1024"),
         default=None,
         metavar="L,L,...",
         help="prompt lengths in tokens (default: 1, 2, 4, 8 training blocks)",
     )
     g.add_argument(
         "--passkey-depths",
-        type=_floats,
+        type=_comma_list(float, "numbers", "0,0.5,1"),
         default=None,
         metavar="D,D,...",
         help="needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)",
@@ -71,24 +75,19 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default=".", metavar="DIR", help="where the JSON and PNG files go")
 
 
-def _ints(text: str) -> list[int]:
-    """A comma-separated list of integers (argparse names the option when it is not one)."""
-    try:
-        return [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"a comma-separated list of integers, e.g. 512,1024, got {text!r}"
-        ) from None
+def _comma_list(cast: Callable[[str], T], what: str, example: str) -> Callable[[str], list[T]]:
+    """An argparse type: a comma-separated list of `what` (argparse names the option when the
+    text is not one)."""
 
+    def parse(text: str) -> list[T]:
+        try:
+            return [cast(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"a comma-separated list of {what}, e.g. {example}, got {text!r}"
+            ) from None
 
-def _floats(text: str) -> list[float]:
-    """A comma-separated list of numbers (argparse names the option when it is not one)."""
-    try:
-        return [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"a comma-separated list of numbers, e.g. 0,0.5,1, got {text!r}"
-        ) from None
+    return parse
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -320,13 +320,20 @@ def score_text(
         raise DataError(f"the text is {ids.numel()} token(s): scoring needs at least 2")
     device = model.embed.weight.device
     inputs, targets = ids[:-1].to(device), ids[1:].to(device)
-    state = model.init_state(1)
     total = 0.0
-    for start in range(0, inputs.numel(), chunk_tokens):
-        chunk = slice(start, start + chunk_tokens)
-        hidden = model.forward_hidden(inputs[chunk].unsqueeze(0), state)
-        loss = model.loss_from_hidden(hidden, targets[chunk].unsqueeze(0), reduction="sum")
-        total += float(loss)
+
+    def add_loss(start: int, hidden: torch.Tensor) -> None:
+        nonlocal total
+        wanted = targets[start : start + hidden.shape[1]].unsqueeze(0)
+        total += float(model.loss_from_hidden(hidden, wanted, reduction="sum"))
+
+    read_tokens(
+        model,
+        model.init_state(1),
+        inputs.unsqueeze(0),
+        chunk_tokens=chunk_tokens,
+        on_hidden=add_loss,
+    )
     lengths = torch.as_tensor(tokenizer.token_byte_lengths(), dtype=torch.int64)
     text_bytes = int(lengths[targets.cpu()].sum())
     return TextScore(total / targets.numel(), targets.numel(), bits_per_byte(total, text_bytes))

@@ -36,6 +36,7 @@ from bdh_train.distributed.env import resolve_device
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError, DataError
 from bdh_train.export import export_tokenizer_json, export_training_json, load_ternary
 from bdh_train.model import BDH, BDHConfig, ModelState, sample_next_token
+from bdh_train.model.bdh import shape_mismatch, state_shapes
 from bdh_train.model.decoders import FastDecoder, GenericDecoder, make_decoder
 from bdh_train.model.generate import check_finite_logits, check_finite_weights, read_tokens
 from bdh_train.model.summary import SummaryEvents
@@ -102,11 +103,20 @@ def load_run(
             "was it written by bdh-train?"
         )
     try:  # untrusted sizes: validated (and checked against memory) before anything is built
-        model = BDH(BDHConfig.from_dict(json.loads(meta["bdh_config"])))
-    except (BDHTrainError, ValueError, TypeError) as exc:
+        config = BDHConfig.from_dict(json.loads(meta["bdh_config"]))
+    except (BDHTrainError, ValueError, TypeError, RecursionError) as exc:
         raise CheckpointError(
-            f"the bdh_config metadata of {directory / ckpt.MODEL_FILE} is unusable: {exc}"
+            f"the bdh_config metadata of {directory / ckpt.MODEL_FILE} is unusable: "
+            f"{first_line(exc)}"
         ) from None
+    # the sizes the config implies against the file's tensors, before the model is allocated
+    problems = shape_mismatch(state_shapes(config), ckpt.weight_shapes(directory))
+    if problems is not None:
+        raise CheckpointError(
+            f"the bdh_config metadata of {directory / ckpt.MODEL_FILE} does not fit its "
+            f"tensors ({problems}): the file was changed or damaged"
+        )
+    model = BDH(config)
     ckpt.load_into_model(model, ckpt.load_model_weights(directory), directory)
     if finite:
         check_finite_weights(model, f"checkpoint {directory}")
@@ -135,9 +145,9 @@ def _export_config(path: Path, model: BDHConfig) -> RunConfig:
     try:
         training = json.loads(text)
         return RunConfig.from_dict({"model": model.to_dict(), "training": training})
-    except (BDHTrainError, ValueError, TypeError) as exc:
+    except (BDHTrainError, ValueError, TypeError, RecursionError) as exc:
         raise CheckpointError(
-            f"the training metadata of the export '{path}' is unusable: {exc}"
+            f"the training metadata of the export '{path}' is unusable: {first_line(exc)}"
         ) from None
 
 

@@ -143,14 +143,26 @@ def check_compiler(mode: str, device: torch.device) -> None:
         ) from e
 
 
+def physical_memory() -> int | None:
+    """This machine's memory in bytes; None where the platform does not report it."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def parameter_bytes(config: BDHConfig) -> int:
+    """The bytes of the parameters of `config`'s model in the default dtype (nothing is
+    allocated)."""
+    return config.parameter_count() * (torch.finfo(torch.get_default_dtype()).bits // 8)
+
+
 def _check_fits_in_memory(config: BDHConfig) -> None:
     """Refuse, before allocating, a model whose parameters alone exceed this machine's memory."""
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not every platform reports it
+    memory = physical_memory()
+    if memory is None:
         return
-    element = torch.finfo(torch.get_default_dtype()).bits // 8
-    if config.parameter_count() * element > memory:
+    if parameter_bytes(config) > memory:
         raise config.size_error(f"this machine's memory holds ({memory / 2**30:.0f} GiB)")
 
 

@@ -508,8 +508,11 @@ def read_json(path: Path) -> Any:
     fix = "the checkpoint is damaged: use another checkpoint"
     try:
         data = read_regular_file(path, JSON_MAX_BYTES, str(path), CheckpointError, fix)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    try:
         return json.loads(data.decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:  # ValueError: UTF-8 and JSON errors
+    except (ValueError, RecursionError) as exc:  # ValueError: UTF-8 and JSON errors
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
 
 

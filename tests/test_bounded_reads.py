@@ -530,7 +530,7 @@ def test_a_ternary_export_claiming_more_than_it_holds_or_nested_json_is_refused(
         "codes or scale do not hold that: the file was changed or damaged"
     )
     for key in ("config", "ternary", "training"):
-        path = _ternary(tmp_path / key, lambda metadata, tensors: metadata.update({key: DEEP}))
+        path = _ternary(tmp_path / key, lambda metadata, tensors, k=key: metadata.update({k: DEEP}))
         for argv in (
             ["generate", "--checkpoint", str(path), "--prompt", "a"],
             ["inspect", "--checkpoint", str(path), "--out", str(tmp_path / key / "out")],

@@ -280,3 +280,296 @@ def test_a_prompts_file_changed_after_its_check_is_refused_before_generating(
     assert str(refused.value) == (
         f"the prompts file {prompts} changed after it was checked; run generate again"
     )
+
+
+@pytest.mark.timeout(30)
+def test_a_file_that_grows_after_its_size_check_is_read_no_further_than_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bounded_memory
+):
+    """The size is checked with fstat, then the file grows by 1 GiB (sparse) before the read:
+    read whole it would not fit under `bounded_memory`; read to the limit + 1 it is refused."""
+    from bdh_train import utils
+
+    path = tmp_path / "growing"
+    path.write_bytes(b"0123456789")
+    fstat, grown = os.fstat, []
+
+    def fstat_then_grow(fd: int) -> os.stat_result:
+        """The file's stat before it grew (every check sees 10 bytes); it grows meanwhile."""
+        if os.readlink(f"/proc/self/fd/{fd}") != str(path):
+            return fstat(fd)
+        if not grown:
+            grown.append(fstat(fd))
+            os.truncate(path, 10 + (1 << 30))
+        return grown[0]
+
+    monkeypatch.setattr(utils.os, "fstat", fstat_then_grow)
+    with pytest.raises(DataError) as refused:
+        read_regular_file(path, 100, "growing", DataError)
+    assert grown and str(refused.value) == "growing has more than the 100 bytes read"
+
+
+# ------------------------------------------------------------ checkpoint and run files
+HUGE = 2 << 30
+"""A sparse file of 2 GiB: read whole, it would not fit under `bounded_memory`."""
+
+
+def _checkpoint(run: Path) -> Path:
+    from bdh_train.train import checkpoint as ckpt
+
+    def write(directory: Path) -> None:
+        (directory / ckpt.MODEL_FILE).write_bytes(b"m")
+
+    return ckpt.save_checkpoint(run, "step-0000001", write)
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_latest_pointer_or_manifest_is_refused_without_reading_it(
+    tmp_path: Path, bounded_memory
+):
+    from bdh_train.errors import CheckpointError
+    from bdh_train.train import checkpoint as ckpt
+
+    started = time.monotonic()
+    first = _checkpoint(tmp_path / "a")
+    pointer = tmp_path / "a" / "checkpoints" / ckpt.LATEST
+    os.truncate(pointer, HUGE)
+    with pytest.raises(CheckpointError) as refused:
+        ckpt.resolve_checkpoint(tmp_path / "a")
+    assert str(refused.value) == (
+        f"{pointer} has {HUGE} bytes, more than the 256 bytes read; write the name of a "
+        "checkpoint directory into it (step-XXXXXXX), or delete it; the newest intact "
+        f"checkpoint is {first} (resume from it with --resume-fallback; generate, eval and "
+        "export read it as --checkpoint)"
+    )
+    ckpt.prune_checkpoints(pointer.parent, keep=1)  # reads the pointer too
+    manifest = _checkpoint(tmp_path / "b") / ckpt.MANIFEST
+    os.truncate(manifest, HUGE)
+    with pytest.raises(CheckpointError) as refused:
+        ckpt.verify_checkpoint(manifest.parent)
+    assert str(refused.value) == (
+        f"{manifest} has {HUGE} bytes, more than the 16 MiB (16777216 bytes) read; the "
+        "checkpoint is damaged: use another checkpoint"
+    )
+    assert time.monotonic() - started < QUICK_S
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_run_config_or_lock_file_is_refused_without_reading_it(
+    tmp_path: Path, bounded_memory
+):
+    from bdh_train.errors import ConfigError
+    from bdh_train.train.optim import OptimizerConfig
+    from bdh_train.train.run_dir import LOCK_FILE, RunDir, read_saved_config
+    from bdh_train.train.state import check_resumed_optimizer
+
+    started = time.monotonic()
+    config = tmp_path / "config.toml"
+    config.touch()
+    os.truncate(config, HUGE)
+    with pytest.raises(ConfigError) as refused:
+        read_saved_config(tmp_path)
+    assert str(refused.value) == (
+        f"config file {config} has {HUGE} bytes, more than the 1 MiB (1048576 bytes) read"
+    )
+    check_resumed_optimizer(tmp_path, OptimizerConfig())  # a peek: nothing to compare with
+    assert RunDir(tmp_path, fresh=False).moved_tokenizer_override() == []
+    lock = tmp_path / LOCK_FILE
+    lock.touch()
+    os.truncate(lock, HUGE)
+    run = RunDir(tmp_path, fresh=False)
+    with pytest.raises(ConfigError) as refused:
+        run.lock()
+    assert str(refused.value) == (
+        f"the lock file {lock} has {HUGE} bytes, more than the 4 KiB (4096 bytes) read; it is "
+        "no lock bdh-train wrote (a pid): move it away or delete it"
+    )
+    assert lock.stat().st_size == HUGE  # refused before it was taken: the file is as it was
+    assert time.monotonic() - started < QUICK_S
+
+
+# ------------------------------------------------------------ sizes and values a file claims
+def _write_checkpoint(directory: Path, model, config: dict | None = None) -> Path:
+    """`model` as a checkpoint directory (weights and manifest; no run config), its
+    bdh_config metadata `config` (default: the model's own)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from bdh_train.train import checkpoint as ckpt
+
+    metadata = {"bdh_config": json.dumps(config or model.config.to_dict()), "step": "0"}
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / ckpt.MODEL_FILE), metadata=metadata)
+
+    return ckpt.publish_checkpoint_dir(directory, write)
+
+
+@pytest.fixture(scope="module")
+def byte_checkpoint(tmp_path_factory) -> Path:
+    """An untrained byte-level model (vocab 256) as a checkpoint directory: what generate,
+    chat, inspect, eval and merge load in a few milliseconds."""
+    from helpers import tiny_model
+
+    return _write_checkpoint(tmp_path_factory.mktemp("ck") / "ck", tiny_model(vocab_size=256))
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_or_device_as_data_or_state_is_refused_before_opening(
+    byte_checkpoint: Path, tmp_path: Path, fifo: Path, capsys, bounded_memory
+):
+    """Each would hang on the FIFO (a read waits for a writer) or read /dev/zero forever."""
+    from bdh_train.data.formats import expand_sources
+
+    ck = str(byte_checkpoint)
+    fix = (
+        "give a text file, a directory of .txt files, a .bin token file or a directory "
+        "written by `bdh-train prepare`"
+    )
+    for target, kind in ((fifo, "a FIFO (named pipe)"), (ZERO, "a character device")):
+        refused = f"data source '{target}' is {kind}, not a regular file or directory; {fix}"
+        out = str(tmp_path / "out")
+        for argv in (
+            ["inspect", "--checkpoint", ck, "--data", str(target), "--out", out],
+            ["eval", "--checkpoint", ck, "--data", str(target), "--device", "cpu"],
+            ["merge", ck, ck, "--data", str(target), str(target), "--out", out]
+            + ["--finetune-steps", "1"],
+            ["train", "--run-dir", str(tmp_path / "run"), "--set", f"data.source={target}"],
+        ):
+            assert _one_error_line(capsys, argv) == refused, argv
+        with pytest.raises(DataError) as refused_text:
+            expand_sources([target])
+        assert str(refused_text.value).startswith(
+            f"source '{target}' is {kind}, not a regular file; give UTF-8 text"
+        )
+    fix = "give a file written by --save-state for this checkpoint"
+    for command in ("generate", "chat"):
+        argv = [command, "--checkpoint", ck, "--load-state", str(fifo), "--device", "cpu"]
+        assert _one_error_line(capsys, argv) == (
+            f"state file {fifo} is a FIFO (named pipe), not a regular file; {fix}"
+        )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_config_larger_than_its_tensors_is_refused_before_building(
+    tmp_path: Path, capsys, bounded_memory
+):
+    """A bdh_config multiplier edited to 160000: a model of 123M parameters (491 MB, which
+    `bounded_memory` does not leave) for tensors of 10 KB."""
+    from helpers import tiny_model
+
+    model = tiny_model(vocab_size=256)
+    edited = {**model.config.to_dict(), "mlp_internal_dim_multiplier": 160000}
+    ck = _write_checkpoint(tmp_path / "ck", model, edited)
+    error = _one_error_line(capsys, ["generate", "--checkpoint", str(ck), "--prompt", "a"])
+    assert error.startswith(
+        f"the bdh_config metadata of {ck / 'model.safetensors'} does not fit its tensors "
+        "(mismatched shapes: decoder: checkpoint [64, 16] vs model [2560000, 16]; "
+        "encoder: checkpoint [2, 16, 32] vs model [2, 16, 1280000]; "
+    )
+    assert error.endswith("): the file was changed or damaged")
+
+
+def _ternary(tmp_path: Path, change=None) -> Path:
+    """A ternary export of a byte-level BitNet model, its metadata then changed by
+    `change(metadata, tensors)` and written back: a hand-edited export."""
+    from helpers import tiny_model
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from bdh_train.export import export_ternary
+    from bdh_train.model import QuantConfig
+
+    model = tiny_model(vocab_size=256, quant=QuantConfig(enable=True))
+    path = export_ternary(model, tmp_path / "m.safetensors", training_json='{"block_size": 8}')
+    if change is not None:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+        change(metadata, tensors)
+        save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+"""JSON nested past the parser's recursion limit."""
+
+
+@pytest.mark.timeout(60)
+def test_a_ternary_export_claiming_more_than_it_holds_or_nested_json_is_refused(
+    tmp_path: Path, capsys, bounded_memory
+):
+    import json
+
+    from bdh_train.errors import CheckpointError
+    from bdh_train.export import load_ternary
+
+    def grown(metadata, tensors):
+        config = json.loads(metadata["config"])
+        metadata["config"] = json.dumps({**config, "mlp_internal_dim_multiplier": 160000})
+
+    path = _ternary(tmp_path / "a", grown)
+    with pytest.raises(CheckpointError) as refused:
+        load_ternary(path)
+    assert str(refused.value).startswith(
+        f"the config of the ternary export '{path}' does not fit its tensors (mismatched "
+        "shapes: decoder: checkpoint [64, 16] vs model [2560000, 16]; "
+    )
+
+    def huge_listing(metadata, tensors):
+        metadata["ternary"] = json.dumps({"encoder": [1 << 20, 1 << 20], "decoder": [64, 16]})
+
+    path = _ternary(tmp_path / "b", huge_listing)
+    with pytest.raises(CheckpointError) as refused:
+        load_ternary(path)
+    assert str(refused.value) == (
+        f"ternary export '{path}': encoder is listed as [1048576, 1048576] but its packed "
+        "codes or scale do not hold that: the file was changed or damaged"
+    )
+    for key in ("config", "ternary", "training"):
+        path = _ternary(tmp_path / key, lambda metadata, tensors, k=key: metadata.update({k: DEEP}))
+        for argv in (
+            ["generate", "--checkpoint", str(path), "--prompt", "a"],
+            ["inspect", "--checkpoint", str(path), "--out", str(tmp_path / key / "out")],
+            ["export", "--hf", str(tmp_path / key / "hf"), str(path)],
+        ):
+            error = _one_error_line(capsys, argv)
+            assert (
+                error == f"the {key!r} metadata of the ternary export '{path}' is nested too "
+                "deep: the file was changed or damaged"
+                if key != "training"
+                else error.startswith(f"the training metadata of the export '{path}' is unusable")
+            ), (argv, error)
+        assert not (tmp_path / key / "out").exists() and not (tmp_path / key / "hf").exists()
+
+
+def test_grow_counts_three_copies_of_the_grown_model_and_refuses_a_seed_past_64_bits(
+    byte_checkpoint: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+):
+    from helpers import tiny_config
+
+    from bdh_train import compose
+    from bdh_train.model.bdh import parameter_bytes
+    from bdh_train.model.compose import grown_config
+
+    for seed in (2**64, -(2**63) - 1):
+        argv = ["grow", "--checkpoint", str(byte_checkpoint), "--neurons-multiplier", "2"]
+        argv += ["--out", str(tmp_path / "g"), "--seed", str(seed)]
+        assert _one_error_line(capsys, argv) == (
+            f"--seed must be an integer from -2**63 to 2**64 - 1, got {seed}"
+        )
+    source = tiny_config()
+    grown = grown_config(source, 4)
+    need = 3 * parameter_bytes(grown) + parameter_bytes(source)
+    monkeypatch.setattr(compose, "physical_memory", lambda: need)
+    compose._check_grow_fits(source, grown, 4)  # exactly fits
+    monkeypatch.setattr(compose, "physical_memory", lambda: need - 1)
+    with pytest.raises(ConfigError) as refused:
+        compose._check_grow_fits(source, grown, 4)
+    assert str(refused.value).startswith(
+        f"--neurons-multiplier 4 makes a model of {grown.parameter_count():.3g} parameters, "
+        "and grow holds 3 copies of it besides the source ("
+    )

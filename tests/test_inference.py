@@ -251,3 +251,96 @@ def test_score_text_is_the_mean_loss_of_each_token_given_the_text_before_it():
     assert text_bytes > score.tokens  # bits per byte differs from bits per token here
     with pytest.raises(DataError, match="scoring needs at least 2"):
         score_text(model, tok, "R")
+
+
+def _hand_made_state(tmp_path, change) -> tuple[Continuation, object]:
+    """A state saved by a 2-layer model, its tensors then changed by `change(tensors)` and
+    written back with the same metadata: a hand-made --load-state file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = tiny_model().eval()
+    saver = Continuation(model)
+    saver.feed([1, 2, 3])
+    path = saver.save(tmp_path / "state.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    change(tensors)
+    save_file(tensors, str(path), metadata=meta)
+    return Continuation(model), path
+
+
+HAND_MADE_STATES = {
+    "rho of the wrong shape": (
+        lambda t: t.update({"state.rho.0": t["state.rho.0"][:, :, :5].clone()}),
+        "'state.rho.0' has shape [1, 2, 5, 16], the model's [1, 2, 32, 16]",
+    ),
+    "rho as int8": (
+        lambda t: t.update({"state.rho.1": t["state.rho.1"].to(torch.int8)}),
+        "'state.rho.1' is torch.int8, not a floating dtype",
+    ),
+    "position as int8": (
+        lambda t: t.update({"state.position": t["state.position"].to(torch.int8)}),
+        "'state.position' is torch.int8, not torch.int64",
+    ),
+    "a NaN in rho": (
+        lambda t: t["state.rho.0"].view(-1).__setitem__(7, float("nan")),
+        "'state.rho.0' holds NaN or infinity",
+    ),
+    "an infinite hidden": (
+        lambda t: t["hidden"].view(-1).__setitem__(0, float("inf")),
+        "'hidden' holds NaN or infinity",
+    ),
+    "an empty hidden": (
+        lambda t: t.update({"hidden": torch.zeros(1, 0, 16)}),
+        "'hidden' has shape [1, 0, 16], the model's [1, 1, 16]",
+    ),
+    "a missing layer": (lambda t: t.pop("state.rho.1"), "it has no tensor 'state.rho.1'"),
+    "no hidden": (lambda t: t.pop("hidden"), "it has no tensor 'hidden'"),
+    "a layer too many": (
+        lambda t: t.update({"state.rho.2": t["state.rho.0"].clone()}),
+        "it has an unexpected tensor 'state.rho.2'",
+    ),
+    "a negative position": (
+        lambda t: t.update({"state.position": torch.tensor([-4])}),
+        "its position is -4, and a saved state has read at least 1 token",
+    ),
+    "position 0": (
+        lambda t: t.update({"state.position": torch.tensor([0])}),
+        "its position is 0, and a saved state has read at least 1 token",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HAND_MADE_STATES))
+def test_a_hand_made_state_file_is_refused_naming_what_is_wrong(tmp_path, case):
+    change, wrong = HAND_MADE_STATES[case]
+    cont, path = _hand_made_state(tmp_path, change)
+    with pytest.raises(CheckpointError) as refused:
+        cont.load(path)
+    assert str(refused.value) == f"{path} is not a generation state of this checkpoint: {wrong}"
+    assert cont.hidden is None and cont.tokens_read == 0  # nothing was loaded
+
+
+@pytest.mark.timeout(30)
+def test_a_state_file_that_is_a_fifo_or_too_large_is_refused_before_reading(
+    tmp_path, bounded_memory
+):
+    import os
+
+    cont, path = _hand_made_state(tmp_path, lambda t: None)
+    fix = "give a file written by --save-state for this checkpoint"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError) as refused:
+        cont.load(fifo)
+    assert str(refused.value) == (
+        f"state file {fifo} is a FIFO (named pipe), not a regular file; {fix}"
+    )
+    size = path.stat().st_size
+    with open(path, "ab") as grown:  # 1 GiB more, sparse: read whole, it would not fit
+        grown.truncate(size + (1 << 30))
+    with pytest.raises(CheckpointError) as refused:
+        cont.load(path)
+    assert str(refused.value).startswith(f"state file {path} has {size + (1 << 30)} bytes, more")

@@ -66,6 +66,14 @@ def cpu_threads(path: str, value: Any) -> int:
     return int(value)
 
 
+def seed(path: str, value: Any) -> int:
+    """A seed torch.manual_seed takes: an integer from -2**63 to 2**64 - 1 (a larger one
+    raised a RuntimeError out of torch)."""
+    if not is_int(value) or not -(2**63) <= value < 2**64:
+        raise ConfigError(f"{path} must be an integer from -2**63 to 2**64 - 1, got {value!r}")
+    return int(value)
+
+
 def interval(path: str, value: Any) -> int:
     """An `*_every` setting: a step interval where 0 switches the action off."""
     if not is_int(value) or value < 0:

@@ -22,12 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from bdh_train import checks
 from bdh_train.config import RunConfig, dump_toml
 from bdh_train.data.tokenizer import TOKENIZER_FILE, HFTokenizer, Tokenizer
 from bdh_train.data.tokens import TokenData
 from bdh_train.errors import ConfigError
 from bdh_train.inference import load_run
-from bdh_train.model import BDH, groups
+from bdh_train.model import BDH, BDHConfig, groups
+from bdh_train.model.bdh import parameter_bytes, physical_memory
 from bdh_train.model.compose import grow_weights, grown_config, merge_weights, merged_config
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.build import evaluate_model
@@ -95,13 +97,35 @@ def write_composed(
 
 
 # ---------------------------------------------------------------- grow
+GROW_COPIES = 3
+"""Copies of the grown model `grow_run` holds at its peak, besides the source: the fresh
+model its new neurons come from, the grown weights, and their bytes while the checkpoint is
+written (safetensors serializes each tensor)."""
+
+
+def _check_grow_fits(source: BDHConfig, grown: BDHConfig, multiplier: int) -> None:
+    """Refuse, before allocating, a grow whose peak (GROW_COPIES copies of the grown model
+    and the source) exceeds this machine's memory."""
+    memory = physical_memory()
+    need = GROW_COPIES * parameter_bytes(grown) + parameter_bytes(source)
+    if memory is not None and need > memory:
+        raise ConfigError(
+            f"--neurons-multiplier {multiplier} makes a model of "
+            f"{grown.parameter_count():.3g} parameters, and grow holds {GROW_COPIES} copies "
+            f"of it besides the source ({need / 2**30:.1f} GiB), more than this machine's "
+            f"memory ({memory / 2**30:.1f} GiB); use a smaller --neurons-multiplier"
+        )
+
+
 def grow_run(source: str, multiplier: int, out: str | Path, seed: int = 0) -> Path:
     """Write `source`'s model widened to `multiplier` times its neurons per head
     (`grow_weights`: the same function, new neurons drawn from a fresh model seeded with
     `seed`) as the checkpoint directory `out`."""
     out = _check_out(out)
+    checks.seed("--seed", seed)
     src = _load(source)
     config = grown_config(src.model.config, multiplier)
+    _check_grow_fits(src.model.config, config, multiplier)
     torch.manual_seed(seed)
     grown = BDH(config).to(src.model.embed.weight.dtype)
     weights = grow_weights(src.model.state_dict(), src.model.config, multiplier, grown.state_dict())
@@ -229,13 +253,16 @@ def merge_runs(
     merged = BDH(config).to(sources[0].model.embed.weight.dtype)
     merged.load_state_dict(weights)
     merged.eval()
+    # the fine-tune's data is read (and refused) before the sources' evaluations take time
+    data = (
+        _finetune_data(sources, finetune.data, merged.config.vocab_size) if finetune.steps else []
+    )
     report = MergeReport(names, [s.path for s in sources])
     for source, name in zip(sources, names, strict=True):
         report.results[name] = _domain_losses(source.model, sources, names, eval_batches)
     report.results["merged"] = _domain_losses(merged, sources, names, eval_batches)
     if finetune.steps:
         first = sources[0].cfg
-        data = _finetune_data(sources, finetune.data, merged.config.vocab_size)
         report.finetune_losses = finetune_model(
             merged,
             data,

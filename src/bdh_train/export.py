@@ -16,15 +16,17 @@ with code 0.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from bdh_train.errors import CheckpointError, ConfigError
-from bdh_train.model.bdh import BDH
+from bdh_train.model.bdh import BDH, shape_mismatch, state_shapes
 from bdh_train.model.config import BDHConfig
 from bdh_train.model.quant import PROJECTION_TARGETS, TERNARY_FORMATS, quantize_weight
 from bdh_train.utils import atomic_write
@@ -164,6 +166,69 @@ def export_training_json(path: str | os.PathLike[str]) -> str | None:
     return _read_export(Path(path), with_tensors=False)[0].get(TRAINING_KEY)
 
 
+def metadata_json(metadata: dict[str, str], key: str, path: Path) -> Any:
+    """The JSON value an export's metadata holds at `key`; CheckpointError (one line) when it
+    is missing, not JSON, or nested too deep for the parser."""
+    if key not in metadata:
+        raise CheckpointError(f"ternary export '{path}' has no {key!r} metadata")
+    try:
+        return json.loads(metadata[key])
+    except (ValueError, RecursionError) as exc:
+        what = "nested too deep" if isinstance(exc, RecursionError) else f"not JSON ({exc})"
+        raise CheckpointError(
+            f"the {key!r} metadata of the ternary export '{path}' is {what}: the file was "
+            "changed or damaged"
+        ) from None
+
+
+def _ternary_shapes(metadata: dict[str, str], path: Path) -> dict[str, tuple[int, ...]]:
+    """The shapes of the packed projections the export's metadata lists."""
+    listed = metadata_json(metadata, "ternary", path)
+    if not isinstance(listed, dict) or not all(
+        isinstance(v, list) and all(type(n) is int and n >= 0 for n in v) for v in listed.values()
+    ):
+        raise CheckpointError(
+            f"the 'ternary' metadata of the ternary export '{path}' is no table of tensor "
+            "shapes: the file was changed or damaged"
+        )
+    return {k: tuple(v) for k, v in listed.items()}
+
+
+def _check_sizes(
+    config: BDHConfig,
+    shapes: dict[str, tuple[int, ...]],
+    tensors: dict[str, torch.Tensor],
+    path: Path,
+) -> None:
+    """Refuse, before the model is allocated, an export whose config does not fit its
+    tensors: the packed projections' listed shapes, the bytes that pack them and every float
+    tensor's shape against the sizes the config implies (`state_shapes`)."""
+    held = {k: tuple(v.shape) for k, v in tensors.items() if not k.endswith(_STORED_SUFFIXES)}
+    for name, shape in shapes.items():
+        held[name] = shape
+        packed, scale = tensors.get(name + PACKED_SUFFIX), tensors.get(name + SCALE_SUFFIX)
+        numel = math.prod(shape)
+        if (
+            packed is None
+            or scale is None
+            or packed.numel() != -(-numel // 4)
+            or scale.numel() != 1
+        ):
+            raise CheckpointError(
+                f"ternary export '{path}': {name} is listed as {list(shape)} but its packed "
+                "codes or scale do not hold that: the file was changed or damaged"
+            )
+    problems = shape_mismatch(state_shapes(config), held)
+    if problems is not None:
+        raise CheckpointError(
+            f"the config of the ternary export '{path}' does not fit its tensors ({problems}): "
+            "the file was changed or damaged"
+        )
+
+
+_STORED_SUFFIXES = (PACKED_SUFFIX, SCALE_SUFFIX)
+
+
 def load_ternary(path: str | os.PathLike[str], device: torch.device | str = "cpu") -> BDH:
     """Rebuild the inference model from an `export_ternary` file (eval mode, lambda = 1).
 
@@ -172,8 +237,9 @@ def load_ternary(path: str | os.PathLike[str], device: torch.device | str = "cpu
     """
     path = Path(path)
     metadata, tensors = _read_export(path)
-    config = BDHConfig.from_dict(json.loads(metadata["config"]))
-    shapes = {k: tuple(v) for k, v in json.loads(metadata["ternary"]).items()}
+    config = BDHConfig.from_dict(metadata_json(metadata, "config", path))
+    shapes = _ternary_shapes(metadata, path)
+    _check_sizes(config, shapes, tensors, path)
     model = BDH(config).to(tensors["embed.weight"].dtype)
     state = {}
     frozen = {}

@@ -21,6 +21,7 @@ from typing import TextIO
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_bytes
 
 from bdh_train.config import RunConfig, load_config
@@ -35,13 +36,14 @@ from bdh_train.distributed.env import resolve_device
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError, DataError
 from bdh_train.export import export_tokenizer_json, export_training_json, load_ternary
 from bdh_train.model import BDH, BDHConfig, ModelState, sample_next_token
+from bdh_train.model.bdh import shape_mismatch, state_shapes
 from bdh_train.model.decoders import FastDecoder, GenericDecoder, make_decoder
 from bdh_train.model.generate import check_finite_logits, check_finite_weights, read_tokens
 from bdh_train.model.summary import SummaryEvents
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.evaluate import bits_per_byte
 from bdh_train.train.run_dir import config_path, run_of_checkpoint
-from bdh_train.utils import atomic_write
+from bdh_train.utils import atomic_write, first_line, read_regular_file
 
 STATE_FORMAT = "bdh-state/1"
 
@@ -101,11 +103,20 @@ def load_run(
             "was it written by bdh-train?"
         )
     try:  # untrusted sizes: validated (and checked against memory) before anything is built
-        model = BDH(BDHConfig.from_dict(json.loads(meta["bdh_config"])))
-    except (BDHTrainError, ValueError, TypeError) as exc:
+        config = BDHConfig.from_dict(json.loads(meta["bdh_config"]))
+    except (BDHTrainError, ValueError, TypeError, RecursionError) as exc:
         raise CheckpointError(
-            f"the bdh_config metadata of {directory / ckpt.MODEL_FILE} is unusable: {exc}"
+            f"the bdh_config metadata of {directory / ckpt.MODEL_FILE} is unusable: "
+            f"{first_line(exc)}"
         ) from None
+    # the sizes the config implies against the file's tensors, before the model is allocated
+    problems = shape_mismatch(state_shapes(config), ckpt.weight_shapes(directory))
+    if problems is not None:
+        raise CheckpointError(
+            f"the bdh_config metadata of {directory / ckpt.MODEL_FILE} does not fit its "
+            f"tensors ({problems}): the file was changed or damaged"
+        )
+    model = BDH(config)
     ckpt.load_into_model(model, ckpt.load_model_weights(directory), directory)
     if finite:
         check_finite_weights(model, f"checkpoint {directory}")
@@ -134,9 +145,9 @@ def _export_config(path: Path, model: BDHConfig) -> RunConfig:
     try:
         training = json.loads(text)
         return RunConfig.from_dict({"model": model.to_dict(), "training": training})
-    except (BDHTrainError, ValueError, TypeError) as exc:
+    except (BDHTrainError, ValueError, TypeError, RecursionError) as exc:
         raise CheckpointError(
-            f"the training metadata of the export '{path}' is unusable: {exc}"
+            f"the training metadata of the export '{path}' is unusable: {first_line(exc)}"
         ) from None
 
 
@@ -253,14 +264,27 @@ class Continuation:
         return out
 
     def load(self, path: str | os.PathLike[str]) -> Continuation:
-        """Continue from a saved state; refused when it was saved from another model config."""
+        """Continue from a saved state; refused when it was saved from another model config,
+        or when it is not what `save` writes for this model: every tensor of the state of
+        one sequence after at least one token, in the shape and kind of dtype that state has,
+        finite, at a position of at least 1. The file must be a regular file of at most the
+        size such a state takes (`read_regular_file`), so a FIFO, a device or a huge file is
+        refused before anything is read."""
         path = Path(path)
+        reference = self._reference_state()
+        limit = sum(t.numel() * t.element_size() for t in reference.values()) + STATE_HEADER_BYTES
+        what = f"state file {path}"
+        fix = "give a file written by --save-state for this checkpoint"
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-        except Exception as exc:  # a missing or damaged file: safetensors' own error types
+            data = read_regular_file(path, limit, what, CheckpointError, fix)
+        except OSError as exc:
             raise CheckpointError(f"cannot read state file {path}: {exc}") from exc
+        try:
+            tensors = safetensors_load(data)
+            header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        except Exception as exc:  # a damaged file: safetensors' own error types
+            raise CheckpointError(f"cannot read state file {path}: {first_line(exc)}") from exc
+        meta = header.get("__metadata__") or {}
         if meta.get("format") != STATE_FORMAT:
             raise CheckpointError(f"{path} is not a saved generation state (--save-state)")
         if meta.get("config_hash") != config_hash(self.model.config):
@@ -268,14 +292,61 @@ class Continuation:
                 f"{path} was saved from a model with another config; load it with the "
                 "checkpoint it was saved from"
             )
+        _check_state_tensors(path, tensors, reference)
         state = {k.removeprefix("state."): v for k, v in tensors.items() if k.startswith("state.")}
-        if "hidden" not in tensors or state.get("position", torch.zeros(0)).shape != (1,):
-            raise CheckpointError(f"{path} is not a single-sequence generation state")
-        self.state.load_state_dict(state)
+        self.state.load_state_dict(
+            {k: v.to(reference[f"state.{k}"].dtype) for k, v in state.items()}
+        )
         self.hidden = tensors["hidden"].to(self._device, self.model.embed.weight.dtype)
-        if tensors["recent"].shape == self.recent.shape:
-            self.recent = tensors["recent"].to(self._device)
+        self.recent = tensors["recent"].to(self._device)
         return self
+
+    def _reference_state(self) -> dict[str, torch.Tensor]:
+        """What `save` writes for this model and summary events: the state after one token."""
+        probe = Continuation(self.model, self.events)
+        probe.feed([0])
+        assert probe.hidden is not None
+        tensors = {f"state.{k}": v for k, v in probe.state.state_dict().items()}
+        return {**tensors, "hidden": probe.hidden, "recent": probe.recent}
+
+
+STATE_HEADER_BYTES = 64 << 10
+"""What a state file may hold beyond its tensors' bytes: the safetensors header (each
+tensor's name, dtype, shape and offsets) and the metadata (format and config hash)."""
+
+
+def _check_state_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
+) -> None:
+    """CheckpointError naming `path` and the first thing in which the state file's tensors
+    differ from `reference` (a state `save` writes for this model): a missing or unexpected
+    tensor, a shape, a kind of dtype (floating or integer), a value that is not finite, a
+    position below 1."""
+    bad = f"{path} is not a generation state of this checkpoint"
+    missing = sorted(set(reference) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{bad}: it has no tensor {missing[0]!r}")
+    unexpected = sorted(set(tensors) - set(reference))
+    if unexpected:
+        raise CheckpointError(f"{bad}: it has an unexpected tensor {unexpected[0]!r}")
+    for name, want in reference.items():
+        got = tensors[name]
+        if got.shape != want.shape:
+            raise CheckpointError(
+                f"{bad}: {name!r} has shape {list(got.shape)}, the model's {list(want.shape)}"
+            )
+        if got.is_floating_point() != want.is_floating_point() or (
+            not want.is_floating_point() and got.dtype != want.dtype
+        ):
+            kind = "a floating dtype" if want.is_floating_point() else str(want.dtype)
+            raise CheckpointError(f"{bad}: {name!r} is {got.dtype}, not {kind}")
+        if got.is_floating_point() and not bool(torch.isfinite(got).all()):
+            raise CheckpointError(f"{bad}: {name!r} holds NaN or infinity")
+    position = int(tensors["state.position"][0])
+    if position < 1:
+        raise CheckpointError(
+            f"{bad}: its position is {position}, and a saved state has read at least 1 token"
+        )
 
 
 def encode_text(tokenizer: Tokenizer, text: str, where: str) -> list[int]:

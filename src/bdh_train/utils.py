@@ -204,6 +204,24 @@ _NOT_REGULAR = (
 )
 
 
+def _kind(mode: int) -> str:
+    """What a file of `mode` is, in words ('a FIFO (named pipe)'), for a file that is no
+    regular file."""
+    return next((name for test, name in _NOT_REGULAR if test(mode)), "not a file")
+
+
+def special_file_kind(path: str | os.PathLike[str]) -> str | None:
+    """What `path` is when it is neither a regular file nor a directory (following links): 'a
+    FIFO (named pipe)', 'a character device', ..., which a read would block on (a FIFO waits
+    for a writer) or never finish (/dev/zero); None for a regular file, a directory or a path
+    that does not exist."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else _kind(mode)
+
+
 def size_text(n: int) -> str:
     """A byte count in the largest binary unit that divides it, and in bytes:
     '1 MiB (1048576 bytes)'; '1000 bytes' when no unit divides it."""
@@ -232,8 +250,7 @@ def open_regular(
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a file")
-            raise error(f"{what} is {kind}, not a regular file; {fix}")
+            raise error(f"{what} is {_kind(mode)}, not a regular file; {fix}")
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.inference import Continuation
+from bdh_train.inspect.synapses import read_state
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.model.generate import PREFILL_TOKENS, read_tokens
 from bdh_train.model.state import ModelState
@@ -142,11 +143,17 @@ def _generate_batch(model, ids):
     model.generate_batch([ids, ids[:5]], 1, temperature=0)
 
 
-@pytest.mark.parametrize("read", [_feed, _stream, _generate_batch], ids=lambda f: f.__name__[1:])
+def _inspect_prompt(model, ids):
+    read_state(model, ids.tolist(), 0)
+
+
+@pytest.mark.parametrize(
+    "read", [_feed, _stream, _generate_batch, _inspect_prompt], ids=lambda f: f.__name__[1:]
+)
 def test_reading_a_long_prompt_takes_the_memory_of_a_short_one(read):
     """The largest activation while reading 20 chunks of tokens is no larger than while
     reading 2: 1 MiB either way (one call over the whole prompt: 2 MiB and 20 MiB).
-    `generate` reads through `stream_generate`."""
+    `generate` reads through `stream_generate`, `inspect --prompt(s)` through `read_state`."""
     model = tiny_model().eval()
     short, long = (torch.randint(0, 32, (n * PREFILL_TOKENS,)) for n in (2, 20))
     with LargestActivation() as probe:

@@ -395,14 +395,17 @@ def test_an_unreadable_latest_is_a_damaged_pointer(tmp_path: Path) -> None:
 
     first = ckpt.save_checkpoint(tmp_path, "step-0000001", write)
     pointer = tmp_path / "checkpoints" / ckpt.LATEST
-    read_text = Path.read_text
+    read = ckpt.read_regular_file
 
-    def refusing(self: Path, *args: Any, **kwargs: Any) -> str:
-        if self == pointer:
+    def refusing(path: Path, *args: Any, **kwargs: Any) -> bytes:
+        if path == pointer:
             raise PermissionError(13, "Permission denied")
-        return read_text(self, *args, **kwargs)
+        return read(path, *args, **kwargs)
 
-    with mock.patch.object(Path, "read_text", refusing), pytest.raises(CheckpointError) as err:
+    with (
+        mock.patch.object(ckpt, "read_regular_file", refusing),
+        pytest.raises(CheckpointError) as err,
+    ):
         ckpt.resolve_checkpoint(tmp_path)
     assert str(err.value) == (
         f"cannot read {pointer}: [Errno 13] Permission denied; the newest intact checkpoint is "
@@ -450,21 +453,21 @@ def test_pruning_leaves_a_checkpoint_it_cannot_read_and_reads_each_once(tmp_path
     for step in (1, 2, 3):
         _save(tmp_path, step)
     second = tmp_path / "checkpoints" / "step-0000002"
-    sha256, read_text = ckpt._sha256, Path.read_text
+    sha256, read = ckpt._sha256, ckpt.read_regular_file
 
     def failing_sha256(path: Path) -> str:
         if path == second / ckpt.MODEL_FILE:
             raise OSError(5, "Input/output error")
         return sha256(path)
 
-    def failing_read_text(self: Path, *args: Any, **kwargs: Any) -> str:
-        if self == second / ckpt.MANIFEST:
+    def failing_read(path: Path, *args: Any, **kwargs: Any) -> bytes:
+        if path == second / ckpt.MANIFEST:
             raise OSError(5, "Input/output error")
-        return read_text(self, *args, **kwargs)
+        return read(path, *args, **kwargs)
 
     for patch in (
         mock.patch.object(ckpt, "_sha256", failing_sha256),
-        mock.patch.object(Path, "read_text", failing_read_text),
+        mock.patch.object(ckpt, "read_regular_file", failing_read),
     ):
         with patch:
             ckpt.prune_checkpoints(tmp_path / "checkpoints", keep=2)

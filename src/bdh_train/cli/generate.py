@@ -150,9 +150,7 @@ def _check_inference_args(args: argparse.Namespace) -> None:
     from bdh_train import checks  # numpy: not imported for --help
 
     checks.cpu_threads("--threads", args.threads)
-    seed = getattr(args, "seed", 0)
-    if not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed takes
-        raise ConfigError(f"--seed must be an integer from -2**63 to 2**64 - 1, got {seed}")
+    checks.seed("--seed", getattr(args, "seed", 0))
 
 
 def _load_for_inference(args: argparse.Namespace, need_text: bool, finite: bool = False):

@@ -36,7 +36,7 @@ from bdh_train.data.prepared import corpus_tokenizer
 from bdh_train.data.sources import BUILTIN_PREFIX
 from bdh_train.data.tokenizer import BYTES, load_tokenizer
 from bdh_train.errors import ConfigError
-from bdh_train.train.run_dir import RunDir
+from bdh_train.train.run_dir import CONFIG_MAX_BYTES, RunDir
 from bdh_train.utils import (
     atomic_write,
     dataclass_in,
@@ -50,9 +50,6 @@ DEFAULT_PRESET = "tiny"
 """The preset used when `load_config` gets neither a preset nor a file."""
 EXTENDS_KEY = "extends"
 PRESET_PREFIX = "preset:"
-CONFIG_MAX_BYTES = 1 << 20
-"""The largest config file read: a run's saved config.toml, every key written, has about
-2 KiB, so a larger file is no config, and is not read into memory."""
 _A_TOML_FILE = "give the path of a TOML config file"
 
 

@@ -56,6 +56,7 @@ from typing import Any, BinaryIO
 
 from bdh_train.data.layout import is_prepared
 from bdh_train.errors import DataError
+from bdh_train.utils import special_file_kind
 
 TEXT_FIELD = "text"
 """The default field (JSON lines) or column (parquet, datasets) that holds a document."""
@@ -192,6 +193,9 @@ def expand_sources(sources: list[str | os.PathLike[str]]) -> list[Path]:
         path = Path(source).expanduser()
         if not path.exists():
             raise DataError(f"source '{source}' does not exist; {FORMATS_HINT}")
+        kind = special_file_kind(path)
+        if kind is not None:  # read, a FIFO waits for a writer and a device never ends
+            raise DataError(f"source '{source}' is {kind}, not a regular file; {FORMATS_HINT}")
         if is_prepared(path):
             raise DataError(
                 f"source '{source}' is a corpus `bdh-train prepare` wrote (tokens, not text): "

@@ -24,7 +24,7 @@ from bdh_train.data.layout import is_prepared, is_prepared_split
 from bdh_train.data.tokenizer import BYTES, ByteTokenizer, Tokenizer, piece_cuts
 from bdh_train.data.tokens import TokenData, file_size, memmap_file, read_token_file
 from bdh_train.errors import ConfigError, DataError
-from bdh_train.utils import atomic_write, suggest
+from bdh_train.utils import atomic_write, special_file_kind, suggest
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -217,6 +217,13 @@ def _from_path(
             f".txt files, a .bin token file with a .json header, a directory written by "
             f"`bdh-train prepare`, or one of "
             f"{', '.join(BUILTIN_PREFIX + n for n in sorted(BUILTIN_CORPORA))}"
+        )
+    kind = special_file_kind(path)
+    if kind is not None:  # read, a FIFO waits for a writer and a device never ends
+        raise DataError(
+            f"data source '{path}' is {kind}, not a regular file or directory; give a text "
+            "file, a directory of .txt files, a .bin token file or a directory written by "
+            "`bdh-train prepare`"
         )
     if is_prepared(path):
         train, _ = prepared.load_prepared(path, vocab_size, tokenizer=tokenizer)

@@ -39,7 +39,7 @@ from bdh_train.data.tokenizer import (
     Tokenizer,
     byte_level_alphabet,
 )
-from bdh_train.errors import BDHTrainError, ConfigError
+from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
 from bdh_train.inference import load_run
 from bdh_train.model import BDH
 from bdh_train.model.quant import PROJECTION_TARGETS
@@ -245,9 +245,9 @@ def provenance(source: Path, cfg: RunConfig) -> Provenance:
         batch_size=cfg.training.batch_size,
     )
     try:
-        counters = json.loads((directory / TRAINER_FILE).read_text())
+        counters = ckpt.read_json(directory / TRAINER_FILE)
         found.steps, found.tokens = int(counters["step"]), int(counters["tokens"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (CheckpointError, ValueError, KeyError, TypeError):
         return found
     run = run_of_checkpoint(directory)
     if run is None or not run.metrics.is_file():

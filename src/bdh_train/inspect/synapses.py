@@ -26,15 +26,16 @@ import torch
 
 from bdh_train.errors import BDHTrainError
 from bdh_train.model.bdh import BDH
+from bdh_train.model.generate import read_tokens
 
 
 def read_state(model: BDH, ids: list[int], layer: int) -> torch.Tensor:
-    """rho of `layer` [H, N, D] after the model reads `ids` from a fresh state."""
+    """rho of `layer` [H, N, D] after the model reads `ids` from a fresh state, PREFILL_TOKENS
+    at a time (`read_tokens`), so the memory of reading a prompt does not grow with it."""
     model.eval()
     state = model.init_state(1)
     with torch.no_grad():
-        idx = torch.tensor([ids], dtype=torch.int64, device=model.embed.weight.device)
-        model.forward_hidden(idx, state)
+        read_tokens(model, state, torch.tensor([ids], dtype=torch.int64))
     rho = state.rho[layer]
     assert rho is not None  # written by the forward over at least one token
     return rho[0].float()

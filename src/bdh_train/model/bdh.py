@@ -20,7 +20,7 @@ It is active only while gradients are recorded in training mode.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -54,6 +54,53 @@ ROPE_FREQS = "rope_freqs"
 DEFAULTED_KEYS = frozenset({ROPE_FREQS})
 """state_dict keys a checkpoint may lack: written before they existed, they load as the values
 every such checkpoint had (`rope_frequencies(N)`)."""
+
+
+def state_shapes(config: BDHConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of `BDH(config).state_dict()`, from the sizes alone (nothing
+    is allocated): what a checkpoint of this config holds, to check a file's tensors against
+    its config before building the model."""
+    c = config
+    h, d, n = c.n_head, c.n_embd, c.n_neurons
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed.weight": (c.vocab_size, d),
+        "encoder": (h, d, n),
+        "encoder_v": (h, d, n),
+        "decoder": (h * n, d),
+    }
+    if c.position == "alibi_learned":
+        shapes["decay_log_gain"] = (h,)
+    shapes.update(head_parameter_shapes(c))
+    if c.norm == "layernorm_affine":
+        shapes["norm.weight"] = shapes["norm.bias"] = (d,)
+    if c.position == "rope":
+        shapes[ROPE_FREQS] = (n,)
+    return shapes
+
+
+def shape_mismatch(
+    own: Mapping[str, tuple[int, ...]], weights: Mapping[str, tuple[int, ...]]
+) -> str | None:
+    """Where a file's tensors `weights` (name -> shape) do not fit the model's `own`: every
+    key missing from the file (one of DEFAULTED_KEYS may be: the model fills it), every
+    unexpected key and every shape that differs, as one clause for the caller's message;
+    None when they fit. On shapes alone, so it runs before a model is built (`state_shapes`)."""
+    missing = sorted(set(own) - set(weights) - DEFAULTED_KEYS)
+    unexpected = sorted(set(weights) - set(own))
+    wrong = [
+        f"{k}: checkpoint {list(weights[k])} vs model {list(own[k])}"
+        for k in sorted(set(own) & set(weights))
+        if tuple(weights[k]) != tuple(own[k])
+    ]
+    parts = []
+    if missing:
+        parts.append(f"missing keys {missing}")
+    if unexpected:
+        parts.append(f"unexpected keys {unexpected}")
+    if wrong:
+        parts.append("mismatched shapes: " + "; ".join(wrong))
+    return ", ".join(parts) if parts else None
+
 
 RECOMPUTE_MODES = ("none", "layer", "mixer")
 """What backward recomputes instead of keeping: nothing, the whole shared layer, or its mixer."""
@@ -96,14 +143,26 @@ def check_compiler(mode: str, device: torch.device) -> None:
         ) from e
 
 
+def physical_memory() -> int | None:
+    """This machine's memory in bytes; None where the platform does not report it."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def parameter_bytes(config: BDHConfig) -> int:
+    """The bytes of the parameters of `config`'s model in the default dtype (nothing is
+    allocated)."""
+    return config.parameter_count() * (torch.finfo(torch.get_default_dtype()).bits // 8)
+
+
 def _check_fits_in_memory(config: BDHConfig) -> None:
     """Refuse, before allocating, a model whose parameters alone exceed this machine's memory."""
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not every platform reports it
+    memory = physical_memory()
+    if memory is None:
         return
-    element = torch.finfo(torch.get_default_dtype()).bits // 8
-    if config.parameter_count() * element > memory:
+    if parameter_bytes(config) > memory:
         raise config.size_error(f"this machine's memory holds ({memory / 2**30:.0f} GiB)")
 
 

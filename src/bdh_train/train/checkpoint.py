@@ -33,10 +33,10 @@ from safetensors.torch import load_file, save_file
 
 from bdh_train import checks
 from bdh_train.errors import BDHTrainError, CheckpointError
-from bdh_train.model.bdh import DEFAULTED_KEYS
+from bdh_train.model.bdh import shape_mismatch
 from bdh_train.train.dcp import ShardedState, dcp_errors
 from bdh_train.train.run_dir import CHECKPOINTS, CONFIG_FILE
-from bdh_train.utils import atomic_write, current_umask, first_line
+from bdh_train.utils import atomic_write, current_umask, first_line, read_regular_file
 
 
 @dataclass
@@ -62,6 +62,11 @@ SHARDED_DIR = "sharded"
 
 MANIFEST = "manifest.json"
 """SHA-256 and size of every other file of a checkpoint, written last, checked on load."""
+LATEST_MAX_BYTES = 256
+"""The most a `latest` pointer may hold: one checkpoint name (step-XXXXXXX-mMM) and a newline."""
+JSON_MAX_BYTES = 16 << 20
+"""The most a checkpoint's JSON file (manifest.json, trainer.json, loader.json) may hold: a
+manifest takes about 150 bytes a file, the others a few hundred bytes."""
 _NAME = re.compile(r"step-(\d{7,})(?:-m(\d{2,}))?")
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
@@ -146,7 +151,11 @@ def written_by_v0_1(directory: Path) -> bool:
     try:
         with safe_open(str(directory / MODEL_FILE), "pt") as handle:
             config = json.loads((handle.metadata() or {}).get("bdh_config", "null"))
-    except (SafetensorError, ValueError):  # an OSError (unreadable) is not an answer: raised
+    except (
+        SafetensorError,
+        ValueError,
+        RecursionError,
+    ):  # an OSError (unreadable) is not an answer: raised
         return False
     return isinstance(config, dict) and set(config) == _V0_1_MODEL_KEYS
 
@@ -327,7 +336,10 @@ def prune_checkpoints(root: Path, keep: int, intact: set[str] | None = None) -> 
     root = Path(root)
     known = intact if intact is not None else set()
     pointer = root / LATEST
-    protected = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+    try:
+        protected = _pointer_name(pointer) if pointer.is_file() else None
+    except (OSError, CheckpointError):
+        protected = None
     kept = 0
     for checkpoint in reversed(list_checkpoints(root)):
         whole = _intact(checkpoint, known) if kept < keep else False
@@ -352,10 +364,18 @@ def _intact(checkpoint: Path, known: set[str]) -> bool | None:
     return True
 
 
+def _pointer_name(pointer: Path) -> str:
+    """The checkpoint name a `latest` pointer holds, read as a regular file of at most
+    LATEST_MAX_BYTES (CheckpointError otherwise); not checked to be a checkpoint's name."""
+    fix = "write the name of a checkpoint directory into it (step-XXXXXXX), or delete it"
+    data = read_regular_file(pointer, LATEST_MAX_BYTES, str(pointer), CheckpointError, fix)
+    return data.decode(errors="replace").strip()
+
+
 def _read_pointer(root: Path) -> Path:
     pointer = root / LATEST
     try:
-        name = pointer.read_text(errors="replace").strip()
+        name = _pointer_name(pointer)
     except OSError as exc:
         raise CheckpointError(f"cannot read {pointer}: {exc}") from exc
     if checkpoint_position(name) is None:
@@ -433,27 +453,25 @@ def load_model_weights(directory: Path) -> dict[str, torch.Tensor]:
 def load_into_model(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: Path) -> None:
     """Strict load with one message listing every missing, unexpected or mis-shaped key (a
     key of DEFAULTED_KEYS may be missing: the model fills it)."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(weights) - DEFAULTED_KEYS)
-    unexpected = sorted(set(weights) - set(own))
-    wrong = [
-        f"{k}: checkpoint {list(weights[k].shape)} vs model {list(own[k].shape)}"
-        for k in sorted(set(own) & set(weights))
-        if weights[k].shape != own[k].shape
-    ]
-    if missing or unexpected or wrong:
-        parts = []
-        if missing:
-            parts.append(f"missing keys {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys {unexpected}")
-        if wrong:
-            parts.append("mismatched shapes: " + "; ".join(wrong))
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    problems = shape_mismatch(own, {k: tuple(v.shape) for k, v in weights.items()})
+    if problems is not None:
         raise CheckpointError(
-            f"checkpoint {where} does not fit this model ({', '.join(parts)}); check that "
+            f"checkpoint {where} does not fit this model ({problems}); check that "
             "[model] matches the run that wrote it"
         )
     model.load_state_dict(weights)
+
+
+def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a checkpoint's model.safetensors, from its header
+    alone (no tensor is read)."""
+    path = Path(directory) / MODEL_FILE
+    try:
+        with safe_open(str(path), "pt") as handle:
+            return {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}  # noqa: SIM118
+    except Exception as exc:  # safetensors raises several kinds for a damaged file
+        raise CheckpointError(f"cannot read {path}: {first_line(exc)}") from exc
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -485,11 +503,16 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    """The JSON in `path`; CheckpointError when it cannot be read, is not UTF-8 (a flipped
-    byte) or not JSON."""
+    """The JSON in `path`; CheckpointError when it is no regular file of at most
+    JSON_MAX_BYTES, cannot be read, is not UTF-8 (a flipped byte) or not JSON."""
+    fix = "the checkpoint is damaged: use another checkpoint"
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:  # ValueError: UTF-8 and JSON errors
+        data = read_regular_file(path, JSON_MAX_BYTES, str(path), CheckpointError, fix)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # ValueError: UTF-8 and JSON errors
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
 
 

@@ -28,11 +28,19 @@ import re
 import shutil
 import tomllib
 from pathlib import Path
+from typing import Any
 
 from bdh_train.data.tokenizer import BYTES, TOKENIZER_FILE
 from bdh_train.errors import CheckpointError, ConfigError
+from bdh_train.utils import read_regular_file
 
 CONFIG_FILE = "config.toml"
+CONFIG_MAX_BYTES = 1 << 20
+"""The largest config file read: a run's saved config.toml, every key written, has about
+2 KiB, so a larger file is no config, and is not read into memory."""
+LOCK_MAX_BYTES = 4096
+"""The most a run's .lock may hold to be kept and put back after a refused start: the lock
+holds its holder's pid and a newline."""
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 PROFILE_FILE = "profile.png"
@@ -209,7 +217,14 @@ class RunDir:
             self._lock_file = None
             if lock_file.is_file() and not lock_file.is_symlink():
                 st = lock_file.stat()
-                self._lock_file = (lock_file.read_bytes(), st.st_atime_ns, st.st_mtime_ns)
+                held = read_regular_file(
+                    lock_file,
+                    LOCK_MAX_BYTES,
+                    f"the lock file {lock_file}",
+                    ConfigError,
+                    "it is no lock bdh-train wrote (a pid): move it away or delete it",
+                )
+                self._lock_file = (held, st.st_atime_ns, st.st_mtime_ns)
             self._lock = RunDirLock(self.path).acquire()
 
     def unlock(self, refused: bool = False) -> None:
@@ -315,8 +330,8 @@ class RunDir:
         win; `bdh-train train --resume` applies it only when no --config file is given, since
         one may name the tokenizer."""
         try:
-            named = tomllib.loads(self.config.read_text())["data"]["tokenizer"]
-        except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
+            named = read_saved_config(self.path)["data"]["tokenizer"]
+        except (OSError, ConfigError, ValueError, KeyError, TypeError):
             return []  # loading the config reports what is wrong with it
         own_copy = self.tokenizer_copy
         if not isinstance(named, str) or named == BYTES or Path(named).name != TOKENIZER_FILE:
@@ -330,6 +345,16 @@ class RunDir:
 def config_path(directory: Path) -> Path:
     """The config.toml of a run directory or checkpoint directory."""
     return directory / CONFIG_FILE
+
+
+def read_saved_config(directory: Path) -> dict[str, Any]:
+    """The TOML table of the config.toml of a run or checkpoint directory, read as a regular
+    file of at most CONFIG_MAX_BYTES: ConfigError when it is larger or no regular file,
+    OSError when it cannot be read, ValueError when it is not UTF-8 or not TOML (for callers
+    that only peek at a key; loading the config words what is wrong with it)."""
+    path = config_path(directory)
+    text = read_regular_file(path, CONFIG_MAX_BYTES, f"config file {path}", ConfigError)
+    return tomllib.loads(text.decode("utf-8"))
 
 
 def run_of_checkpoint(checkpoint: Path) -> RunDir | None:

@@ -12,7 +12,6 @@ go to sharded/ through DCP instead (model.safetensors is still written, for infe
 from __future__ import annotations
 
 import json
-import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -30,7 +29,7 @@ from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.config import TrainingConfig
 from bdh_train.train.dcp import ShardedState
 from bdh_train.train.optim import OptimizerConfig
-from bdh_train.train.run_dir import CONFIG_FILE, RunDir, config_path
+from bdh_train.train.run_dir import CONFIG_FILE, RunDir, read_saved_config
 
 TRAINER_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -301,9 +300,9 @@ def check_resumed_optimizer(checkpoint: Path, optimizer: OptimizerConfig) -> Non
     """A resume continues with the optimizer whose state the checkpoint holds (a config saved
     before optimizer.name existed was AdamW's)."""
     try:
-        saved = tomllib.loads(config_path(checkpoint).read_text(encoding="utf-8"))
+        saved = read_saved_config(checkpoint)
         before = saved.get("optimizer", {}).get("name", "adamw")
-    except (OSError, ValueError, AttributeError, tomllib.TOMLDecodeError):
+    except (OSError, ConfigError, ValueError, AttributeError):
         return  # no readable saved config: loading the state itself checks what it can
     if before != optimizer.name:
         raise ConfigError(
@@ -328,9 +327,9 @@ def check_resumed_length(
             f"(e.g. --set training.max_steps={2 * step})"
         )
     try:
-        saved = tomllib.loads(config_path(checkpoint).read_text(encoding="utf-8"))
+        saved = read_saved_config(checkpoint)
         before = int(saved["training"]["max_steps"])
-    except (OSError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
+    except (OSError, ConfigError, ValueError, KeyError, TypeError):
         return []  # no readable saved length: nothing to compare with
     if before == t.max_steps:
         return []

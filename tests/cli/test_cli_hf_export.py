@@ -50,15 +50,33 @@ except ModuleNotFoundError:
 else:
     raise SystemExit("bdh_train is importable in the transformers process")
 
+import builtins, logging, os, warnings
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+asked, warned = [], []
+def _no_answer(prompt=""):  # a question to the terminal (trust_remote_code) is recorded
+    asked.append(prompt)
+    raise EOFError
+builtins.input = _no_answer
+class _Warned(logging.Handler):
+    def emit(self, record):
+        warned.append(record.getMessage())
+logging.getLogger("transformers").addHandler(_Warned(logging.WARNING))
+warnings.showwarning = lambda message, *args, **kw: warned.append(str(message))
 
 torch.set_num_threads(1)  # tiny models: a second thread only waits on the first
 jobs, results = json.load(open(sys.argv[1])), {}
 for name, job in jobs.items():
-    tok = AutoTokenizer.from_pretrained(job["dir"])
-    model = AutoModelForCausalLM.from_pretrained(job["dir"], trust_remote_code=True).eval()
-    out = results[name] = {"type": type(model).__name__}
+    # the two loading lines of the directory's model card, as a reader runs them (cwd: the
+    # directory's parent, the name the card uses)
+    card = open(os.path.join(job["dir"], "README.md"), encoding="utf-8").read().splitlines()
+    scope = {"AutoModelForCausalLM": AutoModelForCausalLM, "AutoTokenizer": AutoTokenizer}
+    for start in ("tokenizer = AutoTokenizer.", "model = AutoModelForCausalLM."):
+        exec(next(line for line in card if line.startswith(start)), scope)
+    tok, model = scope["tokenizer"], scope["model"].eval()
+    out = results[name] = {"type": type(model).__name__, "asked": asked[:], "warned": warned[:]}
+    asked.clear(), warned.clear()
     out["encoded"] = [tok.encode(t, add_special_tokens=False) for t in job["texts"]]
     batch = tok(job["texts"], padding=True, return_tensors="pt")
     out["padded"] = batch["input_ids"].tolist()
@@ -216,6 +234,15 @@ def test_left_padded_logits_equal_bdh_train(exported, name):
         with torch.no_grad():
             expected, _ = model(torch.tensor([tok.encode(text)]))
         assert_close(logits[row, -n:], expected[0], rtol=1e-5, msg=f"{name} row {row}")
+
+
+@pytest.mark.parametrize("name", ["run", "grown", "bpe", "alibi"])
+def test_the_card_s_loading_lines_ask_nothing_and_warn_nothing(exported, name):
+    """The tokenizer and model load as the model card writes them with no question on the
+    terminal (whether to run the custom code) and no warning."""
+    _, _, results = exported
+    assert results[name]["asked"] == []
+    assert results[name]["warned"] == []
 
 
 def test_generation_equals_bdh_train(exported):

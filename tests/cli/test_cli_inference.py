@@ -55,6 +55,24 @@ def test_device_choices_are_those_of_the_training_config():
     assert build_parser().parse_args(["eval", "--checkpoint", "x"]).device == "auto"
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "bdh-train: the following arguments are required: command; see 'bdh-train --help'"),
+        (["frob"], "bdh-train: argument command: invalid choice: 'frob' (choose from 'train', "),
+        (["eval"], "bdh-train eval: the following arguments are required: --checkpoint; see "),
+        (["generate", "--checkpoint", "x", "--temperature", "hot"], "invalid float value: 'hot'"),
+    ],
+)
+def test_an_argument_error_is_one_error_line(capsys, argv, message):
+    """argparse's refusal is the one `error:` line of every refusal (not its usage block)."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
 def test_every_command_of_the_parser_has_its_function():
     (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert list(sub.choices) == list(COMMANDS)

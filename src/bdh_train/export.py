@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from bdh_train.errors import CheckpointError, ConfigError
-from bdh_train.model.bdh import BDH
+from bdh_train.model.bdh import BDH, state_dict_misfit
 from bdh_train.model.config import BDHConfig
 from bdh_train.model.quant import PROJECTION_TARGETS, TERNARY_FORMATS, quantize_weight
 from bdh_train.utils import atomic_write
@@ -183,10 +183,13 @@ def load_ternary(path: str | os.PathLike[str], device: torch.device | str = "cpu
         frozen[name] = (codes, scale)
         state[name] = codes.to(scale.dtype) * scale
     state.update(tensors)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as exc:
-        raise CheckpointError(f"ternary export '{path}' does not fit its config: {exc}") from exc
+    misfit = state_dict_misfit(model.state_dict(), state, "file")
+    if misfit is not None:
+        raise CheckpointError(
+            f"ternary export '{path}' does not fit its config ({misfit}): the file is damaged "
+            "or edited; export the run again"
+        )
+    model.load_state_dict(state)
     if model.quantizer is None:
         raise CheckpointError(f"ternary export '{path}' has a config without quantization")
     for name, (codes, scale) in frozen.items():

@@ -55,6 +55,30 @@ DEFAULTED_KEYS = frozenset({ROPE_FREQS})
 """state_dict keys a checkpoint may lack: written before they existed, they load as the values
 every such checkpoint had (`rope_frequencies(N)`)."""
 
+
+def state_dict_misfit(
+    own: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], source: str = "checkpoint"
+) -> str | None:
+    """How `weights` (of a `source`) do not fit a model whose state_dict is `own`, in one
+    line: every missing (a key of DEFAULTED_KEYS may be missing), unexpected or mis-shaped
+    key; None when they fit."""
+    missing = sorted(set(own) - set(weights) - DEFAULTED_KEYS)
+    unexpected = sorted(set(weights) - set(own))
+    wrong = [
+        f"{k}: {source} {list(weights[k].shape)} vs model {list(own[k].shape)}"
+        for k in sorted(set(own) & set(weights))
+        if weights[k].shape != own[k].shape
+    ]
+    parts = []
+    if missing:
+        parts.append(f"missing keys {missing}")
+    if unexpected:
+        parts.append(f"unexpected keys {unexpected}")
+    if wrong:
+        parts.append("mismatched shapes: " + "; ".join(wrong))
+    return ", ".join(parts) or None
+
+
 RECOMPUTE_MODES = ("none", "layer", "mixer")
 """What backward recomputes instead of keeping: nothing, the whole shared layer, or its mixer."""
 

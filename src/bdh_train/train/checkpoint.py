@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from bdh_train import checks
 from bdh_train.errors import BDHTrainError, CheckpointError
-from bdh_train.model.bdh import DEFAULTED_KEYS
+from bdh_train.model.bdh import state_dict_misfit
 from bdh_train.train.dcp import ShardedState, dcp_errors
 from bdh_train.train.run_dir import CHECKPOINTS, CONFIG_FILE
 from bdh_train.utils import atomic_write, current_umask, first_line
@@ -433,25 +433,11 @@ def load_model_weights(directory: Path) -> dict[str, torch.Tensor]:
 def load_into_model(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: Path) -> None:
     """Strict load with one message listing every missing, unexpected or mis-shaped key (a
     key of DEFAULTED_KEYS may be missing: the model fills it)."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(weights) - DEFAULTED_KEYS)
-    unexpected = sorted(set(weights) - set(own))
-    wrong = [
-        f"{k}: checkpoint {list(weights[k].shape)} vs model {list(own[k].shape)}"
-        for k in sorted(set(own) & set(weights))
-        if weights[k].shape != own[k].shape
-    ]
-    if missing or unexpected or wrong:
-        parts = []
-        if missing:
-            parts.append(f"missing keys {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys {unexpected}")
-        if wrong:
-            parts.append("mismatched shapes: " + "; ".join(wrong))
+    misfit = state_dict_misfit(model.state_dict(), weights)
+    if misfit is not None:
         raise CheckpointError(
-            f"checkpoint {where} does not fit this model ({', '.join(parts)}); check that "
-            "[model] matches the run that wrote it"
+            f"checkpoint {where} does not fit this model ({misfit}); check that [model] "
+            "matches the run that wrote it"
         )
     model.load_state_dict(weights)
 

@@ -344,7 +344,8 @@ def test_bitnet_warmup_follows_the_trainer_step(tmp_path, capsys):
     trainer.run()
     assert lambdas == [0, 1, 2, 3]  # a step each, then the evaluation at step 3
     assert trainer.model.quantizer.lam == pytest.approx(3 / 4)
-    trained = [r["val_loss"] for r in read_metrics(tmp_path / "metrics.jsonl") if "val_loss" in r][-1]
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    trained = [row["val_loss"] for row in rows if "val_loss" in row][-1]
     assert main(["eval", "--checkpoint", str(tmp_path), "--batches", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["val_loss"] == pytest.approx(trained, rel=1e-6)
     cfg.training.max_steps = 4  # one more step (resuming at max_steps is refused)

@@ -358,12 +358,14 @@ def test_a_pointer_to_a_missing_checkpoint_offers_the_newest_intact(tmp_path: Pa
     assert ckpt.resolve_checkpoint(tmp_path, fallback=True) == first
     (first / ckpt.MODEL_FILE).unlink()
     assert ckpt.newest_intact_checkpoint(root) is None
-    (root / ckpt.LATEST).write_bytes(b"\xff step\n")
+    # a damaged pointer is echoed escaped (no byte reaches the terminal raw) and cut short
+    (root / ckpt.LATEST).write_bytes(b"\xff step\x00\x1b[31m" + b"x" * 100 + b"\n")
     with pytest.raises(CheckpointError) as err:
         ckpt.resolve_checkpoint(tmp_path, fallback=True)
     assert str(err.value) == (
-        f"{root / ckpt.LATEST} holds '\ufffd step', not the name of a checkpoint directory "
-        f"inside {root} (step-XXXXXXX); no intact checkpoint is left"
+        f"{root / ckpt.LATEST} holds '\\ufffd step\\x00\\x1b[31m{'x' * 48}'... (112 characters), "
+        f"not the name of a checkpoint directory inside {root} (step-XXXXXXX); no intact "
+        "checkpoint is left"
     )
 
 

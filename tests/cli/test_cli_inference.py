@@ -107,6 +107,23 @@ def run_dir(tmp_path_factory):
     return path
 
 
+def test_load_run_gives_the_model_in_eval_mode(run_dir):
+    """Dropout off in every module (generate, eval, inspect and the exports read a run
+    through load_run): with dropout 0.5, two reads of one text give the same logits."""
+    import dataclasses
+
+    import torch
+
+    from bdh_train.inference import load_run
+
+    model, _, _ = load_run(run_dir)
+    assert not any(m.training for m in model.modules())
+    model.config = dataclasses.replace(model.config, dropout=0.5)
+    ids = torch.arange(12).view(1, 12)
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], model(ids)[0])
+
+
 def _generate(capsys, run_dir, *args: str) -> str:
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(run_dir), "--device", "cpu", *args]) == 0

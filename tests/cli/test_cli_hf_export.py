@@ -72,18 +72,22 @@ for name, job in jobs.items():
     # directory's parent, the name the card uses)
     card = open(os.path.join(job["dir"], "README.md"), encoding="utf-8").read().splitlines()
     scope = {"AutoModelForCausalLM": AutoModelForCausalLM, "AutoTokenizer": AutoTokenizer}
+    asked.clear(), warned.clear()
     for start in ("tokenizer = AutoTokenizer.", "model = AutoModelForCausalLM."):
         exec(next(line for line in card if line.startswith(start)), scope)
     tok, model = scope["tokenizer"], scope["model"].eval()
     out = results[name] = {"type": type(model).__name__, "asked": asked[:], "warned": warned[:]}
-    asked.clear(), warned.clear()
     out["encoded"] = [tok.encode(t, add_special_tokens=False) for t in job["texts"]]
     batch = tok(job["texts"], padding=True, return_tensors="pt")
     out["padded"] = batch["input_ids"].tolist()
     out["mask"] = batch["attention_mask"].tolist()
     model.config.prefill_chunk = 8  # the rows are read in blocks that carry the state
     with torch.no_grad():
-        out["logits"] = model(**batch).logits.tolist()
+        read = model(**batch)
+    out["logits"] = read.logits.tolist()
+    cache = read["cache"] if "cache" in read else read.past_key_values  # the state after it
+    out["position"] = cache.position.tolist()
+    out["rho"] = [rho.tolist() for rho in cache.rho]
     model.config.prefill_chunk = 256
     if "prompt" not in job:
         continue
@@ -243,6 +247,26 @@ def test_the_card_s_loading_lines_ask_nothing_and_warn_nothing(exported, name):
     _, _, results = exported
     assert results[name]["asked"] == []
     assert results[name]["warned"] == []
+
+
+@pytest.mark.parametrize("name", ["run", "alibi"])
+def test_the_cache_after_a_left_padded_batch_is_each_row_s_own_state(exported, name):
+    """The state a row leaves is bdh-train's state of the row alone (fp32, 1e-5), read in
+    blocks of 8 behind its pads: its position is its real tokens, and rho, which holds keys
+    rotated by their absolute positions, has them at the row's own (a position shifted by the
+    pads or the blocks leaves the logits alone, rope being relative, but not rho)."""
+    _, sides, results = exported
+    model, tok = sides[name]
+    out = results[name]
+    assert out["position"] == [len(tok.encode(t)) for t in TEXTS]
+    for row, text in enumerate(TEXTS):
+        state = model.init_state(1)
+        with torch.no_grad():
+            model.forward_hidden(torch.tensor([tok.encode(text)]), state)
+        for layer, rho in enumerate(out["rho"]):
+            assert_close(
+                torch.tensor(rho[row]), state.rho[layer][0], rtol=1e-5, msg=f"row {row} {layer}"
+            )
 
 
 def test_generation_equals_bdh_train(exported):

@@ -348,6 +348,9 @@ def test_bitnet_warmup_follows_the_trainer_step(tmp_path, capsys):
     trained = [row["val_loss"] for row in rows if "val_loss" in row][-1]
     assert main(["eval", "--checkpoint", str(tmp_path), "--batches", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["val_loss"] == pytest.approx(trained, rel=1e-6)
+    hf = tmp_path.with_name(tmp_path.name + "-hf")  # the HF code computes only lambda 0 or 1
+    assert main(["export", "--hf", str(hf), str(tmp_path)]) == 2 and not hf.exists()
+    assert "in its quantization warm-up (lambda = 0.75)" in capsys.readouterr().err
     cfg.training.max_steps = 4  # one more step (resuming at max_steps is refused)
     resumed = Trainer(cfg, tmp_path, resume=True, stream=io.StringIO())
     resumed.run()

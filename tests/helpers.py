@@ -101,9 +101,11 @@ def _worker(
     timeout: float,
     args: tuple[Any, ...],
 ) -> None:
-    """One process: join the gloo group, run fn, save its result (or traceback) to a file."""
+    """One process: join the gloo group, run fn, save its result (or traceback) to a file,
+    and leave the group only when every rank has finished fn (`_wait_for_peers`)."""
     torch.set_num_threads(1)
     out = Path(out_dir)
+    deadline = time.monotonic() + timeout
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     try:
         dist.init_process_group(
@@ -114,13 +116,29 @@ def _worker(
             timeout=datetime.timedelta(seconds=timeout),
         )
         result = fn(rank, world, *args)
+        (out / f"rank{rank}.done").touch()
         torch.save(result, out / f"rank{rank}.pt")
+        _wait_for_peers(out, world, deadline)
     except BaseException:
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _wait_for_peers(out: Path, world: int, deadline: float) -> None:
+    """Return once every rank has finished fn (its rank*.done) or failed (rank*.err), or at
+    `deadline`. A rank's last collective can end sooner for it than for a peer: the source
+    of a broadcast returns once it has sent (a pipeline's eval_loss ends with one). Leaving
+    the group then closes its gloo connections while the peer is still reading, and under
+    load the peer failed with gloo's "Connection closed by peer". The files are the
+    rendezvous because a gloo barrier would end with the same race on its own messages."""
+    while time.monotonic() < deadline:
+        if all((out / f"rank{r}.done").exists() or (out / f"rank{r}.err").exists()
+               for r in range(world)):  # fmt: skip
+            return
+        time.sleep(0.01)
 
 
 FORKSERVER_PRELOAD = [
@@ -151,7 +169,8 @@ def run_multiprocess(
     return fn's results by rank.
 
     fn and args must be picklable (a module-level function of a test file is). out_dir must
-    be empty or new: it holds the group's file store, each rank's pid, result and traceback.
+    be empty or new: it holds the group's file store, each rank's pid, result and traceback,
+    and the marker of each rank that finished fn.
     A worker that raises fails the call with its traceback; a hang fails it with TimeoutError
     within `timeout` seconds. Either way the survivors are terminated, then killed, so no
     process outlives the call.

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import MICRO_RUN, assert_close, checkpoint_weights, metric_rows
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from bdh_train.cli import main
 from bdh_train.compose import FinetuneConfig, Source, finetune_model, write_composed
@@ -18,6 +20,8 @@ from bdh_train.config import load_config
 from bdh_train.data.tokens import TokenData
 from bdh_train.inference import load_run
 from bdh_train.model import BDH
+from bdh_train.model.generate import NonFiniteModelError
+from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.optim import OptimizerConfig
 from bdh_train.trainer import Trainer
 from bdh_train.utils import STEPS_CAP_ENV
@@ -123,6 +127,39 @@ def test_a_refused_merge_or_grow_is_one_line_and_writes_nothing(sources, tmp_pat
     assert "--neurons-multiplier must be an integer >= 2" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert not any(out.iterdir())
+
+
+def test_a_source_with_nan_weights_is_refused_and_nothing_is_written(sources, tmp_path, capsys):
+    """A merge or grow of NaN weights is NaN: refused with one line naming the source and
+    the tensor, before anything is written."""
+    bad = tmp_path / "nan"
+    model, _, cfg = load_run(sources["B"])
+    with torch.no_grad():
+        model.encoder.view(-1)[3] = float("nan")
+    count = model.encoder.numel()
+    with pytest.raises(NonFiniteModelError, match="a fine-tune diverged"):  # nor written
+        write_composed(bad, model, Source(str(bad), model, None, cfg))
+    assert not bad.exists()
+    source = ckpt.resolve_checkpoint(sources["B"]) / ckpt.MODEL_FILE
+    with safe_open(str(source), "pt") as handle:
+        meta = handle.metadata()
+    bad.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(bad / ckpt.MODEL_FILE), metadata=meta)  # fmt: skip
+    ckpt._write_manifest(bad)
+    commands = {
+        "grow": ["grow", "--checkpoint", str(bad), "--neurons-multiplier", "2"],
+        "merge": ["merge", str(sources["A"]), str(bad)],
+    }
+    for name, argv in commands.items():
+        capsys.readouterr()
+        assert main([*argv, "--out", str(tmp_path / name)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: the weights of the source {bad} are not finite: NaN or infinity in encoder "
+            f"(1 of {count:,} values); nothing was written: pass a checkpoint whose weights "
+            "are finite\n"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan"]
 
 
 def test_a_frozen_group_gets_neither_gradient_nor_weight_decay():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import signal
 import subprocess
@@ -330,16 +331,30 @@ def test_nca_data_with_factorized_head_trains(tmp_path):
     assert "bits_per_byte" not in read_metrics(tmp_path / "metrics.jsonl")[-1]
 
 
-def test_bitnet_warmup_follows_the_trainer_step(tmp_path):
+def test_bitnet_warmup_follows_the_trainer_step(tmp_path, capsys):
+    """The warm-up's lambda follows the step in training, and through a resume; the last
+    evaluation uses the lambda of the step it reports, and so does every reader of the
+    checkpoint: `eval --batches 2` gives train's last val_loss mid-warm-up."""
     config = Path(__file__).parents[1] / "configs" / "bitnet.toml"
     cfg = load_config([config], [*MICRO, "model.quant.warmup_steps=4", "training.max_steps=3"])
     trainer = Trainer(cfg, tmp_path, stream=io.StringIO())
+    lambdas = []
+    real_set = trainer.model.set_quant_step
+    trainer.model.set_quant_step = lambda step: lambdas.append(step) or real_set(step)
     trainer.run()
-    assert trainer.model.quantizer.lam == pytest.approx(2 / 4)  # set for step index 2
+    assert lambdas == [0, 1, 2, 3]  # a step each, then the evaluation at step 3
+    assert trainer.model.quantizer.lam == pytest.approx(3 / 4)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    trained = [row["val_loss"] for row in rows if "val_loss" in row][-1]
+    assert main(["eval", "--checkpoint", str(tmp_path), "--batches", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["val_loss"] == pytest.approx(trained, rel=1e-6)
+    hf = tmp_path.with_name(tmp_path.name + "-hf")  # the HF code computes only lambda 0 or 1
+    assert main(["export", "--hf", str(hf), str(tmp_path)]) == 2 and not hf.exists()
+    assert "in its quantization warm-up (lambda = 0.75)" in capsys.readouterr().err
     cfg.training.max_steps = 4  # one more step (resuming at max_steps is refused)
     resumed = Trainer(cfg, tmp_path, resume=True, stream=io.StringIO())
     resumed.run()
-    assert resumed.model.quantizer.lam == pytest.approx(3 / 4)
+    assert resumed.model.quantizer.lam == pytest.approx(4 / 4)
 
 
 def _first_loss_and_params(tmp_path, extra):

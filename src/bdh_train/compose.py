@@ -31,6 +31,7 @@ from bdh_train.inference import load_run
 from bdh_train.model import BDH, BDHConfig, groups
 from bdh_train.model.bdh import parameter_bytes, physical_memory
 from bdh_train.model.compose import grow_weights, grown_config, merge_weights, merged_config
+from bdh_train.model.generate import NonFiniteModelError, nonfinite_weights
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.build import evaluate_model
 from bdh_train.train.optim import OptimizerConfig
@@ -50,7 +51,19 @@ class Source:
 
 def _load(path: str) -> Source:
     model, tokenizer, cfg = load_run(path)
+    _check_finite(model, f"the source {path}", "pass a checkpoint whose weights are finite")
     return Source(path, model, tokenizer, cfg)
+
+
+def _check_finite(model: BDH, what: str, fix: str) -> None:
+    """NonFiniteModelError when `model`'s weights hold NaN or infinity: a model composed of
+    them (or written from them) computes NaN."""
+    bad = nonfinite_weights(model)
+    if bad is not None:
+        raise NonFiniteModelError(
+            f"the weights of {what} are not finite: NaN or infinity in {bad}; nothing was "
+            f"written: {fix}"
+        )
 
 
 def _tokenizer_text(source: Source) -> str | None:
@@ -71,6 +84,7 @@ def write_composed(
 ) -> Path:
     """Write `model` as the checkpoint directory `out` (this module's docstring), with the
     run config and tokenizer of `source`, atomically."""
+    _check_finite(model, f"the model for {out}", "a fine-tune diverged: use fewer --finetune-steps")
     tokenizer_text = _tokenizer_text(source)
     final = out.resolve()
     data = source.cfg.data

@@ -249,10 +249,7 @@ def load_ternary(path: str | os.PathLike[str], device: torch.device | str = "cpu
         frozen[name] = (codes, scale)
         state[name] = codes.to(scale.dtype) * scale
     state.update(tensors)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as exc:
-        raise CheckpointError(f"ternary export '{path}' does not fit its config: {exc}") from exc
+    model.load_state_dict(state)
     if model.quantizer is None:
         raise CheckpointError(f"ternary export '{path}' has a config without quantization")
     for name, (codes, scale) in frozen.items():

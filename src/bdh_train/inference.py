@@ -73,7 +73,9 @@ def load_run(
     tokenizer, the config's data.tokenizer names that copy, so the config works wherever the
     run now is. For an export, which holds the model, tokenizer and the run's [training]
     section, the config is the defaults with those sections. With `finite`, weights holding NaN or
-    infinity are refused (NonFiniteModelError naming the checkpoint or export).
+    infinity are refused (NonFiniteModelError naming the checkpoint or export). A BitNet model
+    computes with the quantization warm-up's lambda of the checkpoint's step, as training did
+    (an export's is fully quantized).
     """
     path = Path(path)
     dev = inference_device(device)
@@ -118,6 +120,7 @@ def load_run(
         )
     model = BDH(config)
     ckpt.load_into_model(model, ckpt.load_model_weights(directory), directory)
+    model.set_quant_step(_trained_steps(meta, directory))
     if finite:
         check_finite_weights(model, f"checkpoint {directory}")
     copy = run_tokenizer_file(directory)
@@ -134,6 +137,19 @@ def load_run(
         else RunConfig(model=model.config)
     )
     return model.to(dev).eval(), tok, cfg
+
+
+def _trained_steps(meta: dict[str, str], directory: Path) -> int:
+    """The optimizer steps a checkpoint's weights have taken (its model file's `step`
+    metadata; 0 where it has none, as in a merge or grow, which a run starts from): a BitNet
+    model computes with the quantization warm-up's lambda of that step, as training did."""
+    step = meta.get("step", "0")
+    if not (step.isascii() and step.isdigit() and len(step) <= 19):
+        raise CheckpointError(
+            f"the step metadata of {directory / ckpt.MODEL_FILE} is {step[:40]!r}, not a "
+            "number of steps; the file is damaged: pass --checkpoint another checkpoint"
+        )
+    return int(step)
 
 
 def _export_config(path: Path, model: BDHConfig) -> RunConfig:

@@ -11,8 +11,9 @@ package imports this module, so lm-eval is needed only here.
 model_args: `checkpoint` (a run directory, checkpoint or ternary export: `load_run`),
 `device` ('auto', 'cpu', 'cuda', 'cuda:N'; lm-eval's default cuda:0 is 'auto' where there is
 no such GPU), `batch_size` (rows scored together), `rolling` ('state' or
-'windows', below), `max_length` (the disjoint windows' length; default: the run's
-training.block_size), `max_gen_toks` (default of generate_until).
+'windows', below), `max_length` (the disjoint windows' length, a positive integer; default:
+the run's training.block_size), `max_gen_toks` (default of generate_until). A `batch_size` or
+`device` in model_args wins over lm-eval's own --batch_size and --device.
 
 `loglikelihood_rolling` with rolling='state' (the default) reads each document once with the
 state carried from chunk to chunk: a document of any length costs O(length) and every token
@@ -34,11 +35,11 @@ import lm_eval.models  # noqa: F401 (lm-eval's own models: its registry must not
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import model_registry
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
 from bdh_train.data.encode import document_separator
 from bdh_train.data.tokenizer import Tokenizer
-from bdh_train.errors import BDHTrainError, ConfigError
+from bdh_train.errors import BDHTrainError, ConfigError, DataError
 from bdh_train.evals.scoring import score_continuations, text_model
 from bdh_train.inference import encode_text, load_run
 from bdh_train.model.bdh import BDH
@@ -71,6 +72,8 @@ class BDHLM(TemplateLM):
         **unused: Any,
     ) -> None:
         super().__init__()
+        max_length = None if max_length is None else _whole("max_length", max_length, 1)
+        max_gen_toks = _whole("max_gen_toks", max_gen_toks, 0)
         unknown = sorted(k for k, v in unused.items() if v is not None and k != "max_batch_size")
         if unknown:
             raise ConfigError(
@@ -96,11 +99,26 @@ class BDHLM(TemplateLM):
             raise ConfigError("rolling='windows' needs max_length (the windows' length)")
         self.rolling = rolling
         self._max_length = max_length
-        self.max_gen_toks = int(max_gen_toks)
+        self.max_gen_toks = max_gen_toks
         self.events = summary_events
         self.checkpoint = checkpoint
 
     # ---------------------------------------------------------------- what lm-eval asks
+    @classmethod
+    def create_from_arg_string(
+        cls, arg_string: str, additional_config: dict[str, Any] | None = None
+    ) -> BDHLM:
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(
+        cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None
+    ) -> BDHLM:
+        """The model of `arg_dict` (model_args); lm-eval's additions (its batch_size,
+        max_batch_size and device, defaults included) fill only what model_args leave out."""
+        added = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**{**added, **arg_dict})
+
     @property
     def eot_token_id(self) -> int:
         return self.separator[-1]
@@ -142,6 +160,7 @@ class BDHLM(TemplateLM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        _refuse_empty_tasks(requests)
         pairs: list[tuple[list[int], list[int]]] = []
         owner: list[int] = []
         for index, (string,) in enumerate(req.args for req in requests):
@@ -182,9 +201,13 @@ class BDHLM(TemplateLM):
         the end-of-document id, or max_gen_toks tokens."""
         until = kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
-        limit = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+        limit = _whole("the task's max_gen_toks", kwargs.get("max_gen_toks", self.max_gen_toks), 0)
         sample = bool(kwargs.get("do_sample", False))
-        temperature = float(kwargs.get("temperature", 1.0)) if sample else 0.0
+        temperature = (
+            _number("the task's temperature", kwargs.get("temperature", 1.0), 0.0)
+            if sample
+            else 0.0
+        )
         prompts = [self.tok_encode(c) or self.separator for c in contexts]
         stops = [] if self.tok.eot_id is None else [self.tok.eot_id]
         generator = torch.Generator(self.device).manual_seed(0)
@@ -221,11 +244,51 @@ def _batch_size(value: int | str | None) -> int:
     )
 
 
+def _whole(name: str, value: Any, minimum: int) -> int:
+    """`value` (an int, or its digits as model_args' text gives them) as an integer of at
+    least `minimum`; else a ConfigError naming `name`."""
+    text = str(value).strip()
+    digits = text.removeprefix("-")
+    whole = not isinstance(value, bool) and digits.isdigit() and len(digits) <= 18
+    if whole and int(text) >= minimum:
+        return int(text)
+    least = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
+    raise ConfigError(f"{name} must be {least}, got {value!r}")
+
+
+def _number(name: str, value: Any, minimum: float) -> float:
+    """`value` as a finite float of at least `minimum`; else a ConfigError naming `name`."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if isinstance(value, bool) or not minimum <= number < float("inf"):
+        raise ConfigError(f"{name} must be a number of at least {minimum:g}, got {value!r}")
+    return number
+
+
+def _refuse_empty_tasks(requests: Sequence[Any]) -> None:
+    """A task whose every document is empty has no bytes or words to divide its
+    log-likelihood by (lm-eval would divide by zero): a DataError naming it."""
+    empty: dict[str, bool] = {}
+    for req in requests:
+        name = getattr(req, "task_name", None)
+        task = "the task" if name is None else f"task {name!r}"
+        empty[task] = empty.get(task, True) and not req.args[0]
+    for task, all_empty in empty.items():
+        if all_empty:
+            raise DataError(
+                f"every document of {task} is empty: there is nothing to score (its "
+                "perplexity and bits per byte would divide by zero bytes)"
+            )
+
+
 def _device(name: str | None) -> str:
     """The device to load on: lm-eval's command line asks for cuda:0 unless told otherwise,
     which (as lm-eval's own hf model does) means 'auto' on a machine without that GPU."""
     if name is None:
         return "auto"
+    name = str(name)
     index = name.removeprefix("cuda:")
     if index != name and index.isdigit() and int(index) >= torch.cuda.device_count():
         return "auto"

@@ -377,6 +377,8 @@ class Trainer:
         """Mean validation loss over counted tokens (and bits per byte for text data)."""
         if self.evaluator is None:
             return None
+        # The quantization warm-up's lambda of this step, as a checkpoint of it loads.
+        self.model.set_quant_step(self.state.step)
         with fsdp.gathered(self.model):
             result = self.evaluator.run()
         if self.metrics is not None:

@@ -315,3 +315,12 @@ def first_line(exc: BaseException) -> str:
     text = re.sub(r"\[enforce fail at [^\]]*\][ .]*", "", str(exc))  # torch's C++ location
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+def quoted(text: str, limit: int = 60) -> str:
+    """`text` from a file, safe to echo in a one-line message: quoted with every character
+    outside printable ASCII escaped (ascii()), cut after `limit` characters with its length
+    said."""
+    if len(text) <= limit:
+        return ascii(text)
+    return f"{ascii(text[:limit])}... ({len(text):,} characters)"

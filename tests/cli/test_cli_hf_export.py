@@ -50,22 +50,44 @@ except ModuleNotFoundError:
 else:
     raise SystemExit("bdh_train is importable in the transformers process")
 
+import builtins, logging, os, warnings
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+asked, warned = [], []
+def _no_answer(prompt=""):  # a question to the terminal (trust_remote_code) is recorded
+    asked.append(prompt)
+    raise EOFError
+builtins.input = _no_answer
+class _Warned(logging.Handler):
+    def emit(self, record):
+        warned.append(record.getMessage())
+logging.getLogger("transformers").addHandler(_Warned(logging.WARNING))
+warnings.showwarning = lambda message, *args, **kw: warned.append(str(message))
 
 torch.set_num_threads(1)  # tiny models: a second thread only waits on the first
 jobs, results = json.load(open(sys.argv[1])), {}
 for name, job in jobs.items():
-    tok = AutoTokenizer.from_pretrained(job["dir"])
-    model = AutoModelForCausalLM.from_pretrained(job["dir"], trust_remote_code=True).eval()
-    out = results[name] = {"type": type(model).__name__}
+    # the two loading lines of the directory's model card, as a reader runs them (cwd: the
+    # directory's parent, the name the card uses)
+    card = open(os.path.join(job["dir"], "README.md"), encoding="utf-8").read().splitlines()
+    scope = {"AutoModelForCausalLM": AutoModelForCausalLM, "AutoTokenizer": AutoTokenizer}
+    asked.clear(), warned.clear()
+    for start in ("tokenizer = AutoTokenizer.", "model = AutoModelForCausalLM."):
+        exec(next(line for line in card if line.startswith(start)), scope)
+    tok, model = scope["tokenizer"], scope["model"].eval()
+    out = results[name] = {"type": type(model).__name__, "asked": asked[:], "warned": warned[:]}
     out["encoded"] = [tok.encode(t, add_special_tokens=False) for t in job["texts"]]
     batch = tok(job["texts"], padding=True, return_tensors="pt")
     out["padded"] = batch["input_ids"].tolist()
     out["mask"] = batch["attention_mask"].tolist()
     model.config.prefill_chunk = 8  # the rows are read in blocks that carry the state
     with torch.no_grad():
-        out["logits"] = model(**batch).logits.tolist()
+        read = model(**batch)
+    out["logits"] = read.logits.tolist()
+    cache = read["cache"] if "cache" in read else read.past_key_values  # the state after it
+    out["position"] = cache.position.tolist()
+    out["rho"] = [rho.tolist() for rho in cache.rho]
     model.config.prefill_chunk = 256
     if "prompt" not in job:
         continue
@@ -216,6 +238,35 @@ def test_left_padded_logits_equal_bdh_train(exported, name):
         with torch.no_grad():
             expected, _ = model(torch.tensor([tok.encode(text)]))
         assert_close(logits[row, -n:], expected[0], rtol=1e-5, msg=f"{name} row {row}")
+
+
+@pytest.mark.parametrize("name", ["run", "grown", "bpe", "alibi"])
+def test_the_card_s_loading_lines_ask_nothing_and_warn_nothing(exported, name):
+    """The tokenizer and model load as the model card writes them with no question on the
+    terminal (whether to run the custom code) and no warning."""
+    _, _, results = exported
+    assert results[name]["asked"] == []
+    assert results[name]["warned"] == []
+
+
+@pytest.mark.parametrize("name", ["run", "alibi"])
+def test_the_cache_after_a_left_padded_batch_is_each_row_s_own_state(exported, name):
+    """The state a row leaves is bdh-train's state of the row alone (fp32, 1e-5), read in
+    blocks of 8 behind its pads: its position is its real tokens, and rho, which holds keys
+    rotated by their absolute positions, has them at the row's own (a position shifted by the
+    pads or the blocks leaves the logits alone, rope being relative, but not rho)."""
+    _, sides, results = exported
+    model, tok = sides[name]
+    out = results[name]
+    assert out["position"] == [len(tok.encode(t)) for t in TEXTS]
+    for row, text in enumerate(TEXTS):
+        state = model.init_state(1)
+        with torch.no_grad():
+            model.forward_hidden(torch.tensor([tok.encode(text)]), state)
+        for layer, rho in enumerate(out["rho"]):
+            assert_close(
+                torch.tensor(rho[row]), state.rho[layer][0], rtol=1e-5, msg=f"row {row} {layer}"
+            )
 
 
 def test_generation_equals_bdh_train(exported):

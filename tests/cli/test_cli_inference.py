@@ -55,6 +55,24 @@ def test_device_choices_are_those_of_the_training_config():
     assert build_parser().parse_args(["eval", "--checkpoint", "x"]).device == "auto"
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "bdh-train: the following arguments are required: command; see 'bdh-train --help'"),
+        (["frob"], "bdh-train: argument command: invalid choice: 'frob' (choose from 'train', "),
+        (["eval"], "bdh-train eval: the following arguments are required: --checkpoint; see "),
+        (["generate", "--checkpoint", "x", "--temperature", "hot"], "invalid float value: 'hot'"),
+    ],
+)
+def test_an_argument_error_is_one_error_line(capsys, argv, message):
+    """argparse's refusal is the one `error:` line of every refusal (not its usage block)."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
 def test_every_command_of_the_parser_has_its_function():
     (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert list(sub.choices) == list(COMMANDS)
@@ -87,6 +105,23 @@ def run_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("run")
     assert main(["train", "--run-dir", str(path), *MICRO]) == 0
     return path
+
+
+def test_load_run_gives_the_model_in_eval_mode(run_dir):
+    """Dropout off in every module (generate, eval, inspect and the exports read a run
+    through load_run): with dropout 0.5, two reads of one text give the same logits."""
+    import dataclasses
+
+    import torch
+
+    from bdh_train.inference import load_run
+
+    model, _, _ = load_run(run_dir)
+    assert not any(m.training for m in model.modules())
+    model.config = dataclasses.replace(model.config, dropout=0.5)
+    ids = torch.arange(12).view(1, 12)
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], model(ids)[0])
 
 
 def _generate(capsys, run_dir, *args: str) -> str:

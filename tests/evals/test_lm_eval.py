@@ -254,3 +254,51 @@ def test_a_model_without_a_text_tokenizer_and_bad_options_are_refused(harness):
     assert harness.backend._device("cpu") == "cpu"
     with pytest.raises(ConfigError, match=r"\['pretrained'\] are not options"):
         BDHLM(model=tiny_model(vocab_size=256), tokenizer=ByteTokenizer(), pretrained="gpt2")
+
+
+def test_model_args_batch_size_and_device_win_over_lm_eval_s_own(harness, byte_run):
+    """lm-eval adds its own batch_size, max_batch_size and device (its defaults included)
+    to the documented model_args: those in model_args are the ones used, from a string (the
+    command line) or a dict."""
+    BDHLM = harness.backend.BDHLM
+    added = {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"}
+    lm = BDHLM.create_from_arg_string(f"checkpoint={byte_run},batch_size=4,device=cpu", added)
+    assert lm.batch_size == 4 and lm.device == torch.device("cpu")
+    lm = BDHLM.create_from_arg_obj({"model": lm.model, "tokenizer": lm.tok}, added)
+    assert lm.batch_size == 1  # lm-eval's own fills what model_args leave out
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("max_length", 0, "max_length must be a positive integer, got 0"),
+        ("max_length", -3, "max_length must be a positive integer, got -3"),
+        ("max_length", "abc", "max_length must be a positive integer, got 'abc'"),
+        ("max_length", 2.5, "max_length must be a positive integer, got 2.5"),
+        ("max_gen_toks", "x", "max_gen_toks must be an integer of at least 0, got 'x'"),
+        ("max_gen_toks", -1, "max_gen_toks must be an integer of at least 0, got -1"),
+    ],
+)
+def test_bad_numeric_model_args_are_one_clear_refusal(harness, option, value, message):
+    BDHLM = harness.backend.BDHLM
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        BDHLM.create_from_arg_obj(
+            {"model": tiny_model(vocab_size=256), "tokenizer": ByteTokenizer(), option: value}
+        )
+
+
+def test_a_task_whose_every_document_is_empty_is_refused(harness, model64):
+    """lm-eval divides a rolling task's log-likelihood by its bytes or words: a task of
+    empty documents only is refused by name; an empty document beside others scores 0."""
+    lm = harness.backend.BDHLM(
+        model=model64, tokenizer=ByteTokenizer(), rolling="windows", max_length=8
+    )
+    empty = [SimpleNamespace(args=("",), task_name="blank") for _ in range(2)]
+    with pytest.raises(BDHTrainError, match="^every document of task 'blank' is empty: "):
+        lm.loglikelihood_rolling(empty)
+    mixed = [SimpleNamespace(args=(text,), task_name="mixed") for text in ("", "ab")]
+    assert lm.loglikelihood_rolling(mixed)[0] == 0.0
+    with pytest.raises(ConfigError, match="^the task's max_gen_toks must be an integer of at"):
+        lm.generate_until([SimpleNamespace(args=("a", {"max_gen_toks": "many"}))])
+    with pytest.raises(ConfigError, match="^the task's temperature must be a number of at l"):
+        lm.generate_until([SimpleNamespace(args=("a", {"do_sample": True, "temperature": "hot"}))])

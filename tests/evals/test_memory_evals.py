@@ -217,8 +217,8 @@ def test_a_bad_list_names_its_option_and_the_form_it_wants(option, value, kind, 
     with pytest.raises(SystemExit) as stop:
         main(["eval", "--checkpoint", "nowhere", "--passkey", option, value])
     assert stop.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last == (
-        f"bdh-train eval: error: argument {option}: a comma-separated list of {kind}, "
-        f"e.g. {'512,1024' if kind == 'integers' else '0,0.5,1'}, got {value!r}"
+    assert capsys.readouterr().err == (
+        f"error: bdh-train eval: argument {option}: a comma-separated list of {kind}, "
+        f"e.g. {'512,1024' if kind == 'integers' else '0,0.5,1'}, got {value!r}; see "
+        "'bdh-train eval --help'\n"
     )

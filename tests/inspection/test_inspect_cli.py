@@ -108,6 +108,8 @@ def test_inspect_writes_the_report_and_its_numbers(report):
         ("empty_prompts", "no prompts; write one JSON object a line"),
         ("one_class", "the concept probe needs at least 2 prompts with the concept and 2"),
         ("no_tokenizer", "carries no text tokenizer, so its data and prompts cannot be read"),
+        ("layer_99", "--layer 99 is not a layer of this model: it has 2 (0 to 1, or -1 to -2 "),
+        ("layer_-3", "--layer -3 is not a layer of this model: it has 2 (0 to 1, or -1 to -2 "),
     ],
 )
 def test_bad_input_is_one_error_line_and_writes_nothing(
@@ -118,6 +120,8 @@ def test_bad_input_is_one_error_line_and_writes_nothing(
         extra = ["--max-tokens", "0"]
     elif case == "empty_prompts":
         extra = ["--prompts", str(_prompts_file(tmp_path / "p.jsonl", []))]
+    elif case.startswith("layer_"):
+        extra = ["--layer", case.removeprefix("layer_")]
     elif case == "one_class":
         same = [{"prompt": p["prompt"], "concept": True} for p in PROMPTS]
         extra = ["--prompts", str(_prompts_file(tmp_path / "p.jsonl", same))]

@@ -118,3 +118,25 @@ def test_planted_power_law_exponent_is_recovered_and_beats_an_exponential():
     assert fit["loglik_ratio_vs_exponential"] > 0 and fit["p_value"] < 1e-3
     geometric = rng.geometric(0.2, 20_000)
     assert heavy_tail_fit(geometric)["loglik_ratio_vs_exponential"] < 0
+
+
+def test_hubs_of_a_sampled_graph_are_named_by_neuron_id(tmp_path):
+    """40 neurons, 20 sampled: the planted hub is named by its neuron id, not its node index
+    in the sample, in the hubs, the numbers and the GraphML. Neurons write and read e0 or
+    e1 alternately; the hub writes 2 * (e0 + e1) and reads e2, so G[hub, j] = 2 for every
+    other neuron j: its degree is the 19 other sampled neurons."""
+    sample = sample_neurons(40, 20, seed=0).tolist()
+    hub = sample[10]
+    assert hub != 10  # a node index read as a neuron id would differ
+    decoder = torch.zeros(40, 3, dtype=torch.float64)
+    encoder = torch.zeros(3, 40, dtype=torch.float64)
+    for neuron in range(40):
+        decoder[neuron, neuron % 2] = encoder[neuron % 2, neuron] = 1
+    decoder[hub] = torch.tensor([2.0, 2.0, 0.0])
+    encoder[:, hub] = torch.tensor([0.0, 0.0, 1.0])
+    summary = summarize_graph(decoder, encoder, "x", 0, edges_per_neuron=10, max_neurons=20)
+    assert summary.neurons.tolist() == sample
+    assert summary.hubs[0] == (hub, 19)
+    assert summary.numbers()["hubs"][0] == {"neuron": hub, "degree": 19}
+    write_hub_graphml(summary, tmp_path / "hubs.graphml", hub_count=1)
+    assert list(nx.read_graphml(tmp_path / "hubs.graphml", node_type=int).nodes) == [hub]

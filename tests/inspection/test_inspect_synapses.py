@@ -60,6 +60,24 @@ def test_the_probe_finds_a_planted_synapse_and_a_random_one_is_chance():
     assert abs(chance - 0.5) < 0.1
 
 
+def test_the_probe_chooses_on_the_even_texts_of_each_class_and_judges_on_the_odd():
+    """Texts alternate with and without the concept; in each class the 1st and 3rd train,
+    the 2nd and 4th are held out. Feature 0 separates the training texts and is reversed on
+    the held-out ones: chosen, with held-out AUC 0 (an AUC over the training texts would be
+    1). Feature 1 separates only the held-out texts, by more: not chosen (separation 0)."""
+    labels = [True, False] * 4  # with: texts 0, 2, 4, 6; without: 1, 3, 5, 7
+    features = torch.zeros(8, 2)
+    features[[0, 4], 0] = 1.0  # training texts with the concept: 1, without: 0
+    features[[3, 7], 0] = 1.0  # held out: without the concept 1, with it 0
+    features[[2, 6], 1] = 2.0  # held out with the concept only
+    probe = concept_probe(features, labels, count=1)
+    assert probe.features == [0] and probe.held_out_auc == [0.0]
+    assert probe.separation == [pytest.approx(1.0 / 1e-12)]  # (1 - 0) / (0 + 0 + 1e-12)
+    assert probe.train_counts == (2, 2) and probe.held_out_counts == (2, 2)
+    both = concept_probe(features, labels, count=2)
+    assert both.features == [0, 1] and both.separation[1] == 0.0
+
+
 @pytest.mark.parametrize("labels", [[True, True, True], [True, False, False], [False] * 4])
 def test_a_probe_without_two_texts_of_each_class_is_refused(labels):
     with pytest.raises(BDHTrainError, match="at least 2 prompts with the concept and 2 without"):

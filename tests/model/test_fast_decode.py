@@ -199,6 +199,41 @@ def test_the_state_read_by_rows_is_the_batched_product(monkeypatch, static):
         assert choose(rho) == expected, rho
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-shape"])
+def test_rows_that_stay_after_others_stop_keep_their_own_positions(monkeypatch, static):
+    """Teacher-forced rope rows at positions 5, 2 and 7: 3 steps, the row at 2 (the lowest
+    position) leaves and the others swap places, 3 steps, then one row is left (the
+    single-row step reads its rotation by the first position), 3 steps. Each row's logits
+    are those of a full forward over its own sequence (fp64, 1e-10); the rope table moves
+    every 3 positions."""
+    monkeypatch.setattr(decoders, "ROPE_TABLE_TOKENS", 3)
+    monkeypatch.setattr(decoders, "FOLD_TOKENS", 4)
+    model = _model(torch.float64, "rope")
+    seq = torch.randint(0, 32, (3, 16), generator=torch.Generator().manual_seed(2))
+    starts = [5, 2, 7]
+    with torch.no_grad():
+        full = [model(seq[b : b + 1])[0][0] for b in range(3)]
+        states = []
+        for b, start in enumerate(starts):
+            state = model.init_state(1)
+            model.forward_hidden(seq[b : b + 1, :start], state)
+            states.append(state)
+        decoder = FastDecoder(model, type(states[0]).concat(states), static=static)
+        rows, done = [0, 1, 2], [0, 0, 0]
+        for keep in (None, [2, 0], [1]):
+            if keep is not None:
+                decoder.keep_rows(torch.tensor(keep))
+                rows = [rows[k] for k in keep]
+            for _ in range(3):
+                tokens = torch.stack([seq[r, starts[r] + done[r]] for r in rows])
+                logits = model.logits_from_hidden(decoder.step(tokens))
+                for i, r in enumerate(rows):
+                    at = starts[r] + done[r]
+                    assert_close(logits[i], full[r][at], rtol=1e-10, msg=f"row {r} at {at}")
+                    done[r] += 1
+            assert decoder.state.position.tolist() == [starts[r] + done[r] for r in rows]
+
+
 def test_all_rows_stopping_ends_the_stream():
     model = _model(torch.float32, "alibi")
     first = model.generate_batch([[1, 2], [3]], 1, 0.0)

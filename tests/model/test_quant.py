@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from bdh_train.errors import ConfigError
+from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.export import export_ternary, load_ternary, pack_ternary, unpack_ternary
 from bdh_train.model import BDH, BDHConfig, QuantConfig
 from bdh_train.model.matmul import per_head_matmul
@@ -477,3 +477,30 @@ def test_export_rejects_float_and_int8_models(tmp_path):
         export_ternary(tiny_model(), tmp_path / "f.safetensors")
     with pytest.raises(ConfigError, match="weight_format='int8'"):
         export_ternary(qmodel(weight_format="int8"), tmp_path / "i.safetensors")
+
+
+def test_an_export_whose_config_does_not_fit_its_tensors_is_one_line(tmp_path):
+    """A config edited to twice the heads: one line naming every tensor that does not fit
+    (torch's own message is a line per tensor)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = export_ternary(qmodel(target_modules=["decoder_y"]).eval(), tmp_path / "m.safetensors")
+    with safe_open(str(path), "pt") as handle:
+        meta = handle.metadata()
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 (not a dict)
+    config = json.loads(meta["config"])
+    heads = config["n_head"]
+    meta["config"] = json.dumps({**config, "n_head": 2 * heads})
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(CheckpointError) as refused:
+        load_ternary(path)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"the config of the ternary export '{path}' does not fit its tensors (mismatched "
+    )
+    assert f"encoder: checkpoint [{heads}, " in message and f"vs model [{2 * heads}, " in message
+    assert message.endswith("): the file was changed or damaged")

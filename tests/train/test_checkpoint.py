@@ -12,6 +12,7 @@ import shutil
 import stat
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -358,12 +359,14 @@ def test_a_pointer_to_a_missing_checkpoint_offers_the_newest_intact(tmp_path: Pa
     assert ckpt.resolve_checkpoint(tmp_path, fallback=True) == first
     (first / ckpt.MODEL_FILE).unlink()
     assert ckpt.newest_intact_checkpoint(root) is None
-    (root / ckpt.LATEST).write_bytes(b"\xff step\n")
+    # a damaged pointer is echoed escaped (no byte reaches the terminal raw) and cut short
+    (root / ckpt.LATEST).write_bytes(b"\xff step\x00\x1b[31m" + b"x" * 100 + b"\n")
     with pytest.raises(CheckpointError) as err:
         ckpt.resolve_checkpoint(tmp_path, fallback=True)
     assert str(err.value) == (
-        f"{root / ckpt.LATEST} holds '\ufffd step', not the name of a checkpoint directory "
-        f"inside {root} (step-XXXXXXX); no intact checkpoint is left"
+        f"{root / ckpt.LATEST} holds '\\ufffd step\\x00\\x1b[31m{'x' * 48}'... (112 characters), "
+        f"not the name of a checkpoint directory inside {root} (step-XXXXXXX); no intact "
+        "checkpoint is left"
     )
 
 
@@ -701,6 +704,48 @@ def test_a_resave_sets_the_old_copy_aside_inside_checkpoints_and_syncs_every_dir
     assert aside.parent == root and aside.name.startswith(".old-step-0000005-")
     assert not aside.exists() and (root / "step-0000005" / ckpt.MODEL_FILE).read_bytes() == b"new"
     assert sorted(synced) == sorted([tmp / "shards", tmp / "shards" / "deep", root])
+
+
+@pytest.mark.parametrize("how", ["save_checkpoint", "publish_checkpoint_dir"])
+def test_every_file_is_on_disk_before_the_directory_is_renamed_into_place(
+    tmp_path: Path, how: str
+) -> None:
+    """A crash just after the rename must find whole files: each file of the checkpoint
+    (the manifest and a nested one included) is fsynced before its directory is renamed."""
+    events: list[tuple[str, int]] = []  # ("fsync", inode) and ("rename", 0), in order
+    fsync, replace, rename = os.fsync, os.replace, os.rename
+
+    def synced(fd: int) -> None:
+        events.append(("fsync", os.fstat(fd).st_ino))
+        fsync(fd)
+
+    def moved(real: Callable[..., None]) -> Callable[..., None]:
+        def move(src: Any, dst: Any) -> None:
+            if Path(src).name.startswith(".tmp-"):
+                events.append(("rename", 0))
+            real(src, dst)
+
+        return move
+
+    def write(directory: Path) -> None:
+        (directory / "shards").mkdir()
+        (directory / "shards" / "0.distcp").write_bytes(b"shard")
+        (directory / ckpt.MODEL_FILE).write_bytes(b"weights")
+
+    with (
+        mock.patch.object(os, "fsync", synced),
+        mock.patch.object(os, "replace", moved(replace)),
+        mock.patch.object(os, "rename", moved(rename)),
+    ):
+        if how == "save_checkpoint":
+            final = ckpt.save_checkpoint(tmp_path, "step-0000001", write)
+        else:
+            final = ckpt.publish_checkpoint_dir(tmp_path / "out", write)
+    renamed = events.index(("rename", 0))
+    before = {inode for kind, inode in events[:renamed] if kind == "fsync"}
+    files = [p for p in final.rglob("*") if p.is_file()]
+    assert sorted(p.name for p in files) == ["0.distcp", ckpt.MANIFEST, ckpt.MODEL_FILE]
+    assert [p.name for p in files if p.stat().st_ino not in before] == []
 
 
 def test_a_set_aside_copy_that_cannot_be_removed_does_not_fail_the_save(tmp_path: Path) -> None:

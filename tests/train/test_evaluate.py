@@ -82,3 +82,35 @@ def test_evaluate_over_no_batches_is_refused() -> None:
     data = TokenData(np.arange(50) % 32, 32, "test", byte_level=True)
     with pytest.raises(DataError):
         evaluate(LanguageTrainModel(tiny_model(vocab_size=32)), data, 8, 4, max_batches=0)
+
+
+def test_bits_per_byte_split_over_ranks_equals_one_process() -> None:
+    """Data parallel: each rank evaluates every other batch and adds its sums (loss, targets,
+    bytes) to the other's. A hand-made all-reduce stands in for the process group: it adds
+    the other rank's own sums, recorded first. Every rank gets one process's loss and bits
+    per byte, and those are the hand formula's (ids of 1 to 4 bytes, so bytes != targets)."""
+    ids = (np.arange(5 * 2 * 8 + 1) * 7) % 32
+    data = TokenData(ids, 32, "test")
+    lengths = np.random.default_rng(0).integers(1, 5, size=32)
+    step = LanguageTrainModel(tiny_model(vocab_size=32, seed=1))
+
+    def run(rank: int, world: int, add=None):
+        return evaluate(step, data, 8, 2, None, byte_lengths=lengths, part=(rank, world),
+                        add_across_ranks=add)  # fmt: skip
+
+    whole = run(0, 1)
+    hand_bytes = int(lengths[ids[1 : 5 * 2 * 8 + 1]].sum())  # every target of the 5 batches
+    hand = whole.val_loss * whole.tokens / math.log(2) / hand_bytes
+    assert whole.bits_per_byte == pytest.approx(hand, rel=1e-12)
+    own: dict[int, list[float]] = {}
+    for rank in (0, 1):
+        run(rank, 2, lambda sums, rank=rank: own.setdefault(rank, list(sums)))
+    for rank in (0, 1):
+
+        def add(sums, rank=rank):
+            return [a + b for a, b in zip(sums, own[1 - rank], strict=True)]
+
+        split = run(rank, 2, add)
+        assert split.tokens == whole.tokens
+        assert split.val_loss == pytest.approx(whole.val_loss, rel=1e-12)
+        assert split.bits_per_byte == pytest.approx(whole.bits_per_byte, rel=1e-12)

@@ -1,4 +1,5 @@
-"""The learning-rate schedule (`schedules.learning_rate`) against hand-computed values.
+"""The learning-rate schedule (`schedules.learning_rate`) against hand-computed values, and
+the optimizer's parameter groups (what decays, what is frozen).
 
 `step` is the 0-based index of the optimizer step about to be taken (the trainer passes the
 number of steps already taken). Base and floor are powers of two so every warm-up value and
@@ -58,3 +59,32 @@ def test_cosine_is_base_right_after_warmup_and_min_lr_at_total_steps():
     assert lr[total - 1] > FLOOR  # ... not one step earlier ...
     assert lr[total + 1] == lr[total + 2] == FLOOR  # ... and it stays there (no restart)
     assert all(a > b for a, b in zip(lr[warmup:total], lr[warmup + 1 : total + 1], strict=True))
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_frozen_parameters_are_in_no_group_and_only_matrices_decay(name: str) -> None:
+    """Every trainable parameter in exactly one group: matrices with the weight decay,
+    vectors (the affine norm, decay gains) with none, Muon's matrices in its own group; a
+    frozen one (a matrix, a Muon matrix, a vector) in none."""
+    from helpers import tiny_model
+
+    from bdh_train.train.muon import MUON_PARAMETERS
+    from bdh_train.train.optim import OptimizerConfig
+
+    model = tiny_model(norm="layernorm_affine", position="alibi_learned")
+    frozen = {"embed.weight", "encoder", "norm.bias"}
+    for key in frozen:
+        model.get_parameter(key).requires_grad_(False)
+    optimizer = OptimizerConfig(name=name, weight_decay=0.25).build(model)
+    where: dict[str, list[tuple[float, bool]]] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            where.setdefault(names[id(p)], []).append(
+                (group["weight_decay"], group.get("muon", False))
+            )
+    trainable = {n: p for n, p in model.named_parameters() if n not in frozen}
+    assert sorted(where) == sorted(trainable) and "decay_log_gain" in trainable
+    for n, p in trainable.items():
+        muon = name == "muon" and n in MUON_PARAMETERS
+        assert where[n] == [(0.25 if p.dim() >= 2 else 0.0, muon)], n

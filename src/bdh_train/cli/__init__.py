@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from bdh_train import __version__
 from bdh_train.cli import compose, evaluate, generate, inspect, prepare, tools, train
-from bdh_train.cli.args import _HelpFormatter
+from bdh_train.cli.args import _HelpFormatter, _Parser
 from bdh_train.cli.train import EXIT_STOPPED
 from bdh_train.errors import BDHTrainError
 
@@ -50,7 +50,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="bdh-train",
         description=__doc__.splitlines()[0],
         formatter_class=_HelpFormatter,

@@ -1,5 +1,6 @@
-"""What the commands' parsers share: the help formatter, --device's choices, and the config
-options (--config, --set, --preset) of `train` and `config`.
+"""What the commands' parsers share: the parser (one-line refusals), the help formatter,
+--device's choices, and the config options (--config, --set, --preset) of `train` and
+`config`.
 
 Importing this imports neither torch nor numpy: `bdh-train --help` builds every parser.
 """
@@ -7,6 +8,7 @@ Importing this imports neither torch nor numpy: `bdh-train --help` builds every 
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 DEVICES = ("auto", "cpu", "cuda")
 """--device choices: those of training.device (a test checks they agree; importing them would
@@ -22,6 +24,16 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if unset or default == argparse.SUPPRESS or "(default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose refusal is one `error:` line (what, which command, where its
+    help is) and exit status 2, as every other refusal of bdh-train; argparse's own is the
+    usage block, then the message."""
+
+    def error(self, message: str) -> NoReturn:
+        text = " ".join(message.split())
+        self.exit(2, f"error: {self.prog}: {text}; see '{self.prog} --help'\n")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

@@ -303,7 +303,7 @@ def model_card(model: BDH, tok: Tokenizer, p: Provenance, name: str) -> str:
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)',
         f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)',
         'ids = tokenizer("The ", return_tensors="pt")',
         "out = model.generate(**ids, max_new_tokens=100, do_sample=False)",

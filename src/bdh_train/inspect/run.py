@@ -102,6 +102,17 @@ def check_options(options: InspectOptions) -> None:
             raise BDHTrainError(f"{flag} must be >= 1, got {value}")
 
 
+def layer_of(options: InspectOptions, n_layer: int) -> int:
+    """The layer `options.layer` names (negative counts from the last); a layer the model
+    does not have is refused."""
+    if not -n_layer <= options.layer < n_layer:
+        raise BDHTrainError(
+            f"--layer {options.layer} is not a layer of this model: it has {n_layer} "
+            f"(0 to {n_layer - 1}, or -1 to -{n_layer} counting from the last)"
+        )
+    return options.layer % n_layer
+
+
 def sparsity_numbers(recorder: InspectRecorder) -> dict[str, Any]:
     """Per layer and head: x, y, xy activity, dead and always-on shares; layer means; all."""
     tables = recorder.tables()
@@ -200,7 +211,7 @@ def inspect_model(
     `labels`). `progress(tokens)` is called as the data is read."""
     check_options(options)
     c = model.config
-    layer = options.layer % c.n_layer
+    layer = layer_of(options, c.n_layer)
     tokens = tokens[: options.max_tokens].to(torch.int64)
     if tokens.numel() == 0:
         raise DataError("no tokens to inspect: give --data a source with at least one token")
@@ -346,6 +357,7 @@ def inspect_checkpoint(
 
     check_options(options)
     model, tokenizer, cfg = load_run(checkpoint, device=device)
+    layer_of(options, model.config.n_layer)
     if tokenizer is None and (data is None or prompt is not None or prompts_file is not None):
         raise DataError(
             f"{checkpoint} carries no text tokenizer, so its data and prompts cannot be read "

@@ -36,7 +36,7 @@ from bdh_train.errors import BDHTrainError, CheckpointError
 from bdh_train.model.bdh import shape_mismatch
 from bdh_train.train.dcp import ShardedState, dcp_errors
 from bdh_train.train.run_dir import CHECKPOINTS, CONFIG_FILE
-from bdh_train.utils import atomic_write, current_umask, first_line, read_regular_file
+from bdh_train.utils import atomic_write, current_umask, first_line, quoted, read_regular_file
 
 
 @dataclass
@@ -380,7 +380,7 @@ def _read_pointer(root: Path) -> Path:
         raise CheckpointError(f"cannot read {pointer}: {exc}") from exc
     if checkpoint_position(name) is None:
         raise CheckpointError(
-            f"{pointer} holds {name!r}, not the name of a checkpoint directory inside "
+            f"{pointer} holds {quoted(name)}, not the name of a checkpoint directory inside "
             f"{root} (step-XXXXXXX)"
         )
     return root / name

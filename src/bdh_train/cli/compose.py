@@ -13,7 +13,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "writes a checkpoint directory a new run starts from (--config OUT/config.toml)",
     )
     p.add_argument("--checkpoint", required=True, help="run or checkpoint directory to grow")
-    p.add_argument("--neurons-multiplier", type=int, required=True, metavar="M")
+    p.add_argument(
+        "--neurons-multiplier",
+        type=int,
+        required=True,
+        metavar="M",
+        help="the grown model's neurons per head: M times the source's (M >= 2)",
+    )
     p.add_argument("--out", required=True, help="the new checkpoint directory (must not exist)")
     p.add_argument("--seed", type=int, default=0, help="seed of the new neurons' weights")
 
@@ -30,7 +36,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="average",
         help="the dense tensors (embedding, head, norms): the sources' mean or the first's",
     )
-    p.add_argument("--finetune-steps", type=int, default=0, metavar="K")
+    p.add_argument(
+        "--finetune-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="fine-tune the merged model for K steps of the first source's optimizer on --data "
+        "(0: no fine-tune)",
+    )
     p.add_argument(
         "--data",
         nargs="+",
@@ -44,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="GROUPS",
         help="comma-separated parameter groups the fine-tune leaves alone (no gradient, no "
         "weight decay): embedding, normalization, output_head, shared_lowrank_encoder, "
-        "shared_lowrank_decoder, shared_lowrank_decay, other_backbone",
+        "shared_lowrank_decoder, shared_lowrank_decay, other_backbone (default: none)",
     )
     p.add_argument("--eval-batches", type=int, default=20, help="validation batches per domain")
 

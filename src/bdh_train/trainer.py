@@ -300,6 +300,8 @@ class Trainer:
         def write() -> None:  # the main process's part; a refusal in it is every process's
             if self.overwrite:
                 self.run_files.clear()
+            if self.resumed_from is None:
+                self.run_files.forget_failed_starts()
             self.metrics = metrics(log_every=t.log_every, last_step=t.max_steps)
             self.tokenizer.save(self.run_dir)  # before the config that names this copy
             save_config(cfg, self.run_files.config)

@@ -106,6 +106,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="when the conversation ends, save the model's state (everything read and "
         "replied) to FILE, to continue from later with --load-state",
     )
+    p.add_argument(
+        "--jsonl",
+        action="store_true",
+        help='print one JSON object a turn, {"turn", "input", "reply", "tokens", "stop", '
+        '"cut"} (ASCII), instead of the replies as text (on a pipe each is followed by an '
+        '"--- end of reply N ---" line, saying when the token limit cut it mid-word)',
+    )
 
 
 def _add_generate_output_args(p: argparse.ArgumentParser) -> None:
@@ -329,7 +336,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.load_state is not None:
         cont.load(args.load_state)
     generator = torch.Generator(device=model.embed.weight.device).manual_seed(args.seed)
-    prompt = "> " if sys.stdin.isatty() else ""
+    terminal = sys.stdin.isatty() and not args.jsonl
+    prompt = "> " if terminal else ""
     sys.stdout.write(prompt)
     sys.stdout.flush()
     chat(
@@ -343,6 +351,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         generator,
         prompt=prompt,
         stops=stops,
+        style="jsonl" if args.jsonl else "terminal" if terminal else "pipe",
     )
     if args.save_state is not None:
         _save_state(cont, args.save_state)

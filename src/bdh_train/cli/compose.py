@@ -1,5 +1,6 @@
-"""`bdh-train grow` (more neurons per head, the same function) and `bdh-train merge` (models
-joined along the neurons, with an optional short fine-tune)."""
+"""`bdh-train grow` (more neurons per head, the same function), `bdh-train merge` (models
+joined along the neurons, with an optional short fine-tune) and `bdh-train import-official`
+(a checkpoint of the official implementation as a checkpoint directory)."""
 
 from __future__ import annotations
 
@@ -61,12 +62,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--eval-batches", type=int, default=20, help="validation batches per domain")
 
+    p = sub.add_parser(
+        "import-official",
+        help="turn a checkpoint of the official implementation (pathwaycom/bdh: a torch.save "
+        "of its state_dict) into a checkpoint directory generate, eval, inspect and export "
+        "read and a new run starts from (--config OUT/config.toml)",
+    )
+    p.add_argument("checkpoint", metavar="FILE", help="the official checkpoint (.pt)")
+    p.add_argument(
+        "--n-layer",
+        type=int,
+        required=True,
+        metavar="L",
+        help="the model's layers (the official weights are shared by every layer, so the "
+        "file does not hold it; the official default is 6)",
+    )
+    p.add_argument("--out", required=True, help="the new checkpoint directory (must not exist)")
+
 
 def cmd_grow(args: argparse.Namespace) -> int:
     from bdh_train.compose import grow_run
 
     out = grow_run(args.checkpoint, args.neurons_multiplier, args.out, args.seed)
     print(f"grown x{args.neurons_multiplier}: {out} (train on: --config {out}/config.toml)")
+    return 0
+
+
+def cmd_import_official(args: argparse.Namespace) -> int:
+    from bdh_train.compose import import_official
+
+    out = import_official(args.checkpoint, args.n_layer, args.out)
+    print(f"imported: {out} (generate --checkpoint {out}; train on: --config {out}/config.toml)")
     return 0
 
 

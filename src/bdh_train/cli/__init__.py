@@ -7,8 +7,8 @@ stderr with exit status 2, never a traceback.
 Each command is a plain function of the parsed arguments, listed in COMMANDS; the module of
 its group adds its parser (`register`): train, generate (generate, chat), evaluate (eval),
 prepare (prepare, corpus), tools (config, plot, profile, plan, export), compose (grow, merge,
-import-official), inspect. What the parsers share is in `args`. Torch, numpy and the rest of the package are
-imported inside the commands, so `--help` pays for none of them.
+import-official), inspect. What the parsers share is in `args`. Torch, numpy and the rest of
+the package are imported inside the commands, so `--help` pays for none of them.
 """
 
 from __future__ import annotations

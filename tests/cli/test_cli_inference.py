@@ -756,3 +756,24 @@ def test_a_state_file_holding_nan_is_one_line(run_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: the model's logits are not finite (NaN or infinity) although")
     assert "the state it continues holds NaN or infinity" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("state", [[], ["--save-state", "{tmp}/s.state"]])
+def test_generate_stopped_by_ctrl_c_ends_its_line(run_dir, tmp_path, capsys, monkeypatch, state):
+    """Ctrl-C in the middle of a completion: the text so far ends with a newline, so the
+    "interrupted" on stderr (and the shell's prompt) start lines of their own."""
+    from bdh_train import inference
+    from bdh_train.model import BDH
+
+    def two_then_ctrl_c(self, *args, **kwargs):
+        yield from (ord("a"), ord("b"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(BDH, "stream_generate", two_then_ctrl_c)
+    monkeypatch.setattr(inference.Continuation, "sample", two_then_ctrl_c)
+    capsys.readouterr()
+    extra = [a.format(tmp=tmp_path) for a in state]
+    argv = ["generate", "--checkpoint", str(run_dir), "--device", "cpu", "--prompt", "x", *extra]
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "xab\n" and captured.err.endswith("interrupted\n")

@@ -323,8 +323,7 @@ class Trainer:
     def _stop(self, last_val: float | None) -> RunResult:
         s = self.state
         checkpoint = self.save_checkpoint()
-        self.progress.log(stop_line(s.step, s.micro, checkpoint, self.run_dir), keep=True)
-        self.progress.close()
+        self.progress.stop(stop_line(s.step, s.micro, checkpoint, self.run_dir))
         return RunResult(s.step, True, checkpoint, last_val, None)
 
     def _finish(self, checkpoint: Path | None, last_val: float | None) -> RunResult:

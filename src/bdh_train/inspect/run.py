@@ -185,7 +185,8 @@ def dashboard(
     flat_sel = selectivity.reshape(-1)
     by_sum = recorder.x_sum.cpu().reshape(-1).argsort(descending=True, stable=True)
     by_sel = flat_sel[by_sum].argsort(descending=True, stable=True)
-    order = [i for i in by_sum[by_sel].tolist() if candidates[i]][: options.dashboard_neurons]
+    ranked = by_sum[by_sel]
+    order = ranked[candidates[ranked]][: options.dashboard_neurons].tolist()
     numbers, rows = [], []
     for flat in order:
         head, neuron = divmod(flat, n)

@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The demo's run directory, the one the README's examples name. A second `make demo` is refused
+# by train's run-directory rule (it never clears a run): resume it, remove it, or name another
+# (make demo DEMO_RUN=runs/demo2).
+DEMO_RUN ?= runs/demo
+
 demo: $(STAMP)
-	$(VENV)/bin/bdh-train train
+	$(VENV)/bin/bdh-train train --run-dir $(DEMO_RUN)
 
 # The report's browser test (tests/inspection) loads report.html in Debian's Chromium: installed
 # here when it is missing, apt-get exists and we are root; otherwise this says why and that

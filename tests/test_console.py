@@ -255,6 +255,18 @@ def test_on_a_terminal_the_loss_lines_are_written_above_the_bar():
     assert "4/4" in text.split("\n")[-1] or "4/4" in text  # the bar itself reached the end
 
 
+def test_a_stop_line_is_the_last_line_on_a_terminal_with_no_bar_below_it():
+    clock, out = FakeClock(), Terminal()
+    progress = Progress(10, 0, out, log_every=0, clock=clock)
+    for step in range(1, 4):
+        clock.now = float(step)
+        progress.update(step, row(step))
+    progress.stop("stopped at step 3 (+0 micro-steps); checkpoint c; continue with: r")
+    text = out.getvalue()
+    assert text.endswith("stopped at step 3 (+0 micro-steps); checkpoint c; continue with: r\n")
+    assert "3/10" in text.rsplit("stopped at", 1)[0]  # the bar, left as it stood, above it
+
+
 def test_an_evaluation_over_no_tokens_is_refused_not_zero():
     cfg = load_config(overrides=SMALL)
     model = BDH(cfg.model)

@@ -123,3 +123,36 @@ def test_capped_steps_shortens_a_fresh_run_and_its_evaluation(tmp_path, monkeypa
     assert note is not None and "training.max_steps 300 -> 2" in note
     monkeypatch.setenv(STEPS_CAP_ENV, "500")
     assert capped_steps(cfg, run) == (cfg, None)  # nothing to shorten
+
+
+def test_make_demo_trains_into_the_run_directory_the_readme_names(tmp_path):
+    """`make demo` writes runs/demo, the directory of the README's demo output; a second
+    `make demo` meets the run-directory rule (refused, never cleared)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from bdh_train.cli import build_parser
+
+    root = Path(__file__).resolve().parents[1]
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("no make on this machine: the Makefile's recipe cannot be expanded")
+    recipe = subprocess.run(
+        [make, "-n", "--no-print-directory", "-o", ".venv/.installed", "demo"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert Path(recipe[0]).name == "bdh-train"
+    args = build_parser().parse_args(recipe[1:])
+    assert args.command == "train" and args.run_dir == "runs/demo" and not args.overwrite
+    readme = (root / "README.md").read_text()
+    assert "\nrun directory  runs/demo\n" in readme
+    assert "bdh-train generate --checkpoint runs/demo" in readme
+    run = tmp_path / "runs" / "demo"
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text("")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        RunDir(run).check_fresh(overwrite=args.overwrite)

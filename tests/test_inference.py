@@ -5,6 +5,7 @@ not decided by rounding."""
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -344,3 +345,50 @@ def test_a_state_file_that_is_a_fifo_or_too_large_is_refused_before_reading(
     with pytest.raises(CheckpointError) as refused:
         cont.load(path)
     assert str(refused.value).startswith(f"state file {path} has {size + (1 << 30)} bytes, more")
+
+
+class _ScriptedContinuation:
+    """A Continuation whose replies are given: each `sample` yields the next script's bytes."""
+
+    def __init__(self, replies: list[bytes]) -> None:
+        self.replies, self.fed = iter(replies), []
+
+    def feed(self, ids):
+        self.fed.append(list(ids))
+
+    def sample(self, max_new_tokens, temperature, top_k, generator):
+        yield from list(next(self.replies))[:max_new_tokens]
+
+
+SCRIPT = [b"hello wor", b"ok.\nbye!", b"the en"]
+"""Three replies of a 9-token limit: cut in a word; ended by the stop '!'; 6 tokens, short."""
+
+
+def _chat(style: str) -> str:
+    out = io.StringIO()
+    lines = ["hi\n", "more\n", "end\n"]
+    cont = _ScriptedContinuation(SCRIPT)
+    stops = {ord("!")}
+    assert (
+        chat(cont, ByteTokenizer(), lines, out, 9, 0.0, None, None, stops=stops, style=style) == 3
+    )
+    assert cont.fed == [list(line.encode()) for line in lines]
+    return out.getvalue()
+
+
+def test_a_piped_chat_ends_each_reply_with_a_line_saying_when_it_was_cut():
+    assert _chat("pipe") == (
+        "hello wor\n--- end of reply 1: cut mid-word at the limit of 9 tokens ---\n"
+        "ok.\nbye\n--- end of reply 2 ---\n"
+        "the en\n--- end of reply 3 ---\n"
+    )
+    assert _chat("terminal") == "hello wor\nok.\nbye\nthe en\n"  # the prompt is ""
+
+
+def test_chat_jsonl_is_one_object_a_turn():
+    turns = [json.loads(line) for line in _chat("jsonl").splitlines()]
+    assert turns == [
+        {"turn": 1, "input": "hi", "reply": "hello wor", "tokens": 9, "stop": None, "cut": True},
+        {"turn": 2, "input": "more", "reply": "ok.\nbye", "tokens": 7, "stop": "!", "cut": False},
+        {"turn": 3, "input": "end", "reply": "the en", "tokens": 6, "stop": None, "cut": False},
+    ]

@@ -2,6 +2,8 @@
 checkpoints), join or widen their weights (model/compose.py), optionally fine-tune a merge
 with chosen parameter groups frozen, measure each source domain's loss, and write the result
 as a checkpoint directory that a new run starts from (`checkpoint.init_from`).
+`bdh-train import-official` writes such a directory from a checkpoint of the official
+implementation (`import_official`).
 
 The output directory holds model.safetensors, a config.toml (the first source's run config
 with the new model section and `checkpoint.init_from` naming the directory, so
@@ -145,6 +147,25 @@ def grow_run(source: str, multiplier: int, out: str | Path, seed: int = 0) -> Pa
     weights = grow_weights(src.model.state_dict(), src.model.config, multiplier, grown.state_dict())
     grown.load_state_dict(weights)
     return write_composed(out, grown, src)
+
+
+# ---------------------------------------------------------------- import-official
+def import_official(path: str | Path, n_layer: int, out: str | Path) -> Path:
+    """Write the official pathwaycom/bdh checkpoint `path` (a `torch.save` of its state_dict;
+    `interop.load_official_checkpoint`, which needs `n_layer`: the weights do not hold it) as
+    the checkpoint directory `out`, with the default run config (its model section the
+    checkpoint's) and, for a 256-token vocabulary, the byte tokenizer the official code reads
+    text with."""
+    from bdh_train.config import load_config
+    from bdh_train.inference import tokenizer_for
+    from bdh_train.interop import load_official_checkpoint
+
+    out = _check_out(out)
+    if isinstance(n_layer, bool) or not isinstance(n_layer, int) or n_layer < 1:
+        raise ConfigError(f"--n-layer must be an integer >= 1, got {n_layer!r}")
+    model = load_official_checkpoint(path, n_layer)
+    cfg = dataclasses.replace(load_config(), model=model.config)
+    return write_composed(out, model, Source(str(path), model, tokenizer_for(model.config), cfg))
 
 
 # ---------------------------------------------------------------- merge

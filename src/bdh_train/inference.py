@@ -468,6 +468,53 @@ def stream_text(tokens: Iterable[int], out: TextIO, tokenizer: Tokenizer) -> Non
     out.write(decoder.decode(b"", final=True))
 
 
+CHAT_STYLES = ("terminal", "pipe", "jsonl")
+"""How `chat` writes a turn: terminal: the reply, a newline and the prompt; pipe: the reply,
+a newline and an end line (`reply_end_line`); jsonl: one JSON object a turn (`chat_turn`)."""
+
+
+def _recorded(tokens: Iterator[int], seen: list[int]) -> Iterator[int]:
+    """`tokens`, each appended to `seen` as it passes; closing this closes `tokens`."""
+    try:
+        for token in tokens:
+            seen.append(token)
+            yield token
+    finally:
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()
+
+
+def cut_mid_word(text: str, tokens: int, max_new_tokens: int, stopped: bool) -> bool:
+    """Whether a reply ended by the token limit in the middle of a word: no stop ended it,
+    it has `max_new_tokens` tokens, and its last character is a letter or a digit."""
+    return not stopped and tokens == max_new_tokens > 0 and text[-1:].isalnum()
+
+
+def reply_end_line(number: int, cut: bool, max_new_tokens: int) -> str:
+    """The line that ends reply `number` in a piped chat."""
+    if cut:
+        return (
+            f"--- end of reply {number}: cut mid-word at the limit of {max_new_tokens} tokens ---"
+        )
+    return f"--- end of reply {number} ---"
+
+
+def chat_turn(
+    number: int, line: str, reply: list[int], stop: int | None, cut: bool, tokenizer: Tokenizer
+) -> dict[str, object]:
+    """One turn of `chat --jsonl`: its number, the line read (without its newline), the reply's
+    text and token count, the stop it ended on (or None) and whether it was cut mid-word."""
+    return {
+        "turn": number,
+        "input": line.removesuffix("\n"),
+        "reply": tokenizer.decode(reply),
+        "tokens": len(reply),
+        "stop": None if stop is None else tokenizer.decode([stop]),
+        "cut": cut,
+    }
+
+
 def chat(
     continuation: Continuation,
     tokenizer: Tokenizer,
@@ -479,17 +526,35 @@ def chat(
     generator: torch.Generator,
     prompt: str = "",
     stops: Collection[int] = (),
+    style: str = "terminal",
 ) -> int:
     """A REPL: each line read (newline included) is fed on top of everything before it, then
-    up to `max_new_tokens` are sampled and written (a token of `stops` ends the reply,
-    unwritten and unread), then a newline. Returns the turns taken."""
+    up to `max_new_tokens` are sampled (a token of `stops` ends the reply, unwritten and
+    unread) and written as `style` says (`CHAT_STYLES`; a terminal's `prompt` after each
+    reply). Returns the turns taken."""
+    if style not in CHAT_STYLES:
+        raise ValueError(f"chat style {style!r} is not one of {CHAT_STYLES}")
     turns = 0
     for number, line in enumerate(lines, 1):
         continuation.feed(encode_text(tokenizer, line, f"line {number} of the chat input"))
-        reply = continuation.sample(max_new_tokens, temperature, top_k, generator)
-        stream_text(until_stop(reply, stops), out, tokenizer)
-        out.write("\n")
-        out.write(prompt)
+        seen: list[int] = []
+        sampled = continuation.sample(max_new_tokens, temperature, top_k, generator)
+        reply = until_stop(_recorded(sampled, seen), stops)
+        if style == "jsonl":
+            for _ in reply:
+                pass
+        else:
+            stream_text(reply, out, tokenizer)
+            out.write("\n")
+        stop = seen[-1] if seen and seen[-1] in stops else None
+        shown = seen[:-1] if stop is not None else seen
+        cut = cut_mid_word(tokenizer.decode(shown), len(shown), max_new_tokens, stop is not None)
+        if style == "jsonl":
+            out.write(json.dumps(chat_turn(number, line, shown, stop, cut, tokenizer)) + "\n")
+        elif style == "pipe":
+            out.write(reply_end_line(number, cut, max_new_tokens) + "\n")
+        else:
+            out.write(prompt)
         out.flush()
         turns += 1
     return turns

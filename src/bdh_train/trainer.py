@@ -300,6 +300,8 @@ class Trainer:
         def write() -> None:  # the main process's part; a refusal in it is every process's
             if self.overwrite:
                 self.run_files.clear()
+            if self.resumed_from is None:
+                self.run_files.forget_failed_starts()
             self.metrics = metrics(log_every=t.log_every, last_step=t.max_steps)
             self.tokenizer.save(self.run_dir)  # before the config that names this copy
             save_config(cfg, self.run_files.config)
@@ -321,8 +323,7 @@ class Trainer:
     def _stop(self, last_val: float | None) -> RunResult:
         s = self.state
         checkpoint = self.save_checkpoint()
-        self.progress.log(stop_line(s.step, s.micro, checkpoint, self.run_dir), keep=True)
-        self.progress.close()
+        self.progress.stop(stop_line(s.step, s.micro, checkpoint, self.run_dir))
         return RunResult(s.step, True, checkpoint, last_val, None)
 
     def _finish(self, checkpoint: Path | None, last_val: float | None) -> RunResult:

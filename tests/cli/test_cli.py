@@ -200,7 +200,7 @@ def _bad_sources(tmp_path: Path) -> dict[str, tuple[str, str]]:
         "empty": (str(empty), "is empty"),
         "short": (str(short), "fewer than"),
         "ids": (str(big_ids), "300"),
-        "no-txt-dir": (str(no_txt), ".txt"),
+        "no-txt-dir": (str(no_txt), "contains no corpus files"),
     }
 
 

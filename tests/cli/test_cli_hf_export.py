@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,11 +118,20 @@ for name, job in jobs.items():
     windows = torch.tensor(job["windows"])
     with torch.no_grad():
         out["loss"] = float(model(windows, labels=windows).loss)
+    if "readme" in job:  # the README's example, as written, on this export
+        scope = {}
+        with torch.no_grad():
+            exec(job["readme"], scope)
+        out["readme_loss"] = float(scope["loss"])
+        out["readme_batch"] = scope["batch"]["input_ids"].tolist()
+        out["readme_mask"] = scope["batch"]["attention_mask"].tolist()
 json.dump(results, open(sys.argv[2], "w"))
 """
 
 TEXTS = ["The quick brown fox", "Hi", "ROMEO 7: the quick brown fox — ünïcödé 日本 jumps"]
 PROMPT = "The "
+README_TEXTS = ["ROMEO:", "To be"]
+"""The texts of the README's transformers example."""
 BLOCK = 16  # training.block_size of MICRO
 WINDOWS = 3
 
@@ -144,6 +155,14 @@ def _ternary(path, seed: int, tokenizer_json: str | None = None, **overrides) ->
                 p.add_(0.3 * torch.randn_like(p))
     export_ternary(model, path, tokenizer_json)
     return load_ternary(path)
+
+
+def readme_hf_example() -> str:
+    """The README's Python block that loads an export with transformers."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    (block,) = [b for b in blocks if "AutoModelForCausalLM" in b]
+    return block
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +221,9 @@ def exported(tmp_path_factory):
     jobs = {name: {"dir": str(root / f"{name}_hf"), "texts": TEXTS} for name in sides}
     jobs["run"]["prompt"] = ByteTokenizer().encode(PROMPT)
     jobs["run"]["windows"] = [byte_ids[j * BLOCK : j * BLOCK + BLOCK + 1] for j in range(WINDOWS)]
+    jobs["run"]["readme"] = readme_hf_example().replace(
+        '"bdh-shakespeare"', repr(jobs["run"]["dir"])
+    )
     (root / "jobs.json").write_text(json.dumps(jobs))
     (root / "hf_side.py").write_text(HF_SIDE)
     env = {**os.environ, "HF_HOME": str(root / "hf_home"), "HF_HUB_OFFLINE": "1"}
@@ -307,6 +329,27 @@ def test_loss_of_labels_equals_bdh_train_eval(exported, capsys):
     row = json.loads(capsys.readouterr().out)
     assert row["tokens"] == WINDOWS * BLOCK
     assert abs(results["run"]["loss"] - row["val_loss"]) <= 1e-5 * row["val_loss"]
+
+
+def test_the_readme_example_loss_counts_each_rows_own_text(exported):
+    """The README's padded-batch loss is the mean next-token cross-entropy of each row read
+    alone (fp32, 1e-5): pads and the token after them are not counted."""
+    _, sides, results = exported
+    model, tok = sides["run"]
+    out = results["run"]
+    rows = [
+        [t for t, real in zip(ids, mask, strict=True) if real]
+        for ids, mask in zip(out["readme_batch"], out["readme_mask"], strict=True)
+    ]
+    assert rows == [tok.encode(t) for t in README_TEXTS] and len({len(r) for r in rows}) > 1
+    total, count = 0.0, 0
+    for ids in rows:
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([ids]))
+        targets = torch.tensor(ids[1:])
+        total += float(torch.nn.functional.cross_entropy(logits[0, :-1], targets, reduction="sum"))
+        count += len(ids) - 1
+    assert abs(out["readme_loss"] - total / count) <= 1e-5 * (total / count)
 
 
 def test_directory_and_model_card(exported):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import subprocess
 import sys
 
@@ -256,13 +257,18 @@ def test_a_state_saved_from_another_model_is_refused(run_dir, tmp_path, capsys):
     assert err.startswith("error:") and "another config" in err
 
 
+def _replies(out: str) -> list[str]:
+    """A piped chat's lines without the lines that end its replies."""
+    return [line for line in out.split("\n") if not line.startswith("--- end of reply ")]
+
+
 def test_chat_turns_continue_one_state(run_dir, capsys, monkeypatch):
     turns = ["def add(a, b):\n", "    return\n"]
     greedy = ["--temperature", "0", "--max-new-tokens", "6", "--device", "cpu"]
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(turns)))
     capsys.readouterr()
     assert main(["chat", "--checkpoint", str(run_dir), *greedy]) == 0
-    replies = capsys.readouterr().out.split("\n")
+    replies = _replies(capsys.readouterr().out)
     # the second reply is what generate gives on the whole conversation so far (in tokens: an
     # untrained model's bytes need not be valid UTF-8, so its text does not round-trip)
     import torch
@@ -275,6 +281,19 @@ def test_chat_turns_continue_one_state(run_dir, capsys, monkeypatch):
     first = greedy_tokens(tok.encode(turns[0]))
     second = greedy_tokens(tok.encode(turns[0]) + first + tok.encode(turns[1]))
     assert replies[:3] == [tok.decode(first), tok.decode(second), ""]
+
+
+def test_chat_jsonl_prints_one_object_a_turn(run_dir, capsys, monkeypatch):
+    turns = ["def add(a, b):\n", "    return\n"]
+    greedy = ["--temperature", "0", "--max-new-tokens", "6", "--device", "cpu", "--jsonl"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(turns)))
+    capsys.readouterr()
+    assert main(["chat", "--checkpoint", str(run_dir), *greedy]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["turn"], r["input"], r["tokens"], r["stop"]) for r in rows] == [
+        (1, "def add(a, b):", 6, None),
+        (2, "    return", 6, None),
+    ]
 
 
 def test_chat_save_state_equals_generate_save_state_for_the_same_text(
@@ -322,7 +341,7 @@ def test_a_stop_ends_chat_replies_unread(run_dir, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(turns)))
     capsys.readouterr()
     assert main(["chat", "--checkpoint", str(run_dir), *greedy, "--stop", chr(stop)]) == 0
-    replies = capsys.readouterr().out.split("\n")
+    replies = _replies(capsys.readouterr().out)
     assert 0 < len(first) < len(plain)
     assert replies[:3] == [tok.decode(first), tok.decode(second), ""]
 
@@ -773,3 +792,25 @@ def test_a_state_file_holding_nan_is_one_line(run_dir, tmp_path, capsys):
         f"error: {state} is not a generation state of this checkpoint: 'state.rho.0' holds NaN "
         "or infinity\n"
     )
+
+
+
+@pytest.mark.parametrize("state", [[], ["--save-state", "{tmp}/s.state"]])
+def test_generate_stopped_by_ctrl_c_ends_its_line(run_dir, tmp_path, capsys, monkeypatch, state):
+    """Ctrl-C in the middle of a completion: the text so far ends with a newline, so the
+    "interrupted" on stderr (and the shell's prompt) start lines of their own."""
+    from bdh_train import inference
+    from bdh_train.model import BDH
+
+    def two_then_ctrl_c(self, *args, **kwargs):
+        yield from (ord("a"), ord("b"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(BDH, "stream_generate", two_then_ctrl_c)
+    monkeypatch.setattr(inference.Continuation, "sample", two_then_ctrl_c)
+    capsys.readouterr()
+    extra = [a.format(tmp=tmp_path) for a in state]
+    argv = ["generate", "--checkpoint", str(run_dir), "--device", "cpu", "--prompt", "x", *extra]
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "xab\n" and captured.err.endswith("interrupted\n")

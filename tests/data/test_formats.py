@@ -218,14 +218,19 @@ def test_directory_is_recursive_sorted_and_skips_other_files(tmp_path: Path) -> 
     (tmp_path / "a.txt").write_text("a")
     (tmp_path / "c.jsonl").write_text('{"text": "c"}\n')
     (tmp_path / ".hidden.txt").write_text("hidden")
-    (tmp_path / "notes.md").write_text("markdown")
+    (tmp_path / "notes.md").write_text("markdown")  # text by its bytes, whatever its name
+    (tmp_path / "b" / "x.pyc").write_bytes(b"\xcb\r\r\n\x00\x00")  # binary: skipped
+    (tmp_path / "b" / "y.png").write_bytes(b"\x89PNG\r\n")  # not UTF-8: skipped
+    (tmp_path / "t.bin").write_bytes(b"ab")  # a token file: skipped
+    (tmp_path / "old.md.gz").write_bytes(b"")  # compressed, of no corpus format: skipped
     (tmp_path / "prepared").mkdir()
     (tmp_path / "prepared" / "meta.json").write_text('{"format": "bdh-train prepared corpus"}')
     (tmp_path / "prepared" / "more.txt").write_text("inside a prepared corpus")
     (tmp_path / "site").mkdir()  # some other tool's meta.json: an ordinary folder
     (tmp_path / "site" / "meta.json").write_text('{"text": "site/meta", "title": "other"}')
     (tmp_path / "site" / "page.txt").write_text("site/page")
-    assert list(iter_documents([tmp_path])) == ["a", "b/x", "c", "site/meta", "site/page"]
+    expected = ["a", "b/x", "c", "markdown", "site/meta", "site/page"]
+    assert list(iter_documents([tmp_path])) == expected
 
 
 def test_a_folder_reached_again_through_links_is_read_once(tmp_path: Path) -> None:

@@ -532,3 +532,33 @@ def test_a_temporary_removed_before_its_writer_locks_it_is_made_again(
     assert len(removed) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "prep"]
     assert load_prepared(tmp_path / "prep")[0].tokens.size > 0
+
+
+def test_training_a_bpe_shows_one_bar_of_ours_and_no_stage_lines_on_a_terminal(tmp_path, capsys):
+    """With --train-tokenizer on a terminal, the BPE pass is one tqdm bar ("train BPE") on
+    stderr; the tokenizers library's own stage bars (lines of their own, written straight to
+    a terminal's descriptor 2) stay off."""
+    import os
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    master, terminal = os.openpty()
+    saved = os.dup(2)
+    os.dup2(terminal, 2)
+    try:
+        prepare_corpus([corpus], tmp_path / "out", train_bpe_vocab=270, progress=True)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(terminal)
+    os.set_blocking(master, False)
+    written = b""
+    try:
+        while chunk := os.read(master, 1 << 16):
+            written += chunk
+    except (BlockingIOError, OSError):
+        pass
+    os.close(master)
+    assert b"Pre-processing" not in written and b"Compute merges" not in written, written
+    err = capsys.readouterr().err
+    assert "train BPE: 100%" in err and "prepare: 100%" in err

@@ -56,7 +56,7 @@ def test_text_file_is_memmapped(tmp_path: Path) -> None:
 def test_directory_sorted_and_joined(tmp_path: Path) -> None:
     (tmp_path / "b.txt").write_bytes(b"second")
     (tmp_path / "a.txt").write_bytes(b"first")
-    (tmp_path / "ignored.md").write_bytes(b"nope")
+    (tmp_path / "ignored.pyc").write_bytes(b"\x00nope")  # binary: not a corpus file
     data = load_tokens(str(tmp_path))
     assert bytes(data.tokens.astype(np.uint8)) == b"first\nsecond"
 
@@ -168,13 +168,31 @@ def test_empty_file_and_directory(tmp_path: Path) -> None:
         load_tokens(str(empty))
     other = tmp_path / "d"
     other.mkdir()
-    (other / "notes.md").write_text("x")
+    (other / "notes.pyc").write_bytes(b"\x00\x01")
     with pytest.raises(
         DataError, match=rf"data directory '{re.escape(str(other))}' contains no corpus files"
     ):
         load_tokens(str(other))
-    with pytest.raises(DataError, match=r"all 1 .txt files are empty"):
+    with pytest.raises(DataError, match=r"all 1 text files are empty"):
         load_tokens(str(tmp_path))
+
+
+def test_a_directory_of_python_files_is_the_corpus_prepare_reads_from_them(tmp_path: Path):
+    """One rule for a corpus file: data.source = DIR reads the .py files that
+    `prepare DIR/*.py` names (compiled files beside them skipped), in the same order."""
+    from bdh_train.data.prepared import prepare_corpus
+
+    src = tmp_path / "src"
+    (src / "__pycache__").mkdir(parents=True)
+    (src / "b.py").write_text("def b():\n    return 2\n")
+    (src / "a.py").write_text("def a():\n    return 1\n")
+    (src / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\xa7\r\r\n\x00\x00\x00")
+    loaded = load_tokens(str(src))
+    assert bytes(loaded.tokens) == b"def a():\n    return 1\n\ndef b():\n    return 2\n"
+    quiet = {"progress": False, "val_fraction": 0.0}
+    named = prepare_corpus(sorted(src.glob("*.py")), tmp_path / "named", **quiet)
+    listed = prepare_corpus([src], tmp_path / "listed", **quiet)
+    assert named["splits"] == listed["splits"] and listed["splits"]["train"]["documents"] == 2
 
 
 def test_too_short_for_block() -> None:

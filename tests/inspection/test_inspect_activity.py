@@ -4,6 +4,7 @@ fix every neuron's sign, and the more-than-half rule on chosen tensors."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import tiny_model
 
@@ -135,3 +136,35 @@ def test_inspect_recorder_keeps_each_neurons_top_tokens_and_token_shares():
     assert torch.equal(recorder.top_values, best.values.permute(1, 0, 2))
     picked = x.gather(0, recorder.top_tokens.permute(1, 0, 2))
     assert torch.equal(picked, best.values)
+
+
+def test_the_dashboard_ranks_by_selectivity_and_sets_always_on_neurons_apart():
+    from bdh_train.inspect.run import InspectOptions, dashboard, neuron_selectivity
+
+    # one layer, one head, 4 neurons over 8 tokens; the dashboards keep each neuron's top 2
+    x = torch.tensor(
+        [
+            [1.0] * 8,  # 0: on every token: always on, shown apart
+            [5.0, 4.0, 0, 0, 0, 0, 0, 1.0],  # 1: top 2 hold 9 of 10 -> 0.9 / (2 / 8) = 3.6
+            [1.0, 1.0, 1.0, 1.0, 0, 0, 0, 0],  # 2: on half (not more): 2 of 4 -> 2.0
+            [0, 0, 0, 0, 0, 0, 0, 2.0],  # 3: fires on 1 token, fewer than the top 2
+        ]
+    ).T.reshape(1, 1, 8, 4)  # [B, H, T, N]
+    recorder = InspectRecorder(1, 1, 4, dashboard_layer=0, top_k=2)
+    recorder.record(x, x)
+    selectivity, share = neuron_selectivity(recorder)
+    assert share[0].tolist() == pytest.approx([0.25, 0.9, 0.5, 1.0], abs=1e-12)
+    assert selectivity[0].tolist() == pytest.approx([1.0, 3.6, 2.0, 4.0], abs=1e-12)
+    options = InspectOptions(dashboard_neurons=3, top_k=2, context=1)
+    numbers, rows, always_on = dashboard(recorder, torch.arange(8), None, options)
+    # by firing rate the order would be 0, 2, 1, 3
+    assert [n["neuron"] for n in numbers] == [1, 2]
+    assert [n["selectivity"] for n in numbers] == pytest.approx([3.6, 2.0], abs=1e-12)
+    expected = [[0, 1, 3.6, 3 / 8, 5.0], [0, 1, 3.6, 3 / 8, 4.0]]
+    expected += [[0, 2, 2.0, 0.5, 1.0]] * 2
+    for row, want in zip(rows, expected, strict=True):
+        assert row[:5] == pytest.approx(want, abs=1e-12)
+    assert always_on == {
+        "count": 1,
+        "neurons": [{"layer": 0, "head": 0, "neuron": 0, "firing_rate": 1.0, "mean_x": 1.0}],
+    }

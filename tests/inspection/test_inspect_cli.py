@@ -33,7 +33,11 @@ PROMPTS = [
     {"prompt": "the dollar and the euro", "concept": True},
     {"prompt": "a cat on a mat", "concept": False},
     {"prompt": "yen, pounds and francs", "concept": True},
-    {"prompt": "green trees", "concept": False},
+    {"prompt": "green <trees> & grass", "concept": False},
+    {"prompt": "a shilling", "concept": True},
+    {"prompt": "rain", "concept": False},
+    {"prompt": "ten marks", "concept": True},
+    {"prompt": "the sea", "concept": False},
 ]
 
 
@@ -94,9 +98,16 @@ def test_inspect_writes_the_report_and_its_numbers(report):
             heads = [h[key] for h in layer["heads"]]
             assert layer[key] == pytest.approx(sum(heads) / len(heads), abs=1e-12)
     assert len(numbers["graphs"]) == 4 and len(numbers["neurons"]) == 12
+    selectivity = [n["selectivity"] for n in numbers["neurons"]]
+    assert selectivity == sorted(selectivity, reverse=True)
+    assert all(n["firing_rate"] <= 0.5 for n in numbers["neurons"])
+    assert all(n["firing_rate"] > 0.5 for n in numbers["always_on_neurons"]["neurons"])
     probe = numbers["synapses"]["probe"]
-    assert probe["train_texts"] == [1, 1] and probe["held_out_texts"] == [1, 1]
+    assert probe["train_texts"] == [2, 2] and probe["held_out_texts"] == [2, 2]
+    assert numbers["synapses"]["prompts"] == [p["prompt"] for p in PROMPTS]
     page = (report / "report.html").read_text()
+    assert "<h3>prompt 4: <code>green &lt;trees&gt; &amp; grass</code></h3>" in page
+    assert "<h3>prompt 0" not in page and "<trees>" not in page
     assert page.count('src="data:image/png;base64,') == 2
     assert not re.search(r"""(src|href)\s*=\s*["'](?!data:)""", page)
 
@@ -106,7 +117,7 @@ def test_inspect_writes_the_report_and_its_numbers(report):
     [
         ("max_tokens_0", "--max-tokens must be >= 1, got 0"),
         ("empty_prompts", "no prompts; write one JSON object a line"),
-        ("one_class", "the concept probe needs at least 2 prompts with the concept and 2"),
+        ("one_class", "the concept probe needs at least 4 prompts with the concept and 4"),
         ("no_tokenizer", "carries no text tokenizer, so its data and prompts cannot be read"),
         ("layer_99", "--layer 99 is not a layer of this model: it has 2 (0 to 1, or -1 to -2 "),
         ("layer_-3", "--layer -3 is not a layer of this model: it has 2 (0 to 1, or -1 to -2 "),

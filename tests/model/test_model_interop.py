@@ -74,3 +74,33 @@ def test_missing_and_unexpected_keys_are_listed():
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_official_checkpoint(tmp_path / "nope.pt", n_layer=2)
+
+
+def test_import_official_writes_a_checkpoint_directory_the_commands_read(tmp_path, capsys):
+    """`bdh-train import-official FILE --n-layer L --out DIR`: DIR's model gives the official
+    weights' logits exactly, generate reads it with the byte tokenizer, and a bad file is one
+    error line that writes nothing."""
+    from bdh_train.cli import main
+    from bdh_train.inference import load_run
+
+    sd = official_state_dict(V=256)
+    path = tmp_path / "official.pt"
+    torch.save(sd, path)
+    out = tmp_path / "imported"
+    assert main(["import-official", str(path), "--n-layer", "2", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"imported: {out}")
+    model, tokenizer, cfg = load_run(out)
+    assert tokenizer is not None and tokenizer.vocab_size == 256 and cfg.model == model.config
+    idx = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], load_official_state_dict(sd, n_layer=2).eval()(idx)[0])
+    assert (
+        main(["generate", "--checkpoint", str(out), "--max-new-tokens", "4", "--prompt", "a"]) == 0
+    )
+    assert capsys.readouterr().out.startswith("a")
+    bad = tmp_path / "bad.pt"
+    torch.save({"encoder": sd["encoder"]}, bad)
+    assert main(["import-official", str(bad), "--n-layer", "2", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: not an official BDH state_dict") and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt", "imported", "official.pt"]

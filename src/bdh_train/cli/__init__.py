@@ -1,14 +1,14 @@
 """`bdh-train`: train, generate, chat, eval, prepare, corpus, config, plot, profile, plan,
-export, grow, merge, inspect.
+export, grow, merge, import-official, inspect.
 
 Every user error (bad config, data, checkpoint) is a BDHTrainError: printed as one line on
 stderr with exit status 2, never a traceback.
 
 Each command is a plain function of the parsed arguments, listed in COMMANDS; the module of
 its group adds its parser (`register`): train, generate (generate, chat), evaluate (eval),
-prepare (prepare, corpus), tools (config, plot, profile, plan, export), compose (grow, merge),
-inspect. What the parsers share is in `args`. Torch, numpy and the rest of the package are
-imported inside the commands, so `--help` pays for none of them.
+prepare (prepare, corpus), tools (config, plot, profile, plan, export), compose (grow, merge,
+import-official), inspect. What the parsers share is in `args`. Torch, numpy and the rest of
+the package are imported inside the commands, so `--help` pays for none of them.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "export": tools.cmd_export,
     "grow": compose.cmd_grow,
     "merge": compose.cmd_merge,
+    "import-official": compose.cmd_import_official,
     "inspect": inspect.cmd_inspect,
 }
 """Each command's name -> the function that runs it (its parser: the group's `register`)."""
@@ -52,7 +53,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="bdh-train",
-        description=__doc__.splitlines()[0],
+        description=" ".join(__doc__.split("\n\n")[0].split()),
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

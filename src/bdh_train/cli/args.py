@@ -16,11 +16,11 @@ import torch, which `--help` must not pay for)."""
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default unless it is None/False or the help already says it."""
+    """Shows an option's default unless it is None/False/empty or the help already says it."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         default = action.default
-        unset = default is None or default is False or default == []
+        unset = default is None or default is False or default == [] or default == ""
         if unset or default == argparse.SUPPRESS or "(default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)

@@ -8,7 +8,8 @@ import argparse
 import json
 import math
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, TextIO
 
 from bdh_train.cli.args import DEVICES
 from bdh_train.errors import BDHTrainError, ConfigError
@@ -105,6 +106,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="when the conversation ends, save the model's state (everything read and "
         "replied) to FILE, to continue from later with --load-state",
+    )
+    p.add_argument(
+        "--jsonl",
+        action="store_true",
+        help='print one JSON object a turn, {"turn", "input", "reply", "tokens", "stop", '
+        '"cut"} (ASCII), instead of the replies as text (on a pipe each is followed by an '
+        '"--- end of reply N ---" line, saying when the token limit cut it mid-word)',
     )
 
 
@@ -256,7 +264,7 @@ def _generate_in_one_call(
     """--prompt continued by one BDH.stream_generate call (no state saved or loaded)."""
     import torch
 
-    from bdh_train.inference import encode_text, stream_text, until_stop
+    from bdh_train.inference import encode_text, until_stop
 
     out = sys.stdout
     text = "\n" if args.prompt is None else args.prompt
@@ -275,8 +283,7 @@ def _generate_in_one_call(
         generator,
         summary_events=events,
     )
-    stream_text(until_stop((int(token) for token in stream), stops), out, tok)
-    out.write("\n")
+    _stream_line(until_stop((int(token) for token in stream), stops), out, tok)
     return 0
 
 
@@ -290,7 +297,7 @@ def _generate_with_state(
 ) -> int:
     """--prompt read into a Continuation (after --load-state's state, before --save-state),
     then sampled from it."""
-    from bdh_train.inference import Continuation, encode_text, stream_text, until_stop
+    from bdh_train.inference import Continuation, encode_text, until_stop
 
     out = sys.stdout
     cont = Continuation(model, events)
@@ -305,9 +312,22 @@ def _generate_with_state(
         _save_state(cont, args.save_state)
     out.write(text)
     sampled = cont.sample(args.max_new_tokens, args.temperature, args.top_k, generator)
-    stream_text(until_stop(sampled, stops), out, tok)
-    out.write("\n")
+    _stream_line(until_stop(sampled, stops), out, tok)
     return 0
+
+
+def _stream_line(tokens: Iterator[int], out: TextIO, tok: Tokenizer) -> None:
+    """Write `tokens` as text as they come, then end the line, also when Ctrl-C stops the
+    stream (the "interrupted" on stderr then starts a line of its own)."""
+    from bdh_train.inference import stream_text
+
+    try:
+        stream_text(tokens, out, tok)
+    except KeyboardInterrupt:
+        out.write("\n")
+        out.flush()
+        raise
+    out.write("\n")
 
 
 def _save_state(cont, path: str) -> None:
@@ -327,7 +347,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.load_state is not None:
         cont.load(args.load_state)
     generator = torch.Generator(device=model.embed.weight.device).manual_seed(args.seed)
-    prompt = "> " if sys.stdin.isatty() else ""
+    terminal = sys.stdin.isatty() and not args.jsonl
+    prompt = "> " if terminal else ""
     sys.stdout.write(prompt)
     sys.stdout.flush()
     chat(
@@ -341,6 +362,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         generator,
         prompt=prompt,
         stops=stops,
+        style="jsonl" if args.jsonl else "terminal" if terminal else "pipe",
     )
     if args.save_state is not None:
         _save_state(cont, args.save_state)

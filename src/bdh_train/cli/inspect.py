@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help='JSON lines {"prompt": TEXT, "concept": true|false}: the synapses of each, and '
-        'with "concept" the concept probe (held-out ROC AUC)',
+        'with "concept" the concept probe (held-out ROC AUC; 4 or more prompts of each class)',
     )
     p.add_argument(
         "--max-tokens", type=int, default=8192, help="tokens of data read (bounds the work)"

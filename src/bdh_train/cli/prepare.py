@@ -46,7 +46,13 @@ def _add_tokenizer_args(p: argparse.ArgumentParser) -> None:
         help="train a byte-level BPE of --vocab-size ids on the training documents and store "
         "it in DIR",
     )
-    p.add_argument("--vocab-size", type=int, default=None, help="with --train-tokenizer")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="ids of the BPE --train-tokenizer trains: 257 (the 256 bytes and the "
+        "end-of-text token) or more; no default, the size is the caller's choice (e.g. 4096)",
+    )
 
 
 def _add_split_args(p: argparse.ArgumentParser) -> None:

@@ -15,14 +15,14 @@ from bdh_train.errors import BDHTrainError, ConfigError
 def register(sub: argparse._SubParsersAction) -> None:
     _register_config(sub)
     p = sub.add_parser("plot", help="draw RUN_DIR/loss.png from metrics.jsonl")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
 
     p = sub.add_parser(
         "profile",
         help="where a step's time goes (a table, and RUN_DIR/profile.png) from the profile rows "
         "of metrics.jsonl (train with training.profile = 'step' or 'detail')",
     )
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
     p.add_argument("--png", default=None, metavar="PATH", help="draw the bars to PATH instead")
     _register_plan(sub)
 
@@ -87,7 +87,12 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
     _add_config_args(p)
     p.add_argument("--layers", type=int, help="the pipeline's layers (without --memory)")
     p.add_argument("--stages", type=int, help="pipeline stages (without --memory)")
-    p.add_argument("--virtual", type=int, default=1)
+    p.add_argument(
+        "--virtual",
+        type=int,
+        default=1,
+        help="virtual stages per rank (interleaved_1f1b; without --memory)",
+    )
     p.add_argument("--microbatches", type=int, help="microbatches (without --memory)")
     p.add_argument("--schedule", default="gpipe", help="gpipe | 1f1b | interleaved_1f1b")
     p.add_argument(

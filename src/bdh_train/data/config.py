@@ -61,7 +61,9 @@ class DataConfig:
     ``bdh-train prepare``; a ``.bin`` token file (``.json`` header, a split of a prepared
     directory, or headerless with ``bin_dtype``); a text file (``.txt`` or any other name,
     UTF-8), ``.jsonl``/``.json`` lines or ``.parquet`` (``text_field`` holds the text), any
-    of these ``.gz``/``.zst``; or a directory of such files (recursive, sorted)."""
+    of these ``.gz``/``.zst``; or a directory of such files (recursive, sorted; a file of
+    another name counts when its first 8 KiB are UTF-8 without NUL bytes, so binary files are
+    skipped: the rule ``bdh-train prepare`` applies to a directory too)."""
     val_fraction: float = VAL_FRACTION
     """The share of the tokens held out for validation, taken from the end (0 = none). Used
     only when neither ``val_source`` is set nor ``source`` is a prepared directory with a

@@ -11,10 +11,14 @@ compressed parquet file into a temporary file, as parquet needs random access):
   at a time);
 - a directory saved by Hugging Face `datasets` (`save_to_disk`): one row = one document
   (needs the `datasets` package);
-- any other directory: the files of the formats above inside it and its subdirectories
-  (recursive; hidden names starting with "." skipped), in sorted order of their relative
-  paths. A subdirectory that is a saved Hugging Face dataset is read as one; one written by
-  `bdh-train prepare` (`layout.is_prepared`: tokens, not text) is skipped.
+- any other directory: its corpus files and those of its subdirectories (recursive; hidden
+  names starting with "." skipped), in sorted order of their relative paths. A corpus file
+  (`is_corpus_file`, the one rule for a file found in a directory) is a JSON lines or parquet
+  file, one of the formats above compressed, or any other file whose first `SNIFF_BYTES` are
+  UTF-8 without NUL bytes (.txt, .md, .py, ...): a named file is read whatever its name, and a
+  binary one refused, by the same check. A subdirectory that is a saved Hugging Face dataset
+  is read as one; one written by `bdh-train prepare` (`layout.is_prepared`: tokens, not
+  text) is skipped.
 
 Text is checked to be UTF-8 as it streams (a file is never read whole to validate it); a file
 that is not UTF-8 text (or holds NUL bytes) is refused with one DataError naming the file.
@@ -65,7 +69,10 @@ PARQUET_SUFFIXES = (".parquet",)
 TEXT_SUFFIXES = (".txt",)
 COMPRESSED_SUFFIXES = (".gz", ".zst")
 DIRECTORY_SUFFIXES = TEXT_SUFFIXES + JSON_LINES_SUFFIXES + PARQUET_SUFFIXES
-"""The formats a directory's files are read in (other files in a directory are ignored)."""
+"""The formats a directory's compressed files are read in (other compressed files in a
+directory are ignored)."""
+SNIFF_BYTES = 1 << 13
+"""How much of a file found in a directory `is_corpus_file` reads to tell text from binary."""
 HF_DATASET_MARKERS = (("dataset_info.json", "state.json"), ("dataset_dict.json",))
 """Files that make a directory a Hugging Face `save_to_disk` dataset (a Dataset; a
 DatasetDict)."""
@@ -132,6 +139,30 @@ def format_suffix(path: Path) -> str:
     return Path(name).suffix
 
 
+def is_corpus_file(path: Path) -> bool:
+    """Whether a file found in a data directory is part of the corpus: JSON lines or parquet
+    by its name, a compressed file of a `DIRECTORY_SUFFIXES` format, or (any other name but a
+    .bin token file) text: its first `SNIFF_BYTES` are UTF-8 without NUL bytes, the check
+    every text file passes as it is read (`iter_utf8`)."""
+    suffix = format_suffix(path)
+    if compression_of(path):
+        return suffix in DIRECTORY_SUFFIXES
+    if suffix in JSON_LINES_SUFFIXES + PARQUET_SUFFIXES:
+        return True
+    if suffix == ".bin":
+        return False
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(SNIFF_BYTES)
+    except OSError as exc:
+        raise DataError(f"cannot read data file '{path}': {exc.strerror or exc}") from exc
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return "\x00" not in text
+
+
 def is_hf_dataset(path: Path) -> bool:
     return path.is_dir() and any(
         all((path / name).is_file() for name in marker) for marker in HF_DATASET_MARKERS
@@ -139,9 +170,9 @@ def is_hf_dataset(path: Path) -> bool:
 
 
 def list_files(directory: Path) -> list[Path]:
-    """The corpus files (and saved Hugging Face datasets) under `directory`: recursive, sorted
-    by relative path, hidden names and prepared corpus directories skipped, only the formats
-    in `DIRECTORY_SUFFIXES`; a folder reached twice through links is walked once."""
+    """The corpus files (`is_corpus_file`) and saved Hugging Face datasets under `directory`:
+    recursive, sorted by relative path, hidden names and prepared corpus directories skipped;
+    a folder reached twice through links is walked once."""
     found: list[Path] = []
     visited: set[tuple[int, int]] = set()  # (device, inode) of every folder walked
 
@@ -166,7 +197,7 @@ def list_files(directory: Path) -> list[Path]:
                     found.append(entry)
                 else:
                     walk(entry)
-            elif entry.is_file() and format_suffix(entry) in DIRECTORY_SUFFIXES:
+            elif entry.is_file() and is_corpus_file(entry):
                 found.append(entry)
 
     walk(directory)
@@ -178,9 +209,10 @@ def corpus_files(directory: Path) -> list[Path]:
     found = list_files(directory)
     if not found:
         raise DataError(
-            f"data directory '{directory}' contains no corpus files (.txt, .jsonl, .json, "
-            f".parquet, .gz/.zst of them, or saved Hugging Face datasets); put the corpus "
-            f"files in it or name a single file"
+            f"data directory '{directory}' contains no corpus files (UTF-8 text files of any "
+            f"name, .jsonl, .json, .parquet, .gz/.zst of them, or saved Hugging Face datasets; "
+            f"binary and hidden files are skipped); put the corpus files in it or name a "
+            f"single file"
         )
     return found
 

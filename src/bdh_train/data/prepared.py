@@ -192,12 +192,15 @@ def _check_output(out: Path, force: bool) -> None:
 
 
 class _Progress:
-    """The tqdm bar on stderr: source bytes read (with rate and ETA) and tokens written."""
+    """The tqdm bar on stderr: source bytes read (with rate and ETA) and, when `tokens`,
+    tokens written."""
 
-    def __init__(self, total: int | None, enabled: bool) -> None:
+    def __init__(
+        self, total: int | None, enabled: bool, desc: str = "prepare", tokens: bool = True
+    ) -> None:
         from tqdm import tqdm
 
-        self.tokens = 0
+        self.tokens, self.show_tokens = 0, tokens
         self.bar = tqdm(
             total=total,
             unit="B",
@@ -205,13 +208,14 @@ class _Progress:
             unit_divisor=1024,
             file=sys.stderr,
             disable=not enabled,
-            desc="prepare",
+            desc=desc,
             dynamic_ncols=True,
         )
 
     def __call__(self, source_bytes: int, tokens: int) -> None:
         self.tokens += tokens
-        self.bar.set_postfix_str(f"{self.tokens:,} tokens", refresh=False)
+        if self.show_tokens:
+            self.bar.set_postfix_str(f"{self.tokens:,} tokens", refresh=False)
         self.bar.update(source_bytes)
 
     def close(self) -> None:
@@ -264,12 +268,14 @@ def prepare_corpus(
     tmp, lock = _locked_temporary(out)
     try:
         tmp.chmod(0o777 & ~current_umask())
-        if train_bpe_vocab is not None:
-            tokenizer = train_bpe(
-                _training_texts(files, text_field, fraction),
-                train_bpe_vocab,
-                show_progress=progress,
-            )
+        if train_bpe_vocab is not None:  # one bar of ours, not the tokenizers library's stages
+            bar = _Progress(formats.source_bytes(files), progress, "train BPE", tokens=False)
+            try:
+                tokenizer = train_bpe(
+                    _training_texts(files, text_field, fraction, bar), train_bpe_vocab
+                )
+            finally:
+                bar.close()
         tokenizer = tokenizer or ByteTokenizer()
         meta = _write_corpus(
             tmp,
@@ -370,12 +376,16 @@ def remove_abandoned_temporaries(out: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
-def _training_texts(files: list[Path], text_field: str, val_fraction: float) -> Iterator[str]:
+def _training_texts(
+    files: list[Path], text_field: str, val_fraction: float, progress: _Progress
+) -> Iterator[str]:
     """The text pieces of the training documents (those `in_validation` leaves out), cut
-    only where `train_bpe`'s pre-tokenizer has a boundary, so it counts the same words."""
+    only where `train_bpe`'s pre-tokenizer has a boundary, so it counts the same words; the
+    source bytes read go to `progress`."""
     index, keep = -1, True
     for path in files:
         for piece in formats.read_pieces(path, text_field, formats.CUT_AT_WHITESPACE):
+            progress(piece.source_bytes, 0)
             if piece.starts_document:
                 index += 1
                 keep = not in_validation(index, val_fraction)

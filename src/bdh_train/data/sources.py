@@ -111,7 +111,7 @@ def load_tokens(
     name = os.fspath(source)
     if not name:
         raise ConfigError(
-            "data.source is empty; give 'builtin:shakespeare', a text file, a directory of .txt "
+            "data.source is empty; give 'builtin:shakespeare', a text file, a directory of text "
             "files or a .bin token file"
         )
     generators = generators or {}
@@ -214,7 +214,7 @@ def _from_path(
             hint = f" (did you mean '{BUILTIN_PREFIX}{name}'?)"
         raise DataError(
             f"data source path '{path}' does not exist{hint}; give a text file, a directory of "
-            f".txt files, a .bin token file with a .json header, a directory written by "
+            f"text files, a .bin token file with a .json header, a directory written by "
             f"`bdh-train prepare`, or one of "
             f"{', '.join(BUILTIN_PREFIX + n for n in sorted(BUILTIN_CORPORA))}"
         )
@@ -268,7 +268,7 @@ def _from_directory(path: Path, files: list[Path], vocab_size: int) -> TokenData
     joined by a newline (the rule `encode.SplitWriter` applies to the byte tokenizer)."""
     nonempty = [p for p in files if file_size(p)]
     if not nonempty:
-        raise DataError(f"data directory '{path}': all {len(files)} .txt files are empty")
+        raise DataError(f"data directory '{path}': all {len(files)} text files are empty")
     parts: list[np.ndarray] = []
     starts: list[int] = []
     position = 0

@@ -1,6 +1,7 @@
 """Recording a model's neurons over a stream of tokens: `ActivityCounts` (model/activity.py)
 plus, per token, the share of neurons with x > 0, and per neuron of one layer its
-`top_k` largest x and the tokens they were on (what the neuron dashboards show).
+`top_k` largest x and the tokens they were on and the sum of its x over every token (what
+the neuron dashboards show and rank by).
 
 `record_activity` runs the model's own forward over rows of tokens with the recorder set
 (`recording`); nothing of the layer's arithmetic is repeated here.
@@ -17,9 +18,10 @@ from bdh_train.model.bdh import BDH
 
 
 class InspectRecorder(ActivityCounts):
-    """`ActivityCounts`, the per-token x share of every layer and the top x of each neuron
-    at `dashboard_layer`. `offset` is the position, in the inspected stream, of the current
-    call's first token; a call's rows are consecutive stretches of the stream."""
+    """`ActivityCounts`, the per-token x share of every layer, and the top x and the summed x
+    of each neuron at `dashboard_layer`. `offset` is the position, in the inspected stream,
+    of the current call's first token; a call's rows are consecutive stretches of the
+    stream."""
 
     def __init__(
         self,
@@ -37,6 +39,8 @@ class InspectRecorder(ActivityCounts):
         """Per layer, pieces of [tokens] shares of all heads' neurons with x > 0."""
         self.top_values = torch.empty(n_head, 0, n_neurons, device=device)
         self.top_tokens = torch.empty(n_head, 0, n_neurons, dtype=torch.int64, device=device)
+        self.x_sum = torch.zeros(n_head, n_neurons, dtype=torch.float64, device=device)
+        """[H, N] each neuron's x summed over every token of `dashboard_layer`."""
 
     def record(self, x: torch.Tensor, pre: torch.Tensor) -> None:
         x, pre = x.detach().float(), pre.detach().float()
@@ -47,6 +51,7 @@ class InspectRecorder(ActivityCounts):
         if self.layer != self.dashboard_layer:
             return
         values = x.permute(1, 0, 2, 3).reshape(heads, batch * seq_len, n)
+        self.x_sum += values.sum(dim=1, dtype=torch.float64)
         tokens = self.offset + torch.arange(batch * seq_len, device=x.device)
         values = torch.cat([self.top_values, values], dim=1)
         tokens = torch.cat([self.top_tokens, tokens.view(1, -1, 1).expand(heads, -1, n)], dim=1)

@@ -18,6 +18,9 @@ from bdh_train.inspect.graph import GraphSummary
 PAPER_ACTIVE_SHARE = 0.05
 """The paper's figure for the share of neurons active at a time (about 5 %)."""
 
+HEADING_CHARS = 80
+"""A synapse section's heading shows at most this many characters of its prompt."""
+
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 
 STYLE = (
@@ -175,17 +178,41 @@ def render(numbers: dict[str, Any], figures: dict[str, str], dashboard: list[lis
         ),
         figures.get("degrees", ""),
         "<h2>Neurons</h2>",
-        f"<p>The most often firing neurons of layer {numbers['dashboard_layer']} and the "
-        "tokens that fire them most (the token marked).</p>",
+        f"<p>The most selective neurons of layer {numbers['dashboard_layer']} and the "
+        "tokens that fire them most (the token marked). Selectivity: the share of a neuron's "
+        "x (summed over the tokens above) that its top tokens hold, over the share those "
+        "tokens are of all tokens: 1 for a neuron as active on every token, tokens / top for "
+        "one active on its top tokens only. Ranked among the neurons firing on at least as "
+        "many tokens as the dashboards show and not always on.</p>",
         _table(
-            ["head", "neuron", "firing rate", "x", "context"],
+            ["head", "neuron", "selectivity", "firing rate", "x", "context"],
             dashboard,
-            text_columns=(4,),
+            text_columns=(5,),
         ),
+        _always_on_section(numbers),
         _synapse_section(numbers.get("synapses")),
         "</body></html>",
     ]
     return "\n".join(parts)
+
+
+def _always_on_section(numbers: dict[str, Any]) -> str:
+    """The always-on neurons of the dashboard layer, apart from the ranked ones."""
+    always = numbers["always_on_neurons"]
+    shown = always["neurons"]
+    return (
+        f"<h3>Always-on neurons</h3><p>{always['count']} neurons of layer "
+        f"{numbers['dashboard_layer']} have x &gt; 0 on more than half of the tokens"
+        + (f"; the {len(shown)} firing most often:</p>" if shown else ".</p>")
+        + (
+            _table(
+                ["head", "neuron", "firing rate", "mean x"],
+                [[n["head"], n["neuron"], n["firing_rate"], n["mean_x"]] for n in shown],
+            )
+            if shown
+            else ""
+        )
+    )
 
 
 def _graph_row(g: dict[str, Any]) -> list[Any]:
@@ -214,8 +241,11 @@ def _synapse_section(synapses: dict[str, Any] | None) -> str:
         f"<p>sigma[h] = rho[h] @ encoder_v[h] of layer {synapses['layer']} after each "
         f"prompt, among {synapses['neurons_per_head']} neurons a head.</p>",
     ]
-    for index, strongest in enumerate(synapses["strongest"]):
-        parts.append(f"<h3>prompt {index}</h3>")
+    for index, (text, strongest) in enumerate(
+        zip(synapses["prompts"], synapses["strongest"], strict=True), 1
+    ):
+        shown = text if len(text) <= HEADING_CHARS else text[: HEADING_CHARS - 1] + "\u2026"
+        parts.append(f"<h3>prompt {index}: <code>{html.escape(shown)}</code></h3>")
         parts.append(
             _table(
                 ["head", "from", "to", "value"],
@@ -224,9 +254,16 @@ def _synapse_section(synapses: dict[str, Any] | None) -> str:
         )
     probe = synapses.get("probe")
     if probe is not None:
+        chance = probe["chance_auc_1"]
         parts.append(
             f"<h3>Concept probe</h3><p>chosen on {probe['train_texts']} texts (with, "
-            f"without), judged on {probe['held_out_texts']} held out.</p>"
+            f"without), judged on {probe['held_out_texts']} held out. Separation: (mean with "
+            "- mean without) / the standard deviation over the training texts. Held-out ROC "
+            "AUC of the value times the sign of its separation: 1 when every held-out text "
+            "lies on the side the training texts put its class, 0 the reverse, 0.5 chance; a "
+            f"synapse unrelated to the concept reaches 1 with probability {chance:.3g} here "
+            f"(about {chance * len(probe['synapses']):.2g} of these {len(probe['synapses'])} "
+            "by chance).</p>"
         )
         parts.append(
             _table(

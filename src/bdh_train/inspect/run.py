@@ -61,7 +61,7 @@ class InspectOptions:
     hubs: int = 20
     """Hubs listed per graph and nodes of the GraphML hub subgraph."""
     dashboard_neurons: int = 12
-    """Neurons shown in the dashboards (those firing most often)."""
+    """Neurons shown in the dashboards (the most selective: `neuron_selectivity`)."""
     top_k: int = 4
     """Contexts shown per dashboard neuron."""
     context: int = 24
@@ -161,40 +161,80 @@ def _context(tokenizer: Tokenizer | None, tokens: torch.Tensor, at: int, width: 
     )
 
 
+def neuron_selectivity(recorder: InspectRecorder) -> tuple[torch.Tensor, torch.Tensor]:
+    """([H, N] selectivity, [H, N] top share) of the dashboard layer's neurons. A neuron's top
+    share is the part of its x, summed over every token, that its K largest x hold (K = the
+    recorder's top_k, at most the tokens); its base rate is K / tokens, the share any K
+    tokens hold when x is the same on every token. Selectivity = top share / base rate: 1
+    for a neuron as active everywhere, tokens / K for one active on K tokens only."""
+    tokens = max(int(recorder.tokens[recorder.dashboard_layer]), 1)
+    top = recorder.top_values.double().clamp(min=0).sum(1).cpu()  # [H, N]
+    total = recorder.x_sum.cpu()
+    share = torch.where(total > 0, top / total.clamp(min=1e-300), torch.zeros_like(total))
+    base_rate = recorder.top_values.shape[1] / tokens
+    return share / base_rate, share
+
+
 def dashboard(
     recorder: InspectRecorder,
     tokens: torch.Tensor,
     tokenizer: Tokenizer | None,
     options: InspectOptions,
-) -> tuple[list[dict[str, Any]], list[list[Any]]]:
-    """(JSON, table rows) of the most often firing neurons of the dashboard layer."""
+) -> tuple[list[dict[str, Any]], list[list[Any]], dict[str, Any]]:
+    """(JSON, table rows) of the most selective neurons of the dashboard layer
+    (`neuron_selectivity`; among those firing on at least K tokens and not always on, ties
+    broken by the larger summed x), and the JSON of its always-on neurons (x > 0 on more than
+    half the tokens): their count and the most often firing of them."""
     layer = recorder.dashboard_layer
     fires = recorder.fires[layer].cpu()  # [H, N]
     total = max(int(recorder.tokens[layer]), 1)
-    order = fires.reshape(-1).topk(min(options.dashboard_neurons, fires.numel())).indices
     n = fires.shape[1]
+    selectivity, share = neuron_selectivity(recorder)
+    always_on = recorder.always_on_neurons()[layer].cpu()
+    kept = recorder.top_values.shape[1]
+    candidates = (~always_on & (fires >= max(kept, 1))).reshape(-1)
+    flat_sel = selectivity.reshape(-1)
+    by_sum = recorder.x_sum.cpu().reshape(-1).argsort(descending=True, stable=True)
+    by_sel = flat_sel[by_sum].argsort(descending=True, stable=True)
+    ranked = by_sum[by_sel]
+    order = ranked[candidates[ranked]][: options.dashboard_neurons].tolist()
     numbers, rows = [], []
-    for flat in order.tolist():
+    for flat in order:
         head, neuron = divmod(flat, n)
         values = recorder.top_values[head, :, neuron].cpu().tolist()
         where = recorder.top_tokens[head, :, neuron].cpu().tolist()
+        rate = int(fires[head, neuron]) / total
         top = []
         for value, at in zip(values, where, strict=True):
             if value <= 0:
                 continue
             context = _context(tokenizer, tokens, at, options.context)
             top.append({"activation": value, "token": at})
-            rows.append([head, neuron, int(fires[head, neuron]) / total, value, context])
+            rows.append([head, neuron, float(flat_sel[flat]), rate, value, context])
         numbers.append(
             {
                 "layer": layer,
                 "head": head,
                 "neuron": neuron,
-                "firing_rate": int(fires[head, neuron]) / total,
+                "selectivity": float(flat_sel[flat]),
+                "top_share": float(share.reshape(-1)[flat]),
+                "firing_rate": rate,
                 "top": top,
             }
         )
-    return numbers, rows
+    on = always_on.reshape(-1).nonzero().flatten()
+    on = on[fires.reshape(-1)[on].argsort(descending=True, stable=True)]
+    shown = [
+        {
+            "layer": layer,
+            "head": int(flat) // n,
+            "neuron": int(flat) % n,
+            "firing_rate": int(fires.reshape(-1)[flat]) / total,
+            "mean_x": float(recorder.x_sum.reshape(-1)[flat]) / total,
+        }
+        for flat in on[: options.dashboard_neurons].tolist()
+    ]
+    return numbers, rows, {"count": int(on.numel()), "neurons": shown}
 
 
 def inspect_model(
@@ -238,7 +278,7 @@ def inspect_model(
         if nodes < c.n_neurons
         else ""
     )
-    neuron_numbers, rows = dashboard(recorder, tokens, tokenizer, options)
+    neuron_numbers, rows, always_on = dashboard(recorder, tokens, tokenizer, options)
     numbers: dict[str, Any] = {
         "tokens": int(tokens.numel()),
         "position": c.position,
@@ -249,11 +289,13 @@ def inspect_model(
         "graphs": [g.numbers() for g in graphs],
         "dashboard_layer": layer,
         "neurons": neuron_numbers,
+        "always_on_neurons": always_on,
         "synapses": None,
     }
     if prompts:
+        texts = None if tokenizer is None else [tokenizer.decode(ids) for ids in prompts]
         numbers["synapses"] = synapse_report(
-            model, prompts, labels, layer, options.probe_neurons, options.hubs
+            model, prompts, labels, layer, options.probe_neurons, options.hubs, texts
         )
         numbers["synapses"]["position"] = c.position
     return Inspection(numbers, recorder, graphs, rows)

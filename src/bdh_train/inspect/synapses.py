@@ -11,14 +11,20 @@ sigma is never built whole: the probe reads the synapses among `neurons` (per he
 [size, size] block per head, size^2 * D multiply-adds a text and head.
 
 The concept probe: texts with the concept and without it; in each class, texts at even
-positions train and odd ones are held out. Each synapse's separation on the training texts is
-(mean_with - mean_without) / (std_with + std_without + 1e-12); the synapses of largest
-|separation|, oriented by its sign, are scored on the held-out texts by ROC AUC (1: every
-held-out text with the concept above every one without; 0.5: chance).
+positions train and odd ones are held out, at least `MIN_PER_HALF` of each class in each
+half. Each synapse's separation on the training texts is (mean_with - mean_without) / the
+standard deviation of its value over all training texts (both classes; 0 for a synapse equal
+on all of them), so |separation| <= 2 with as many texts of each class, 2 when each class is
+constant. The synapses of largest |separation| are scored on the held-out texts by ROC AUC of
+the value times the sign of its separation: 1 when every held-out text lies on the side the
+training texts put its class (for a synapse weaker with the concept, every held-out text with
+it below every one without), 0 the reverse, 0.5 chance. A synapse unrelated to the concept
+reaches 1 with probability 1 / C(with + without, with) over the held-out texts (`chance_auc_1`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +85,11 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
+MIN_PER_HALF = 2
+"""Texts of each class in each half (training, held out) the concept probe needs: with one,
+the spread within a class is 0 and a held-out ROC AUC can only be 0 or 1."""
+
+
 @dataclass
 class ProbeResult:
     """The concept probe's synapses: feature index, separation on the training texts, and
@@ -90,17 +101,36 @@ class ProbeResult:
     train_counts: tuple[int, int]
     held_out_counts: tuple[int, int]
 
+    @property
+    def chance_auc_1(self) -> float:
+        """The probability that a synapse unrelated to the concept (its held-out values in a
+        random order) reaches held-out ROC AUC 1: one ordering of C(with + without, with)."""
+        with_concept, without = self.held_out_counts
+        return 1 / math.comb(with_concept + without, with_concept)
+
 
 def check_probe_classes(labels: list[bool]) -> None:
-    """Refuse a probe without at least two texts of each class (one to train, one held out)."""
+    """Refuse a probe without `MIN_PER_HALF` texts of each class in each half."""
     with_concept = sum(labels)
     without = len(labels) - with_concept
-    if with_concept < 2 or without < 2:
+    need = 2 * MIN_PER_HALF
+    if with_concept < need or without < need:
         raise BDHTrainError(
-            f"the concept probe needs at least 2 prompts with the concept and 2 without (one "
-            f"of each to choose synapses, one held out), got {with_concept} with and "
-            f'{without} without: mark prompts with "concept": true and false'
+            f"the concept probe needs at least {need} prompts with the concept and {need} "
+            f"without ({MIN_PER_HALF} of each to choose synapses, {MIN_PER_HALF} held out; "
+            f"with fewer the spread within a class is 0 and a held-out ROC AUC only 0 or 1), "
+            f"got {with_concept} with and {without} without: add prompts marked "
+            '"concept": true and false'
         )
+
+
+def separation(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[F] (mean with - mean without) / std over all texts of `features` [texts, F] (fp64),
+    0 where a feature is equal on every text."""
+    x = features.double()
+    difference = x[labels].mean(0) - x[~labels].mean(0)
+    spread = x.std(0, unbiased=False)
+    return torch.where(spread > 0, difference / spread.clamp(min=1e-300), 0.0)
 
 
 def concept_probe(features: torch.Tensor, labels: list[bool], count: int = 10) -> ProbeResult:
@@ -114,15 +144,13 @@ def concept_probe(features: torch.Tensor, labels: list[bool], count: int = 10) -
         train += members[0::2]
         held += members[1::2]
     x_train, y_train = features[train].double(), label[train]
-    with_c, without_c = x_train[y_train], x_train[~y_train]
-    spread = with_c.std(0, unbiased=False) + without_c.std(0, unbiased=False) + 1e-12
-    separation = (with_c.mean(0) - without_c.mean(0)) / spread
-    chosen = separation.abs().topk(min(count, separation.numel())).indices
+    separated = separation(x_train, y_train)
+    chosen = separated.abs().topk(min(count, separated.numel())).indices
     x_held, y_held = features[held].double(), label[held]
-    aucs = [roc_auc(x_held[:, f] * separation[f].sign(), y_held) for f in chosen.tolist()]
+    aucs = [roc_auc(x_held[:, f] * separated[f].sign(), y_held) for f in chosen.tolist()]
     return ProbeResult(
         chosen.tolist(),
-        separation[chosen].tolist(),
+        separated[chosen].tolist(),
         aucs,
         (int(y_train.sum()), int((~y_train).sum())),
         (int(y_held.sum()), int((~y_held).sum())),
@@ -144,9 +172,11 @@ def synapse_report(
     layer: int,
     size: int = 64,
     count: int = 10,
+    texts: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The synapses of `layer` among `probe_neurons`: the strongest after each prompt and,
-    with `labels`, the concept probe over all heads' [size, size] blocks."""
+    """The synapses of `layer` among `probe_neurons`: the strongest after each prompt (each
+    named by its text: `texts`, else its token ids) and, with `labels`, the concept probe
+    over all heads' [size, size] blocks."""
     if labels is not None:
         check_probe_classes(labels)
     states = [read_state(model, ids, layer) for ids in prompts]
@@ -161,12 +191,20 @@ def synapse_report(
         ]
         for block in blocks
     ]
-    out: dict[str, Any] = {"layer": layer, "neurons_per_head": r, "strongest": named}
+    if texts is None:
+        texts = [" ".join(map(str, ids)) for ids in prompts]
+    out: dict[str, Any] = {
+        "layer": layer,
+        "neurons_per_head": r,
+        "prompts": texts,
+        "strongest": named,
+    }
     if labels is not None:
         probe = concept_probe(blocks.reshape(len(prompts), -1), labels, count)
         out["probe"] = {
             "train_texts": list(probe.train_counts),
             "held_out_texts": list(probe.held_out_counts),
+            "chance_auc_1": probe.chance_auc_1,
             "synapses": [
                 {
                     "head": f // (r * r),

@@ -90,9 +90,13 @@ class ActivityCounts:
         """[L, H] share of the head's neurons whose x was never > 0 at that layer."""
         return (self.fires == 0).double().mean(-1)
 
+    def always_on_neurons(self) -> torch.Tensor:
+        """[L, H, N] whether the neuron's x was > 0 on more than half the tokens."""
+        return 2 * self.fires > self.tokens.view(-1, 1, 1)
+
     def always_on(self) -> torch.Tensor:
         """[L, H] share of the head's neurons whose x was > 0 on more than half the tokens."""
-        return (2 * self.fires > self.tokens.view(-1, 1, 1)).double().mean(-1)
+        return self.always_on_neurons().double().mean(-1)
 
     def tables(self) -> dict[str, torch.Tensor]:
         """Every statistic as [L, H]: the activities (`shares`), `dead` and `always_on`."""

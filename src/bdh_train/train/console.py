@@ -118,6 +118,12 @@ class Progress:
         if bar is not None:
             self._write(bar.close)
 
+    def stop(self, message: str) -> None:
+        """Close the bar, then print `message` (kept, as `log(keep=True)`) as the last line:
+        logged before the close, tqdm would draw the bar again below it."""
+        self.close()
+        self.log(message, keep=True)
+
     def _write(self, write: Callable[[], object]) -> None:
         """`write` to the console unless it is lost; an OSError from it (a closed pipe, a
         closed terminal) marks it lost."""

@@ -13,7 +13,7 @@ fresh run in it or resuming it, and what a run that moved elsewhere needs.
       tensorboard/     TensorBoard events (metrics.tensorboard)
       checkpoints/     step-NNNNNNN[-mMM]/ and the `latest` pointer (train/checkpoint.py)
       .lock            held by the trainer that owns the run (its pid)
-      error.log        errors of commands that owned the run
+      error.log        errors of commands that owned the run (since its fresh start)
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ WANDB_DIR = "wandb"
 """Where the Weights & Biases client keeps an offline run (metrics.report_to = ["wandb"])."""
 LOCK_FILE = ".lock"
 ERROR_LOG = "error.log"
-"""Left by a failed start; it does not make a directory 'used'."""
+"""Left by a failed start; it does not make a directory 'used', and a fresh run started in
+the directory removes it (`forget_failed_starts`)."""
 LAYOUT = (
     CONFIG_FILE,
     TOKENIZER_FILE,
@@ -305,6 +306,12 @@ class RunDir:
                 shutil.rmtree(path)
             else:
                 path.unlink()
+
+    def forget_failed_starts(self) -> None:
+        """Remove the error log a fresh run finds (call with the lock held, once the run is
+        accepted): its lines are the errors of starts that failed before this run, or of the
+        run `--overwrite` replaces, none of them this run's."""
+        self.error_log.unlink(missing_ok=True)
 
     def check_resumable(self) -> None:
         """A resume needs the run's saved config."""

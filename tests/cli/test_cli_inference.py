@@ -794,7 +794,6 @@ def test_a_state_file_holding_nan_is_one_line(run_dir, tmp_path, capsys):
     )
 
 
-
 @pytest.mark.parametrize("state", [[], ["--save-state", "{tmp}/s.state"]])
 def test_generate_stopped_by_ctrl_c_ends_its_line(run_dir, tmp_path, capsys, monkeypatch, state):
     """Ctrl-C in the middle of a completion: the text so far ends with a newline, so the

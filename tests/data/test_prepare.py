@@ -449,8 +449,8 @@ def test_a_prepared_corpus_with_a_damaged_meta_is_one_to_prepare_again(
 def test_a_killed_prepare_leaves_a_temporary_the_next_removes_and_a_live_one_is_kept(
     tmp_path: Path, capsys
 ) -> None:
-    """A `bdh-train prepare` whose source is a FIFO nothing writes to waits, alive, inside
-    its temporary: another prepare of the same output keeps that temporary (its writer holds
+    """A `bdh-train prepare` whose writing never ends (its corpus writer blocks; a FIFO as
+    the source would be refused) waits, alive, inside its temporary: another prepare of the same output keeps that temporary (its writer holds
     a flock on it) and removes one left by a killed writer (no lock: partial data in the
     files prepare writes). Once the waiting prepare is killed (SIGKILL: nothing of it runs
     after), the next prepare removes its temporary too. A hidden directory of the same
@@ -463,10 +463,13 @@ def test_a_killed_prepare_leaves_a_temporary_the_next_removes_and_a_live_one_is_
 
     source = write_jsonl(tmp_path / "c.jsonl", CORPUS[:5])
     out = tmp_path / "prep"
-    blocked = tmp_path / "blocked.txt"
-    os.mkfifo(blocked)
+    blocks = (
+        "import sys, time; from bdh_train.data import prepared; "
+        "prepared._write_corpus = lambda *a, **k: time.sleep(3600); "
+        "from bdh_train.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
     writer = subprocess.Popen(
-        [sys.executable, "-m", "bdh_train", "prepare", str(blocked), "--out", str(out)],
+        [sys.executable, "-c", blocks, "prepare", str(source), "--out", str(out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -500,7 +503,6 @@ def test_a_killed_prepare_leaves_a_temporary_the_next_removes_and_a_live_one_is_
     assert (foreign / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".prep.tmp-notes",
-        "blocked.txt",
         "c.jsonl",
         "prep",
     ]

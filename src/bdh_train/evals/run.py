@@ -123,7 +123,7 @@ def run_memory_evals(
         passkey.check_fits(lengths, options.passkey_trials, room.bytes, room.source)
     mqar = cfg.data.mqar
     vocab = model.config.vocab_size if mqar.vocab_size is None else mqar.vocab_size
-    pairs = options.recall_pairs or sorted({max(1, mqar.pairs // d) for d in RECALL_PAIRS})
+    recall_pairs = options.recall_pairs or sorted({max(1, mqar.pairs // d) for d in RECALL_PAIRS})
     recall_lengths = options.recall_lengths or [mqar.length * m for m in RECALL_LENGTHS]
     if options.recall:
         if vocab > model.config.vocab_size:
@@ -131,7 +131,7 @@ def run_memory_evals(
                 f"data.mqar.vocab_size ({vocab}) is more than the model's vocabulary "
                 f"({model.config.vocab_size})"
             )
-        recall.check_cells(pairs, recall_lengths, vocab)
+        recall.check_cells(recall_pairs, recall_lengths, vocab)
         room = available_memory(torch.device("cpu"))
         passkey.check_fits(
             recall_lengths,
@@ -169,7 +169,7 @@ def run_memory_evals(
         trained = mqar.length if cfg.data.source == "mqar" else None
         found = recall.recall_grid(
             recall.model_scorer(model, batch, events),
-            pairs,
+            recall_pairs,
             recall_lengths,
             vocab,
             options.recall_examples,

@@ -40,6 +40,7 @@ PUBLIC = {
         "ByteTokenizer",
         "DataConfig",
         "GENERATED_SOURCES",
+        "MqarConfig",
         "NcaConfig",
         "RandomWindowLoader",
         "StreamingCorpusLoader",

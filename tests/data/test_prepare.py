@@ -450,11 +450,12 @@ def test_a_killed_prepare_leaves_a_temporary_the_next_removes_and_a_live_one_is_
     tmp_path: Path, capsys
 ) -> None:
     """A `bdh-train prepare` whose writing never ends (its corpus writer blocks; a FIFO as
-    the source would be refused) waits, alive, inside its temporary: another prepare of the same output keeps that temporary (its writer holds
-    a flock on it) and removes one left by a killed writer (no lock: partial data in the
-    files prepare writes). Once the waiting prepare is killed (SIGKILL: nothing of it runs
-    after), the next prepare removes its temporary too. A hidden directory of the same
-    name pattern holding a file prepare never writes is someone else's, and is kept."""
+    the source would be refused) waits, alive, inside its temporary: another prepare of the
+    same output keeps that temporary (its writer holds a flock on it) and removes one left by
+    a killed writer (no lock: partial data in the files prepare writes). Once the waiting
+    prepare is killed (SIGKILL: nothing of it runs after), the next prepare removes its
+    temporary too. A hidden directory of the same name pattern holding a file prepare never
+    writes is someone else's, and is kept."""
     import os
     import signal
     import subprocess

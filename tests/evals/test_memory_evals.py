@@ -8,7 +8,8 @@
 - passkey: prompts of exactly L tokens with the needle where the depth says; an oracle that
   reads the needle answers every cell, one that sees only the prompt's end only depth 1;
 - the command: the files it writes, and its refusals (no text tokenizer, a length that does
-  not fit in memory, a length not a multiple of the block) as one line with nothing written.
+  not fit in memory, a length not a multiple of the block, pairs that do not fit a recall
+  example) as one line with nothing written.
 """
 
 from __future__ import annotations
@@ -207,6 +208,29 @@ def test_refusals_are_one_line_and_write_nothing(
     monkeypatch.setattr("bdh_train.inference.tokenizer_for", lambda config: None)
     _refused(capsys, [*argv, "--passkey"], "needs a token-head model with a tokenizer")
     assert not out.exists()
+
+
+RECALL = ["--recall-pairs", "1,2", "--recall-lengths", "16,32", "--recall-examples", "2"]
+
+
+def test_recall_writes_its_grid_and_refuses_bad_cells(byte_run, tmp_path, capsys, bounded_memory):
+    out = tmp_path / "out"
+    argv = ["eval", "--checkpoint", str(byte_run), "--device", "cpu", "--out", str(out)]
+    _refused(
+        capsys,
+        [*argv, "--recall", "--recall-pairs", "5", "--recall-lengths", "16,32"],
+        "5 pairs need at least 20 tokens per example",
+    )
+    _refused(capsys, [*argv, "--recall", "--recall-lengths", "0,16"], "must be positive")
+    _refused(capsys, [*argv, "--recall", "--recall-examples", "0"], "must be a positive")
+    _refused(capsys, [*argv, "--recall", "--recall-lengths", "100000000000000"], "GiB for")
+    assert not out.exists()
+    assert main([*argv, "--recall", *RECALL]) == 0
+    assert "recall (MQAR): accuracy over 2 examples per cell" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["recall.json", "recall.png"]
+    grid = json.loads((out / "recall.json").read_text())
+    assert grid["pairs"] == [1, 2] and grid["lengths"] == [16, 32] and grid["vocab_size"] == 256
+    assert all(0.0 <= a <= 1.0 for row in grid["accuracy"] for a in row)
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,27 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
         help="needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)",
     )
     g.add_argument("--passkey-trials", type=int, default=4, help="keys per grid cell")
+    g.add_argument(
+        "--recall",
+        action="store_true",
+        help="multi-query associative recall (MQAR) accuracy over pairs x example length, "
+        "past the trained length too (a heat map)",
+    )
+    g.add_argument(
+        "--recall-pairs",
+        type=_comma_list(int, "integers", "4,8,16"),
+        default=None,
+        metavar="P,P,...",
+        help="key-value pairs per example (default: data.mqar.pairs, its half and quarter)",
+    )
+    g.add_argument(
+        "--recall-lengths",
+        type=_comma_list(int, "integers", "128,256,512"),
+        default=None,
+        metavar="L,L,...",
+        help="tokens per example (default: 1, 2, 4 x data.mqar.length)",
+    )
+    g.add_argument("--recall-examples", type=int, default=32, help="examples per grid cell")
     g.add_argument("--out", default=".", metavar="DIR", help="where the JSON and PNG files go")
 
 
@@ -91,7 +112,7 @@ def _comma_list(cast: Callable[[str], T], what: str, example: str) -> Callable[[
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    if args.context_curve or args.retention or args.passkey:
+    if args.context_curve or args.retention or args.passkey or args.recall:
         return _memory_evals(args)
     from bdh_train.train.build import evaluate_model
 
@@ -113,7 +134,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _memory_evals(args: argparse.Namespace) -> int:
-    """eval --context-curve / --retention / --passkey: each option checked before loading."""
+    """eval --context-curve / --retention / --passkey / --recall: each option checked before
+    loading."""
     from bdh_train.evals.run import MemoryEvals, run_memory_evals
 
     options = MemoryEvals(
@@ -126,6 +148,10 @@ def _memory_evals(args: argparse.Namespace) -> int:
         passkey_lengths=args.passkey_lengths,
         passkey_depths=args.passkey_depths,
         passkey_trials=args.passkey_trials,
+        recall=args.recall,
+        recall_pairs=args.recall_pairs,
+        recall_lengths=args.recall_lengths,
+        recall_examples=args.recall_examples,
         out=Path(args.out),
     )
     options.check()
@@ -134,7 +160,8 @@ def _memory_evals(args: argparse.Namespace) -> int:
             f"{args.checkpoint} is a ternary export, which holds no data settings: pass "
             "--data SOURCE"
         )
-    model, tok, cfg = _load_for_inference(args, need_text=True, finite=True)
+    need_text = options.passkey or options.reads_data
+    model, tok, cfg = _load_for_inference(args, need_text=need_text, finite=True)
     for line in run_memory_evals(model, tok, cfg, args.data, options):
         print(line)
     return 0

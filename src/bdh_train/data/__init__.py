@@ -12,6 +12,7 @@ from bdh_train.data.loaders import (
     TokenSource,
     eval_batches,
 )
+from bdh_train.data.mqar import MqarConfig
 from bdh_train.data.nca import NcaConfig
 from bdh_train.data.prepared import load_prepared, prepare_corpus
 from bdh_train.data.sources import (
@@ -36,6 +37,7 @@ __all__ = [
     "TOKEN_DTYPES",
     "ByteTokenizer",
     "DataConfig",
+    "MqarConfig",
     "NcaConfig",
     "RandomWindowLoader",
     "StreamingCorpusLoader",

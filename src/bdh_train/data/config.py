@@ -15,6 +15,7 @@ from bdh_train import checks
 from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.data.formats import TEXT_FIELD
 from bdh_train.data.layout import is_prepared_split
+from bdh_train.data.mqar import MqarConfig, mqar_source
 from bdh_train.data.nca import NcaConfig, nca_source
 from bdh_train.data.sources import (
     BUILTIN_CORPORA,
@@ -37,6 +38,7 @@ from bdh_train.utils import suggest
 
 GENERATED_SOURCES: dict[str, Callable[[DataConfig], TokenGenerator]] = {
     "nca": lambda cfg: lambda vocab_size: nca_source(cfg.nca, vocab_size),
+    "mqar": lambda cfg: lambda vocab_size: mqar_source(cfg.mqar, vocab_size),
 }
 """Source names served by a generator built from the data config, instead of a file."""
 
@@ -57,7 +59,7 @@ class DataConfig:
     """Where tokens come from. The vocabulary size is the model's (``model.vocab_size``)."""
 
     source: str = "builtin:pydoc"
-    """``builtin:<name>``, a generated source (``nca``), or a path: a directory written by
+    """``builtin:<name>``, a generated source (``nca``, ``mqar``), or a path: a directory written by
     ``bdh-train prepare``; a ``.bin`` token file (``.json`` header, a split of a prepared
     directory, or headerless with ``bin_dtype``); a text file (``.txt`` or any other name,
     UTF-8), ``.jsonl``/``.json`` lines or ``.parquet`` (``text_field`` holds the text), any
@@ -82,6 +84,8 @@ class DataConfig:
     """The field of ``.jsonl``/``.json`` lines (the column of ``.parquet``) holding the text."""
     nca: NcaConfig = field(default_factory=NcaConfig)
     """The generated NCA corpus (data.source = "nca")."""
+    mqar: MqarConfig = field(default_factory=MqarConfig)
+    """The generated multi-query associative recall corpus (data.source = "mqar")."""
     summary_write_trigger_text: str | None = None
     """Text whose bytes, read in a row, make a summary event at the last byte (None = off)."""
     summary_write_trigger_token_ids: list[int] | None = None
@@ -110,6 +114,7 @@ class DataConfig:
         if self.bin_dtype is not None:
             checks.choice(f"{prefix}.bin_dtype", self.bin_dtype, TOKEN_DTYPES)
         self.nca.validate(f"{prefix}.nca")
+        self.mqar.validate(f"{prefix}.mqar")
         text, ids = self.summary_write_trigger_text, self.summary_write_trigger_token_ids
         if text is not None and (not isinstance(text, str) or not text):
             raise ConfigError(

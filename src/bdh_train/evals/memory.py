@@ -141,6 +141,38 @@ def plot_context_curve(curve: ContextCurve, path: str | os.PathLike[str]) -> Pat
     return save_png(fig, path)
 
 
+def plot_grid(
+    accuracy: list[list[float]],
+    columns: list[str],
+    rows: list[str],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    path: str | os.PathLike[str],
+) -> Path:
+    """A heat map of accuracies in [0, 1] (accuracy[i][j]: row i, column j), each cell
+    labelled with its value, written atomically as a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(1.2 * len(columns) + 2.5, 0.6 * len(rows) + 1.8))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    image = ax.imshow(accuracy, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(columns)), columns)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    for i, row in enumerate(accuracy):
+        for j, value in enumerate(row):
+            colour = "black" if value > 0.5 else "white"
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", color=colour, fontsize=8)
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    return save_png(fig, path)
+
+
 def save_png(fig, path: str | os.PathLike[str]) -> Path:
     """Write a matplotlib figure to `path` as a PNG, atomically."""
     out = Path(path)

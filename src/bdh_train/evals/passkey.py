@@ -22,7 +22,7 @@ import numpy as np
 
 from bdh_train.data.tokenizer import Tokenizer
 from bdh_train.errors import ConfigError
-from bdh_train.evals.memory import save_png
+from bdh_train.evals.memory import plot_grid
 
 FILLER = (
     "The grass is green. ",
@@ -64,15 +64,22 @@ class PasskeyGrid:
         return "\n".join(lines)
 
 
-def check_fits(lengths: Sequence[int], trials: int, available: int, where: str) -> None:
+def check_fits(
+    lengths: Sequence[int],
+    trials: int,
+    available: int,
+    where: str,
+    options: tuple[str, str] = ("--passkey-lengths", "--passkey-trials"),
+) -> None:
     """ConfigError, before anything is built, when one cell's prompts (`trials` of the
-    longest length) would take more than `available` bytes of host memory."""
+    longest length) would take more than `available` bytes of host memory; `options` names
+    the lengths' and the trials' options in the message."""
     need = max(lengths) * trials * BYTES_PER_PROMPT_TOKEN
     if need > available:
         raise ConfigError(
-            f"--passkey-lengths {max(lengths):,} needs about {need / 2**30:,.1f} GiB for "
+            f"{options[0]} {max(lengths):,} needs about {need / 2**30:,.1f} GiB for "
             f"{trials} prompts of that length, more than {where} holds "
-            f"({available / 2**30:,.1f} GiB): pass shorter lengths or fewer --passkey-trials"
+            f"({available / 2**30:,.1f} GiB): pass shorter lengths or fewer {options[1]}"
         )
 
 
@@ -143,22 +150,12 @@ def passkey_grid(
 
 def plot_passkey(grid: PasskeyGrid, path: str | os.PathLike[str]) -> Path:
     """The accuracy heat map (depth x length), each cell labelled, written atomically."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(1.2 * len(grid.lengths) + 2.5, 0.6 * len(grid.depths) + 1.8))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    image = ax.imshow(grid.accuracy, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
-    ax.set_xticks(range(len(grid.lengths)), [f"{n:,}" for n in grid.lengths])
-    ax.set_yticks(range(len(grid.depths)), [f"{d:.2f}" for d in grid.depths])
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("needle depth")
-    for i, row in enumerate(grid.accuracy):
-        for j, value in enumerate(row):
-            colour = "black" if value > 0.5 else "white"
-            ax.text(j, i, f"{value:.2f}", ha="center", va="center", color=colour, fontsize=8)
-    ax.set_title(f"passkey accuracy ({grid.trials} keys per cell)")
-    fig.colorbar(image, ax=ax)
-    fig.tight_layout()
-    return save_png(fig, path)
+    return plot_grid(
+        grid.accuracy,
+        [f"{n:,}" for n in grid.lengths],
+        [f"{d:.2f}" for d in grid.depths],
+        "prompt length (tokens)",
+        "needle depth",
+        f"passkey accuracy ({grid.trials} keys per cell)",
+        path,
+    )

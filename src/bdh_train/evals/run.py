@@ -1,8 +1,8 @@
-"""`bdh-train eval --context-curve / --retention / --passkey`: the options, their checks
-(all before the model is loaded or anything is allocated), the run of the measures on a
-loaded model and the files they write: OUT/context_curve.{png,json}, OUT/retention.json,
-OUT/passkey.{png,json}. Every measure is computed before the first file is written, so a
-refused or failed run writes nothing."""
+"""`bdh-train eval --context-curve / --retention / --passkey / --recall`: the options, their
+checks (all before the model is loaded or anything is allocated), the run of the measures on
+a loaded model and the files they write: OUT/context_curve.{png,json}, OUT/retention.json,
+OUT/passkey.{png,json}, OUT/recall.{png,json}. Every measure is computed before the first
+file is written, so a refused or failed run writes nothing."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from bdh_train.config import RunConfig
 from bdh_train.data.tokenizer import Tokenizer
 from bdh_train.errors import ConfigError
-from bdh_train.evals import memory, passkey
+from bdh_train.evals import memory, passkey, recall
 from bdh_train.evals.scoring import score_continuations, text_model
 from bdh_train.model.bdh import BDH
 from bdh_train.train.machine_memory import available_memory
@@ -26,6 +26,10 @@ CURVE_BLOCKS = 16
 PASSKEY_BLOCKS = (1, 2, 4, 8)
 """--passkey-lengths defaults to these multiples of the training block."""
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+RECALL_LENGTHS = (1, 2, 4)
+"""--recall-lengths defaults to these multiples of data.mqar.length."""
+RECALL_PAIRS = (4, 2, 1)
+"""--recall-pairs defaults to data.mqar.pairs divided by these (at least 1 pair)."""
 
 
 @dataclass
@@ -44,6 +48,12 @@ class MemoryEvals:
     passkey_depths: list[float] | None = None
     """Needle depths (default PASSKEY_DEPTHS)."""
     passkey_trials: int = 4
+    recall: bool = False
+    recall_pairs: list[int] | None = None
+    """Pairs per example (default: data.mqar.pairs over RECALL_PAIRS)."""
+    recall_lengths: list[int] | None = None
+    """Tokens per example (default: data.mqar.length times RECALL_LENGTHS)."""
+    recall_examples: int = 32
     out: Path = Path(".")
 
     @property
@@ -62,6 +72,7 @@ class MemoryEvals:
             "--sequences": self.sequences,
             "--chunks": self.chunks,
             "--passkey-trials": self.passkey_trials,
+            "--recall-examples": self.recall_examples,
         }
         for name, value in sizes.items():
             if value is not None and value < 1:
@@ -70,6 +81,12 @@ class MemoryEvals:
             raise ConfigError("--chunks must be at least 2 (chunk 0 is only context), got 1")
         if self.passkey_lengths is not None and min(self.passkey_lengths, default=0) < 1:
             raise ConfigError(f"--passkey-lengths must be positive, got {self.passkey_lengths}")
+        for name, values in (
+            ("--recall-pairs", self.recall_pairs),
+            ("--recall-lengths", self.recall_lengths),
+        ):
+            if values is not None and min(values, default=0) < 1:
+                raise ConfigError(f"{name} must be positive integers, got {values}")
         if not self.depths or not all(0.0 <= d <= 1.0 for d in self.depths):
             raise ConfigError(f"--passkey-depths must lie in [0, 1], got {self.depths}")
         if self.out.exists() and not self.out.is_dir():
@@ -78,17 +95,25 @@ class MemoryEvals:
 
 def run_memory_evals(
     model: BDH,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | None,
     cfg: RunConfig,
     source: str | None,
     options: MemoryEvals,
 ) -> list[str]:
     """Run the measures `options` asks for on `model` (a token-head model whose text
-    `tokenizer` is), on `source` (else the run's validation split); write their files under
-    options.out and return their tables and the paths written, to print."""
+    `tokenizer` is; --recall alone needs none), on `source` (else the run's validation
+    split); write their files under options.out and return their tables and the paths
+    written, to print."""
     from bdh_train.train.build import evaluation_data
 
-    text_model(model, tokenizer, "the model")
+    text = None
+    if options.passkey or options.reads_data:
+        text = text_model(model, tokenizer, "the model")
+    elif model.config.language_head.type != "token":  # recall reads ids: logits suffice
+        raise ConfigError(
+            f"--recall needs a model with token logits (model.language_head.type = 'token'), "
+            f"got {model.config.language_head.type!r}"
+        )
     block = cfg.training.block_size
     batch = cfg.training.batch_size
     events = cfg.data.summary_trigger() if model.config.summary_memory.write_gate else None
@@ -96,6 +121,25 @@ def run_memory_evals(
     if options.passkey:
         room = available_memory(torch.device("cpu"))
         passkey.check_fits(lengths, options.passkey_trials, room.bytes, room.source)
+    mqar = cfg.data.mqar
+    vocab = model.config.vocab_size if mqar.vocab_size is None else mqar.vocab_size
+    recall_pairs = options.recall_pairs or sorted({max(1, mqar.pairs // d) for d in RECALL_PAIRS})
+    recall_lengths = options.recall_lengths or [mqar.length * m for m in RECALL_LENGTHS]
+    if options.recall:
+        if vocab > model.config.vocab_size:
+            raise ConfigError(
+                f"data.mqar.vocab_size ({vocab}) is more than the model's vocabulary "
+                f"({model.config.vocab_size})"
+            )
+        recall.check_cells(recall_pairs, recall_lengths, vocab)
+        room = available_memory(torch.device("cpu"))
+        passkey.check_fits(
+            recall_lengths,
+            options.recall_examples,
+            room.bytes,
+            room.source,
+            ("--recall-lengths", "--recall-examples"),
+        )
     tokens = None
     if options.reads_data:
         tokens = evaluation_data(cfg.data, source, model.config.vocab_size, block).tokens
@@ -117,11 +161,24 @@ def run_memory_evals(
         def scorer(pairs):
             return score_continuations(model, pairs, batch, events)
 
-        grid = passkey.passkey_grid(
-            scorer, tokenizer, lengths, options.depths, options.passkey_trials
-        )
+        assert text is not None
+        grid = passkey.passkey_grid(scorer, text, lengths, options.depths, options.passkey_trials)
         files["passkey"] = grid
         lines.append(grid.table())
+    if options.recall:
+        trained = mqar.length if cfg.data.source == "mqar" else None
+        found = recall.recall_grid(
+            recall.model_scorer(model, batch, events),
+            recall_pairs,
+            recall_lengths,
+            vocab,
+            options.recall_examples,
+            mqar.seed + 1,  # not the training examples' seed
+            mqar.power_a,
+            trained,
+        )
+        files["recall"] = found
+        lines.append(found.table())
     lines.extend(f"wrote {path}" for path in _write(files, options.out))
     return lines
 
@@ -139,4 +196,6 @@ def _write(results: dict[str, object], out: Path) -> list[Path]:
             written.append(memory.plot_context_curve(result, out / f"{name}.png"))
         elif isinstance(result, passkey.PasskeyGrid):
             written.append(passkey.plot_passkey(result, out / f"{name}.png"))
+        elif isinstance(result, recall.RecallGrid):
+            written.append(recall.plot_recall(result, out / f"{name}.png"))
     return written

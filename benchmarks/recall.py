@@ -1,0 +1,243 @@
+"""Multi-query associative recall (MQAR, `bdh_train.data.mqar`): a tiny BDH against a GPT of
+equal parameter count, trained for equal wall-clock on the same examples, then scored at the
+trained length and past it.
+
+Both arms train on the same batches: batch k is `--batch` fresh MQAR examples of `--length`
+tokens with `--pairs` pairs (seeded by k), the loss on the answers only (Zoology's loss: the
+targets are IGNORE_INDEX except at each query key). The arms alternate one optimizer step
+each, each on its own clock (`recipe.py`'s `Arm`: warm-up, then cosine over the budget's
+seconds), until both have spent `--budget` seconds. Every `--every` seconds of an arm's
+clock, and at the end, the arm is scored (off the clock) on `--eval-examples` held-out
+examples (another seed) at the trained length: accuracy against training time. At the end
+both are scored at 1, 2 and 4 times the trained length, the same pairs:
+
+- BDH reads each example whole, from a fresh state, with its state carried (`bdh-train
+  eval --recall`'s scorer);
+- the GPT reads each answer's last `--length` tokens (its window: past the trained length
+  the pairs fall out of it), and also the whole example at once (`GPT full`: attention past
+  the length it was trained on).
+
+The BDH is the `--preset` with `--set` overrides and `model.vocab_size = --vocab`; the GPT
+is `recipe.py`'s baseline with the preset's layers and heads, its width the one nearest
+BDH's parameter count.
+
+    python benchmarks/recall.py --budget 600 --pairs 16 --length 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+import torch
+from _common import cpu_counters, fmt, machine_line, others_cpu_share, print_table
+from recipe import GPT, Arm, Recipe, bdh_arm, gpt_arm
+
+from bdh_train.data.mqar import chance_accuracy, mqar_examples
+from bdh_train.evals.recall import model_scorer, recall_accuracy
+from bdh_train.model.bdh import BDH
+from bdh_train.train.allocator import configure_host_allocator
+
+EVAL_SEED = 1 << 20
+"""Held-out examples are drawn with this seed (training batch k uses seed [seed, k])."""
+
+
+@dataclass
+class Task:
+    """The MQAR examples both arms train on."""
+
+    pairs: int
+    length: int
+    vocab: int
+    batch: int
+    seed: int
+
+    def batch_at(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, targets = mqar_examples(
+            self.pairs, self.length, self.vocab, self.batch, [self.seed, k]
+        )
+        return torch.from_numpy(tokens), torch.from_numpy(targets)
+
+
+@dataclass
+class RecallArm(Arm):
+    """An `Arm` whose steps are MQAR batches (`Task.batch_at(step)`), with its accuracy
+    recorded against its clock."""
+
+    curve: list[tuple[float, int, float]] = field(default_factory=list)
+    """(seconds, steps, accuracy at the trained length) at each scoring."""
+
+    @classmethod
+    def of(cls, arm: Arm) -> RecallArm:
+        return cls(**{f.name: getattr(arm, f.name) for f in fields(arm) if f.init})
+
+    def prime(self, task: Task) -> None:  # type: ignore[override]
+        tokens, targets = task.batch_at(1 << 30)
+        self.model(tokens[:2], targets[:2])[1].backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, task: Task) -> None:  # type: ignore[override]
+        started = time.perf_counter()
+        tokens, targets = task.batch_at(self.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr()
+        _, loss = self.model(tokens, targets)
+        loss.backward()
+        if self.optim.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.elapsed += time.perf_counter() - started
+        self.steps += 1
+        self.losses.append(loss.item())
+
+
+@torch.no_grad()
+def gpt_scorer(model: GPT, window: int | None):
+    """The GPT's scorer: each answer predicted from its last `window` tokens (None: the
+    whole example). The answers are the nonzero targets (values are ids >= V/2)."""
+
+    def scorer(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        model.eval()
+        right = torch.zeros_like(targets, dtype=torch.bool)
+        if window is None or inputs.shape[1] <= window:
+            logits, _ = model(inputs, targets)
+            right = logits.argmax(-1) == targets
+        else:
+            rows, cols = torch.nonzero(targets, as_tuple=True)
+            for lo in range(0, len(rows), 256):
+                r, c = rows[lo : lo + 256], cols[lo : lo + 256]
+                first = (c - window + 1).clamp(min=0)
+                # windows ending at each answer's key, left-aligned (a shorter one is padded
+                # on the right, after the key: its prediction is read at the key)
+                span = torch.arange(window)
+                at = (first[:, None] + span).clamp(max=inputs.shape[1] - 1)
+                logits, _ = model(inputs[r[:, None], at], targets[r[:, None], at])
+                last = c - first
+                picked = logits[torch.arange(len(r)), last].argmax(-1)
+                right[r, c] = picked == targets[r, c]
+        model.train()
+        return right
+
+    return scorer
+
+
+def held_out(task: Task, length: int, examples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, targets = mqar_examples(task.pairs, length, task.vocab, examples, EVAL_SEED)
+    return torch.from_numpy(tokens), torch.from_numpy(targets)
+
+
+def accuracy(arm: Arm, task: Task, length: int, examples: int, window: bool = True) -> float:
+    tokens, targets = held_out(task, length, examples)
+    if isinstance(arm.model, BDH):
+        arm.model.eval()
+        scorer = model_scorer(arm.model, 16)
+        value = recall_accuracy(scorer, tokens, targets)
+        arm.model.train()
+        return value
+    return recall_accuracy(gpt_scorer(arm.model, task.length if window else None), tokens, targets)
+
+
+def state_floats(arm: Arm, length: int) -> int:
+    """What the arm carries from the past at `length` tokens: BDH's state (per layer H x N x
+    D), the GPT's key-value cache (per layer 2 x tokens x width)."""
+    if isinstance(arm.model, BDH):
+        c = arm.model.config
+        neurons = c.n_embd * c.mlp_internal_dim_multiplier // c.n_head
+        return c.n_layer * c.n_head * neurons * c.n_embd
+    layers = len(arm.model.blocks)  # type: ignore[arg-type]
+    return layers * 2 * length * arm.model.embed.embedding_dim  # type: ignore[union-attr]
+
+
+def train(arms: list[RecallArm], task: Task, every: float, examples: int) -> float:
+    """Alternate one step per unfinished arm until each has spent its budget, scoring each
+    every `every` seconds of its clock; the share of the CPUs other processes used."""
+    for arm in arms:
+        arm.prime(task)
+    before = cpu_counters()
+    while not all(a.done for a in arms):
+        for arm in arms:
+            if arm.done:
+                continue
+            arm.step(task)
+            due = (len(arm.curve) + 1) * every
+            if arm.elapsed >= due or arm.done:
+                acc = accuracy(arm, task, task.length, examples)
+                arm.curve.append((arm.elapsed, arm.steps, acc))
+                print(
+                    f"  {arm.model_name}: {arm.elapsed:6.0f} s, step {arm.steps:5d}, train loss "
+                    f"{np.mean(arm.losses[-20:]):.3f}, accuracy {acc:.3f}",
+                    flush=True,
+                )
+    return others_cpu_share(before, cpu_counters())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=600, help="seconds of training per arm")
+    parser.add_argument("--pairs", type=int, default=16)
+    parser.add_argument("--length", type=int, default=128, help="tokens per training example")
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="for the BDH arm"
+    )
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--no-gpt", action="store_true", help="train the BDH arm only")
+    parser.add_argument("--every", type=float, default=60, help="seconds between scorings")
+    parser.add_argument("--eval-examples", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    configure_host_allocator("auto", torch.device("cpu"))
+    task = Task(args.pairs, args.length, args.vocab, args.batch, args.seed)
+    recipe = Recipe(
+        args.preset,
+        (*args.set, f"model.vocab_size={args.vocab}", f"training.batch_size={args.batch}"),
+    )
+    arms = [RecallArm.of(bdh_arm(recipe, args.optimizer, [], args.budget, args.preset))]
+    if not args.no_gpt:
+        arms.append(RecallArm.of(gpt_arm(recipe, args.optimizer, arms[0].params, args.budget)))
+    print(f"machine: {machine_line()}")
+    print(
+        f"MQAR: {args.pairs} pairs, {args.length} tokens, vocabulary {args.vocab} (chance "
+        f"{chance_accuracy(args.vocab):.4f}); batch {args.batch}; BDH {args.preset} "
+        f"{' '.join(args.set)}; threads {args.threads}"
+    )
+    load = os.getloadavg()[0]
+    others = train(arms, task, args.every, args.eval_examples)
+    lengths = [args.length * m for m in (1, 2, 4)]
+    rows = []
+    for arm in arms:
+        scored = [accuracy(arm, task, n, args.eval_examples) for n in lengths]
+        rows.append(
+            [arm.model_name, f"{arm.params:,}", arm.steps, fmt(arm.elapsed)]
+            + [fmt(a, ".3f") for a in scored]
+            + [f"{state_floats(arm, n):,}" for n in (lengths[0], lengths[-1])]
+        )
+        if arm.model_name == "GPT":
+            full = [accuracy(arm, task, n, args.eval_examples, window=False) for n in lengths]
+            rows.append(["GPT full", "", "", ""] + [fmt(a, ".3f") for a in full] + ["", ""])
+    headers = ["model", "params", "steps", "seconds"]
+    headers += [f"acc @{n}" for n in lengths]
+    headers += [f"state floats @{lengths[0]}", f"@{lengths[-1]}"]
+    print_table(
+        f"MQAR {args.pairs} pairs, {args.budget:.0f} s per arm: load average {load:.1f} at the "
+        f"start, {os.getloadavg()[0]:.1f} at the end; others used {others:.0%} of the CPUs",
+        headers,
+        rows,
+    )
+    print()
+    for arm in arms:
+        curve = ", ".join(f"{t:.0f} s {a:.3f}" for t, _, a in arm.curve)
+        print(f"{arm.model_name} accuracy at {args.length} against its clock: {curve}")
+
+
+if __name__ == "__main__":
+    main()

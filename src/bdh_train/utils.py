@@ -6,6 +6,7 @@ environment's cap on a command's steps (`steps_cap`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import errno
@@ -18,7 +19,6 @@ import tempfile
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
@@ -150,16 +150,26 @@ def current_umask() -> int:
     return mask
 
 
-@contextmanager
+@contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str], mode: str = "w") -> Iterator[typing.IO[Any]]:
     """Write `path` through a temporary file in the same directory, then rename.
 
     A crash mid-write leaves the old file (or no file), never a half-written one. The file
     gets the mode a plain `open()` would give it (0o666 less the umask), not mkstemp's 0o600.
+    A device, FIFO or socket at `path` is refused (BDHTrainError), never replaced; a link is
+    replaced as a link, its target untouched. What a user names goes through the output
+    policy first (`storage.output`).
     """
     path = Path(path)
     if path.is_dir():  # else the rename's error would name the temporary file
         raise IsADirectoryError(errno.EISDIR, "Is a directory, not a file", str(path))
+    with contextlib.suppress(FileNotFoundError):
+        found = os.lstat(path).st_mode
+        if not (stat.S_ISREG(found) or stat.S_ISLNK(found)):  # a link is replaced as a link
+            raise BDHTrainError(
+                f"{path} is {not_regular_kind(found)}; bdh-train replaces only regular files: "
+                "choose another path"
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -204,6 +214,13 @@ _NOT_REGULAR = (
 )
 
 
+def not_regular_kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words ("a FIFO (named pipe)")."""
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    return next((name for test, name in _NOT_REGULAR if test(mode)), "not a file")
+
+
 def size_text(n: int) -> str:
     """A byte count in the largest binary unit that divides it, and in bytes:
     '1 MiB (1048576 bytes)'; '1000 bytes' when no unit divides it."""
@@ -232,7 +249,7 @@ def open_regular(
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a file")
+            kind = not_regular_kind(mode)
             raise error(f"{what} is {kind}, not a regular file; {fix}")
         return os.fdopen(fd, "rb")
     except BaseException:

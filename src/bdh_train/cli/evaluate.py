@@ -73,6 +73,7 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--passkey-trials", type=int, default=4, help="keys per grid cell")
     g.add_argument("--out", default=".", metavar="DIR", help="where the JSON and PNG files go")
+    g.add_argument("--force", action="store_true", help="replace earlier result files in --out DIR")
 
 
 def _comma_list(cast: Callable[[str], T], what: str, example: str) -> Callable[[str], list[T]]:
@@ -127,6 +128,7 @@ def _memory_evals(args: argparse.Namespace) -> int:
         passkey_depths=args.passkey_depths,
         passkey_trials=args.passkey_trials,
         out=Path(args.out),
+        force=args.force,
     )
     options.check()
     if Path(args.checkpoint).is_file() and not args.data and options.reads_data:

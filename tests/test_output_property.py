@@ -241,6 +241,7 @@ def writers(tmp_path_factory) -> Writers:
             ("kill", command, "missing"),
             ("run", command, "missing", False),
             ("kill", command, "missing"),
+            ("run", command, "missing", False),  # the output set aside is back: it exists
             ("run", command, "missing", True),
             ("kill", command, "missing"),
             ("kill", command, "missing"),

@@ -144,7 +144,7 @@ def run_memory_evals(
 def _write(results: dict[str, object], out: Path, force: bool = False) -> list[Path]:
     """Each result's JSON (and plot, for the curve and the passkey grid) under `out`, by the
     output policy (`storage.output`), every file checked before the folder is made."""
-    for name, result in results.items():
+    for name in results:
         check_output(out / f"{name}.json", "--out file", force=force)
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -21,7 +21,7 @@ import bdh_train
 PACKAGE_ROOT = Path(bdh_train.__file__).parent
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("bdh_train.errors", "bdh_train.utils", "bdh_train.checks")),
+    ("base", ("bdh_train.errors", "bdh_train.utils", "bdh_train.checks", "bdh_train.storage")),
     ("vocabulary", ("bdh_train.batch",)),
     ("model", ("bdh_train.model", "bdh_train.interop", "bdh_train.export")),
     ("data", ("bdh_train.data",)),

@@ -202,6 +202,37 @@ def test_a_resume_replaces_a_linked_metrics_file_and_leaves_its_target(run4, tmp
     assert [r["step"] for r in metric_rows(run)] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.parametrize("name", ["tensorboard", "checkpoints"])
+def test_a_resume_never_writes_or_prunes_through_a_linked_folder(run4, tmp_path, capsys, name):
+    run = copy_of(run4, tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    if name == "checkpoints":
+        (run / name).rename(elsewhere)  # the run's own checkpoints, moved and linked back
+    else:
+        elsewhere.mkdir()
+        (elsewhere / "mine.txt").write_text("a user's file")
+    (run / name).symlink_to(elsewhere)
+    before, before_run = digest(elsewhere), digest(run)
+    argv = ["train", "--resume", str(run), "--set=training.max_steps=6"]
+    argv += ["--set=training.keep_checkpoints=1", "--set=metrics.report_to=['jsonl','tensorboard']"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{run / name} is a symbolic link to {elsewhere}" in err
+    assert digest(elsewhere) == before and digest(run) == before_run
+
+
+def test_overwrite_refuses_a_users_file_in_tensorboard(run4, tmp_path, capsys):
+    run = copy_of(run4, tmp_path / "run")
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events.out.tfevents.1.host.1.0").write_bytes(b"events")
+    (run / "tensorboard" / "notes.md").write_text("mine")
+    before = digest(run)
+    argv = ["train", "--run-dir", str(run), *SETS, "--set=training.max_steps=1", "--overwrite"]
+    assert main(argv) == 2
+    assert "(tensorboard/notes.md)" in capsys.readouterr().err
+    assert digest(run) == before
+
+
 # ------------------------------------------------------------------ what a resume may change
 @pytest.mark.parametrize(
     ("override", "key"),

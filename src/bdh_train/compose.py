@@ -34,6 +34,7 @@ from bdh_train.model import BDH, BDHConfig, groups
 from bdh_train.model.bdh import parameter_bytes, physical_memory
 from bdh_train.model.compose import grow_weights, grown_config, merge_weights, merged_config
 from bdh_train.model.generate import NonFiniteModelError, nonfinite_weights
+from bdh_train.storage.output import check_output, writing
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.build import evaluate_model
 from bdh_train.train.optim import OptimizerConfig
@@ -75,14 +76,17 @@ def _tokenizer_text(source: Source) -> str | None:
 
 
 def _check_out(out: str | Path) -> Path:
-    out = Path(out)
-    if out.exists():
-        raise ConfigError(f"--out {out} exists: choose a new path for the output")
-    return out
+    """--out under the output policy: a new path, outside every checkpoint and run's files."""
+    check_output(out, "--out", ConfigError, force=None, directory=True)
+    return Path(out)
 
 
 def write_composed(
-    out: Path, model: BDH, source: Source, rows: list[dict[str, Any]] | None = None
+    out: Path,
+    model: BDH,
+    source: Source,
+    rows: list[dict[str, Any]] | None = None,
+    command: str = "merge",
 ) -> Path:
     """Write `model` as the checkpoint directory `out` (this module's docstring), with the
     run config and tokenizer of `source`, atomically."""
@@ -101,15 +105,18 @@ def write_composed(
         from safetensors.torch import save_file
 
         metadata = {"bdh_config": json.dumps(config), "step": "0"}
-        save_file(tensors, str(directory / ckpt.MODEL_FILE), metadata=metadata)
-        (directory / CONFIG_FILE).write_text(dump_toml(cfg), encoding="utf-8")
+        with writing(directory / ckpt.MODEL_FILE):
+            save_file(tensors, str(directory / ckpt.MODEL_FILE), metadata=metadata)
+        texts = {CONFIG_FILE: dump_toml(cfg)}
         if tokenizer_text is not None:
-            (directory / TOKENIZER_FILE).write_text(tokenizer_text, encoding="utf-8")
+            texts[TOKENIZER_FILE] = tokenizer_text
         if rows is not None:
-            lines = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
-            (directory / METRICS_FILE).write_text(lines, encoding="utf-8")
+            texts[METRICS_FILE] = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+        for name, text in texts.items():
+            with writing(directory / name):
+                (directory / name).write_text(text, encoding="utf-8")
 
-    return ckpt.publish_checkpoint_dir(out, write)
+    return ckpt.publish_checkpoint_dir(out, write, command)
 
 
 # ---------------------------------------------------------------- grow
@@ -146,7 +153,7 @@ def grow_run(source: str, multiplier: int, out: str | Path, seed: int = 0) -> Pa
     grown = BDH(config).to(src.model.embed.weight.dtype)
     weights = grow_weights(src.model.state_dict(), src.model.config, multiplier, grown.state_dict())
     grown.load_state_dict(weights)
-    return write_composed(out, grown, src)
+    return write_composed(out, grown, src, command="grow")
 
 
 # ---------------------------------------------------------------- import-official
@@ -165,7 +172,8 @@ def import_official(path: str | Path, n_layer: int, out: str | Path) -> Path:
         raise ConfigError(f"--n-layer must be an integer >= 1, got {n_layer!r}")
     model = load_official_checkpoint(path, n_layer)
     cfg = dataclasses.replace(load_config(), model=model.config)
-    return write_composed(out, model, Source(str(path), model, tokenizer_for(model.config), cfg))
+    source = Source(str(path), model, tokenizer_for(model.config), cfg)
+    return write_composed(out, model, source, command="import-official")
 
 
 # ---------------------------------------------------------------- merge

@@ -29,7 +29,7 @@ from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.model.bdh import BDH, shape_mismatch, state_shapes
 from bdh_train.model.config import BDHConfig
 from bdh_train.model.quant import PROJECTION_TARGETS, TERNARY_FORMATS, quantize_weight
-from bdh_train.utils import atomic_write
+from bdh_train.storage.output import write_file
 
 FORMAT = "bdh-ternary/1"
 TOKENIZER_KEY = "tokenizer"
@@ -74,8 +74,11 @@ def export_ternary(
     out_path: str | os.PathLike[str],
     tokenizer_json: str | None = None,
     training_json: str | None = None,
+    force: bool = False,
 ) -> Path:
-    """Write `model` as a packed ternary safetensors file; returns the path.
+    """Write `model` as a packed ternary safetensors file; returns the path. The file is
+    written by the output policy (`storage.output.write_file`): an existing one is replaced
+    only with `force`, and only a regular file.
 
     `tokenizer_json` (the run's tokenizer.json text) is stored in the metadata, so the export
     alone decodes (`export_tokenizer_json`); None for the byte tokenizer, which needs no file.
@@ -113,10 +116,8 @@ def export_ternary(
         metadata[TOKENIZER_KEY] = tokenizer_json
     if training_json is not None:
         metadata[TRAINING_KEY] = training_json
-    out = Path(out_path)
-    with atomic_write(out, "wb") as handle:
-        handle.write(safetensors_bytes(tensors, metadata=metadata))
-    return out
+    data = safetensors_bytes(tensors, metadata=metadata)
+    return write_file(out_path, data, "OUT", force=force)
 
 
 def _is_safetensors(path: Path) -> bool:

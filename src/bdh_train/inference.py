@@ -40,10 +40,11 @@ from bdh_train.model.bdh import shape_mismatch, state_shapes
 from bdh_train.model.decoders import FastDecoder, GenericDecoder, make_decoder
 from bdh_train.model.generate import check_finite_logits, check_finite_weights, read_tokens
 from bdh_train.model.summary import SummaryEvents
+from bdh_train.storage.output import write_file
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.evaluate import bits_per_byte
 from bdh_train.train.run_dir import config_path, run_of_checkpoint
-from bdh_train.utils import atomic_write, first_line, read_regular_file
+from bdh_train.utils import first_line, read_regular_file
 
 STATE_FORMAT = "bdh-state/1"
 
@@ -266,18 +267,17 @@ class Continuation:
                 decoder.flush()
 
     # ------------------------------------------------------------------ state files
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the state (fixed size, whatever was read) with the model's config hash."""
+    def save(self, path: str | os.PathLike[str], force: bool = False) -> Path:
+        """Write the state (fixed size, whatever was read) with the model's config hash, by
+        the output policy (`storage.output.write_file`: an existing file only with `force`)."""
         if self.hidden is None:
             raise BDHTrainError("nothing has been read yet: there is no state to save")
         tensors = {f"state.{k}": v.cpu().contiguous() for k, v in self.state.state_dict().items()}
         tensors["hidden"] = self.hidden.detach().cpu().contiguous()
         tensors["recent"] = self.recent.cpu().contiguous()
         meta = {"format": STATE_FORMAT, "config_hash": config_hash(self.model.config)}
-        out = Path(path)
-        with atomic_write(out, "wb") as handle:
-            handle.write(safetensors_bytes(tensors, metadata=meta))
-        return out
+        data = safetensors_bytes(tensors, metadata=meta)
+        return write_file(path, data, "--save-state", force=force)
 
     def load(self, path: str | os.PathLike[str]) -> Continuation:
         """Continue from a saved state; refused when it was saved from another model config,

@@ -134,7 +134,9 @@ class Trainer:
         if isinstance(self.tokenizer, HFTokenizer):  # the saved config names the run's copy
             copy = str(self.run_files.tokenizer_copy.resolve())
             self.saved_cfg = replace(cfg, data=replace(cfg.data, tokenizer=copy))
-        if not resume:
+        if resume:
+            self.run_files.check_no_links()
+        else:
             self.run_files.check_fresh(overwrite)
             self.dist.barrier()  # every process has looked before the first one writes
         self.device = self.dist.device(resolve_device(t.device).type)

@@ -6,6 +6,7 @@ environment's cap on a command's steps (`steps_cap`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import errno
@@ -18,7 +19,6 @@ import tempfile
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
@@ -150,16 +150,26 @@ def current_umask() -> int:
     return mask
 
 
-@contextmanager
+@contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str], mode: str = "w") -> Iterator[typing.IO[Any]]:
     """Write `path` through a temporary file in the same directory, then rename.
 
     A crash mid-write leaves the old file (or no file), never a half-written one. The file
     gets the mode a plain `open()` would give it (0o666 less the umask), not mkstemp's 0o600.
+    A device, FIFO or socket at `path` is refused (BDHTrainError), never replaced; a link is
+    replaced as a link, its target untouched. What a user names goes through the output
+    policy first (`storage.output`).
     """
     path = Path(path)
     if path.is_dir():  # else the rename's error would name the temporary file
         raise IsADirectoryError(errno.EISDIR, "Is a directory, not a file", str(path))
+    with contextlib.suppress(FileNotFoundError):
+        found = os.lstat(path).st_mode
+        if not (stat.S_ISREG(found) or stat.S_ISLNK(found)):  # a link is replaced as a link
+            raise BDHTrainError(
+                f"{path} is {not_regular_kind(found)}; bdh-train replaces only regular files: "
+                "choose another path"
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -204,9 +214,10 @@ _NOT_REGULAR = (
 )
 
 
-def _kind(mode: int) -> str:
-    """What a file of `mode` is, in words ('a FIFO (named pipe)'), for a file that is no
-    regular file."""
+def not_regular_kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words ("a FIFO (named pipe)")."""
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
     return next((name for test, name in _NOT_REGULAR if test(mode)), "not a file")
 
 
@@ -219,7 +230,7 @@ def special_file_kind(path: str | os.PathLike[str]) -> str | None:
         mode = os.stat(path).st_mode
     except OSError:
         return None
-    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else _kind(mode)
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else not_regular_kind(mode)
 
 
 def size_text(n: int) -> str:
@@ -250,7 +261,8 @@ def open_regular(
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise error(f"{what} is {_kind(mode)}, not a regular file; {fix}")
+            kind = not_regular_kind(mode)
+            raise error(f"{what} is {kind}, not a regular file; {fix}")
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)

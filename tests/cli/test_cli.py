@@ -366,7 +366,9 @@ def test_export_ternary_of_a_bitnet_run(tmp_path, capsys):
         )
     assert weights.read_bytes() == before and not (checkpoint / "sub").exists()
     assert main(["export", "--ternary", str(run_dir), str(tmp_path)]) == 2
-    assert capsys.readouterr().err == f"error: Is a directory, not a file: {tmp_path}\n"
+    assert capsys.readouterr().err == (
+        f"error: OUT {tmp_path} is a directory, not a file: choose another path\n"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", out.name, text.name])
     assert main(["generate", "--checkpoint", str(run_dir), *greedy]) == 0  # still intact
 

@@ -387,7 +387,7 @@ def test_bad_input_is_one_line_and_writes_nothing(exported, tmp_path, capsys):
     run = str(root / "run")
     existing = tmp_path / "exists"
     existing.mkdir()
-    assert "exists; name a new directory" in _refusal(
+    assert "exists: choose a new path for the output" in _refusal(
         capsys, ["export", "--hf", str(existing), run]
     )
     assert not any(existing.iterdir())
@@ -410,11 +410,11 @@ def test_bad_input_is_one_line_and_writes_nothing(exported, tmp_path, capsys):
         source = tmp_path / "model.safetensors"
         overrides.setdefault("quant", QuantConfig(enable=True))
         torch.manual_seed(0)
-        export_ternary(BDH(tiny_config(**overrides)), source)
+        export_ternary(BDH(tiny_config(**overrides)), source, force=True)
         assert reason in _refusal(capsys, ["export", "--hf", str(out), str(source)])
     broken = BDH(tiny_config(vocab_size=256, quant=QuantConfig(enable=True)))
     with torch.no_grad():
         broken.embed.weight[3, 1] = float("nan")
-    export_ternary(broken, source)
+    export_ternary(broken, source, force=True)
     assert "not finite" in _refusal(capsys, ["export", "--hf", str(out), str(source)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "model.safetensors"]

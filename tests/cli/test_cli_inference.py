@@ -184,6 +184,7 @@ def test_an_empty_prompt_reads_a_newline_when_its_state_is_saved_too(run_dir, tm
                 str(state),
                 "--max-new-tokens",
                 "0",
+                "--force",
             ]
         )
         == 0

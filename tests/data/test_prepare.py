@@ -518,7 +518,7 @@ def test_a_temporary_removed_before_its_writer_locks_it_is_made_again(
     import fcntl
     import shutil
 
-    from bdh_train.data import prepared
+    from bdh_train.storage import output
 
     source = write_jsonl(tmp_path / "c.jsonl", CORPUS[:5])
     flock, removed = fcntl.flock, []
@@ -530,7 +530,7 @@ def test_a_temporary_removed_before_its_writer_locks_it_is_made_again(
             removed.append(first)
         flock(fd, operation)
 
-    monkeypatch.setattr(prepared.fcntl, "flock", removed_first)
+    monkeypatch.setattr(output.fcntl, "flock", removed_first)
     prepare_corpus([source], tmp_path / "prep", progress=False)
     assert len(removed) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "prep"]

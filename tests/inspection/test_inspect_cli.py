@@ -236,7 +236,9 @@ def test_the_report_directory_appears_whole_or_not_at_all(inspection, tmp_path, 
     first = (out / "inspect.json").read_text()
     assert json.loads(first)["tokens"] == 40
     (out / "report.html").write_text("old")
-    write_report(inspection, out, hubs=4)  # an earlier report is replaced whole
+    with pytest.raises(BDHTrainError, match="already exists; pass --force"):
+        write_report(inspection, out, hubs=4)
+    write_report(inspection, out, hubs=4, force=True)  # an earlier report is replaced whole
     assert (out / "report.html").read_text() != "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
@@ -244,10 +246,10 @@ def test_the_report_directory_appears_whole_or_not_at_all(inspection, tmp_path, 
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("bdh_train.inspect.run.write_hub_graphml", fail)
-    with pytest.raises(OSError):
-        write_report(inspection, tmp_path / "new", hubs=4)
+    with pytest.raises(BDHTrainError, match="cannot write .*No space left on device"):
+        write_report(inspection, tmp_path / "new" / "deeper", hubs=4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing half-built
     foreign = tmp_path / "mine"
     foreign.mkdir()
-    with pytest.raises(BDHTrainError, match="exists and holds no earlier report"):
-        write_report(inspection, foreign, hubs=4)
+    with pytest.raises(BDHTrainError, match="is not an earlier inspect report"):
+        write_report(inspection, foreign, hubs=4, force=True)

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
+from bdh_train.storage import output
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train import dcp
 from bdh_train.utils import first_line
@@ -685,7 +686,7 @@ def test_a_resave_sets_the_old_copy_aside_inside_checkpoints_and_syncs_every_dir
     root = tmp_path / ckpt.CHECKPOINTS
     made: list[Path] = []
     synced: list[Path] = []
-    mkdtemp, fsync_dir = tempfile.mkdtemp, ckpt._fsync_dir
+    mkdtemp, fsync_dir = tempfile.mkdtemp, output.fsync_dir
 
     def recording(*args: Any, **kwargs: Any) -> str:
         made.append(Path(mkdtemp(*args, **kwargs)))
@@ -697,13 +698,14 @@ def test_a_resave_sets_the_old_copy_aside_inside_checkpoints_and_syncs_every_dir
 
     with (
         mock.patch.object(tempfile, "mkdtemp", recording),
-        mock.patch.object(ckpt, "_fsync_dir", lambda p: (synced.append(p), fsync_dir(p))),
+        mock.patch.object(ckpt, "fsync_dir", lambda p: (synced.append(p), fsync_dir(p))),
+        mock.patch.object(output, "fsync_dir", lambda p: (synced.append(p), fsync_dir(p))),
     ):
         ckpt.save_checkpoint(tmp_path, "step-0000005", write)
     tmp, aside = made
     assert aside.parent == root and aside.name.startswith(".old-step-0000005-")
     assert not aside.exists() and (root / "step-0000005" / ckpt.MODEL_FILE).read_bytes() == b"new"
-    assert sorted(synced) == sorted([tmp / "shards", tmp / "shards" / "deep", root])
+    assert sorted(synced) == sorted([tmp, tmp / "shards", tmp / "shards" / "deep", root])
 
 
 @pytest.mark.parametrize("how", ["save_checkpoint", "publish_checkpoint_dir"])

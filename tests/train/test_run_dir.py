@@ -131,7 +131,7 @@ def test_the_plan_of_train_and_resume(tmp_path):
 
 
 def test_each_run_file_name_has_one_home():
-    """The names of a run's files are spelt only in train/run_dir.py."""
+    """The names of a run's files are spelt only in storage/places.py."""
     names = ['"metrics.jsonl"', '"config.toml"', '"checkpoints"', '"loss.png"', '"error.log"']
     found = {
         str(path.relative_to(SRC))
@@ -139,7 +139,7 @@ def test_each_run_file_name_has_one_home():
         for name in names
         if name in path.read_text(encoding="utf-8")
     }
-    assert found == {"train/run_dir.py"}
+    assert found == {"storage/places.py"}
 
 
 def test_reading_a_finished_run_imports_nothing_of_training():

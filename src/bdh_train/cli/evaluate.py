@@ -94,6 +94,7 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--recall-examples", type=int, default=32, help="examples per grid cell")
     g.add_argument("--out", default=".", metavar="DIR", help="where the JSON and PNG files go")
+    g.add_argument("--force", action="store_true", help="replace earlier result files in --out DIR")
 
 
 def _comma_list(cast: Callable[[str], T], what: str, example: str) -> Callable[[str], list[T]]:
@@ -153,6 +154,7 @@ def _memory_evals(args: argparse.Namespace) -> int:
         recall_lengths=args.recall_lengths,
         recall_examples=args.recall_examples,
         out=Path(args.out),
+        force=args.force,
     )
     options.check()
     if Path(args.checkpoint).is_file() and not args.data and options.reads_data:

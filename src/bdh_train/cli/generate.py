@@ -114,6 +114,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         '"cut"} (ASCII), instead of the replies as text (on a pipe each is followed by an '
         '"--- end of reply N ---" line, saying when the token limit cut it mid-word)',
     )
+    _add_force_arg(p)
+
+
+def _add_force_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing --save-state FILE (only a regular file)",
+    )
+
+
+def _check_save_state(args: argparse.Namespace) -> None:
+    """--save-state under the output policy, checked before the model is loaded."""
+    if args.save_state is not None:
+        from bdh_train.storage.output import check_output
+
+        check_output(args.save_state, "--save-state", force=args.force)
 
 
 def _add_generate_output_args(p: argparse.ArgumentParser) -> None:
@@ -125,6 +142,7 @@ def _add_generate_output_args(p: argparse.ArgumentParser) -> None:
         help="after reading the prompt, save the model's state (its size does not grow with "
         "the prompt) to FILE, to continue from later with --load-state",
     )
+    _add_force_arg(p)
     p.add_argument(
         "--prompts-file",
         default=None,
@@ -212,6 +230,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from bdh_train.inference import stop_token_ids
 
     _check_prompts_file_args(args)
+    _check_save_state(args)
     model, tok, cfg = _load_for_inference(args, need_text=True, finite=True)
     events = _summary_events(model, cfg)
     generator = torch.Generator(device=model.embed.weight.device).manual_seed(args.seed)
@@ -309,7 +328,7 @@ def _generate_with_state(
         cont.load(args.load_state)
     cont.feed(ids)
     if args.save_state is not None:
-        _save_state(cont, args.save_state)
+        _save_state(cont, args.save_state, args.force)
     out.write(text)
     sampled = cont.sample(args.max_new_tokens, args.temperature, args.top_k, generator)
     _stream_line(until_stop(sampled, stops), out, tok)
@@ -330,9 +349,9 @@ def _stream_line(tokens: Iterator[int], out: TextIO, tok: Tokenizer) -> None:
     out.write("\n")
 
 
-def _save_state(cont, path: str) -> None:
+def _save_state(cont, path: str, force: bool = False) -> None:
     """Save a Continuation's state to `path`, saying so on stderr."""
-    saved = cont.save(path)
+    saved = cont.save(path, force)
     print(f"saved the state after {cont.tokens_read} tokens to {saved}", file=sys.stderr)
 
 
@@ -341,6 +360,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     from bdh_train.inference import Continuation, chat, stop_token_ids
 
+    _check_save_state(args)
     model, tok, cfg = _load_for_inference(args, need_text=True, finite=True)
     stops = stop_token_ids(args.stop, tok)
     cont = Continuation(model, _summary_events(model, cfg))
@@ -365,5 +385,5 @@ def cmd_chat(args: argparse.Namespace) -> int:
         style="jsonl" if args.jsonl else "terminal" if terminal else "pipe",
     )
     if args.save_state is not None:
-        _save_state(cont, args.save_state)
+        _save_state(cont, args.save_state, args.force)
     return 0

@@ -17,6 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_inference_args(p)
     p.add_argument("--out", required=True, metavar="DIR", help="the report directory")
     p.add_argument(
+        "--force", action="store_true", help="replace an earlier report at --out (only a report)"
+    )
+    p.add_argument(
         "--data", default=None, help="data to read (default: the run's validation split)"
     )
     prompts = p.add_mutually_exclusive_group()
@@ -55,7 +58,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = inspect_checkpoint(
-        args.checkpoint, args.out, options, args.data, args.prompt, args.prompts, args.device
+        args.checkpoint,
+        args.out,
+        options,
+        args.data,
+        args.prompt,
+        args.prompts,
+        args.device,
+        force=args.force,
     )
     print(report)
     return 0

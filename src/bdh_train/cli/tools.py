@@ -45,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("run_dir", help="a run directory, a checkpoint, or a ternary export file")
     p.add_argument("out", nargs="?", help="the file --ternary writes")
+    p.add_argument(
+        "--force", action="store_true", help="--ternary: replace an existing OUT (a regular file)"
+    )
 
 
 def _register_config(sub: argparse._SubParsersAction) -> None:
@@ -226,6 +229,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.hf is not None:
         if args.out is not None:
             raise ConfigError(f"export --hf DIR takes one RUN; drop {args.out}")
+        if args.force:
+            raise ConfigError(
+                "export --hf never replaces a directory; drop --force, name a new DIR"
+            )
         from bdh_train.huggingface.export import export_hf
 
         print(export_hf(args.run_dir, args.hf))
@@ -235,11 +242,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from bdh_train.data.tokenizer import HFTokenizer
     from bdh_train.export import export_ternary
     from bdh_train.inference import load_run
+    from bdh_train.storage.output import check_output
     from bdh_train.train.run_dir import check_outside_checkpoints
 
     check_outside_checkpoints(Path(args.run_dir), args.out)
+    check_output(args.out, "OUT", force=args.force)
     model, tok, cfg = load_run(args.run_dir)
     tokenizer_json = tok.to_json() if isinstance(tok, HFTokenizer) else None
     training_json = json.dumps(cfg.to_dict()["training"])
-    print(export_ternary(model, args.out, tokenizer_json, training_json))
+    print(export_ternary(model, args.out, tokenizer_json, training_json, force=args.force))
     return 0

@@ -17,12 +17,9 @@ one whose writer still runs. Same inputs, same bytes.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +60,7 @@ from bdh_train.data.tokens import (
     vocab_fits,
 )
 from bdh_train.errors import DataError
-from bdh_train.utils import current_umask
+from bdh_train.storage.output import check_output, clean_leftovers, publish_dir
 
 _COPY_TOKENS = 1 << 22
 
@@ -163,28 +160,26 @@ def _cut_tail(
 
 
 def _check_output(out: Path, force: bool) -> None:
-    if not out.exists() and not out.is_symlink():
+    """`out` under the output policy (storage.output): new, or with `force` a prepared corpus
+    or an empty directory (`_check_replaceable`)."""
+    check_output(out, "output", DataError, force=force, directory=True, same_kind=_replaceable)
+
+
+def _replaceable(out: Path) -> None:
+    """Refuse an existing directory that is neither a prepared corpus nor empty."""
+    names = {entry.name for entry in out.iterdir()}
+    if not names:
         return
-    if not force:
-        raise DataError(
-            f"output '{out}' already exists; pass --force to replace it (or choose another --out)"
-        )
-    if out.is_dir() and not out.is_symlink():
-        names = {entry.name for entry in out.iterdir()}
-        if not names:
-            return
-        foreign = sorted(names - layout_names())
-        if is_prepared(out) and not foreign:
-            return
-        why = (
-            f"it also holds {', '.join(map(repr, foreign[:3]))}"
-            if is_prepared(out) and foreign
-            else f"its {META_FILE} is not a {FORMAT_NAME}'s"
-            if META_FILE in names
-            else f"no {META_FILE}"
-        )
-    else:
-        why = "a symbolic link" if out.is_symlink() else "not a directory"
+    foreign = sorted(names - layout_names())
+    if is_prepared(out) and not foreign:
+        return
+    why = (
+        f"it also holds {', '.join(map(repr, foreign[:3]))}"
+        if is_prepared(out) and foreign
+        else f"its {META_FILE} is not a {FORMAT_NAME}'s"
+        if META_FILE in names
+        else f"no {META_FILE}"
+    )
     raise DataError(
         f"output '{out}' exists and is not a prepared corpus ({why}); --force replaces only a "
         f"prepared corpus or an empty directory: remove it yourself or choose another --out"
@@ -255,19 +250,8 @@ def prepare_corpus(
     totals = [formats.source_bytes(files), formats.source_bytes(val_files)]
     total = None if None in totals else sum(t for t in totals if t is not None)
 
-    created = next(
-        (p for p in reversed(out.absolute().parents) if not p.exists()), None
-    )  # the first folder this call makes, removed again on failure
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for left in remove_abandoned_temporaries(out):
-        print(
-            f"notice: removed '{left}', left by a `bdh-train prepare` of '{out}' that did not "
-            "finish",
-            file=sys.stderr,
-        )
-    tmp, lock = _locked_temporary(out)
-    try:
-        tmp.chmod(0o777 & ~current_umask())
+    def write(tmp: Path) -> None:
+        nonlocal tokenizer
         if train_bpe_vocab is not None:  # one bar of ours, not the tokenizers library's stages
             bar = _Progress(formats.source_bytes(files), progress, "train BPE", tokens=False)
             try:
@@ -277,15 +261,17 @@ def prepare_corpus(
             finally:
                 bar.close()
         tokenizer = tokenizer or ByteTokenizer()
-        meta = _write_corpus(
-            tmp,
-            files,
-            val_files,
-            tokenizer,
-            fraction,
-            text_field,
-            total,
-            progress,
+        meta.update(
+            _write_corpus(
+                tmp,
+                files,
+                val_files,
+                tokenizer,
+                fraction,
+                text_field,
+                total,
+                progress,
+            )
         )
         meta["sources"] = [os.fspath(s) for s in sources]
         meta["val_sources"] = [os.fspath(s) for s in val_sources or []]
@@ -294,40 +280,19 @@ def prepare_corpus(
         with open(tmp / META_FILE, "w", encoding="utf-8") as fh:
             json.dump(meta, fh, indent=2, sort_keys=True)
             fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(created or tmp, ignore_errors=True)
-        raise
-    finally:
-        os.close(lock)
+
+    meta: dict[str, Any] = {}
+    publish_dir(
+        out,
+        write,
+        "output",
+        "prepare",
+        DataError,
+        force=force,
+        same_kind=_replaceable,
+        ours=_holds_only_prepare_files,
+    )
     return meta
-
-
-def _temporary_prefix(out: Path) -> str:
-    return f".{out.name}.tmp-"
-
-
-def _locked_temporary(out: Path) -> tuple[Path, int]:
-    """A new temporary directory beside `out` to write into, and an open descriptor of it
-    that holds an exclusive `flock` on it until closed. The kernel drops the lock when the
-    process dies, however it dies: an unlocked temporary has no writer
-    (`remove_abandoned_temporaries`)."""
-    while True:
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=_temporary_prefix(out)))
-        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:  # a file system without flock: the temporary is never removed
-            return tmp, fd
-        try:
-            if os.path.samestat(os.stat(tmp), os.fstat(fd)):
-                return tmp, fd
-        except FileNotFoundError:
-            pass
-        # another prepare took the lock between mkdtemp and flock, and removed the directory
-        os.close(fd)
 
 
 def _holds_only_prepare_files(directory: Path) -> bool:
@@ -345,35 +310,11 @@ def _holds_only_prepare_files(directory: Path) -> bool:
 
 
 def remove_abandoned_temporaries(out: str | os.PathLike[str]) -> list[Path]:
-    """Remove the temporary directories that earlier `prepare_corpus` calls for `out` left
-    beside it when they were killed, and return them. A temporary whose writer still runs is
-    kept: the writer holds a `flock` on it (`_locked_temporary`) that the kernel drops only
-    when the writer exits. Also kept: one holding a name `prepare_corpus` does not write, and
-    every one on a file system where `flock` fails."""
-    out = Path(out)
-    prefix = _temporary_prefix(out)
-    try:
-        with os.scandir(out.parent) as found:
-            entries = [e for e in found if e.name.startswith(prefix)]
-    except FileNotFoundError:
-        return []
-    removed = []
-    for entry in entries:
-        try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError:  # not a directory, a symbolic link, or gone meanwhile
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            path = Path(entry.path)
-            if os.path.samestat(os.stat(path), os.fstat(fd)) and _holds_only_prepare_files(path):
-                shutil.rmtree(path)
-                removed.append(path)
-        except OSError:  # locked by its live writer (BlockingIOError), no flock, or gone
-            continue
-        finally:
-            os.close(fd)
-    return removed
+    """Remove what earlier `prepare_corpus` calls for `out` left beside it when they were
+    killed, and return it (`storage.output.clean_leftovers`): a temporary whose writer still
+    runs is kept (its writer holds a `flock` on it), and so is one holding a name
+    `prepare_corpus` does not write."""
+    return clean_leftovers(out, _holds_only_prepare_files)
 
 
 def _training_texts(
@@ -450,28 +391,6 @@ def _write_corpus(
         "val_fraction": val_fraction,
         "splits": splits,
     }
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Rename the finished directory into place; an existing `out` (allowed by --force) is
-    moved aside first, deleted after, and moved back when the rename fails."""
-    old = None
-    try:
-        if out.exists() or out.is_symlink():
-            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-            os.replace(out, old / out.name)
-        os.replace(tmp, out)
-    except OSError as exc:
-        if old is not None:
-            if (old / out.name).exists() or (old / out.name).is_symlink():
-                os.replace(old / out.name, out)
-            old.rmdir()
-        raise DataError(
-            f"cannot move the prepared corpus into '{out}': {exc.strerror or exc}"
-            + ("; the previous one is left in place" if old is not None else "")
-        ) from exc
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------- reading

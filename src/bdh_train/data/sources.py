@@ -24,7 +24,8 @@ from bdh_train.data.layout import is_prepared, is_prepared_split
 from bdh_train.data.tokenizer import BYTES, ByteTokenizer, Tokenizer, piece_cuts
 from bdh_train.data.tokens import TokenData, file_size, memmap_file, read_token_file
 from bdh_train.errors import ConfigError, DataError
-from bdh_train.utils import atomic_write, special_file_kind, suggest
+from bdh_train.storage.output import write_file
+from bdh_train.utils import special_file_kind, suggest
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -56,14 +57,11 @@ BUILTIN_CORPORA: Mapping[str, Callable[[], str]] = MappingProxyType(
 
 def write_builtin_corpus(name: str, out: str | os.PathLike[str], force: bool = False) -> int:
     """Write builtin corpus `name` to the file `out` as UTF-8 (atomically) and return its
-    size in bytes: the text as a file, for tools that read files (`bdh-train corpus`). An
-    existing `out` is a DataError unless `force`; nothing is written then."""
+    size in bytes: the text as a file, for tools that read files (`bdh-train corpus`). The
+    output policy applies (`storage.output.write_file`): an existing `out` is a DataError
+    unless `force`, which replaces only a regular file; nothing is written then."""
     text = builtin_corpus(name).encode("utf-8")
-    path = Path(out).expanduser()
-    if path.exists() and not force:
-        raise DataError(f"{path} exists; pass --force to replace it, or name another file")
-    with atomic_write(path, "wb") as handle:
-        handle.write(text)
+    write_file(Path(out).expanduser(), text, "--out", DataError, force=force)
     return len(text)
 
 

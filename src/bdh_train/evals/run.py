@@ -18,8 +18,8 @@ from bdh_train.errors import ConfigError
 from bdh_train.evals import memory, passkey, recall
 from bdh_train.evals.scoring import score_continuations, text_model
 from bdh_train.model.bdh import BDH
+from bdh_train.storage.output import check_output, write_file
 from bdh_train.train.machine_memory import available_memory
-from bdh_train.utils import atomic_write
 
 CURVE_BLOCKS = 16
 """--length defaults to this many training blocks."""
@@ -55,6 +55,21 @@ class MemoryEvals:
     """Tokens per example (default: data.mqar.length times RECALL_LENGTHS)."""
     recall_examples: int = 32
     out: Path = Path(".")
+    force: bool = False
+    """Replace result files an earlier run left in `out` (only regular files)."""
+
+    def files(self) -> list[Path]:
+        """The files the measures write under `out`."""
+        names = []
+        if self.context_curve:
+            names += ["context_curve.json", "context_curve.png"]
+        if self.retention:
+            names += ["retention.json"]
+        if self.passkey:
+            names += ["passkey.json", "passkey.png"]
+        if self.recall:
+            names += ["recall.json", "recall.png"]
+        return [self.out / name for name in names]
 
     @property
     def reads_data(self) -> bool:
@@ -91,6 +106,8 @@ class MemoryEvals:
             raise ConfigError(f"--passkey-depths must lie in [0, 1], got {self.depths}")
         if self.out.exists() and not self.out.is_dir():
             raise ConfigError(f"--out {self.out} exists and is not a directory")
+        for path in self.files():  # the output policy, before anything is computed
+            check_output(path, "--out file", force=self.force)
 
 
 def run_memory_evals(
@@ -179,23 +196,28 @@ def run_memory_evals(
         )
         files["recall"] = found
         lines.append(found.table())
-    lines.extend(f"wrote {path}" for path in _write(files, options.out))
+    lines.extend(f"wrote {path}" for path in _write(files, options.out, options.force))
     return lines
 
 
-def _write(results: dict[str, object], out: Path) -> list[Path]:
-    """Each result's JSON (and plot, for the curve and the passkey grid) under `out`."""
+def _write(results: dict[str, object], out: Path, force: bool = False) -> list[Path]:
+    """Each result's JSON (and plot, for the curve and the passkey grid) under `out`, by the
+    output policy (`storage.output`), every file checked before the folder is made."""
+    for name in results:
+        check_output(out / f"{name}.json", "--out file", force=force)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, result in results.items():
-        path = out / f"{name}.json"
-        with atomic_write(path, "w") as handle:
-            json.dump(asdict(result), handle, indent=1)  # type: ignore[call-overload]
-        written.append(path)
+        text = json.dumps(asdict(result), indent=1)  # type: ignore[call-overload]
+        written.append(write_file(out / f"{name}.json", text.encode(), "--out file", force=force))
+        plot = out / f"{name}.png"
         if isinstance(result, memory.ContextCurve):
-            written.append(memory.plot_context_curve(result, out / f"{name}.png"))
+            check_output(plot, "--out file", force=force)
+            written.append(memory.plot_context_curve(result, plot))
         elif isinstance(result, passkey.PasskeyGrid):
-            written.append(passkey.plot_passkey(result, out / f"{name}.png"))
+            check_output(plot, "--out file", force=force)
+            written.append(passkey.plot_passkey(result, plot))
         elif isinstance(result, recall.RecallGrid):
-            written.append(recall.plot_recall(result, out / f"{name}.png"))
+            check_output(plot, "--out file", force=force)
+            written.append(recall.plot_recall(result, plot))
     return written

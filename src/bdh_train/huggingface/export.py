@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -39,15 +38,15 @@ from bdh_train.data.tokenizer import (
     Tokenizer,
     byte_level_alphabet,
 )
-from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
+from bdh_train.errors import BDHTrainError, CheckpointError
 from bdh_train.inference import load_run
 from bdh_train.model import BDH
 from bdh_train.model.quant import PROJECTION_TARGETS
+from bdh_train.storage.output import check_output, publish_dir, writing
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.metrics import read_metrics
 from bdh_train.train.run_dir import check_outside_checkpoints, run_of_checkpoint
 from bdh_train.train.state import TRAINER_FILE
-from bdh_train.utils import current_umask
 
 CODE_FILES = ("configuration_bdh.py", "modeling_bdh.py")
 """The custom code, files of this package copied into the export as they are."""
@@ -77,10 +76,7 @@ def export_hf(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     """Write the model of `source` (a run directory, a checkpoint or a ternary export file)
     as a transformers model directory `out`, which must not exist; returns its path."""
     source, out = Path(source), Path(out)
-    if out.exists() or out.is_symlink():
-        raise ConfigError(
-            f"--hf {out} exists; name a new directory (the export writes a whole directory)"
-        )
+    check_output(out, "--hf", force=None, directory=True)
     check_outside_checkpoints(source, out)
     model, tok, cfg = load_run(source, finite=True)
     check_exportable(model, tok, source)
@@ -262,6 +258,17 @@ def provenance(source: Path, cfg: RunConfig) -> Provenance:
     return found
 
 
+_MARKDOWN_PUNCTUATION = re.compile(r"""([!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~])""")
+
+
+def markdown_text(text: str) -> str:
+    """`text` as one line of literal Markdown: control characters (newlines) as JSON
+    escapes, every ASCII punctuation mark backslash-escaped, so no heading, link, HTML tag
+    or code span can start in it."""
+    one_line = json.dumps(text, ensure_ascii=False)[1:-1]
+    return _MARKDOWN_PUNCTUATION.sub(r"\\\1", one_line)
+
+
 def _figure(value: float | int | None, fmt: str = "") -> str:
     return "not recorded" if value is None else format(value, fmt)
 
@@ -272,17 +279,19 @@ def model_card(model: BDH, tok: Tokenizer, p: Provenance, name: str) -> str:
     c = model.config
     quantized = quantized_projections(model)
     tokenizer = "bytes (256 ids)" if tok.kind == "bytes" else f"a BPE of {tok.vocab_size} ids"
+    # a fence longer than any run of backticks in the directory's name, which it holds
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", repr(name))), default=0))
     lines = [
         "---",
         "library_name: transformers",
         "pipeline_tag: text-generation",
         "tags: [bdh, dragon-hatchling, bdh-train, custom_code]",
         "---",
-        f"# {name}",
+        f"# {markdown_text(name)}",
         "",
         "A Dragon Hatchling (BDH) language model trained with bdh-train and exported from "
-        f"{p.exported_from}. Its whole past is a fixed-size state (one matrix per layer), "
-        "so a generated token costs the same however long the text.",
+        f"{markdown_text(p.exported_from)}. Its whole past is a fixed-size state (one matrix "
+        "per layer), so a generated token costs the same however long the text.",
         "",
         "## Model",
         f"- {model.config.parameter_count():,} parameters: {c.n_layer} layers sharing one "
@@ -292,7 +301,7 @@ def model_card(model: BDH, tok: Tokenizer, p: Provenance, name: str) -> str:
         + (", ".join(quantized) if quantized else "none"),
         "",
         "## Training",
-        f"- data: {p.data or 'not recorded'}",
+        f"- data: {markdown_text(p.data) if p.data else 'not recorded'}",
         f"- steps: {_figure(p.steps, ',')}; tokens: {_figure(p.tokens, ',')}; "
         f"block size {_figure(p.block_size)}, batch size {_figure(p.batch_size)}",
         f"- final train loss: {_figure(p.train_loss, '.4f')} nats per token",
@@ -300,39 +309,31 @@ def model_card(model: BDH, tok: Tokenizer, p: Provenance, name: str) -> str:
         f"({_figure(p.bits_per_byte, '.4f')} bits per byte)",
         "",
         "## Use",
-        "```python",
+        fence + "python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        f'tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)',
-        f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)',
+        f"tokenizer = AutoTokenizer.from_pretrained({name!r}, trust_remote_code=True)",
+        f"model = AutoModelForCausalLM.from_pretrained({name!r}, trust_remote_code=True)",
         'ids = tokenizer("The ", return_tensors="pt")',
         "out = model.generate(**ids, max_new_tokens=100, do_sample=False)",
         "print(tokenizer.decode(out[0]))",
-        "```",
+        fence,
         "",
     ]
     return "\n".join(lines)
 
 
 def write_directory(out: Path, files: dict[str, bytes]) -> Path:
-    """Write `files` into a new directory `out`: into a temporary sibling first, renamed at
-    the end, so `out` never exists half-written."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    try:
-        os.chmod(staging, 0o777 & ~current_umask())
+    """Write `files` into a new directory `out` by the output policy's `publish_dir`: built
+    beside it and renamed at the end, so `out` never exists half-written, and a write that
+    fails names its file."""
+
+    def write(building: Path) -> None:
         for name, data in files.items():
-            with open(staging / name, "wb") as handle:
+            with writing(building / name), open(building / name, "xb") as handle:
                 handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-        if out.exists() or out.is_symlink():
-            raise ConfigError(f"--hf {out} appeared while the export was written; nothing written")
-        os.rename(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+
+    return publish_dir(out, write, "--hf", "export --hf")
 
 
 def _json(data: dict) -> str:

@@ -8,8 +8,7 @@ from __future__ import annotations
 import html
 import json
 import os
-import shutil
-import tempfile
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from bdh_train.inspect.graph import (
 from bdh_train.inspect.report import degree_figure, render, sparsity_figure
 from bdh_train.inspect.synapses import check_probe_classes, synapse_report
 from bdh_train.model.bdh import BDH
+from bdh_train.storage.output import check_output, publish_dir
 
 REPORT_FILE = "report.html"
 NUMBERS_FILE = "inspect.json"
@@ -301,20 +301,41 @@ def inspect_model(
     return Inspection(numbers, recorder, graphs, rows)
 
 
-def write_report(inspection: Inspection, out: Path, hubs: int) -> Path:
-    """Write report.html, inspect.json and the hub GraphML files into a new directory beside
-    `out`, then rename it to `out`: a reader sees the whole new report or none. An `out`
-    holding an earlier report (its inspect.json) is replaced (moved aside first, so a crash
-    between the two renames leaves it whole in a hidden `.OUT.old.*` beside `out`); any other
-    existing `out` is refused."""
-    out = Path(out)
-    if out.exists() and not (out.is_dir() and (out / NUMBERS_FILE).is_file()):
-        raise BDHTrainError(f"--out {out} exists and holds no earlier report: name a new directory")
-    parent = out.resolve().parent
-    if not parent.is_dir():
-        raise BDHTrainError(f"--out {out}: the directory {parent} does not exist")
-    building = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
-    try:
+def check_report_dir(path: Path) -> None:
+    """Refuse an existing directory that is not an earlier report: one holding anything but
+    the files `write_report` writes (a run, a user's folder) is never replaced."""
+    foreign = sorted(
+        entry.name
+        for entry in path.iterdir()
+        if entry.is_symlink()
+        or not entry.is_file()
+        or not (entry.name in (REPORT_FILE, NUMBERS_FILE) or _HUBS.fullmatch(entry.name))
+    )
+    if foreign or not (path / NUMBERS_FILE).is_file():
+        why = f"it holds {', '.join(foreign[:3])}" if foreign else f"it has no {NUMBERS_FILE}"
+        raise BDHTrainError(
+            f"--out {path} is not an earlier inspect report ({why}); --force replaces only "
+            "a report: name a new directory"
+        )
+
+
+_HUBS = re.compile(r"hubs_G[xy]_head\d+\.graphml")
+"""The name of a hub subgraph's GraphML file."""
+
+
+def check_report_out(out: str | os.PathLike[str], force: bool = False) -> Path:
+    """--out under the output policy (storage.output): a new directory, or with `force` an
+    earlier report; never a run, a checkpoint or a place inside one."""
+    return check_output(out, "--out", force=force, directory=True, same_kind=check_report_dir)
+
+
+def write_report(inspection: Inspection, out: Path, hubs: int, force: bool = False) -> Path:
+    """Write report.html, inspect.json and the hub GraphML files as the directory `out`,
+    published whole (`storage.output.publish_dir`: built beside it, renamed into place). An
+    existing `out` is refused (`check_report_out`), unless `force` and it is an earlier
+    report, which is replaced."""
+
+    def write(building: Path) -> None:
         numbers = inspection.numbers
         figures = {"sparsity": sparsity_figure(numbers, inspection.recorder.token_shares())}
         if inspection.graphs:
@@ -323,24 +344,9 @@ def write_report(inspection: Inspection, out: Path, hubs: int) -> Path:
             write_hub_graphml(g, building / f"hubs_G{g.kind}_head{g.head}.graphml", hubs)
         (building / NUMBERS_FILE).write_text(json.dumps(numbers, indent=1) + "\n")
         (building / REPORT_FILE).write_text(render(numbers, figures, inspection.dashboard))
-        os.chmod(building, 0o777 & ~_umask())
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=parent))
-            os.replace(out, old / "report")
-            os.replace(building, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(building, out)
-    except BaseException:
-        shutil.rmtree(building, ignore_errors=True)
-        raise
-    return out / REPORT_FILE
 
-
-def _umask() -> int:
-    from bdh_train.utils import current_umask
-
-    return current_umask()
+    final = publish_dir(out, write, "--out", "inspect", force=force, same_kind=check_report_dir)
+    return final / REPORT_FILE
 
 
 def read_probe_prompts(
@@ -390,6 +396,7 @@ def inspect_checkpoint(
     prompt: str | None = None,
     prompts_file: str | None = None,
     device: str = "cpu",
+    force: bool = False,
 ) -> Path:
     """Inspect a run (directory, checkpoint or export) on `data` (default: its validation
     split, else its training data) and the prompts; write the report directory `out`
@@ -398,6 +405,7 @@ def inspect_checkpoint(
     from bdh_train.inference import load_run
 
     check_options(options)
+    check_report_out(out, force)
     model, tokenizer, cfg = load_run(checkpoint, device=device)
     layer_of(options, model.config.n_layer)
     if tokenizer is None and (data is None or prompt is not None or prompts_file is not None):
@@ -423,7 +431,7 @@ def inspect_checkpoint(
         "data": stream.source,
         **inspection.numbers,
     }
-    return write_report(inspection, Path(out), options.hubs)
+    return write_report(inspection, Path(out), options.hubs, force)
 
 
 def _bar(total: int):

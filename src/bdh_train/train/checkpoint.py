@@ -34,6 +34,8 @@ from safetensors.torch import load_file, save_file
 from bdh_train import checks
 from bdh_train.errors import BDHTrainError, CheckpointError
 from bdh_train.model.bdh import shape_mismatch
+from bdh_train.storage.output import fsync_dir, make_dir, publish_dir, sync_tree
+from bdh_train.storage.places import MANIFEST, MODEL_FILE
 from bdh_train.train.dcp import ShardedState, dcp_errors
 from bdh_train.train.run_dir import CHECKPOINTS, CONFIG_FILE
 from bdh_train.utils import atomic_write, current_umask, first_line, quoted, read_regular_file
@@ -55,13 +57,10 @@ class CheckpointConfig:
 
 
 LATEST = "latest"
-MODEL_FILE = "model.safetensors"
 SHARDED_DIR = "sharded"
 """The DCP directory of a sharded run's model and optimizer state."""
 
 
-MANIFEST = "manifest.json"
-"""SHA-256 and size of every other file of a checkpoint, written last, checked on load."""
 LATEST_MAX_BYTES = 256
 """The most a `latest` pointer may hold: one checkpoint name (step-XXXXXXX-mMM) and a newline."""
 JSON_MAX_BYTES = 16 << 20
@@ -82,14 +81,6 @@ def checkpoint_position(name: str) -> tuple[int, int] | None:
     """(step, micro) of a checkpoint directory name; None for anything else."""
     match = _NAME.fullmatch(name)
     return (int(match.group(1)), int(match.group(2) or 0)) if match else None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -260,7 +251,7 @@ def save_checkpoint(
             old = Path(tempfile.mkdtemp(dir=root, prefix=f"{_OLD_PREFIX}{final.name}-"))
             os.replace(final, old / _SET_ASIDE)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -278,41 +269,28 @@ def save_checkpoint(
 def _seal(directory: Path) -> None:
     """Add the manifest of a checkpoint directory's files and put them all on disk."""
     _write_manifest(directory)
-    for child in _checkpoint_files(directory):
-        with open(child, "rb") as handle:
-            os.fsync(handle.fileno())
-    for sub in (p for p in directory.rglob("*") if p.is_dir()):
-        _fsync_dir(sub)
+    sync_tree(directory)
 
 
-def publish_checkpoint_dir(final: Path, write: Callable[[Path], None]) -> Path:
+def publish_checkpoint_dir(final: Path, write: Callable[[Path], None], command: str) -> Path:
     """A checkpoint directory `final` outside any run (`resolve_checkpoint` reads it), written
-    whole or not at all: `write` fills a hidden temporary directory beside it, the manifest
-    is added, and the directory is renamed into place. Refused when `final` exists."""
-    final = Path(final)
-    if final.exists():
-        raise CheckpointError(f"{final} exists: choose a new path for the output")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f"{_TMP_PREFIX}{final.name}-"))
-    os.chmod(tmp, 0o777 & ~current_umask())
-    try:
-        write(tmp)
-        _seal(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    whole or not at all by the output policy's `publish_dir` (--out: never an existing path,
+    never inside a checkpoint or a run's files): `write` fills a temporary directory beside
+    it, the manifest is added, and the directory is renamed into place. What a killed
+    `command` left for `final` is removed first."""
+
+    def sealed(directory: Path) -> None:
+        write(directory)
+        _write_manifest(directory)
+
+    return publish_dir(final, sealed, "--out", command, CheckpointError)
 
 
 def make_temp_dir(run_dir: Path, name: str) -> Path:
     """The hidden temporary directory checkpoint `name` is written into before its rename."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f"{_TMP_PREFIX}{name}-"))
-    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0o700 -> what mkdir would give
-    return tmp
+    return make_dir(root, f"{_TMP_PREFIX}{name}-")
 
 
 def list_checkpoints(root: Path) -> list[Path]:

@@ -32,39 +32,27 @@ from typing import Any
 
 from bdh_train.data.tokenizer import BYTES, TOKENIZER_FILE
 from bdh_train.errors import CheckpointError, ConfigError
+from bdh_train.storage.places import (  # the names live with the output policy's guard
+    CHECKPOINTS,
+    CONFIG_FILE,
+    ERROR_LOG,
+    LAYOUT,
+    LOCK_FILE,
+    METRICS_FILE,
+    PLOT_FILE,
+    PROFILE_FILE,
+    TENSORBOARD_DIR,
+    WANDB_DIR,
+)
 from bdh_train.utils import read_regular_file
 
-CONFIG_FILE = "config.toml"
 CONFIG_MAX_BYTES = 1 << 20
 """The largest config file read: a run's saved config.toml, every key written, has about
 2 KiB, so a larger file is no config, and is not read into memory."""
 LOCK_MAX_BYTES = 4096
 """The most a run's .lock may hold to be kept and put back after a refused start: the lock
 holds its holder's pid and a newline."""
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "loss.png"
-PROFILE_FILE = "profile.png"
-TENSORBOARD_DIR = "tensorboard"
-CHECKPOINTS = "checkpoints"
-WANDB_DIR = "wandb"
-"""Where the Weights & Biases client keeps an offline run (metrics.report_to = ["wandb"])."""
-LOCK_FILE = ".lock"
-ERROR_LOG = "error.log"
-"""Left by a failed start; it does not make a directory 'used', and a fresh run started in
-the directory removes it (`forget_failed_starts`)."""
-LAYOUT = (
-    CONFIG_FILE,
-    TOKENIZER_FILE,
-    METRICS_FILE,
-    PLOT_FILE,
-    PROFILE_FILE,
-    TENSORBOARD_DIR,
-    WANDB_DIR,
-    CHECKPOINTS,
-    LOCK_FILE,
-    ERROR_LOG,
-)
-"""Every name a run directory may hold: what `--overwrite` may replace."""
+
 RUNS_ROOT = "runs"
 """Where `bdh-train train` puts a run given no --run-dir: runs/<date>-<time>."""
 
@@ -279,8 +267,10 @@ class RunDir:
         or whose checkpoints/ holds anything but checkpoints, is never cleared."""
         refuse_a_file(self.path)
         used = used_entries(self.path)
-        foreign = [name for name in used if name not in LAYOUT] + _foreign_checkpoints(
-            self.path / CHECKPOINTS
+        foreign = (
+            [name for name in used if name not in LAYOUT]
+            + _foreign_checkpoints(self.path / CHECKPOINTS)
+            + _foreign_events(self.path / TENSORBOARD_DIR)
         )
         if foreign:
             replaces = "--overwrite replaces only a run directory (or an empty one); "
@@ -320,6 +310,18 @@ class RunDir:
                 f"cannot resume: {self.config} does not exist (is {self.path} a run "
                 "directory written by bdh-train train?)"
             )
+
+    def check_no_links(self) -> None:
+        """Refuse a run whose checkpoints/, tensorboard/ or wandb/ is a symbolic link: a
+        trainer writes (and prunes) there, and never through a link to somewhere else."""
+        for name in (CHECKPOINTS, TENSORBOARD_DIR, WANDB_DIR):
+            path = self.path / name
+            if path.is_symlink():
+                raise ConfigError(
+                    f"{path} is a symbolic link to {os.readlink(path)}; bdh-train writes a "
+                    "run's files only in the run directory itself: replace the link with "
+                    "the folder it points to, or start a fresh run elsewhere"
+                )
 
     def check_has_metrics(self) -> None:
         """`plot` and `profile` read a run's metrics.jsonl."""
@@ -404,6 +406,22 @@ def _foreign_checkpoints(checkpoints: Path) -> list[str]:
             (entry.name == "latest" and entry.is_file())
             or (entry.is_dir() and _CHECKPOINT_ENTRY.fullmatch(entry.name))
         )
+    )
+
+
+_EVENTS = re.compile(r"events\.out\.tfevents\..+")
+"""The name of a TensorBoard event file (what metrics.tensorboard writes)."""
+
+
+def _foreign_events(folder: Path) -> list[str]:
+    """What in a run's tensorboard folder is not an event file, which `clear` would remove
+    with it."""
+    if folder.is_symlink() or not folder.is_dir():
+        return []  # a link in place of the folder is removed as a link; its target is kept
+    return sorted(
+        f"{TENSORBOARD_DIR}/{entry.name}"
+        for entry in folder.iterdir()
+        if entry.is_symlink() or not (entry.is_file() and _EVENTS.fullmatch(entry.name))
     )
 
 

@@ -404,7 +404,7 @@ def _write_checkpoint(directory: Path, model, config: dict | None = None) -> Pat
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / ckpt.MODEL_FILE), metadata=metadata)
 
-    return ckpt.publish_checkpoint_dir(directory, write)
+    return ckpt.publish_checkpoint_dir(directory, write, "merge")
 
 
 @pytest.fixture(scope="module")

@@ -723,7 +723,7 @@ def test_every_file_is_on_disk_before_the_directory_is_renamed_into_place(
 
     def moved(real: Callable[..., None]) -> Callable[..., None]:
         def move(src: Any, dst: Any) -> None:
-            if Path(src).name.startswith(".tmp-"):
+            if ".tmp-" in Path(src).name:  # save_checkpoint: .tmp-NAME; publish_dir: .NAME.tmp-
                 events.append(("rename", 0))
             real(src, dst)
 
@@ -742,7 +742,7 @@ def test_every_file_is_on_disk_before_the_directory_is_renamed_into_place(
         if how == "save_checkpoint":
             final = ckpt.save_checkpoint(tmp_path, "step-0000001", write)
         else:
-            final = ckpt.publish_checkpoint_dir(tmp_path / "out", write)
+            final = ckpt.publish_checkpoint_dir(tmp_path / "out", write, "merge")
     renamed = events.index(("rename", 0))
     before = {inode for kind, inode in events[:renamed] if kind == "fsync"}
     files = [p for p in final.rglob("*") if p.is_file()]

@@ -18,6 +18,7 @@ from bdh_train.train import checkpoint as ckpt
 from bdh_train.train import console
 from bdh_train.train.console import Progress, command_name, format_duration
 from bdh_train.train.evaluate import evaluate
+from bdh_train.train.metrics import read_metrics
 from bdh_train.train.run_dir import LOCK_FILE
 from bdh_train.train.step import LanguageTrainModel
 from bdh_train.train.threads import usable_cpus
@@ -132,6 +133,26 @@ def test_resume_with_the_same_length_gives_no_warning(tmp_path):
     log = io.StringIO()
     Trainer(cfg, tmp_path, resume=True, stream=log).run()
     assert "resumed from" in log.getvalue() and "warning" not in log.getvalue()
+
+
+def test_a_wsd_run_extended_from_its_stable_phase_keeps_its_lr(tmp_path):
+    """A wsd run of 4 steps (its decay: the last one) stopped at step 2 and resumed with 8
+    steps: the warning says where the decay moved and that the lr stays; steps 3-5 run at
+    the base lr, the decay's first step (6) too, then it falls."""
+    wsd = ["optimizer.schedule='wsd'", "optimizer.decay_fraction=0.25", "training.eval_every=0"]
+    cfg = load_config(overrides=[*SMALL, *wsd, "training.max_steps=4", "training.log_every=1"])
+    Trainer(cfg, tmp_path, stream=io.StringIO()).run(stop_after_micro_steps=2)
+    longer = load_config(overrides=[*SMALL, *wsd, "training.max_steps=8", "training.log_every=1"])
+    log = io.StringIO()
+    Trainer(longer, tmp_path, resume=True, stream=log).run()
+    base = cfg.optimizer.lr
+    assert (
+        "warning: training.max_steps changed from 4 (the checkpoint's) to 8: the wsd decay now "
+        f"starts at step 6; the lr at step 2 stays {base:.3g}"
+    ) in log.getvalue().splitlines()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    lrs = {row["step"]: row["lr"] for row in rows if "lr" in row}
+    assert [lrs[s] for s in range(1, 8)] == [base] * 7 and lrs[8] < base
 
 
 def test_the_compiling_line_comes_before_the_first_step_and_says_how_long(tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.config import TrainingConfig
 from bdh_train.train.dcp import ShardedState
-from bdh_train.train.optim import OptimizerConfig
+from bdh_train.train.optim import OptimizerConfig, decay_start
 from bdh_train.train.run_dir import CONFIG_FILE, RunDir, config_path
 
 TRAINER_FILE = "trainer.json"
@@ -340,10 +340,14 @@ def check_resumed_length(
         if old_lr != new_lr
         else f"the lr at step {step} stays {new_lr:.3g}"
     )
+    if o.schedule == "wsd":
+        start = decay_start(o.warmup_steps, t.max_steps, o.decay_fraction)
+        stretch = f"the wsd decay now starts at step {start}"
+    else:
+        stretch = f"the {o.schedule} lr schedule is re-stretched over the new length"
     return [
         f"warning: training.max_steps changed from {before} (the checkpoint's) to "
-        f"{t.max_steps}: the {o.schedule} lr schedule is re-stretched over the new length; "
-        f"{jump}"
+        f"{t.max_steps}: {stretch}; {jump}"
     ]
 
 

@@ -78,8 +78,15 @@ def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypat
         f"model          {params / 1e6:.2f} M parameters ({params:,})",
         f"data           {home / 'corpus.txt'}: {train_tokens:,} train tokens, "
         f"{val_tokens:,} val tokens",
+        # eval_steps = 1 batch of 2 windows of 8 tokens, of the split's val_tokens - 1 targets
+        f"validation     1 batches, 16 tokens ({16 / (val_tokens - 1):.1%} of the split, "
+        "sampled across it), every 3 steps and at the end",
         "per step       2 x 8 tokens = 16 tokens",
         "length         3 steps (48 tokens in all)",
+        # tests/train/test_throughput.py's hand count for 1 layer, D 16, 1 head, N 32, V 256,
+        # T 8, dense: 2 * (3 * 6,016 - 256) = 35,584; the tests' constant peak (conftest.py)
+        "throughput     35.6 kFLOP per token (a training step's, counted); peak 100 GFLOP/s "
+        "(a 2048-square float32 product measured at start)",
         "config         layered on preset tiny (the default: no config file given)",
     ]
     lines = out.splitlines()
@@ -87,7 +94,7 @@ def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypat
     steps = [line.split(" | ")[0] for line in lines if line.startswith("step ")]
     assert steps == ["step 1/3", "step 2/3", "step 3/3", "step      3"]  # last: val_loss
     first = next(line for line in lines if line.startswith("step 1/3"))
-    assert " | 16 tok | " in first and " tok/s | ETA " in first
+    assert " | 16 tok | " in first and " tok/s | MFU " in first and "% | ETA " in first
     final = run / "checkpoints" / "step-0000003"
     assert ckpt.resolve_checkpoint(run) == final  # checkpoint_every = 0: still the final step
     summary = lines[-6:]

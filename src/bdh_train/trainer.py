@@ -32,6 +32,7 @@ from bdh_train.train.console import (
     Banner,
     CompileNotice,
     Progress,
+    budget_line,
     device_line,
     eval_line,
     resume_lines,
@@ -39,12 +40,7 @@ from bdh_train.train.console import (
     stop_line,
     summary_lines,
 )
-from bdh_train.train.evaluate import (
-    SAMPLE_TEMPERATURES,
-    Evaluator,
-    sample_continuation,
-    writes_text,
-)
+from bdh_train.train.evaluate import Evaluator, end_of_run_samples, writes_text
 from bdh_train.train.init_from import init_weights_from
 from bdh_train.train.metrics import MetricsReporter, plot_losses
 from bdh_train.train.profile import ProfileSettings, StepProfiler
@@ -59,6 +55,7 @@ from bdh_train.train.state import (
     saved_files,
 )
 from bdh_train.train.threads import set_threads
+from bdh_train.train.throughput import run_throughput
 from bdh_train.train.window import StepWindow, TrainingDiverged, reduction_for
 
 __all__ = ["RunResult", "Trainer", "TrainingDiverged"]
@@ -224,7 +221,10 @@ class Trainer:
                 self.device,
                 self.data_parallel,
             )
-        self.stop_requested = False
+        self.stop_requested, self.clock = False, time.perf_counter  # the time budget's clock
+        self.throughput = run_throughput(
+            self.executor, self.train_data, t, cfg.data, self.device, self.data_parallel.world_size
+        )
         self.metrics: MetricsReporter | None = None
         self.resumed_from, self.resume_notes = None, []
         if resume or checkpoint is not None:
@@ -237,6 +237,7 @@ class Trainer:
         s, main = self.state, self.dist.is_main
         self.progress = Progress(t.max_steps, s.step, stream, main, t.log_every, s.tokens)
         self.progress.fallback = self.run_files.log_error  # kept lines, once the console is gone
+        self.progress.mfu = self.throughput.mfu if self.throughput is not None else None
 
     def request_stop(self) -> None:
         """Checkpoint at the next micro-step boundary and return (SIGTERM, preemption)."""
@@ -263,22 +264,23 @@ class Trainer:
         s, t = self.state, self.training
         metrics = self._start()
         micro_done, last_val, checkpoint = 0, None, None
-        started = time.perf_counter() - s.elapsed
+        started, budget = self.clock() - s.elapsed, t.time_budget_s
         compile_notice = CompileNotice(t.compile, s.step < t.max_steps, self.progress.log)
         self.progress.restart_clock()
         while s.step < t.max_steps:
-            # Any process asking to stop (a signal to one rank) stops them all at this
-            # micro-step with one checkpoint.
+            # Any process asking to stop (a signal to one rank, a spent time budget) stops
+            # them all at this micro-step with one checkpoint.
             asked = stop_after is not None and micro_done >= stop_after
-            if self.dist.any_of(self.stop_requested or asked, self.device):
-                s.elapsed = time.perf_counter() - started
-                return self._stop(last_val)
+            spent = bool(budget) and s.micro == 0 and s.elapsed >= budget
+            if self.dist.any_of(self.stop_requested or asked or spent, self.device):
+                s.elapsed = self.clock() - started
+                return self._stop(last_val, budget_line(t.max_time, s.elapsed) if spent else None)
             self.window.micro_step(lambda: self.loader.next_batch().to(self.device))
             micro_done += 1
             if s.micro < self.accumulation_steps:
                 continue
             row = self.window.optimizer_step()
-            s.elapsed = time.perf_counter() - started
+            s.elapsed = self.clock() - started
             compile_notice.step_done()
             metrics.log_step(row, s.elapsed)
             self.progress.update(s.step, row)
@@ -306,6 +308,7 @@ class Trainer:
 
         self.dist.on_main(write, self.device.type)
         self.metrics.restart_clock(s.tokens)
+        self.metrics.mfu = self.progress.mfu
         lines = [*self.banner().lines(), *self.cfg.notes()]
         if self.resumed_from is not None:
             torn = self.metrics.path if self.metrics.dropped_torn_line else None
@@ -318,8 +321,10 @@ class Trainer:
             self.progress.log(self.profile_settings.describe())
         return self.metrics
 
-    def _stop(self, last_val: float | None) -> RunResult:
+    def _stop(self, last_val: float | None, why: str | None = None) -> RunResult:
         s = self.state
+        if why is not None:
+            self.progress.log(why, keep=True)
         checkpoint = self.save_checkpoint()
         self.progress.log(stop_line(s.step, s.micro, checkpoint, self.run_dir), keep=True)
         self.progress.close()
@@ -370,6 +375,9 @@ class Trainer:
             self.run_files.config.name,
             self.threads.describe() if self.device.type == "cpu" else None,
             self.training.recurrence(),
+            cfg.checkpoint.init_from if self.resumed_from is None else None,
+            (*e.coverage, e.every) if (e := self.evaluator) is not None else None,
+            self.throughput.describe() if self.throughput is not None else None,
         )
 
     # ------------------------------------------------------------------ evaluation
@@ -385,28 +393,15 @@ class Trainer:
         return result.val_loss
 
     def sample(self, max_new_tokens: int = 200) -> str | None:
-        """The end-of-run samples (`sample_continuation` at each of `SAMPLE_TEMPERATURES`),
-        printed; returns the first; None when the model does not write text of the run's
-        tokenizer."""
+        """The end-of-run samples (`end_of_run_samples`), printed; returns the first; None
+        when the model does not write text of the run's tokenizer."""
         cfg, splits = self.cfg, (self.train_data, self.val_data)
-        prompt, samples = "", []
-        for temperature in SAMPLE_TEMPERATURES:
-            out = sample_continuation(
-                self.model,
-                self.tokenizer,
-                cfg.model,
-                cfg.data,
-                splits,
-                self.device,
-                max_new_tokens,
-                temperature=temperature,
-            )
-            if out is None:
-                return None
-            prompt = out[0]
-            samples.append((temperature, out[1]))
-        self.progress.log(sample_lines(prompt, samples))
-        return samples[0][1]
+        out = end_of_run_samples(
+            self.model, self.tokenizer, cfg.model, cfg.data, splits, self.device, max_new_tokens
+        )
+        if out is not None:
+            self.progress.log(sample_lines(*out))
+        return None if out is None else out[1][0][1]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, before_rename: Callable[[Path], None] | None = None) -> Path:

@@ -4,6 +4,7 @@ joined along the neurons, with an optional short fine-tune)."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,7 +55,17 @@ def cmd_grow(args: argparse.Namespace) -> int:
 
     out = grow_run(args.checkpoint, args.neurons_multiplier, args.out, args.seed)
     print(f"grown x{args.neurons_multiplier}: {out} (train on: --config {out}/config.toml)")
+    print(recipe_line(out))
     return 0
+
+
+def recipe_line(out: object) -> str:
+    """The fine-tune recipe the written config holds, in words."""
+    from bdh_train.compose import describe_recipe
+    from bdh_train.config import load_config
+
+    cfg = load_config([f"{out}/config.toml"], default_preset=False)
+    return f"its config trains on with a fine-tune recipe: {describe_recipe(cfg.optimizer)}"
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -65,7 +76,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
         raise ConfigError(f"--eval-batches must be >= 1, got {args.eval_batches}")
     freeze = [part for part in args.freeze.split(",") if part]
     finetune = FinetuneConfig(args.finetune_steps, args.data, freeze)
-    report = merge_runs(args.sources, args.out, args.embeddings, finetune, args.eval_batches)
+    report = merge_runs(
+        args.sources, args.out, args.embeddings, finetune, args.eval_batches, sys.stderr
+    )
     print(report.table())
     print(f"merged: {args.out} (train on: --config {args.out}/config.toml)")
+    print(recipe_line(args.out))
     return 0

@@ -260,8 +260,8 @@ def eval_scope(evaluator: Evaluator, source: str | None, name: str, eval_steps: 
     printed: train evaluates `training.eval_steps` batches of windows sampled across its
     validation split (`sampled_windows`), the same ones in the same order, so `--batches
     eval_steps` on that split gives train's last figure (from the same weights, in float32);
-    eval takes every batch unless --batches limits it. `source` is eval's --data (None: the run's validation split), `name`
-    what the data is called."""
+    eval takes every batch unless --batches limits it. `source` is eval's --data (None: the
+    run's validation split), `name` what the data is called."""
     e = evaluator
     windows = eval_window_count(len(e.data), e.block_size)
     total = -(-windows // e.batch_size)

@@ -237,7 +237,6 @@ class Trainer:
         s, main = self.state, self.dist.is_main
         self.progress = Progress(t.max_steps, s.step, stream, main, t.log_every, s.tokens)
         self.progress.fallback = self.run_files.log_error  # kept lines, once the console is gone
-        self.progress.mfu = self.throughput.mfu if self.throughput is not None else None
 
     def request_stop(self) -> None:
         """Checkpoint at the next micro-step boundary and return (SIGTERM, preemption)."""
@@ -308,7 +307,7 @@ class Trainer:
 
         self.dist.on_main(write, self.device.type)
         self.metrics.restart_clock(s.tokens)
-        self.metrics.mfu = self.progress.mfu
+        self.metrics.mfu = self.progress.mfu = None if (f := self.throughput) is None else f.mfu
         lines = [*self.banner().lines(), *self.cfg.notes()]
         if self.resumed_from is not None:
             torn = self.metrics.path if self.metrics.dropped_torn_line else None
@@ -339,15 +338,9 @@ class Trainer:
             plot_losses(self.run_dir)
         with fsdp.gathered(self.model):  # every rank gathers a sharded model's weights
             sample = self.sample() if self.dist.is_main else None
-        for line in summary_lines(
-            self.run_dir,
-            s,
-            last_val,
-            checkpoint,
-            self.run_files.loss_plot,
-            t.max_steps,
-            writes_text(m.language_head, m.vocab_size, self.tokenizer, self.cfg.data.source),
-        ):
+        text = writes_text(m.language_head, m.vocab_size, self.tokenizer, self.cfg.data.source)
+        plot = self.run_files.loss_plot
+        for line in summary_lines(self.run_dir, s, last_val, checkpoint, plot, t.max_steps, text):
             self.progress.log(line)
         return RunResult(s.step, False, checkpoint, last_val, sample)
 
@@ -366,15 +359,11 @@ class Trainer:
             f"{cfg.data.tokenizer} ({tok.vocab_size:,} ids)"
             if isinstance(tok, HFTokenizer)
             else None,
-            self.training.batch_size,
-            self.training.block_size,
-            self.accumulation_steps,
-            self.training.max_steps,
+            self.training,
             self.state.step if self.resumed_from is not None else None,
             cfg.layered_on,
             self.run_files.config.name,
             self.threads.describe() if self.device.type == "cpu" else None,
-            self.training.recurrence(),
             cfg.checkpoint.init_from if self.resumed_from is None else None,
             (*e.coverage, e.every) if (e := self.evaluator) is not None else None,
             self.throughput.describe() if self.throughput is not None else None,

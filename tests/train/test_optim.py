@@ -29,7 +29,7 @@ def lr_at(step: int, warmup: int, total: int, schedule: str) -> float:
     )
 
 
-@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear", "wsd"])
 def test_first_warmup_step_is_base_over_warmup_and_base_is_reached_at_step_index_warmup_minus_1(
     schedule,
 ):

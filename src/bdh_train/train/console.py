@@ -15,6 +15,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from bdh_train.train.config import TrainingConfig
 from bdh_train.train.state import TrainerState
 
 
@@ -158,10 +159,8 @@ class Banner:
     val_tokens: int | None
     tokenizer: str | None
     """The Hugging Face tokenizer as named, with its size; None for bytes."""
-    batch_size: int
-    block_size: int
-    accumulation_steps: int
-    max_steps: int
+    training: TrainingConfig
+    """The run's [training]: its batch, block, accumulation, length and recurrence."""
     resumed_at: int | None
     """The checkpoint's step on a resume."""
     layered_on: str | None
@@ -170,8 +169,6 @@ class Banner:
     """The run's saved config file (a resume's source)."""
     threads: str | None = None
     """torch's CPU thread count and why (`ThreadChoice.describe`); None off the CPU."""
-    recurrence: str | None = None
-    """TBPTT and streaming in words (`TrainingConfig.recurrence`); None when both are off."""
     init_from: str | None = None
     """The weights a fresh run starts from (checkpoint.init_from); None when initialised."""
     evaluation: tuple[int, int, int] | None = None
@@ -181,14 +178,14 @@ class Banner:
     """FLOPs per token and the peak (`Throughput.describe`); None when not counted."""
 
     def lines(self) -> list[str]:
-        params, accum = self.parameters, self.accumulation_steps
+        t, params, accum = self.training, self.parameters, self.training.accumulation_steps
         val = "no val split" if self.val_tokens is None else f"{self.val_tokens:,} val tokens"
-        per_step = self.batch_size * self.block_size * accum
+        per_step = t.tokens_per_step
         micro = f" x {accum} micro-steps" if accum > 1 else ""
         if self.resumed_at is not None:
-            steps = f"steps {self.resumed_at} -> {self.max_steps} (resumed)"
+            steps = f"steps {self.resumed_at} -> {t.max_steps} (resumed)"
         else:
-            steps = f"{self.max_steps:,} steps"
+            steps = f"{t.max_steps:,} steps"
         tokenizer = [f"tokenizer      {self.tokenizer}"] if self.tokenizer is not None else []
         if self.layered_on is not None:
             layered = f"layered on {self.layered_on}"
@@ -197,7 +194,7 @@ class Banner:
         else:
             layered = "built directly (no preset)"
         threads = [f"threads        {self.threads}"] if self.threads is not None else []
-        recurrence = [f"recurrence     {self.recurrence}"] if self.recurrence is not None else []
+        recurrence = [f"recurrence     {r}"] if (r := t.recurrence()) is not None else []
         init = [f"weights        loaded from {self.init_from}"] if self.init_from else []
         flops = [f"throughput     {self.throughput}"] if self.throughput is not None else []
         return [
@@ -209,10 +206,9 @@ class Banner:
             f"data           {self.source}: {self.train_tokens:,} train tokens, {val}",
             *self._evaluation(),
             *tokenizer,
-            f"per step       {self.batch_size} x {self.block_size} tokens{micro} = "
-            f"{per_step:,} tokens",
+            f"per step       {t.batch_size} x {t.block_size} tokens{micro} = {per_step:,} tokens",
             *recurrence,
-            f"length         {steps} ({self.max_steps * per_step:,} tokens in all)",
+            f"length         {steps} ({t.max_steps * per_step:,} tokens in all)",
             *flops,
             f"config         {layered}",
         ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from bdh_train.errors import ConfigError, DataError
 from bdh_train.model import BDH
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train import console
+from bdh_train.train.config import TrainingConfig
 from bdh_train.train.console import Progress, command_name, format_duration
 from bdh_train.train.evaluate import evaluate
 from bdh_train.train.metrics import read_metrics
@@ -79,7 +81,7 @@ def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypat
         f"data           {home / 'corpus.txt'}: {train_tokens:,} train tokens, "
         f"{val_tokens:,} val tokens",
         # eval_steps = 1 batch of 2 windows of 8 tokens, of the split's val_tokens - 1 targets
-        f"validation     1 batches, 16 tokens ({16 / (val_tokens - 1):.1%} of the split, "
+        f"validation     1 batch, 16 tokens ({16 / (val_tokens - 1):.1%} of the split, "
         "sampled across it), every 3 steps and at the end",
         "per step       2 x 8 tokens = 16 tokens",
         "length         3 steps (48 tokens in all)",
@@ -359,3 +361,23 @@ def test_the_banner_says_when_tbptt_or_streaming_is_on(tmp_path, overrides, line
         trainer.close()
     found = [text for text in lines if text.startswith("recurrence")]
     assert found == ([] if line is None else [line])
+
+
+def test_the_banner_says_how_much_of_the_split_an_evaluation_covers():
+    """43 val tokens are 42 targets, 5 windows of 8: 16 tokens are 38.1% of the split, 40
+    are all its windows."""
+    t = TrainingConfig(block_size=8, batch_size=2, max_steps=3)
+
+    def line(evaluation):
+        args = (Path("run"), "cpu", 10, "src", 100, 43, None, t, None, None, "config.toml")
+        lines = console.Banner(*args, evaluation=evaluation).lines()
+        return [text for text in lines if text.startswith("validation")]
+
+    assert line((1, 16, 3)) == [
+        "validation     1 batch, 16 tokens (38.1% of the split, sampled across it), every 3 "
+        "steps and at the end"
+    ]
+    assert line((3, 40, 0)) == [
+        "validation     3 batches, 40 tokens (the whole split), never (eval_every = 0)"
+    ]
+    assert line(None) == []

@@ -217,14 +217,16 @@ class Banner:
         if self.evaluation is None or self.val_tokens is None:
             return []
         batches, tokens, every = self.evaluation
-        where = (
+        block = self.training.block_size
+        where = (  # the split's windows of block_size targets (after its first token)
             "the whole split"
-            if tokens >= self.val_tokens - 1
+            if tokens >= (self.val_tokens - 1) // block * block
             else f"{tokens / (self.val_tokens - 1):.1%} of the split, sampled across it"
         )
         when = f"every {every:,} steps and at the end" if every else "never (eval_every = 0)"
         return [
-            f"validation     {batches} batches, {tokens:,} tokens ({where}), {when}",
+            f"validation     {batches} batch{'es' if batches != 1 else ''}, {tokens:,} tokens "
+            f"({where}), {when}",
         ]
 
 

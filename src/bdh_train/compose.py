@@ -75,8 +75,8 @@ def finetune_recipe(optimizer: OptimizerConfig, max_steps: int) -> OptimizerConf
     """The optimizer a run that trains on a grown or merged model starts with: the lr the
     source's schedule ended at (its last step's, to 3 significant digits; a tenth of a
     constant lr), held constant after a warm-up of FINETUNE_WARMUP_STEPS (the new optimizer's
-    moments are empty). The source's own lr would warm a trained model back up
-    to a rate it had decayed away from: a grown tiny run's loss rose for 40 steps."""
+    moments are empty). The source's own schedule would warm the trained model back up to
+    the peak rate it had decayed away from, and its loss would rise for tens of steps."""
     if optimizer.schedule == "constant":
         lr = optimizer.lr / 10
     else:

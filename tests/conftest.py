@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bdh_train.train import threads
+from bdh_train.train import threads, throughput
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +21,16 @@ def _deterministic_threads(monkeypatch):
     torch.set_num_threads(2)
     monkeypatch.setattr(threads, "read_loadavg", lambda: None)
     yield
+
+
+TEST_PEAK_FLOPS = 1e11
+"""The peak every test's run divides by for its MFU: a constant, not a measurement (which
+takes a second of matrix products and varies); tests/train/test_throughput.py measures."""
+
+
+@pytest.fixture(autouse=True)
+def _constant_peak(monkeypatch):
+    monkeypatch.setattr(throughput, "measure_peak_flops", lambda device, dtype: TEST_PEAK_FLOPS)
 
 
 @pytest.fixture

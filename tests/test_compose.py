@@ -64,8 +64,16 @@ def test_a_grown_run_computes_the_same_then_trains_and_resumes_bit_exactly(
     def config():
         return load_config([grown / "config.toml"], overrides, default_preset=False)
 
+    # the fine-tune recipe: the lr the source ended at, its 2nd step of 20 warming up to
+    # 3e-3: 3e-3 * 2 / 20, constant after 10 warm-up steps (not the source's 3e-3 again)
+    recipe = config().optimizer
+    assert (recipe.lr, recipe.schedule, recipe.warmup_steps) == (3e-4, "constant", 10)
+    # the sources trained 2 steps: the grown model learns visibly in 3 at the sources' rate
+    overrides += ["optimizer.lr=3e-3", "optimizer.warmup_steps=0"]
     whole, split = tmp_path / "whole", tmp_path / "split"
-    Trainer(config(), whole, stream=io.StringIO()).run()
+    banner = io.StringIO()
+    Trainer(config(), whole, stream=banner).run()
+    assert f"weights        loaded from {grown.resolve()}" in banner.getvalue().splitlines()
     assert Trainer(config(), split, stream=io.StringIO()).run(1).stopped_early
     Trainer(config(), split, resume=True, stream=io.StringIO()).run()
     a, b = checkpoint_weights(whole), checkpoint_weights(split)
@@ -87,9 +95,24 @@ def test_merge_reports_every_domain_and_fine_tunes_with_the_embedding_frozen(
     argv = ["merge", str(sources["A"]), str(sources["B"]), "--out", str(out)]
     argv += ["--finetune-steps", "3", "--freeze", "embedding", "--eval-batches", "1"]
     assert main(argv) == 0
-    printed = capsys.readouterr().out
+    printed, shown = capsys.readouterr()
     for model in ("A", "B", "merged", "merged+ft3"):
         assert f"{model} " in printed, printed
+    assert printed.splitlines()[-1] == (
+        "its config trains on with a fine-tune recipe: lr 0.0003 (constant) after 10 warm-up steps"
+    )
+    # on stderr as it works: each of the 4 models x 2 domains evaluated, with the count and
+    # an ETA, and the fine-tune's steps as train prints them
+    evaluated = [line for line in shown.splitlines() if line.startswith("evaluated ")]
+    assert [line.split(": val_loss ")[0] for line in evaluated] == [
+        f"evaluated {m} on domain {d}" for m in ("A", "B", "merged", "merged+ft3") for d in "AB"
+    ]
+    assert [line.split(" (")[1].split(", ETA ")[0] for line in evaluated] == [
+        f"{i}/8 evaluations" for i in range(1, 9)
+    ]
+    steps = [line for line in shown.splitlines() if line.startswith("step ")]
+    assert steps[0].startswith("step 1/3 | loss ") and " | ETA " in steps[0]
+    assert steps[-1].startswith("step 3/3 | loss ") and " | 192 tok | " in steps[-1]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "step" in r] == [1, 2, 3]
     table = {(r["model"], r["domain"]): r for r in rows if "domain" in r}

@@ -421,7 +421,8 @@ BAD_VALUES = [
     ("optimizer.warmup_steps=-1", "optimizer.warmup_steps must be a non-negative integer"),
     (
         "optimizer.schedule=cosin",
-        "optimizer.schedule must be one of 'constant', 'cosine', got 'cosin' (did you mean",
+        "optimizer.schedule must be one of 'constant', 'cosine', 'linear', 'wsd', got 'cosin' "
+        "(did you mean",
     ),
     ("optimizer.min_lr=-1", "optimizer.min_lr must be a non-negative number"),
     ("optimizer.min_lr=1.0", "optimizer.min_lr must be <= optimizer.lr"),
@@ -741,6 +742,7 @@ OPTIMIZER_DEFAULTS = {  # OptimizerConfig as documented in config.py, field by f
     "warmup_steps": 0,  # "optional warmup": off unless asked for
     "schedule": "constant",  # "optional ... cosine decay": off unless asked for
     "min_lr": 0.0,  # the cosine floor, ignored by 'constant'
+    "decay_fraction": 0.2,  # wsd's decay share, ignored by the other schedules
     "grad_clip_norm": 1.0,  # clipping is ON by default (0 = off)
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -16,8 +17,10 @@ from bdh_train.errors import ConfigError, DataError
 from bdh_train.model import BDH
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train import console
+from bdh_train.train.config import TrainingConfig
 from bdh_train.train.console import Progress, command_name, format_duration
 from bdh_train.train.evaluate import evaluate
+from bdh_train.train.metrics import read_metrics
 from bdh_train.train.run_dir import LOCK_FILE
 from bdh_train.train.step import LanguageTrainModel
 from bdh_train.train.threads import usable_cpus
@@ -77,8 +80,15 @@ def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypat
         f"model          {params / 1e6:.2f} M parameters ({params:,})",
         f"data           {home / 'corpus.txt'}: {train_tokens:,} train tokens, "
         f"{val_tokens:,} val tokens",
+        # eval_steps = 1 batch of 2 windows of 8 tokens, of the split's val_tokens - 1 targets
+        f"validation     1 batch, 16 tokens ({16 / (val_tokens - 1):.1%} of the split, "
+        "sampled across it), every 3 steps and at the end",
         "per step       2 x 8 tokens = 16 tokens",
         "length         3 steps (48 tokens in all)",
+        # tests/train/test_throughput.py's hand count for 1 layer, D 16, 1 head, N 32, V 256,
+        # T 8, dense: 2 * (3 * 6,016 - 256) = 35,584; the tests' constant peak (conftest.py)
+        "throughput     35.6 kFLOP per token (a training step's, counted); peak 100 GFLOP/s "
+        "(a 2048-square float32 product measured at start)",
         "config         layered on preset tiny (the default: no config file given)",
     ]
     lines = out.splitlines()
@@ -86,7 +96,7 @@ def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypat
     steps = [line.split(" | ")[0] for line in lines if line.startswith("step ")]
     assert steps == ["step 1/3", "step 2/3", "step 3/3", "step      3"]  # last: val_loss
     first = next(line for line in lines if line.startswith("step 1/3"))
-    assert " | 16 tok | " in first and " tok/s | ETA " in first
+    assert " | 16 tok | " in first and " tok/s | MFU " in first and "% | ETA " in first
     final = run / "checkpoints" / "step-0000003"
     assert ckpt.resolve_checkpoint(run) == final  # checkpoint_every = 0: still the final step
     summary = lines[-6:]
@@ -132,6 +142,26 @@ def test_resume_with_the_same_length_gives_no_warning(tmp_path):
     log = io.StringIO()
     Trainer(cfg, tmp_path, resume=True, stream=log).run()
     assert "resumed from" in log.getvalue() and "warning" not in log.getvalue()
+
+
+def test_a_wsd_run_extended_from_its_stable_phase_keeps_its_lr(tmp_path):
+    """A wsd run of 4 steps (its decay: the last one) stopped at step 2 and resumed with 8
+    steps: the warning says where the decay moved and that the lr stays; steps 3-5 run at
+    the base lr, the decay's first step (6) too, then it falls."""
+    wsd = ["optimizer.schedule='wsd'", "optimizer.decay_fraction=0.25", "training.eval_every=0"]
+    cfg = load_config(overrides=[*SMALL, *wsd, "training.max_steps=4", "training.log_every=1"])
+    Trainer(cfg, tmp_path, stream=io.StringIO()).run(stop_after_micro_steps=2)
+    longer = load_config(overrides=[*SMALL, *wsd, "training.max_steps=8", "training.log_every=1"])
+    log = io.StringIO()
+    Trainer(longer, tmp_path, resume=True, stream=log).run()
+    base = cfg.optimizer.lr
+    assert (
+        "warning: training.max_steps changed from 4 (the checkpoint's) to 8: the wsd decay now "
+        f"starts at step 6; the lr at step 2 stays {base:.3g}"
+    ) in log.getvalue().splitlines()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    lrs = {row["step"]: row["lr"] for row in rows if "lr" in row}
+    assert [lrs[s] for s in range(1, 8)] == [base] * 7 and lrs[8] < base
 
 
 def test_the_compiling_line_comes_before_the_first_step_and_says_how_long(tmp_path, monkeypatch):
@@ -343,3 +373,23 @@ def test_the_banner_says_when_tbptt_or_streaming_is_on(tmp_path, overrides, line
         trainer.close()
     found = [text for text in lines if text.startswith("recurrence")]
     assert found == ([] if line is None else [line])
+
+
+def test_the_banner_says_how_much_of_the_split_an_evaluation_covers():
+    """43 val tokens are 42 targets, 5 windows of 8: 16 tokens are 38.1% of the split, 40
+    are all its windows."""
+    t = TrainingConfig(block_size=8, batch_size=2, max_steps=3)
+
+    def line(evaluation):
+        args = (Path("run"), "cpu", 10, "src", 100, 43, None, t, None, None, "config.toml")
+        lines = console.Banner(*args, evaluation=evaluation).lines()
+        return [text for text in lines if text.startswith("validation")]
+
+    assert line((1, 16, 3)) == [
+        "validation     1 batch, 16 tokens (38.1% of the split, sampled across it), every 3 "
+        "steps and at the end"
+    ]
+    assert line((3, 40, 0)) == [
+        "validation     3 batches, 40 tokens (the whole split), never (eval_every = 0)"
+    ]
+    assert line(None) == []

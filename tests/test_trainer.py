@@ -89,6 +89,57 @@ def test_resume_is_bit_exact(tmp_path, overrides, stop_micro):
     assert len(metric_rows(whole)) == 20 + 4  # 20 train rows, evals at 5, 10, 15, 20
 
 
+BUDGET = [*MICRO, "training.max_steps=4", "training.eval_every=2", "training.checkpoint_every=0"]
+
+
+def test_a_run_stopped_by_its_time_budget_resumes_bit_exactly(tmp_path):
+    """A clock that reads 10 s per optimizer step taken and training.max_time = '15s': the
+    run stops after step 2 (20 s trained) with a checkpoint and says why; a resume with the
+    budget spent is refused; with a larger one it trains to step 4, the same weights and
+    rows as a run never stopped."""
+    whole = tmp_path / "whole"
+    Trainer(load_config(overrides=BUDGET), whole, stream=io.StringIO()).run()
+    split, log = tmp_path / "split", io.StringIO()
+    first = Trainer(load_config(overrides=[*BUDGET, "training.max_time='15s'"]), split, stream=log)
+    first.clock = lambda: 10.0 * first.state.step
+    result = first.run()
+    assert result.stopped_early and result.checkpoint.name == "step-0000002"
+    assert (first.state.step, first.state.elapsed) == (2, 20.0)
+    assert (
+        "time budget spent: 20s of training.max_time = '15s' trained; raise it (or set 0) to "
+        "train on"
+    ) in log.getvalue().splitlines()
+    with pytest.raises(ConfigError, match=r"training.max_time = '15s' is spent: .* 20 s;"):
+        Trainer(load_config(overrides=[*BUDGET, "training.max_time='15s'"]), split, resume=True)
+    more = load_config(overrides=[*BUDGET, "training.max_time='1h'"])
+    Trainer(more, split, resume=True, stream=io.StringIO()).run()
+    assert_same_run(whole, split)
+
+
+def test_max_tokens_sets_the_steps_and_max_time_reads_durations(capsys):
+    """max_tokens 100 at 2 x 8 tokens x 3 micro-steps per step: ceil(100 / 48) = 3 steps,
+    said once; durations in seconds or h/m/s."""
+    t = load_config(
+        overrides=[
+            "training.block_size=8",
+            "training.batch_size=2",
+            "training.gradient_accumulation_steps=3",
+            "training.max_tokens=100",
+        ]
+    ).training
+    assert t.max_steps == 3
+    assert "info: training.max_steps = 3: training.max_tokens = 100 at 48 tokens per " in (
+        capsys.readouterr().err
+    )
+    t.validate()
+    assert capsys.readouterr().err == ""  # validated again: unchanged and silent
+    for value, seconds in (("2h30m", 9000.0), ("90m", 5400.0), ("1.5h", 5400.0), (45, 45.0)):
+        assert dataclasses.replace(t, max_time=value).time_budget_s == seconds
+    for bad in ("2 hours", "30m2h", "", -1):
+        with pytest.raises(ConfigError, match=r"training.max_time must be a duration: seconds"):
+            dataclasses.replace(t, max_time=bad).validate()
+
+
 def _with_documents(monkeypatch) -> None:
     """The training split cut into documents of 1 to 40 tokens (a seeded index in
     TokenData.doc_starts, as a prepared corpus carries it)."""

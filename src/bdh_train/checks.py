@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,6 +88,25 @@ def int_in(path: str, value: Any, low: int, high: int, high_name: str = "") -> i
         bound = f"{high_name} ({high})" if high_name else str(high)
         raise ConfigError(f"{path} must be in [{low}, {bound}], got {value!r}")
     return int(value)
+
+
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
+
+
+def duration(path: str, value: Any) -> float:
+    """A wall-clock duration in seconds: a non-negative number of seconds, or a string of
+    hours, minutes and seconds in that order, each optional ('2h30m', '90m', '1.5h', '45s',
+    '1h2m3s')."""
+    if is_number(value) and value >= 0:
+        return float(value)
+    match = _DURATION.fullmatch(value) if isinstance(value, str) and value else None
+    if match is None:
+        raise ConfigError(
+            f"{path} must be a duration: seconds (a non-negative number) or a string such as "
+            f"'2h30m', '90m' or '45s', got {value!r}"
+        )
+    hours, minutes, seconds = (float(part or 0) for part in match.groups())
+    return hours * 3600 + minutes * 60 + seconds
 
 
 def _range_text(low: float, high: float | None, low_open: bool, high_open: bool) -> str:

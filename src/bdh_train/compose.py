@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -37,6 +39,7 @@ from bdh_train.model.generate import NonFiniteModelError, nonfinite_weights
 from bdh_train.storage.output import check_output, writing
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.build import evaluate_model
+from bdh_train.train.console import Progress, format_duration
 from bdh_train.train.optim import OptimizerConfig
 from bdh_train.train.run_dir import CONFIG_FILE, METRICS_FILE
 from bdh_train.utils import steps_cap
@@ -81,6 +84,35 @@ def _check_out(out: str | Path) -> Path:
     return Path(out)
 
 
+FINETUNE_WARMUP_STEPS = 10
+"""The warm-up of a composed model's fine-tune recipe (`finetune_recipe`)."""
+
+
+def finetune_recipe(optimizer: OptimizerConfig, max_steps: int) -> OptimizerConfig:
+    """The optimizer a run that trains on a grown or merged model starts with: the lr the
+    source's schedule ended at (its last step's, to 3 significant digits; a tenth of a
+    constant lr), held constant after a warm-up of FINETUNE_WARMUP_STEPS (the new optimizer's
+    moments are empty). The source's own schedule would warm the trained model back up to
+    the peak rate it had decayed away from, and its loss would rise for tens of steps."""
+    if optimizer.schedule == "constant":
+        lr = optimizer.lr / 10
+    else:
+        lr = optimizer.lr_at(max_steps - 1, max_steps)
+    return dataclasses.replace(
+        optimizer,
+        lr=float(f"{lr:.3g}"),
+        schedule="constant",
+        warmup_steps=FINETUNE_WARMUP_STEPS,
+        min_lr=0.0,
+    )
+
+
+def describe_recipe(optimizer: OptimizerConfig) -> str:
+    """The fine-tune recipe of a composed model's config, in words."""
+    o = optimizer
+    return f"lr {o.lr:.3g} ({o.schedule}) after {o.warmup_steps} warm-up steps"
+
+
 def write_composed(
     out: Path,
     model: BDH,
@@ -97,7 +129,13 @@ def write_composed(
     if tokenizer_text is not None:
         data = dataclasses.replace(data, tokenizer=str(final / TOKENIZER_FILE))
     checkpoint = dataclasses.replace(source.cfg.checkpoint, init_from=str(final), resume="")
-    cfg = dataclasses.replace(source.cfg, model=model.config, data=data, checkpoint=checkpoint)
+    cfg = dataclasses.replace(
+        source.cfg,
+        model=model.config,
+        data=data,
+        checkpoint=checkpoint,
+        optimizer=finetune_recipe(source.cfg.optimizer, source.cfg.training.max_steps),
+    )
     config = model.config.to_dict()
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
 
@@ -252,16 +290,42 @@ def _check_tokenizers(sources: list[Source], names: list[str]) -> None:
             )
 
 
-def _domain_losses(
-    model: BDH, sources: list[Source], names: list[str], batches: int | None
-) -> dict[str, dict[str, float]]:
-    """Each source's validation split, evaluated with its own run's recipe."""
-    out = {}
-    for source, name in zip(sources, names, strict=True):
-        cfg = source.cfg
-        result = evaluate_model(model, source.tokenizer, cfg.training, cfg.data, None, batches)
-        out[name] = result.row()
-    return out
+class MergeProgress:
+    """What merge prints while it works, on `stream` (stderr: the table goes to stdout): a
+    line per evaluation with how many of `evaluations` are done and the ETA of the rest (from
+    the evaluations' own time), and the fine-tune's loss lines or bar with their ETA
+    (`finetune`: train's `Progress`). None prints nothing."""
+
+    def __init__(
+        self, stream: IO[str] | None, evaluations: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.stream, self.total, self.clock = stream, evaluations, clock
+        self.done, self.spent = 0, 0.0
+
+    def evaluate(
+        self, model: BDH, label: str, sources: list[Source], names: list[str], batches: int | None
+    ) -> dict[str, dict[str, float]]:
+        """`model` (called `label`) on each source's validation split, with that run's recipe."""
+        out = {}
+        for source, name in zip(sources, names, strict=True):
+            cfg, started = source.cfg, self.clock()
+            result = evaluate_model(model, source.tokenizer, cfg.training, cfg.data, None, batches)
+            out[name] = result.row()
+            self.done += 1
+            self.spent += self.clock() - started
+            eta = self.spent / self.done * (self.total - self.done)
+            self._print(
+                f"evaluated {label} on domain {name}: val_loss {result.val_loss:.4f} "
+                f"({self.done}/{self.total} evaluations, ETA {format_duration(eta)})"
+            )
+        return out
+
+    def finetune(self, steps: int, log_every: int) -> Progress:
+        return Progress(steps, 0, self.stream, self.stream is not None, log_every, clock=self.clock)
+
+    def _print(self, line: str) -> None:
+        if self.stream is not None:
+            print(line, file=self.stream, flush=True)
 
 
 def merge_runs(
@@ -270,10 +334,13 @@ def merge_runs(
     embeddings: str = "average",
     finetune: FinetuneConfig | None = None,
     eval_batches: int | None = 20,
+    progress: IO[str] | None = None,
 ) -> MergeReport:
     """Merge the sources' models along N (`merge_weights`), report each source domain's loss
     for every source, the merge and the fine-tuned merge, and write the merge (fine-tuned
-    when asked) as the checkpoint directory `out` with the report in its metrics.jsonl."""
+    when asked) as the checkpoint directory `out` with the report in its metrics.jsonl.
+    `progress` (stderr) gets each evaluation and fine-tune step as it is done
+    (`MergeProgress`)."""
     finetune = (finetune or FinetuneConfig()).validate()
     cap = steps_cap()
     if cap is not None and finetune.steps > cap:
@@ -301,9 +368,11 @@ def merge_runs(
         _finetune_data(sources, finetune.data, merged.config.vocab_size) if finetune.steps else []
     )
     report = MergeReport(names, [s.path for s in sources])
+    models = len(sources) + 1 + (1 if finetune.steps else 0)
+    shown = MergeProgress(progress, models * len(sources))
     for source, name in zip(sources, names, strict=True):
-        report.results[name] = _domain_losses(source.model, sources, names, eval_batches)
-    report.results["merged"] = _domain_losses(merged, sources, names, eval_batches)
+        report.results[name] = shown.evaluate(source.model, name, sources, names, eval_batches)
+    report.results["merged"] = shown.evaluate(merged, "merged", sources, names, eval_batches)
     if finetune.steps:
         first = sources[0].cfg
         report.finetune_losses = finetune_model(
@@ -313,9 +382,10 @@ def merge_runs(
             first.optimizer,
             first.training.block_size,
             first.training.batch_size,
+            shown.finetune(finetune.steps, first.training.log_every),
         )
         label = f"merged+ft{finetune.steps}"
-        report.results[label] = _domain_losses(merged, sources, names, eval_batches)
+        report.results[label] = shown.evaluate(merged, label, sources, names, eval_batches)
     write_composed(out, merged, sources[0], report.rows())
     return report
 
@@ -349,10 +419,12 @@ def finetune_model(
     optimizer: OptimizerConfig,
     block: int,
     batch: int,
+    progress: Progress | None = None,
 ) -> list[float]:
     """`finetune.steps` steps of the first source's optimizer (AdamW, or Muon for the neuron
     matrices with AdamW for the rest; its lr, betas, decay and clipping, no schedule)
-    on rows mixed from `domains`; returns each step's loss. Parameters of the frozen groups
+    on rows mixed from `domains`; returns each step's loss, each step shown on `progress`
+    as train shows its steps. Parameters of the frozen groups
     have requires_grad False for the fine-tune, so they get no gradient, and are left out of
     the optimizer, so its decoupled weight decay never touches them."""
     for data in domains:
@@ -376,10 +448,16 @@ def finetune_model(
             assert loss is not None
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(trainable, optimizer.clip_norm())
+            norm = torch.nn.utils.clip_grad_norm_(trainable, optimizer.clip_norm())
             opt.step()
             losses.append(float(loss.detach()))
+            if progress is not None:
+                step = len(losses)
+                row = {"loss": losses[-1], "lr": optimizer.lr, "grad_norm": float(norm)}
+                progress.update(step, {**row, "step": step, "tokens": step * block * batch})
     finally:
+        if progress is not None:
+            progress.close()
         model.eval()
         for param in model.parameters():
             param.requires_grad_(True)

@@ -32,6 +32,7 @@ from bdh_train.train.console import (
     Banner,
     CompileNotice,
     Progress,
+    budget_line,
     device_line,
     eval_line,
     resume_lines,
@@ -39,12 +40,7 @@ from bdh_train.train.console import (
     stop_line,
     summary_lines,
 )
-from bdh_train.train.evaluate import (
-    SAMPLE_TEMPERATURES,
-    Evaluator,
-    sample_continuation,
-    writes_text,
-)
+from bdh_train.train.evaluate import Evaluator, end_of_run_samples, writes_text
 from bdh_train.train.init_from import init_weights_from
 from bdh_train.train.metrics import MetricsReporter, plot_losses
 from bdh_train.train.profile import ProfileSettings, StepProfiler
@@ -59,6 +55,7 @@ from bdh_train.train.state import (
     saved_files,
 )
 from bdh_train.train.threads import set_threads
+from bdh_train.train.throughput import run_throughput
 from bdh_train.train.window import StepWindow, TrainingDiverged, reduction_for
 
 __all__ = ["RunResult", "Trainer", "TrainingDiverged"]
@@ -226,7 +223,10 @@ class Trainer:
                 self.device,
                 self.data_parallel,
             )
-        self.stop_requested = False
+        self.stop_requested, self.clock = False, time.perf_counter  # the time budget's clock
+        self.throughput = run_throughput(
+            self.executor, self.train_data, t, cfg.data, self.device, self.data_parallel.world_size
+        )
         self.metrics: MetricsReporter | None = None
         self.resumed_from, self.resume_notes = None, []
         if resume or checkpoint is not None:
@@ -265,22 +265,23 @@ class Trainer:
         s, t = self.state, self.training
         metrics = self._start()
         micro_done, last_val, checkpoint = 0, None, None
-        started = time.perf_counter() - s.elapsed
+        started, budget = self.clock() - s.elapsed, t.time_budget_s
         compile_notice = CompileNotice(t.compile, s.step < t.max_steps, self.progress.log)
         self.progress.restart_clock()
         while s.step < t.max_steps:
-            # Any process asking to stop (a signal to one rank) stops them all at this
-            # micro-step with one checkpoint.
+            # Any process asking to stop (a signal to one rank, a spent time budget) stops
+            # them all at this micro-step with one checkpoint.
             asked = stop_after is not None and micro_done >= stop_after
-            if self.dist.any_of(self.stop_requested or asked, self.device):
-                s.elapsed = time.perf_counter() - started
-                return self._stop(last_val)
+            spent = bool(budget) and s.micro == 0 and s.elapsed >= budget
+            if self.dist.any_of(self.stop_requested or asked or spent, self.device):
+                s.elapsed = self.clock() - started
+                return self._stop(last_val, budget_line(t.max_time, s.elapsed) if spent else None)
             self.window.micro_step(lambda: self.loader.next_batch().to(self.device))
             micro_done += 1
             if s.micro < self.accumulation_steps:
                 continue
             row = self.window.optimizer_step()
-            s.elapsed = time.perf_counter() - started
+            s.elapsed = self.clock() - started
             compile_notice.step_done()
             metrics.log_step(row, s.elapsed)
             self.progress.update(s.step, row)
@@ -310,6 +311,7 @@ class Trainer:
 
         self.dist.on_main(write, self.device.type)
         self.metrics.restart_clock(s.tokens)
+        self.metrics.mfu = self.progress.mfu = None if (f := self.throughput) is None else f.mfu
         lines = [*self.banner().lines(), *self.cfg.notes()]
         if self.resumed_from is not None:
             torn = self.metrics.path if self.metrics.dropped_torn_line else None
@@ -322,8 +324,10 @@ class Trainer:
             self.progress.log(self.profile_settings.describe())
         return self.metrics
 
-    def _stop(self, last_val: float | None) -> RunResult:
+    def _stop(self, last_val: float | None, why: str | None = None) -> RunResult:
         s = self.state
+        if why is not None:
+            self.progress.log(why, keep=True)
         checkpoint = self.save_checkpoint()
         self.progress.stop(stop_line(s.step, s.micro, checkpoint, self.run_dir))
         return RunResult(s.step, True, checkpoint, last_val, None)
@@ -337,15 +341,9 @@ class Trainer:
             plot_losses(self.run_dir)
         with fsdp.gathered(self.model):  # every rank gathers a sharded model's weights
             sample = self.sample() if self.dist.is_main else None
-        for line in summary_lines(
-            self.run_dir,
-            s,
-            last_val,
-            checkpoint,
-            self.run_files.loss_plot,
-            t.max_steps,
-            writes_text(m.language_head, m.vocab_size, self.tokenizer, self.cfg.data.source),
-        ):
+        text = writes_text(m.language_head, m.vocab_size, self.tokenizer, self.cfg.data.source)
+        plot = self.run_files.loss_plot
+        for line in summary_lines(self.run_dir, s, last_val, checkpoint, plot, t.max_steps, text):
             self.progress.log(line)
         return RunResult(s.step, False, checkpoint, last_val, sample)
 
@@ -364,15 +362,14 @@ class Trainer:
             f"{cfg.data.tokenizer} ({tok.vocab_size:,} ids)"
             if isinstance(tok, HFTokenizer)
             else None,
-            self.training.batch_size,
-            self.training.block_size,
-            self.accumulation_steps,
-            self.training.max_steps,
+            self.training,
             self.state.step if self.resumed_from is not None else None,
             cfg.layered_on,
             self.run_files.config.name,
             self.threads.describe() if self.device.type == "cpu" else None,
-            self.training.recurrence(),
+            cfg.checkpoint.init_from if self.resumed_from is None else None,
+            (*e.coverage, e.every) if (e := self.evaluator) is not None else None,
+            self.throughput.describe() if self.throughput is not None else None,
         )
 
     # ------------------------------------------------------------------ evaluation
@@ -390,28 +387,15 @@ class Trainer:
         return result.val_loss
 
     def sample(self, max_new_tokens: int = 200) -> str | None:
-        """The end-of-run samples (`sample_continuation` at each of `SAMPLE_TEMPERATURES`),
-        printed; returns the first; None when the model does not write text of the run's
-        tokenizer."""
+        """The end-of-run samples (`end_of_run_samples`), printed; returns the first; None
+        when the model does not write text of the run's tokenizer."""
         cfg, splits = self.cfg, (self.train_data, self.val_data)
-        prompt, samples = "", []
-        for temperature in SAMPLE_TEMPERATURES:
-            out = sample_continuation(
-                self.model,
-                self.tokenizer,
-                cfg.model,
-                cfg.data,
-                splits,
-                self.device,
-                max_new_tokens,
-                temperature=temperature,
-            )
-            if out is None:
-                return None
-            prompt = out[0]
-            samples.append((temperature, out[1]))
-        self.progress.log(sample_lines(prompt, samples))
-        return samples[0][1]
+        out = end_of_run_samples(
+            self.model, self.tokenizer, cfg.model, cfg.data, splits, self.device, max_new_tokens
+        )
+        if out is not None:
+            self.progress.log(sample_lines(*out))
+        return None if out is None else out[1][0][1]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, before_rename: Callable[[Path], None] | None = None) -> Path:

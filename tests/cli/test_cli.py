@@ -77,8 +77,11 @@ def test_default_train_then_generate_and_eval(tmp_path, capsys):
         "lr",
         "grad_norm",
         "tokens_per_s",
+        "mfu",
         "elapsed_s",
     }
+    # the MFU of each row's rate: the counted FLOPs per token over the measured peak
+    assert train_rows[0]["mfu"] > 0
     assert any("val_loss" in r and "bits_per_byte" in r for r in rows)
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]
 

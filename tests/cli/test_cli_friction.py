@@ -106,7 +106,7 @@ def test_eval_of_the_export_on_its_corpus_equals_eval_of_its_run(corpus_run, run
 
 
 def test_eval_says_how_its_figure_relates_to_train_s(corpus_run, run_eval):
-    """train evaluates the first training.eval_steps batches of the validation split: eval
+    """train evaluates training.eval_steps batches sampled across the validation split: eval
     --batches 2 gives the figure train recorded last; eval alone takes every batch, and says
     so first, then shows its progress on stderr."""
     _, run, _ = corpus_run
@@ -121,7 +121,7 @@ def test_eval_says_how_its_figure_relates_to_train_s(corpus_run, run_eval):
         f"eval: all {total} batches of 4 x 16 tokens of the run's validation split (of "
     )
     assert (
-        "train's val_loss is over the first training.eval_steps = 2 batches of the run's "
+        "train's val_loss is over training.eval_steps = 2 batches sampled across the run's "
         "validation split (--batches 2 gives the figure train printed last)\n"
     ) in err
     assert f" 0/{total} [" in err  # the progress bar (tqdm's first state)

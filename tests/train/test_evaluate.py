@@ -114,3 +114,34 @@ def test_bits_per_byte_split_over_ranks_equals_one_process() -> None:
         assert split.tokens == whole.tokens
         assert split.val_loss == pytest.approx(whole.val_loss, rel=1e-12)
         assert split.bits_per_byte == pytest.approx(whole.bits_per_byte, rel=1e-12)
+
+
+class _TargetMean:
+    """An EvalLoss whose loss of a target is the target id: the mean loss is the mean id."""
+
+    def eval_loss(self, batch):
+        return float(batch.targets.sum()), float(batch.targets.numel())
+
+
+def test_a_partial_evaluation_samples_the_whole_split() -> None:
+    """A split of 40 windows of 4 tokens whose first half targets id 0 and second half id 1:
+    its first 2 batches of 4 windows (what an evaluation read before) mean 0.0; the 8 windows
+    read now, one from each stratum of 5 windows, are 4 from each half, so exactly 0.5, the
+    same windows on every call; enough batches for the whole split read every window in
+    order."""
+    ids = np.zeros(40 * 4 + 1, dtype=np.int64)
+    ids[20 * 4 + 1 :] = 1  # the targets of windows 20..39
+    data = TokenData(ids, 2, "halves")
+    assert ids[1 : 8 * 4 + 1].mean() == 0.0  # the first 8 windows' targets
+    sampled = evaluate(_TargetMean(), data, 4, 4, max_batches=2)
+    assert sampled.tokens == 8 * 4 and sampled.val_loss == 0.5
+
+    def windows(max_batches: int) -> list[int]:
+        batches = eval_batches(np.arange(161), 4, 4, max_batches)
+        return [int(start) // 4 for b in batches for start in b.inputs[:, 0]]
+
+    assert [w // 5 for w in windows(2)] == list(range(8))  # one window in each stratum of 5
+    assert windows(2) == windows(2)
+    assert windows(10) == list(range(40))
+    every = evaluate(_TargetMean(), data, 4, 4, max_batches=None)
+    assert every.tokens == 40 * 4 and every.val_loss == 0.5

@@ -12,7 +12,8 @@ import math
 
 import pytest
 
-from bdh_train.train.optim import learning_rate
+from bdh_train.errors import ConfigError
+from bdh_train.train.optim import OptimizerConfig, decay_start, learning_rate
 
 BASE = 2.0**-8  # 0.00390625
 FLOOR = 2.0**-10  # 0.0009765625
@@ -29,7 +30,7 @@ def lr_at(step: int, warmup: int, total: int, schedule: str) -> float:
     )
 
 
-@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear", "wsd"])
 def test_first_warmup_step_is_base_over_warmup_and_base_is_reached_at_step_index_warmup_minus_1(
     schedule,
 ):
@@ -88,3 +89,47 @@ def test_frozen_parameters_are_in_no_group_and_only_matrices_decay(name: str) ->
     for n, p in trainable.items():
         muon = name == "muon" and n in MUON_PARAMETERS
         assert where[n] == [(0.25 if p.dim() >= 2 else 0.0, muon)], n
+
+
+def test_linear_falls_from_base_after_warmup_to_min_lr_at_total_steps():
+    warmup, total = 2, 6  # the line spans step indices 2..6 (4 intervals)
+    lr = [lr_at(s, warmup, total, "linear") for s in range(total + 2)]
+    span = BASE - FLOOR  # 3 * 2**-10, so every quarter of it is exact
+    assert lr[:warmup] == [BASE / 2, BASE]
+    assert lr[2:] == [BASE, BASE - span / 4, BASE - span / 2, BASE - 3 * span / 4, FLOOR, FLOOR]
+
+
+def wsd_at(step: int, total: int, warmup: int = 2, fraction: float = 0.25) -> float:
+    return learning_rate(step, BASE, warmup, total, "wsd", FLOOR, fraction)
+
+
+def test_wsd_is_warmup_then_base_then_a_linear_decay_over_its_share_of_the_steps():
+    """12 steps, a quarter of them decay: round(3.0) = 3 decay steps from step index 9,
+    reaching the floor at step 12; 10 steps: round(2.5) = 3 (halves up) from index 7."""
+    lr = [wsd_at(s, 12) for s in range(13)]
+    span = BASE - FLOOR
+    assert lr[:2] == [BASE / 2, BASE]
+    assert lr[2:10] == [BASE] * 8  # stable, the decay's first step included
+    assert lr[10] == pytest.approx(BASE - span / 3, rel=1e-15)
+    assert lr[11] == pytest.approx(BASE - 2 * span / 3, rel=1e-15)
+    assert lr[12] == FLOOR
+    assert [s for s in range(10) if wsd_at(s, 10) < BASE and s >= 2] == [8, 9]
+    assert decay_start(2, 10, 0.25) == 7 and decay_start(2, 12, 0.25) == 9
+    assert decay_start(6, 8, 1.0) == 6  # the decay never starts inside the warm-up
+    assert [wsd_at(s, 8, 2, 0.0) for s in range(8)] == [BASE / 2] + [BASE] * 7  # no decay
+
+
+def test_an_extended_wsd_run_keeps_its_lr_through_the_old_stable_phase():
+    """Doubling a wsd run's length moves only its decay: every step before the old decay has
+    the same lr, while a cosine run's lr at those steps jumps up (re-stretched)."""
+    for step in range(10):
+        assert wsd_at(step, 12) == wsd_at(step, 24)
+    assert lr_at(6, 2, 24, "cosine") > lr_at(6, 2, 12, "cosine")
+
+
+def test_the_decay_fraction_is_a_share():
+    OptimizerConfig(schedule="wsd", decay_fraction=1.0).validate()
+    with pytest.raises(ConfigError, match=r"optimizer.decay_fraction must be .*got 1.5"):
+        OptimizerConfig(schedule="wsd", decay_fraction=1.5).validate()
+    with pytest.raises(ConfigError, match=r"min_lr must be <= optimizer.lr \(0.001\) for the wsd"):
+        OptimizerConfig(schedule="wsd", min_lr=0.01).validate()

@@ -5,6 +5,7 @@ joined along the neurons, with an optional short fine-tune) and `bdh-train impor
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -85,6 +86,7 @@ def cmd_grow(args: argparse.Namespace) -> int:
 
     out = grow_run(args.checkpoint, args.neurons_multiplier, args.out, args.seed)
     print(f"grown x{args.neurons_multiplier}: {out} (train on: --config {out}/config.toml)")
+    print(recipe_line(out))
     return 0
 
 
@@ -96,6 +98,15 @@ def cmd_import_official(args: argparse.Namespace) -> int:
     return 0
 
 
+def recipe_line(out: object) -> str:
+    """The fine-tune recipe the written config holds, in words."""
+    from bdh_train.compose import describe_recipe
+    from bdh_train.config import load_config
+
+    cfg = load_config([f"{out}/config.toml"], default_preset=False)
+    return f"its config trains on with a fine-tune recipe: {describe_recipe(cfg.optimizer)}"
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
     from bdh_train.compose import FinetuneConfig, merge_runs
     from bdh_train.errors import ConfigError
@@ -104,7 +115,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
         raise ConfigError(f"--eval-batches must be >= 1, got {args.eval_batches}")
     freeze = [part for part in args.freeze.split(",") if part]
     finetune = FinetuneConfig(args.finetune_steps, args.data, freeze)
-    report = merge_runs(args.sources, args.out, args.embeddings, finetune, args.eval_batches)
+    report = merge_runs(
+        args.sources, args.out, args.embeddings, finetune, args.eval_batches, sys.stderr
+    )
     print(report.table())
     print(f"merged: {args.out} (train on: --config {args.out}/config.toml)")
+    print(recipe_line(args.out))
     return 0

@@ -257,11 +257,11 @@ def evaluate_model(
 
 def eval_scope(evaluator: Evaluator, source: str | None, name: str, eval_steps: int) -> str:
     """What `bdh-train eval` evaluates, and how its figure relates to the one `train`
-    printed: train evaluates the first `training.eval_steps` batches of its validation
-    split, the same batches in the same order, so `--batches eval_steps` on that split gives
-    train's last figure (from the same weights, in float32); eval takes every batch unless
-    --batches limits it. `source` is eval's --data (None: the run's validation split), `name`
-    what the data is called."""
+    printed: train evaluates `training.eval_steps` batches of windows sampled across its
+    validation split (`sampled_windows`), the same ones in the same order, so `--batches
+    eval_steps` on that split gives train's last figure (from the same weights, in float32);
+    eval takes every batch unless --batches limits it. `source` is eval's --data (None: the
+    run's validation split), `name` what the data is called."""
     e = evaluator
     windows = eval_window_count(len(e.data), e.block_size)
     total = -(-windows // e.batch_size)
@@ -270,8 +270,8 @@ def eval_scope(evaluator: Evaluator, source: str | None, name: str, eval_steps: 
         f"all {total} batches" if e.batch_count == total else f"{e.batch_count} of {total} batches"
     )
     relation = (
-        f"train's val_loss is over the first training.eval_steps = {eval_steps} batches of "
-        "the run's validation split"
+        f"train's val_loss is over training.eval_steps = {eval_steps} batches sampled "
+        "across the run's validation split"
     )
     if source is None:
         relation += f" (--batches {eval_steps} gives the figure train printed last)"

@@ -57,7 +57,22 @@ class TrainingConfig:
     target_tokens_per_step: int = 0
     """Tokens per optimizer step; 0 = unset. When set, the accumulation count is derived."""
     max_steps: int = 3000
-    """Optimizer steps of the run."""
+    """Optimizer steps of the run (derived from max_tokens when that is set)."""
+    max_tokens: int = 0
+    """The run's length in tokens; 0 = unset. When set, validation sets max_steps to
+    ceil(max_tokens / tokens per optimizer step) (saying so when that changes it), so the
+    learning-rate schedule spans the token budget."""
+    max_time: float | str = 0
+    """A training-time budget: seconds, or hours/minutes/seconds such as '2h30m', '90m' or
+    '45s'; 0 = none. The time is the training loop's wall clock summed over the run's sessions
+    (a resume continues the sum; start-up and the final sample are not counted). Once it is
+    spent, the run stops after the optimizer step in progress with a checkpoint, as a stop
+    request does (exit status 75), and resumes from it exactly; the schedule still spans
+    max_steps, so a wsd run stopped in its stable phase can go on or decay later."""
+    peak_flops: float = 0.0
+    """One device's peak FLOP/s, the MFU's denominator; 0 = measured at the start of the run
+    (the best of three square matrix products in the run's dtype, 2048 on the CPU and 8192 on
+    CUDA: train/throughput.py). Set a datasheet figure to compare with other tools' MFU."""
     seed: int = 1337
     """Seed of the initial weights and the batch order."""
     log_every: int = 100
@@ -165,6 +180,11 @@ class TrainingConfig:
         return self.gradient_accumulation_steps
 
     @property
+    def time_budget_s(self) -> float:
+        """max_time in seconds (0: no budget)."""
+        return checks.duration("training.max_time", self.max_time)
+
+    @property
     def tokens_per_step(self) -> int:
         return self.accumulation_steps * self.block_size * self.batch_size
 
@@ -187,6 +207,9 @@ class TrainingConfig:
         checks.positive_int(f"{p}.gradient_accumulation_steps", self.gradient_accumulation_steps)
         checks.nonneg_int(f"{p}.target_tokens_per_step", self.target_tokens_per_step)
         checks.positive_int(f"{p}.max_steps", self.max_steps)
+        checks.nonneg_int(f"{p}.max_tokens", self.max_tokens)
+        checks.duration(f"{p}.max_time", self.max_time)
+        checks.number(f"{p}.peak_flops", self.peak_flops, low=0.0)
         checks.nonneg_int(f"{p}.seed", self.seed)
         for name in ("log_every", "eval_every", "checkpoint_every"):
             checks.interval(f"{p}.{name}", getattr(self, name))
@@ -223,6 +246,14 @@ class TrainingConfig:
                 f"{p}.block_size * {p}.batch_size",
                 zero_ok=False,
             )
+        if self.max_tokens:
+            steps = -(-self.max_tokens // self.tokens_per_step)
+            if steps != self.max_steps:
+                _info(
+                    f"{p}.max_steps = {steps}: {p}.max_tokens = {self.max_tokens:,} at "
+                    f"{self.tokens_per_step:,} tokens per optimizer step"
+                )
+                self.max_steps = steps
         validate_gradient_scales(self.gradient_scales, f"{p}.gradient_scales")
         self.init_transfer.validate(f"{p}.init_transfer")
         return self

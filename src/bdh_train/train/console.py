@@ -15,6 +15,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from bdh_train.train.config import TrainingConfig
 from bdh_train.train.state import TrainerState
 
 
@@ -56,6 +57,8 @@ class Progress:
         self.total, self.initial, self.initial_tokens = total, initial, initial_tokens
         self.log_every, self.heartbeat_s, self.clock = log_every, heartbeat_s, clock
         self.started = self.last_line = clock()
+        self.mfu: Callable[[float], float] | None = None
+        """The MFU of a tokens-per-second rate (`Throughput.mfu`), printed after it."""
         self.bar = None
         if enabled and self.stream.isatty():
             self.bar = tqdm(
@@ -74,16 +77,18 @@ class Progress:
         return self.bar is None and now - self.last_line >= self.heartbeat_s
 
     def line(self, row: dict[str, Any], now: float) -> str:
-        """One loss line: step/total, loss, lr, gradient norm, tokens seen, tok/s, ETA."""
+        """One loss line: step/total, loss, lr, gradient norm, tokens seen, tok/s, MFU (when
+        the run's FLOPs were counted), ETA."""
         step, done = row["step"], row["step"] - self.initial
         spent = max(now - self.started, 1e-9)
         rate = (row["tokens"] - self.initial_tokens) / spent
         eta = (self.total - step) * spent / max(done, 1)
         width = len(str(self.total))
+        mfu = f"MFU {100 * self.mfu(rate):.1f}% | " if self.mfu is not None else ""
         return (
             f"step {step:>{width}}/{self.total} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
             f"grad_norm {row['grad_norm']:.3f} | {row['tokens']:,} tok | {rate:,.0f} tok/s | "
-            f"ETA {format_duration(eta)}"
+            f"{mfu}ETA {format_duration(eta)}"
         )
 
     def update(self, step: int, row: dict[str, Any] | None) -> None:
@@ -160,10 +165,8 @@ class Banner:
     val_tokens: int | None
     tokenizer: str | None
     """The Hugging Face tokenizer as named, with its size; None for bytes."""
-    batch_size: int
-    block_size: int
-    accumulation_steps: int
-    max_steps: int
+    training: TrainingConfig
+    """The run's [training]: its batch, block, accumulation, length and recurrence."""
     resumed_at: int | None
     """The checkpoint's step on a resume."""
     layered_on: str | None
@@ -172,18 +175,23 @@ class Banner:
     """The run's saved config file (a resume's source)."""
     threads: str | None = None
     """torch's CPU thread count and why (`ThreadChoice.describe`); None off the CPU."""
-    recurrence: str | None = None
-    """TBPTT and streaming in words (`TrainingConfig.recurrence`); None when both are off."""
+    init_from: str | None = None
+    """The weights a fresh run starts from (checkpoint.init_from); None when initialised."""
+    evaluation: tuple[int, int, int] | None = None
+    """(batches, tokens, every): what each evaluation reads (`Evaluator.coverage`) and how
+    often; None without a validation split."""
+    throughput: str | None = None
+    """FLOPs per token and the peak (`Throughput.describe`); None when not counted."""
 
     def lines(self) -> list[str]:
-        params, accum = self.parameters, self.accumulation_steps
+        t, params, accum = self.training, self.parameters, self.training.accumulation_steps
         val = "no val split" if self.val_tokens is None else f"{self.val_tokens:,} val tokens"
-        per_step = self.batch_size * self.block_size * accum
+        per_step = t.tokens_per_step
         micro = f" x {accum} micro-steps" if accum > 1 else ""
         if self.resumed_at is not None:
-            steps = f"steps {self.resumed_at} -> {self.max_steps} (resumed)"
+            steps = f"steps {self.resumed_at} -> {t.max_steps} (resumed)"
         else:
-            steps = f"{self.max_steps:,} steps"
+            steps = f"{t.max_steps:,} steps"
         tokenizer = [f"tokenizer      {self.tokenizer}"] if self.tokenizer is not None else []
         if self.layered_on is not None:
             layered = f"layered on {self.layered_on}"
@@ -192,19 +200,39 @@ class Banner:
         else:
             layered = "built directly (no preset)"
         threads = [f"threads        {self.threads}"] if self.threads is not None else []
-        recurrence = [f"recurrence     {self.recurrence}"] if self.recurrence is not None else []
+        recurrence = [f"recurrence     {r}"] if (r := t.recurrence()) is not None else []
+        init = [f"weights        loaded from {self.init_from}"] if self.init_from else []
+        flops = [f"throughput     {self.throughput}"] if self.throughput is not None else []
         return [
             f"run directory  {self.run_dir.resolve()}",
             f"device         {self.device}",
             *threads,
             f"model          {params / 1e6:.2f} M parameters ({params:,})",
+            *init,
             f"data           {self.source}: {self.train_tokens:,} train tokens, {val}",
+            *self._evaluation(),
             *tokenizer,
-            f"per step       {self.batch_size} x {self.block_size} tokens{micro} = "
-            f"{per_step:,} tokens",
+            f"per step       {t.batch_size} x {t.block_size} tokens{micro} = {per_step:,} tokens",
             *recurrence,
-            f"length         {steps} ({self.max_steps * per_step:,} tokens in all)",
+            f"length         {steps} ({t.max_steps * per_step:,} tokens in all)",
+            *flops,
             f"config         {layered}",
+        ]
+
+    def _evaluation(self) -> list[str]:
+        if self.evaluation is None or self.val_tokens is None:
+            return []
+        batches, tokens, every = self.evaluation
+        block = self.training.block_size
+        where = (  # the split's windows of block_size targets (after its first token)
+            "the whole split"
+            if tokens >= (self.val_tokens - 1) // block * block
+            else f"{tokens / (self.val_tokens - 1):.1%} of the split, sampled across it"
+        )
+        when = f"every {every:,} steps and at the end" if every else "never (eval_every = 0)"
+        return [
+            f"validation     {batches} batch{'es' if batches != 1 else ''}, {tokens:,} tokens "
+            f"({where}), {when}",
         ]
 
 
@@ -260,6 +288,14 @@ def eval_line(step: int, val_loss: float, bits_per_byte: float | None) -> str:
         else ""
     )
     return f"step {step:>6} | val_loss {val_loss:.4f}{per_byte}"
+
+
+def budget_line(max_time: float | str, elapsed: float) -> str:
+    """Why a run stopped on its time budget (training.max_time, as written)."""
+    return (
+        f"time budget spent: {format_duration(elapsed)} of training.max_time = {max_time!r} "
+        "trained; raise it (or set 0) to train on"
+    )
 
 
 def stop_line(step: int, micro: int, checkpoint: Path, run_dir: Path) -> str:

@@ -209,6 +209,14 @@ class Evaluator:
         )
 
     @property
+    def coverage(self) -> tuple[int, int]:
+        """(batches, tokens): what `run` reads, the tokens being the targets of its windows."""
+        windows = eval_window_count(len(self.data), self.block_size)
+        if self.max_batches is not None:
+            windows = min(windows, self.max_batches * self.batch_size)
+        return self.batch_count, windows * self.block_size
+
+    @property
     def batch_count(self) -> int:
         """The batches `run` evaluates (of this process and its data-parallel peers)."""
         windows = eval_window_count(len(self.data), self.block_size)
@@ -287,6 +295,37 @@ def sample_continuation(
     return tokenizer.decode(out[: len(prompt)].tolist()), tokenizer.decode(
         out[len(prompt) :].tolist()
     )
+
+
+def end_of_run_samples(
+    model: BDH,
+    tokenizer: Tokenizer,
+    model_config: BDHConfig,
+    data_config: DataConfig,
+    splits: tuple[TokenData, TokenData | None],
+    device: torch.device,
+    max_new_tokens: int = 200,
+) -> tuple[str, list[tuple[float, str]]] | None:
+    """A run's end-of-run samples: (prompt, [(temperature, continuation)]) of
+    `sample_continuation` at each of SAMPLE_TEMPERATURES; None when the model does not write
+    text of `tokenizer`."""
+    prompt, samples = "", []
+    for temperature in SAMPLE_TEMPERATURES:
+        out = sample_continuation(
+            model,
+            tokenizer,
+            model_config,
+            data_config,
+            splits,
+            device,
+            max_new_tokens,
+            temperature=temperature,
+        )
+        if out is None:
+            return None
+        prompt = out[0]
+        samples.append((temperature, out[1]))
+    return prompt, samples
 
 
 def writes_text(

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
@@ -163,6 +164,8 @@ class MetricsReporter:
         """`log_every` and `last_step` set which optimizer steps `log_step` writes."""
         self.log_every, self.last_step = log_every, last_step
         self._clock = (time.perf_counter(), 0)
+        self.mfu: Callable[[float], float] | None = None
+        """The MFU of a tokens-per-second rate (`Throughput.mfu`), written as each row's mfu."""
         self.jsonl = MetricsLog(run_dir, resume_step, enabled)
         self.sinks: list[MetricsSink] = [self.jsonl]
         if not enabled:
@@ -200,6 +203,8 @@ class MetricsReporter:
         now = time.perf_counter()
         since, tokens = self._clock
         row["tokens_per_s"] = (row["tokens"] - tokens) / max(now - since, 1e-9)
+        if self.mfu is not None:
+            row["mfu"] = self.mfu(row["tokens_per_s"])
         row["elapsed_s"] = elapsed
         self._clock = (now, row["tokens"])
         self.write(row)

@@ -1,5 +1,5 @@
 """`[optimizer]`: AdamW, or Muon for the weight matrices with AdamW for the rest, with warm-up,
-a constant or cosine learning rate, and clipping."""
+a constant, cosine, linear or warmup-stable-decay learning rate, and clipping."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from bdh_train import checks
 from bdh_train.errors import ConfigError
 from bdh_train.train.muon import MUON_PARAMETERS, MuonAdamW
 
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass
 class OptimizerConfig:
-    """AdamW (or Muon for the matrices) with optional warmup + cosine decay and gradient-norm
-    clipping."""
+    """AdamW (or Muon for the matrices) with optional warm-up, a learning-rate schedule and
+    gradient-norm clipping."""
 
     lr: float = 1e-3
     """The base learning rate, reached at the end of warm-up."""
@@ -34,10 +34,18 @@ class OptimizerConfig:
     warmup_steps: int = 0
     """Optimizer steps of linear warm-up: step s (0-based) uses lr * (s + 1) / warmup_steps."""
     schedule: str = "constant"
-    """'constant' or 'cosine': from lr after warm-up toward min_lr, which step max_steps (one
-    past the last, 0-based) would reach, as Hugging Face's cosine schedule does."""
+    """After warm-up: 'constant' (lr); 'cosine' or 'linear': from lr toward min_lr, which step
+    max_steps (one past the last, 0-based) would reach, as Hugging Face's schedules do;
+    'wsd' (warmup-stable-decay): lr until the last decay_fraction of max_steps, then linear
+    toward min_lr over those steps, reached at step max_steps like 'linear'. A wsd run
+    stopped or checkpointed before its decay can be extended (a larger training.max_steps)
+    without a jump in lr: only the decay moves."""
     min_lr: float = 0.0
-    """The floor of the cosine schedule (ignored by 'constant')."""
+    """The floor of the 'cosine', 'linear' and 'wsd' schedules (ignored by 'constant')."""
+    decay_fraction: float = 0.2
+    """'wsd': the share of training.max_steps the final decay takes, round(decay_fraction *
+    max_steps) steps (halves up), never starting inside the warm-up; ignored by the other
+    schedules."""
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm to this; 0 = off."""
     name: str = "adamw"
@@ -65,11 +73,14 @@ class OptimizerConfig:
         checks.nonneg_int(f"{prefix}.warmup_steps", self.warmup_steps)
         checks.choice(f"{prefix}.schedule", self.schedule, LR_SCHEDULES)
         checks.number(f"{prefix}.min_lr", self.min_lr, low=0.0)
-        if self.schedule == "cosine" and self.min_lr > self.lr:
+        if self.schedule != "constant" and self.min_lr > self.lr:
             raise ConfigError(
-                f"{prefix}.min_lr must be <= {prefix}.lr ({self.lr}) for the cosine schedule, "
-                f"got {self.min_lr}"
+                f"{prefix}.min_lr must be <= {prefix}.lr ({self.lr}) for the {self.schedule} "
+                f"schedule, got {self.min_lr}"
             )
+        checks.number(
+            f"{prefix}.decay_fraction", self.decay_fraction, low=0.0, high=1.0, high_open=False
+        )
         checks.number(f"{prefix}.grad_clip_norm", self.grad_clip_norm, low=0.0)
         checks.number(f"{prefix}.muon_momentum", self.muon_momentum, low=0.0, high=1.0)
         return self
@@ -104,7 +115,13 @@ class OptimizerConfig:
     def lr_at(self, step: int, total_steps: int) -> float:
         """The learning rate of optimizer step `step` (0-based) of `total_steps`."""
         return learning_rate(
-            step, self.lr, self.warmup_steps, total_steps, self.schedule, self.min_lr
+            step,
+            self.lr,
+            self.warmup_steps,
+            total_steps,
+            self.schedule,
+            self.min_lr,
+            self.decay_fraction,
         )
 
     def clip_norm(self) -> float:
@@ -113,14 +130,35 @@ class OptimizerConfig:
 
 
 def learning_rate(
-    step: int, base_lr: float, warmup_steps: int, total_steps: int, schedule: str, min_lr: float
+    step: int,
+    base_lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    schedule: str,
+    min_lr: float,
+    decay_fraction: float = 0.2,
 ) -> float:
-    """Linear warm-up, then constant or cosine (no restarts) down to min_lr at step
-    total_steps; a run's steps are 0 .. total_steps - 1, so its last step stays above it."""
+    """Linear warm-up, then constant, or cosine or linear (no restarts) down to min_lr at
+    step total_steps, or (wsd) constant until the decay's first step, decay_start(), then
+    linear down to min_lr at total_steps; a run's steps are 0 .. total_steps - 1, so its last
+    step stays above min_lr."""
     if warmup_steps > 0 and step < warmup_steps:
         return base_lr * (step + 1) / warmup_steps
     if schedule == "constant":
         return base_lr
-    span = max(total_steps - warmup_steps, 1)
-    progress = min(max(step - warmup_steps, 0) / span, 1.0)
-    return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    start = warmup_steps
+    if schedule == "wsd":
+        start = decay_start(warmup_steps, total_steps, decay_fraction)
+        if step < start:
+            return base_lr
+    span = max(total_steps - start, 1)
+    progress = min(max(step - start, 0) / span, 1.0)
+    if schedule == "cosine":
+        return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    return base_lr - (base_lr - min_lr) * progress
+
+
+def decay_start(warmup_steps: int, total_steps: int, decay_fraction: float) -> int:
+    """The wsd schedule's first decay step: total_steps less round(decay_fraction *
+    total_steps) (halves up), never inside the warm-up."""
+    return max(total_steps - math.floor(decay_fraction * total_steps + 0.5), warmup_steps)

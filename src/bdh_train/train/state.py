@@ -28,7 +28,7 @@ from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.config import TrainingConfig
 from bdh_train.train.dcp import ShardedState
-from bdh_train.train.optim import OptimizerConfig
+from bdh_train.train.optim import OptimizerConfig, decay_start
 from bdh_train.train.run_dir import CONFIG_FILE, RunDir, read_saved_config
 
 TRAINER_FILE = "trainer.json"
@@ -258,7 +258,8 @@ class TrainingCheckpoints:
         check_resumed_tokenizer(checkpoint, tokenizer, named)
         check_resumed_optimizer(checkpoint, optimizer)
         self.load(checkpoint)
-        return check_resumed_length(checkpoint, self.training, optimizer, self.state.step)
+        s = self.state
+        return check_resumed_length(checkpoint, self.training, optimizer, s.step, s.elapsed)
 
     def load(self, checkpoint: Path) -> None:
         """A checkpoint with a sharded/ directory loads through DCP on any number of
@@ -314,12 +315,23 @@ def check_resumed_optimizer(checkpoint: Path, optimizer: OptimizerConfig) -> Non
 
 
 def check_resumed_length(
-    checkpoint: Path, training: TrainingConfig, optimizer: OptimizerConfig, step: int
+    checkpoint: Path,
+    training: TrainingConfig,
+    optimizer: OptimizerConfig,
+    step: int,
+    state_elapsed: float = 0.0,
 ) -> list[str]:
-    """Refuse a max_steps at or below the checkpoint's step (nothing would train); a
+    """Refuse a max_steps at or below the checkpoint's step, or a max_time the checkpoint's
+    training time (`state_elapsed`) has spent (nothing would train); a
     warning line when max_steps differs from the checkpoint's, which re-stretches the
     learning-rate schedule (and any gradient-scale ramp) over the new length."""
     t, o = training, optimizer
+    if t.time_budget_s and state_elapsed >= t.time_budget_s:
+        raise ConfigError(
+            f"training.max_time = {t.max_time!r} is spent: the checkpoint {checkpoint} has "
+            f"trained for {state_elapsed:.0f} s; to train on, set a larger budget or 0 (none), "
+            f"e.g. --set training.max_time={2 * t.time_budget_s:.0f}"
+        )
     if t.max_steps <= step:
         raise ConfigError(
             f"training.max_steps = {t.max_steps} is at or below the checkpoint's step "
@@ -339,10 +351,14 @@ def check_resumed_length(
         if old_lr != new_lr
         else f"the lr at step {step} stays {new_lr:.3g}"
     )
+    if o.schedule == "wsd":
+        start = decay_start(o.warmup_steps, t.max_steps, o.decay_fraction)
+        stretch = f"the wsd decay now starts at step {start}"
+    else:
+        stretch = f"the {o.schedule} lr schedule is re-stretched over the new length"
     return [
         f"warning: training.max_steps changed from {before} (the checkpoint's) to "
-        f"{t.max_steps}: the {o.schedule} lr schedule is re-stretched over the new length; "
-        f"{jump}"
+        f"{t.max_steps}: {stretch}; {jump}"
     ]
 
 

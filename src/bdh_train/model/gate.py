@@ -41,7 +41,8 @@ def gate_backward(
 def _compiled(function):
     """`function` compiled by inductor with dynamic shapes (one graph: the gate's functions
     have no break). Where dynamo does not compile (under a torch dispatch mode such as
-    FlopCounterMode) it runs as written: the same values."""
+    FlopCounterMode) it runs as written: the same values, but dynamo then skips the function
+    for good, so a FLOP count sets the kernels aside first (`train.throughput`)."""
     return torch.compile(function, dynamic=True)
 
 

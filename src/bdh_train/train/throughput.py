@@ -45,15 +45,18 @@ form, the one the executors accumulate with."""
 
 @contextlib.contextmanager
 def _as_written(model: BDH) -> Iterator[None]:
-    """`model` with its compiled layer (whose first call would fix the shape it compiles for)
-    and recompute set aside."""
-    compiled, recompute = model._compiled_layer, model.recompute
+    """`model` with its compiled layer (whose first call would fix the shape it compiles for),
+    its compiled gate kernels (dynamo, first called under the counter's dispatch mode, would
+    skip them for good) and recompute set aside: the same products, run as written."""
+    compiled, recompute, kernels = model._compiled_layer, model.recompute, model._gate_kernels
     model._compiled_layer = None
+    model.use_fused_gate(None)
     model.set_recompute("none")
     try:
         yield
     finally:
         model._compiled_layer = compiled
+        model.use_fused_gate(kernels)
         model.set_recompute(recompute)
 
 
@@ -65,6 +68,7 @@ def train_flops_per_token(executor: object, batch: SequenceBatch) -> float | Non
         return None
     counted = copy.copy(executor)  # the same model and settings; no carried state, no timing
     counted.streaming, counted.carried_state, counted.profiler = False, None, NullProfiler()
+    counted.pipeline_plan = None  # an emulated pipeline's microbatches do the same products
     model = executor.model
     device = batch.inputs.device
     devices = [device] if device.type == "cuda" else []

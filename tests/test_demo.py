@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+from pathlib import Path
 
 import pytest
 from helpers import MICRO_RUN
@@ -13,7 +14,9 @@ from helpers import MICRO_RUN
 from bdh_train.cli import main
 from bdh_train.config import load_config
 from bdh_train.data import builtin_corpus, load_tokens
+from bdh_train.data.loaders import StreamingDocumentLoader
 from bdh_train.errors import ConfigError
+from bdh_train.evals import memory
 from bdh_train.launch import capped_steps
 from bdh_train.train.console import eval_line, sample_lines
 from bdh_train.train.evaluate import SAMPLE_TEMPERATURES, sample_continuation
@@ -156,3 +159,46 @@ def test_make_demo_trains_into_the_run_directory_the_readme_names(tmp_path):
     (run / "config.toml").write_text("")
     with pytest.raises(ConfigError, match="already holds a run"):
         RunDir(run).check_fresh(overwrite=args.overwrite)
+
+
+def test_the_run_ends_with_what_the_state_gained(tmp_path):
+    """The end-of-run line is the last bucket of the context curve over the validation split,
+    32 blocks per stretch, 4 stretches; none when the split holds less than one stretch."""
+    stream = io.StringIO()
+    steps = ["training.max_steps=1", "training.eval_every=0", "training.checkpoint_every=0"]
+    cfg = load_config(overrides=[*MICRO_RUN, *steps, "data.source=builtin:shakespeare"])
+    trainer = Trainer(cfg, tmp_path / "run", stream=stream)
+    trainer.run()
+    assert trainer.val_data is not None
+    block, batch = cfg.training.block_size, cfg.training.batch_size
+    trainer.model.eval()
+    val = trainer.val_data.tokens
+    curve = memory.context_curve(trainer.model, val, block, 32 * block, 4, batch)
+    line = curve.last_bucket_line()
+    assert line.startswith(f"state gain     {curve.blocks[-1] - curve.carried[-1]:+.4f} ")
+    assert trainer.state_gain() == line and line in stream.getvalue()
+    text = tmp_path / "short.txt"
+    text.write_text("to be or not to be " * 200)  # 3,800 bytes: a validation split of 380
+    short = load_config(overrides=[*MICRO_RUN, f"data.source={text}"])
+    assert Trainer(short, tmp_path / "short", stream=io.StringIO()).state_gain() is None
+
+
+def test_the_state_recipe_streams_a_decayed_state(tmp_path):
+    """configs/state.toml: the tiny preset with alibi_spread's decay, trained on 1,024-token
+    documents whose blocks carry the state from step to step; a short run of it carries a
+    state out of its last step and ends with the state-gain line."""
+    recipe = Path(__file__).parents[1] / "configs" / "state.toml"
+    steps = ["training.max_steps=2", "training.eval_every=0", "training.checkpoint_every=0"]
+    cfg = load_config([recipe], overrides=[*MICRO_RUN, *steps, "data.source=builtin:shakespeare"])
+    assert cfg.model.position == "alibi_spread" and cfg.training.streaming
+    assert cfg.training.logical_block_size == 1024
+    stream = io.StringIO()
+    trainer = Trainer(cfg, tmp_path / "run", stream=stream)
+    assert isinstance(trainer.loader, StreamingDocumentLoader)
+    trainer.run()
+    carried = trainer.executor.carried_state
+    assert carried is not None and all(rho is not None for rho in carried.rho)
+    assert "streaming: state carried across the blocks of 1024-token documents" in (
+        stream.getvalue()
+    )
+    assert "state gain     " in stream.getvalue()

@@ -24,6 +24,7 @@ from bdh_train.config import RunConfig, dump_toml, save_config
 from bdh_train.data.tokenizer import HFTokenizer
 from bdh_train.distributed import fsdp
 from bdh_train.distributed.env import DistContext, resolve_device
+from bdh_train.evals.memory import context_curve
 from bdh_train.train import checkpoint as ckpt
 from bdh_train.train.accumulate import WeightedGradientAccumulator
 from bdh_train.train.allocator import configure_host_allocator
@@ -59,6 +60,13 @@ from bdh_train.train.throughput import run_throughput
 from bdh_train.train.window import StepWindow, TrainingDiverged, reduction_for
 
 __all__ = ["RunResult", "Trainer", "TrainingDiverged"]
+
+STATE_GAIN_BLOCKS = 32
+"""Training blocks per stretch of the end-of-run state-gain line's context curve: its last
+bucket holds the targets 16 to 32 blocks into a stretch."""
+STATE_GAIN_SEQUENCES = 4
+"""Stretches of the state-gain line's context curve, at most (fewer when the validation split
+is shorter)."""
 
 
 @dataclass
@@ -341,6 +349,9 @@ class Trainer:
             plot_losses(self.run_dir)
         with fsdp.gathered(self.model):  # every rank gathers a sharded model's weights
             sample = self.sample() if self.dist.is_main else None
+            gain = self.state_gain() if self.dist.is_main else None
+        if gain is not None:
+            self.progress.log(gain)
         text = writes_text(m.language_head, m.vocab_size, self.tokenizer, self.cfg.data.source)
         plot = self.run_files.loss_plot
         for line in summary_lines(self.run_dir, s, last_val, checkpoint, plot, t.max_steps, text):
@@ -396,6 +407,30 @@ class Trainer:
         if out is not None:
             self.progress.log(sample_lines(*out))
         return None if out is None else out[1][0][1]
+
+    def state_gain(self) -> str | None:
+        """The end-of-run line on what the carried state gained on held-out text: the context
+        curve over the validation split (`STATE_GAIN_BLOCKS` training blocks, up to
+        `STATE_GAIN_SEQUENCES` stretches), its last bucket read with the state carried
+        against in fresh blocks. None for a model without a token head, or a validation
+        split shorter than one stretch."""
+        val, t = self.val_data, self.training
+        if val is None or self.cfg.model.language_head.type != "token":
+            return None
+        length = STATE_GAIN_BLOCKS * t.block_size
+        sequences = min(STATE_GAIN_SEQUENCES, (len(val) - 1) // length)
+        if sequences < 1:
+            return None
+        write_gate = self.cfg.model.summary_memory.write_gate
+        events = self.cfg.data.summary_trigger() if write_gate else None
+        self.model.eval()
+        try:
+            curve = context_curve(
+                self.model, val.tokens, t.block_size, length, sequences, t.batch_size, events
+            )
+        finally:
+            self.model.train()
+        return curve.last_bucket_line()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, before_rename: Callable[[Path], None] | None = None) -> Path:

@@ -6,9 +6,10 @@ tokenizer files encode as the run's tokenizer (bytes and a BPE). Refusals are on
 write nothing.
 
 All the transformers side runs in ONE subprocess (`HF_SIDE`, importing transformers costs
-seconds) over four exports: a trained byte run (rope), the same run grown to twice its neurons (its
-rope table is no longer the one computed from N), and two ternary exports built here,
-one alibi_learned with an affine norm and a BPE, one alibi quantizing the decoder only."""
+seconds) over five exports: a trained byte run (rope), the same run grown to twice its neurons (its
+rope table is no longer the one computed from N), and three ternary exports built here,
+one alibi_learned with an affine norm and a BPE, one alibi and one alibi_spread quantizing the
+decoder only."""
 
 from __future__ import annotations
 
@@ -208,8 +209,18 @@ def exported(tmp_path_factory):
             ),
             ByteTokenizer(),
         ),
+        "spread": (
+            _ternary(
+                root / "spread.safetensors",
+                3,
+                vocab_size=256,
+                position="alibi_spread",
+                quant=QuantConfig(enable=True, target_modules=["encoder"]),
+            ),
+            ByteTokenizer(),
+        ),
     }
-    for name in ("bpe", "alibi"):
+    for name in ("bpe", "alibi", "spread"):
         assert (
             main(["export", "--hf", str(root / f"{name}_hf"), str(root / f"{name}.safetensors")])
             == 0
@@ -241,7 +252,7 @@ def exported(tmp_path_factory):
     return root, sides, results
 
 
-@pytest.mark.parametrize("name", ["run", "grown", "bpe", "alibi"])
+@pytest.mark.parametrize("name", ["run", "grown", "bpe", "alibi", "spread"])
 def test_left_padded_logits_equal_bdh_train(exported, name):
     """Each row's real tokens get bdh-train's logits of the row alone (fp32, 1e-5), with the
     pads on the left and the rows read 8 tokens at a time; the tokenizer files encode as the

@@ -84,6 +84,21 @@ def test_context_curve_against_one_call_per_stretch_and_per_block(model64, monke
         memory.context_curve(model64, tokens, block, 10, rows, batch_size=2)
 
 
+def test_last_bucket_line_reads_the_farthest_bucket():
+    edges = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4097]
+    near = [2.0] * (len(edges) - 2)
+    helps = memory.ContextCurve(128, 4096, 4, edges, [4] * 12, [*near, 1.90], [*near, 1.95])
+    assert helps.last_bucket_line() == (
+        "state gain     +0.0500 nats/token at positions 2,048-4,096 of held-out text (the "
+        "state helps): state carried 1.9000, fresh blocks of 128 1.9500"
+    )
+    hurts = memory.ContextCurve(16, 48, 1, [1, 2, 4, 8, 16, 32, 49], [1] * 6, [3.0] * 6, [2.5] * 6)
+    assert hurts.last_bucket_line() == (
+        "state gain     -0.5000 nats/token at positions 32-48 of held-out text (the state does "
+        "not help): state carried 3.0000, fresh blocks of 16 2.5000"
+    )
+
+
 def test_retention_of_a_model_without_memory_is_the_same_three_ways():
     model = tiny_model(torch.float64, seed=6)
     with torch.no_grad():

@@ -33,6 +33,7 @@ CASES = [
     (torch.float32, "alibi", {}),
     (torch.float64, "alibi", {}),
     (torch.float64, "alibi_learned", {}),
+    (torch.float64, "alibi_spread", {}),
 ]
 
 

@@ -10,6 +10,7 @@ import torch
 from helpers import tiny_model
 
 from bdh_train.model.mixer import EXECUTORS
+from bdh_train.model.positions import position_log_decay
 
 
 def spec_reference(
@@ -35,6 +36,8 @@ def spec_reference(
         return vec * torch.cos(phase) + rot * torch.sin(phase)
 
     rate = 2.0 ** (-torch.arange(H, dtype=torch.float64) / H)
+    if position == "alibi_spread":  # ALiBi's slopes 2^(-8(h+1)/H): for H = 2, 1/16 and 1/256
+        rate = torch.tensor([1 / 16, 1 / 256], dtype=torch.float64)
     if position == "alibi_learned":  # each head's rate times exp(its learned gain)
         rate = rate * torch.exp(weights["decay_log_gain"].double())
     decay = torch.exp(-rate)
@@ -51,7 +54,7 @@ def spec_reference(
             q = rope(x, start + t) if position == "rope" else x
             out = torch.einsum("bhn,bhnd->bhd", q, rho[l])  # read before write
             rho[l] = rho[l] + torch.einsum("bhn,bd->bhnd", q, u)
-            if position in ("alibi", "alibi_learned"):
+            if position != "rope":
                 rho[l] = rho[l] * decay.view(1, H, 1, 1)
             a = ln(out)
             y = x * torch.relu(torch.einsum("bhd,hdn->bhn", a, enc_v))
@@ -61,7 +64,7 @@ def spec_reference(
     return logits, rho
 
 
-@pytest.mark.parametrize("position", ["rope", "alibi", "alibi_learned"])
+@pytest.mark.parametrize("position", ["rope", "alibi", "alibi_learned", "alibi_spread"])
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_model_matches_spec_reference_fp64(position, executor):
     model = tiny_model(torch.float64, position=position, executor=executor, chunk_size=3)
@@ -89,3 +92,15 @@ def test_reference_continues_from_nonzero_state_fp64():
     _, rho_mid = spec_reference(weights, first, 2, "alibi")
     ref_logits, _ = spec_reference(weights, second, 2, "alibi", start=5, rho0=rho_mid)
     assert (logits - ref_logits).abs().max().item() < 1e-10
+
+
+def test_alibi_spread_decays_at_alibis_slopes():
+    """ALiBi's slopes 2^(-8(h+1)/H) for H = 4: 1/4, 1/16, 1/64, 1/256, exact in float64;
+    burn_dragon's (alibi) stay 2^(-h/H), and rope has none."""
+    spread = position_log_decay("alibi_spread", 4)
+    assert spread is not None and spread.dtype == torch.float64
+    assert torch.equal(spread, -torch.tensor([1 / 4, 1 / 16, 1 / 64, 1 / 256], dtype=torch.float64))
+    official = position_log_decay("alibi", 4)
+    assert official is not None
+    assert torch.equal(official, -(2.0 ** -(torch.arange(4, dtype=torch.float64) / 4)))
+    assert position_log_decay("rope", 4) is None

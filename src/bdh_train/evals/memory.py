@@ -83,6 +83,17 @@ class ContextCurve:
             )
         return "\n".join(lines)
 
+    def last_bucket_line(self) -> str:
+        """One line on the last bucket (the farthest positions): the loss read with the state
+        carried against the loss in fresh blocks, and their difference."""
+        gain = self.blocks[-1] - self.carried[-1]
+        verdict = "the state helps" if gain > 0 else "the state does not help"
+        return (
+            f"state gain     {gain:+.4f} nats/token at positions {self.edges[-2]:,}-"
+            f"{self.edges[-1] - 1:,} of held-out text ({verdict}): state carried "
+            f"{self.carried[-1]:.4f}, fresh blocks of {self.block_size:,} {self.blocks[-1]:.4f}"
+        )
+
 
 def context_curve(
     model: BDH,

@@ -37,9 +37,8 @@ from bdh_train.model.heads import nca_factorized_loss, token_cross_entropy
 from bdh_train.model.matmul import heads_matmul, is_heads_major, per_head_matmul
 from bdh_train.model.mixer import linear_attention
 from bdh_train.model.positions import (
-    alibi_log_decay,
     apply_rope,
-    learned_alibi_log_decay,
+    position_log_decay,
     rope_frequencies,
     rope_phases,
 )
@@ -302,9 +301,12 @@ class BDH(nn.Module):
         """What the mixer needs for positions [B, T]: rope cos/sin or alibi log-decays."""
         if self.config.position == "rope":
             return rope_phases(positions, self.rope_freqs, dtype), None
-        if self.config.position == "alibi_learned":
-            return None, learned_alibi_log_decay(self.decay_log_gain)
-        return None, alibi_log_decay(self.config.n_head)
+        return None, self.log_decay()
+
+    def log_decay(self) -> torch.Tensor | None:
+        """Each head's log-decay of the state [H] in float64 (None under rope: no decay)."""
+        gain = self.decay_log_gain if self.config.position == "alibi_learned" else None
+        return position_log_decay(self.config.position, self.config.n_head, gain)
 
     def layer(
         self,

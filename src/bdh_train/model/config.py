@@ -12,7 +12,7 @@ from bdh_train.errors import ConfigError
 from bdh_train.model import mixer
 from bdh_train.utils import build_dataclass
 
-POSITIONS = ("rope", "alibi", "alibi_learned")
+POSITIONS = ("rope", "alibi", "alibi_learned", "alibi_spread")
 NORMS = ("layernorm", "layernorm_affine")
 EXECUTORS = ("auto", *mixer.EXECUTORS)
 WEIGHT_FORMATS = ("ternary158", "ternary_threshold", "int8")
@@ -212,8 +212,10 @@ class BDHConfig:
     dropout: float = 0.1
     """Dropout probability in training (0 = none)."""
     position: str = "rope"
-    """'rope' (rotated queries), 'alibi' (fixed per-head state decay) or 'alibi_learned' (the
-    same decay, each head's rate a parameter starting at alibi's)."""
+    """'rope' (rotated queries), 'alibi' (fixed per-head state decay, burn_dragon's rates
+    2^(-h/H): memories of one or two tokens), 'alibi_learned' (the same decay, each head's rate
+    a parameter starting at alibi's) or 'alibi_spread' (fixed decay at ALiBi's own rates
+    2^(-8(h+1)/H): for 4 heads, memories of 4, 16, 64 and 256 tokens)."""
     norm: str = "layernorm"
     """'layernorm' (no learned scale or bias, as the official model) or 'layernorm_affine'."""
     executor: str = "auto"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from bdh_train.model.positions import alibi_log_decay, learned_alibi_log_decay, rope_cos_sin
+from bdh_train.model.positions import rope_cos_sin
 from bdh_train.model.state import ModelState
 from bdh_train.model.summary import NO_TOKEN, SummaryEvents
 
@@ -162,12 +162,9 @@ class FastDecoder:
         self._split_layers()
         self.decay_powers = None  # [H, K + 1]: d_h^m for m = 0..K
         self.decay_powers_reversed = None  # [H, K + 1]: d_h^(K - i) for i = 0..K
-        if c.position != "rope":
-            log_decay = (
-                learned_alibi_log_decay(model.decay_log_gain.detach())
-                if c.position == "alibi_learned"
-                else alibi_log_decay(h)
-            )
+        log_decay = model.log_decay()
+        if log_decay is not None:
+            log_decay = log_decay.detach()
             exponents = torch.arange(k + 1, dtype=torch.float64, device=weight.device)
             powers = torch.exp(log_decay.to(weight.device).unsqueeze(1) * exponents)
             self.decay_powers = powers.to(weight.dtype)

@@ -2,7 +2,8 @@
 
 rope rotates the queries (= keys) by absolute position, so the carried state must remember
 where each row is; alibi decays the state per head and per token, which needs no position;
-alibi_learned is alibi with each head's decay rate learned.
+alibi_learned is alibi with each head's decay rate learned; alibi_spread decays it at ALiBi's
+own rates, spread from a few tokens' memory to hundreds.
 """
 
 from __future__ import annotations
@@ -151,6 +152,14 @@ def alibi_log_decay(n_head: int) -> torch.Tensor:
     return -(2.0 ** (-h / n_head))
 
 
+def alibi_spread_log_decay(n_head: int) -> torch.Tensor:
+    """log d_h = -slope_h with ALiBi's geometric slopes slope_h = 2^(-8(h+1)/H) (Press et al.):
+    for H = 4, 1/4, 1/16, 1/64 and 1/256, so a token's weight in the state falls to 1/e after
+    4, 16, 64 and 256 tokens, where alibi's slopes (0.59-1) forget it within two."""
+    h = torch.arange(n_head, dtype=torch.float64)
+    return -(2.0 ** (-8.0 * (h + 1) / n_head))
+
+
 def learned_alibi_log_decay(log_gain: torch.Tensor) -> torch.Tensor:
     """log d_h = -slope_h * exp(log_gain_h) in float64, for the per-head gains [H].
 
@@ -160,3 +169,19 @@ def learned_alibi_log_decay(log_gain: torch.Tensor) -> torch.Tensor:
     """
     slopes = alibi_log_decay(log_gain.shape[0]).to(log_gain.device)
     return slopes * torch.exp(log_gain.to(torch.float64))
+
+
+def position_log_decay(
+    position: str, n_head: int, log_gain: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Each head's log-decay [H] in float64 for a model of `position` (None: rope, no decay);
+    `log_gain`: alibi_learned's per-head gains."""
+    if position == "rope":
+        return None
+    if position == "alibi_learned":
+        if log_gain is None:
+            raise ValueError("alibi_learned needs the per-head gains (decay_log_gain)")
+        return learned_alibi_log_decay(log_gain)
+    if position == "alibi_spread":
+        return alibi_spread_log_decay(n_head)
+    return alibi_log_decay(n_head)

@@ -58,6 +58,7 @@ from bdh_train.train.state import (
 from bdh_train.train.threads import set_threads
 from bdh_train.train.throughput import run_throughput
 from bdh_train.train.window import StepWindow, TrainingDiverged, reduction_for
+from bdh_train.utils import steps_cap
 
 __all__ = ["RunResult", "Trainer", "TrainingDiverged"]
 
@@ -66,7 +67,7 @@ STATE_GAIN_BLOCKS = 32
 bucket holds the targets 16 to 32 blocks into a stretch."""
 STATE_GAIN_SEQUENCES = 4
 """Stretches of the state-gain line's context curve, at most (fewer when the validation split
-is shorter)."""
+is shorter; one when `steps_cap` shortens the command for a smoke test)."""
 
 
 @dataclass
@@ -418,7 +419,8 @@ class Trainer:
         if val is None or self.cfg.model.language_head.type != "token":
             return None
         length = STATE_GAIN_BLOCKS * t.block_size
-        sequences = min(STATE_GAIN_SEQUENCES, (len(val) - 1) // length)
+        most = 1 if steps_cap() is not None else STATE_GAIN_SEQUENCES
+        sequences = min(most, (len(val) - 1) // length)
         if sequences < 1:
             return None
         write_gate = self.cfg.model.summary_memory.write_gate

@@ -71,7 +71,7 @@ class TrainingConfig:
     max_steps, so a wsd run stopped in its stable phase can go on or decay later."""
     peak_flops: float = 0.0
     """One device's peak FLOP/s, the MFU's denominator; 0 = measured at the start of the run
-    (the best of three square matrix products in the run's dtype, 2048 on the CPU and 8192 on
+    (the best of three square matrix products in the run's dtype, 1024 on the CPU and 8192 on
     CUDA: train/throughput.py). Set a datasheet figure to compare with other tools' MFU."""
     seed: int = 1337
     """Seed of the initial weights and the batch order."""

@@ -125,6 +125,23 @@ def test_plan_prints_timeline_and_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plan_png_replaces_a_file_only_with_force_and_never_a_fifo(tmp_path, capsys):
+    """--png under the output policy: an existing file is refused (left as it was) unless
+    --force; a FIFO is refused even with --force, before anything is drawn."""
+    import os
+
+    args = ["plan", "--layers", "4", "--stages", "2", "--microbatches", "4", "--png"]
+    png, fifo = tmp_path / "mine.png", tmp_path / "pipe"
+    png.write_bytes(b"mine")
+    os.mkfifo(fifo)
+    assert main([*args, str(png)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and png.read_bytes() == b"mine"
+    assert main([*args, str(fifo), "--force"]) == 2
+    assert "FIFO" in capsys.readouterr().err and fifo.exists()
+    assert main([*args, str(png), "--force"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plan_shows_the_data_parallel_by_pipeline_mesh(capsys):
     args = ["plan", "--layers", "4", "--stages", "2", "--microbatches", "2"]
     assert main([*args, "--data-parallel", "3"]) == 0

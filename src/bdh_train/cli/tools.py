@@ -24,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
     p.add_argument("--png", default=None, metavar="PATH", help="draw the bars to PATH instead")
+    _add_png_force(p)
     _register_plan(sub)
 
     p = sub.add_parser(
@@ -106,6 +107,22 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
         help="data-parallel replicas of the pipeline: show the N x stages process mesh",
     )
     p.add_argument("--png", default=None, metavar="PATH", help="also draw it to PATH")
+    _add_png_force(p)
+
+
+def _add_png_force(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--force", action="store_true", help="replace an existing --png PATH (a regular file)"
+    )
+
+
+def _check_png(args: argparse.Namespace) -> None:
+    """--png under the output policy (never over a file without --force, never a device,
+    link, run's file or checkpoint), before anything is computed."""
+    if args.png:
+        from bdh_train.storage.output import check_output
+
+        check_output(args.png, "--png", force=args.force)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -142,6 +159,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from bdh_train.train.profile import plot_profile, profile_rows, profile_table
     from bdh_train.train.run_dir import RunDir
 
+    _check_png(args)
     run = RunDir(args.run_dir)
     run.check_has_metrics()
     rows = profile_rows(read_metrics(run.metrics))
@@ -171,6 +189,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     missing = [name for name, value in pipeline.items() if value is None]
     if missing:
         raise ConfigError(f"plan needs {', '.join(missing)} (or --memory)")
+    _check_png(args)
     from bdh_train.distributed.planner import (
         build_pipeline_plan,
         plot_timeline,

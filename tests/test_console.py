@@ -88,7 +88,7 @@ def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypat
         # tests/train/test_throughput.py's hand count for 1 layer, D 16, 1 head, N 32, V 256,
         # T 8, dense: 2 * (3 * 6,016 - 256) = 35,584; the tests' constant peak (conftest.py)
         "throughput     35.6 kFLOP per token (a training step's, counted); peak 100 GFLOP/s "
-        "(a 2048-square float32 product measured at start)",
+        "(a 1024-square float32 product measured at start)",
         "config         layered on preset tiny (the default: no config file given)",
     ]
     lines = out.splitlines()

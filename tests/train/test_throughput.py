@@ -11,7 +11,7 @@ from helpers import tiny_model
 from bdh_train.data.loaders import eval_batches
 from bdh_train.train import throughput
 from bdh_train.train.step import LanguageTrainModel
-from bdh_train.train.throughput import Throughput, train_flops_per_token
+from bdh_train.train.throughput import Throughput, measure_peak_flops, train_flops_per_token
 
 # tiny_model: 2 layers, D = 16, 2 heads of N = 4 * 16 / 2 = 32 neurons, vocab 32, chunks of 4
 L, D, H, N, V, T = 2, 16, 2, 32, 32, 8
@@ -84,3 +84,16 @@ def test_a_runs_peak_is_given_or_measured_and_counts_every_device(peak):
     assert got is not None and got.flops_per_token == 47104
     assert got.peak_flops == 2 * (peak or 1e11)  # the tests' measured peak: conftest.py
     assert got.peak_source.endswith(", x 2 devices")
+
+
+def test_measuring_the_peak_draws_nothing_from_the_run_s_random_stream():
+    from unittest import mock
+
+    """The peak's matrices come from a generator of its own: a run that measures its peak
+    trains on the same random windows as one given training.peak_flops."""
+    from bdh_train.train.throughput import PEAK_MATMUL_SIZE
+
+    before = torch.random.get_rng_state()
+    with mock.patch.dict(PEAK_MATMUL_SIZE, {"cpu": 64}):  # the function, not conftest's constant
+        assert measure_peak_flops(torch.device("cpu")) > 0
+    assert torch.equal(torch.random.get_rng_state(), before)

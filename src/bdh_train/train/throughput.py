@@ -89,8 +89,9 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32)
     PEAK_MATMUL_SIZE-square matrices of `dtype` (the run's compute dtype) after one warm-up,
     on torch's current threads."""
     size = PEAK_MATMUL_SIZE.get(device.type, 1024)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    own = torch.Generator(device).manual_seed(0)  # the run's random streams stay untouched
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=own)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=own)
     best = float("inf")
     for i in range(4):
         if device.type == "cuda":

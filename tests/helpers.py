@@ -8,9 +8,11 @@ sys.path, and spawned worker processes inherit that path).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import math
 import multiprocessing
 import os
+import stat
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -388,3 +390,16 @@ two cores); each adds the length and cadence it needs."""
 def set_args(overrides: list[str]) -> list[str]:
     """`--set` arguments of `bdh-train` for `overrides`."""
     return [arg for override in overrides for arg in ("--set", override)]
+
+
+def entry_digest(path: Path) -> str:
+    """What a file-tree entry is, for a before/after comparison: a link as its target, a FIFO
+    or directory by kind (never opened), a file by the SHA-256 of its bytes."""
+    mode = path.lstat().st_mode
+    if stat.S_ISLNK(mode):
+        return "-> " + os.readlink(path)
+    if stat.S_ISFIFO(mode):
+        return "fifo"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -7,7 +7,6 @@ the next command of the same kind cleans what a killed one left."""
 from __future__ import annotations
 
 import ast
-import hashlib
 import os
 import resource
 import stat
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import entry_digest, tiny_model
 from safetensors.torch import save_file
 
 from bdh_train.cli import main
@@ -44,18 +43,7 @@ def fake_run(root: Path) -> Path:
 
 def digest(root: Path) -> dict[str, str]:
     """Every entry under `root`, links as links, FIFOs as FIFOs, files by SHA-256."""
-    found = {}
-    for path in sorted(root.rglob("*")):
-        mode = path.lstat().st_mode
-        if stat.S_ISLNK(mode):
-            found[str(path)] = "-> " + os.readlink(path)
-        elif stat.S_ISFIFO(mode):
-            found[str(path)] = "fifo"
-        elif stat.S_ISDIR(mode):
-            found[str(path)] = "dir"
-        else:
-            found[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return found
+    return {str(path): entry_digest(path) for path in sorted(root.rglob("*"))}
 
 
 def refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

@@ -9,7 +9,6 @@ leaves none of the temporaries a killed one of its kind left."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import entry_digest, tiny_model
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -144,15 +143,7 @@ def _users(base: Path, ours: set[Path]) -> dict[str, str]:
     for path in sorted(base.rglob("*")):
         if any(p in ours or _is_leftover(p) for p in (path, *path.parents)):
             continue
-        mode = path.lstat().st_mode
-        if stat.S_ISLNK(mode):
-            found[str(path)] = "-> " + os.readlink(path)
-        elif stat.S_ISFIFO(mode):
-            found[str(path)] = "fifo"
-        elif stat.S_ISDIR(mode):
-            found[str(path)] = "dir"
-        else:
-            found[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+        found[str(path)] = entry_digest(path)
     return found
 
 

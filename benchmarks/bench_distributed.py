@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, store: str, overrides: list[str], out: str) -
     from bdh_train.config import load_config
     from bdh_train.distributed.env import DistContext
     from bdh_train.train.window import StepWindow
-    from bdh_train.trainer import Trainer
+    from bdh_train.training.trainer import Trainer
 
     torch.set_num_threads(1)
     comm: list[tuple[float, float]] = []

@@ -45,7 +45,7 @@ from _common import (
 )
 
 from bdh_train.model import BDH, BDHConfig
-from bdh_train.model import generate as generation
+from bdh_train.model import sampling as generation
 
 CONFIG_A = CONFIGS["a"]
 PROMPT_TOKENS = 16

@@ -2,7 +2,7 @@
 
 For each config ((a) L4 D128 H4 x16, (b) L6 D256 H4 x32; vocab 256, dropout 0) and each
 (T, B) of the grid, ONE process builds the baseline, copies its weights into bdh-train's
-BDH (bdh_train.interop.load_official_state_dict: the parameter names coincide), gives each
+BDH (bdh_train.model.official.load_official_state_dict: the parameter names coincide), gives each
 its own AdamW (lr 1e-3) and draws one random batch. After a warm-up step of each side the
 steps ALTERNATE (baseline, bdh-train, baseline, bdh-train, ...; --steps timed steps each), so
 a change in the machine's load slows both sides alike and their ratio stays meaningful.
@@ -96,11 +96,11 @@ from _common import (
 from torch import nn
 
 from bdh_train.batch import SequenceBatch
-from bdh_train.interop import load_official_state_dict
 from bdh_train.model import BDH
 from bdh_train.model.bdh import COMPILE_MODES, compile_mode_for
 from bdh_train.model.chunked_grad import sums_by_product
 from bdh_train.model.mixer import calibration_for, dense_keys_per_query, resolve_executor
+from bdh_train.model.official import load_official_state_dict
 from bdh_train.train.allocator import HOST_ALLOCATORS, configure_host_allocator
 from bdh_train.train.step import LanguageTrainModel
 

@@ -54,9 +54,9 @@ PRIMER_TOKENS = 16
 def worker(spec: dict[str, Any]) -> None:
     import torch
 
-    from bdh_train.inference import Continuation
+    from bdh_train.generation.continuation import Continuation
     from bdh_train.model import BDH, BDHConfig
-    from bdh_train.model.generate import read_tokens
+    from bdh_train.model.sampling import read_tokens
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)

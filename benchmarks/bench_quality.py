@@ -24,7 +24,7 @@ from bdh_train.config import load_config
 from bdh_train.data import builtin_corpus, eval_batches
 from bdh_train.train.metrics import read_metrics
 from bdh_train.train.step import LanguageTrainModel
-from bdh_train.trainer import Trainer
+from bdh_train.training.trainer import Trainer
 
 
 def unigram_entropy_nats(data: bytes) -> float:

@@ -78,7 +78,7 @@ def worker(spec: dict[str, Any]) -> None:
     from bdh_train.model import BDHConfig
     from bdh_train.train.allocator import configure_host_allocator
     from bdh_train.train.config import TrainingConfig
-    from bdh_train.train.memory import estimate_step_memory
+    from bdh_train.train.memory_estimate import estimate_step_memory
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])

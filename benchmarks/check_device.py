@@ -38,7 +38,7 @@ import torch
 from _common import CONFIGS
 
 from bdh_train.model import BDH, BDHConfig
-from bdh_train.model import generate as generation
+from bdh_train.model import sampling as generation
 from bdh_train.model.decoders import FastDecoder
 
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 0.0}  # float32: set from the dense error

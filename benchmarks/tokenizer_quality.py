@@ -31,7 +31,7 @@ from bdh_train.data import TokenData, write_token_file
 from bdh_train.data.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
 from bdh_train.train.evaluate import evaluate
 from bdh_train.train.step import LanguageTrainModel
-from bdh_train.trainer import Trainer
+from bdh_train.training.trainer import Trainer
 
 DEFAULT_DATA = Path("/work/shared/data/tinyshakespeare.txt")
 

@@ -11,13 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bdh_train.train import threads, throughput
+from bdh_train.shared import threads
+from bdh_train.train import throughput
 
 
 @pytest.fixture(autouse=True)
 def _deterministic_threads(monkeypatch):
     """Two torch threads in every test, also in runs with training.threads = 0: the automatic
-    count sees an idle machine here (tests/train/test_threads.py fakes the load it reads)."""
+    count sees an idle machine here (tests/shared/test_threads.py fakes the load it reads)."""
     torch.set_num_threads(2)
     monkeypatch.setattr(threads, "read_loadavg", lambda: None)
     yield

@@ -136,7 +136,7 @@ def _wait_for_peers(out: Path, world: int, deadline: float) -> None:
 
 FORKSERVER_PRELOAD = [
     "helpers",
-    "bdh_train.trainer",
+    "bdh_train.training.trainer",
     "bdh_train.distributed.pipeline",
     "torch._dynamo",  # imported by the first torch.optim optimizer a process builds
     "torch.distributed.checkpoint",  # a sharded run's checkpoints
@@ -224,7 +224,7 @@ def checkpoint_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The tensors of a run's latest checkpoint."""
     from safetensors.torch import load_file
 
-    from bdh_train.train import checkpoint as ckpt
+    from bdh_train.storage import checkpoint as ckpt
 
     return load_file(str(ckpt.resolve_checkpoint(run_dir) / ckpt.MODEL_FILE))
 
@@ -313,7 +313,7 @@ def train_in_group(
 
     from bdh_train.config import load_config
     from bdh_train.distributed.env import DistContext
-    from bdh_train.trainer import Trainer
+    from bdh_train.training.trainer import Trainer
 
     ctx = DistContext(rank, world, rank) if world > 1 else None
     trainer = Trainer(
@@ -403,3 +403,26 @@ def entry_digest(path: Path) -> str:
     if stat.S_ISDIR(mode):
         return "dir"
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+MICRO = [
+    "--set",
+    "model.n_layer=2",
+    "--set",
+    "model.n_embd=32",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "model.mlp_internal_dim_multiplier=4",
+    "--set",
+    "training.block_size=16",
+    "--set",
+    "training.batch_size=4",
+    "--set",
+    "training.max_steps=3",
+    "--set",
+    "training.eval_every=3",
+    "--set",
+    "training.checkpoint_every=3",
+]
+"""`--set` options of a micro model for the CLI tests (two layers, width 32)."""

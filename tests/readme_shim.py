@@ -34,8 +34,8 @@ def serve(path: str) -> None:
 
     import bdh_train.cli as cli
     import bdh_train.data.prepared  # noqa: F401
-    import bdh_train.inference  # noqa: F401
-    import bdh_train.launch  # noqa: F401
+    import bdh_train.shared.loading  # noqa: F401
+    import bdh_train.training.launch  # noqa: F401
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path)

@@ -203,8 +203,8 @@ PROMPTS_FIX = "write the prompts into a file and give its path (generate reads i
 def test_a_prompts_file_that_is_dev_zero_or_a_fifo_is_refused_at_once(
     tmp_path: Path, fifo: Path, bounded_memory
 ):
-    from bdh_train.completions import read_prompts
     from bdh_train.data.tokenizer import ByteTokenizer
+    from bdh_train.generation.completions import read_prompts
 
     started = time.monotonic()
     for target, kind in ((ZERO, "a character device"), (fifo, "a FIFO (named pipe)")):
@@ -220,8 +220,8 @@ def test_a_prompts_file_that_is_dev_zero_or_a_fifo_is_refused_at_once(
 def test_a_prompts_file_line_over_the_limit_is_refused_with_its_number(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bounded_memory
 ):
-    from bdh_train import completions
     from bdh_train.data.tokenizer import ByteTokenizer
+    from bdh_train.generation import completions
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_bytes(b'{"prompt": "a"}\n' + b" " * (completions.PROMPT_LINE_MAX_BYTES + 1))
@@ -249,8 +249,8 @@ def test_a_large_prompts_file_is_checked_and_read_a_line_at_a_time(tmp_path: Pat
     import itertools
     import json
 
-    from bdh_train.completions import read_prompts
     from bdh_train.data.tokenizer import ByteTokenizer
+    from bdh_train.generation.completions import read_prompts
 
     n, width = 200_000, 400
     prompts = tmp_path / "many.jsonl"
@@ -268,8 +268,8 @@ def test_a_large_prompts_file_is_checked_and_read_a_line_at_a_time(tmp_path: Pat
 def test_a_prompts_file_changed_after_its_check_is_refused_before_generating(
     tmp_path: Path,
 ) -> None:
-    from bdh_train.completions import read_prompts
     from bdh_train.data.tokenizer import ByteTokenizer
+    from bdh_train.generation.completions import read_prompts
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a"}\n')
@@ -315,7 +315,7 @@ HUGE = 2 << 30
 
 
 def _checkpoint(run: Path) -> Path:
-    from bdh_train.train import checkpoint as ckpt
+    from bdh_train.storage import checkpoint as ckpt
 
     def write(directory: Path) -> None:
         (directory / ckpt.MODEL_FILE).write_bytes(b"m")
@@ -328,7 +328,7 @@ def test_a_huge_latest_pointer_or_manifest_is_refused_without_reading_it(
     tmp_path: Path, bounded_memory
 ):
     from bdh_train.errors import CheckpointError
-    from bdh_train.train import checkpoint as ckpt
+    from bdh_train.storage import checkpoint as ckpt
 
     started = time.monotonic()
     first = _checkpoint(tmp_path / "a")
@@ -359,8 +359,8 @@ def test_a_huge_run_config_or_lock_file_is_refused_without_reading_it(
     tmp_path: Path, bounded_memory
 ):
     from bdh_train.errors import ConfigError
+    from bdh_train.storage.run_dir import LOCK_FILE, RunDir, read_saved_config
     from bdh_train.train.optim import OptimizerConfig
-    from bdh_train.train.run_dir import LOCK_FILE, RunDir, read_saved_config
     from bdh_train.train.state import check_resumed_optimizer
 
     started = time.monotonic()
@@ -396,7 +396,7 @@ def _write_checkpoint(directory: Path, model, config: dict | None = None) -> Pat
 
     from safetensors.torch import save_file
 
-    from bdh_train.train import checkpoint as ckpt
+    from bdh_train.storage import checkpoint as ckpt
 
     metadata = {"bdh_config": json.dumps(config or model.config.to_dict()), "step": "0"}
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -480,7 +480,7 @@ def _ternary(tmp_path: Path, change=None) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from bdh_train.export import export_ternary
+    from bdh_train.export.ternary import export_ternary
     from bdh_train.model import QuantConfig
 
     model = tiny_model(vocab_size=256, quant=QuantConfig(enable=True))
@@ -505,7 +505,7 @@ def test_a_ternary_export_claiming_more_than_it_holds_or_nested_json_is_refused(
     import json
 
     from bdh_train.errors import CheckpointError
-    from bdh_train.export import load_ternary
+    from bdh_train.storage.ternary import load_ternary
 
     def grown(metadata, tensors):
         config = json.loads(metadata["config"])
@@ -551,9 +551,9 @@ def test_grow_counts_three_copies_of_the_grown_model_and_refuses_a_seed_past_64_
 ):
     from helpers import tiny_config
 
-    from bdh_train import compose
+    from bdh_train.compose import grow as compose
     from bdh_train.model.bdh import parameter_bytes
-    from bdh_train.model.compose import grown_config
+    from bdh_train.model.surgery import grown_config
 
     for seed in (2**64, -(2**63) - 1):
         argv = ["grow", "--checkpoint", str(byte_checkpoint), "--neurons-multiplier", "2"]

@@ -16,12 +16,12 @@ from bdh_train.config import load_config
 from bdh_train.data import builtin_corpus, load_tokens
 from bdh_train.data.loaders import StreamingDocumentLoader
 from bdh_train.errors import ConfigError
-from bdh_train.evals import memory
-from bdh_train.launch import capped_steps
+from bdh_train.evals import context as memory
+from bdh_train.storage.run_dir import RunDir
 from bdh_train.train.console import eval_line, sample_lines
 from bdh_train.train.evaluate import SAMPLE_TEMPERATURES, sample_continuation
-from bdh_train.train.run_dir import RunDir
-from bdh_train.trainer import Trainer
+from bdh_train.training.launch import capped_steps
+from bdh_train.training.trainer import Trainer
 from bdh_train.utils import STEPS_CAP_ENV, steps_cap
 
 SHAKESPEARE_MD5 = "6fb458f1232090904fb40fe944165e91"

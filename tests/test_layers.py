@@ -21,25 +21,24 @@ import bdh_train
 PACKAGE_ROOT = Path(bdh_train.__file__).parent
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("bdh_train.errors", "bdh_train.utils", "bdh_train.checks", "bdh_train.storage")),
+    ("base", ("bdh_train.errors", "bdh_train.utils", "bdh_train.checks")),
     ("vocabulary", ("bdh_train.batch",)),
-    ("model", ("bdh_train.model", "bdh_train.interop", "bdh_train.export")),
+    ("model", ("bdh_train.model",)),
+    ("storage", ("bdh_train.storage",)),
     ("data", ("bdh_train.data",)),
     ("distributed", ("bdh_train.distributed",)),
-    ("train", ("bdh_train.train",)),
+    ("engine", ("bdh_train.train",)),
     ("config", ("bdh_train.config",)),
+    ("shared", ("bdh_train.shared",)),
     (
-        "trainer",
+        "applications",
         (
-            "bdh_train.trainer",
-            "bdh_train.launch",
-            "bdh_train.inference",
-            "bdh_train.completions",
-            "bdh_train.compose",
-            "bdh_train.huggingface",
-            "bdh_train.inspect",
+            "bdh_train.training",
+            "bdh_train.generation",
             "bdh_train.evals",
-            "bdh_train.lm_eval",
+            "bdh_train.export",
+            "bdh_train.inspect",
+            "bdh_train.compose",
         ),
     ),
     ("cli", ("bdh_train.cli", "bdh_train.__main__", "bdh_train")),
@@ -311,7 +310,7 @@ def test_the_loop_check_sees_function_level_imports_and_skips_type_checking_ones
 
 
 def test_lazy_packages_import_no_submodule_when_imported() -> None:
-    """Importing one submodule (`bdh_train.train.checkpoint`) runs its package's __init__,
+    """Importing one submodule (`bdh_train.storage.checkpoint`) runs its package's __init__,
     which must not import every sibling (and through them `bdh_train.distributed`)."""
     for package in LAZY_PACKAGES:
         found = imports(modules()[package])
@@ -331,7 +330,7 @@ def test_lazy_packages_import_no_submodule_when_imported() -> None:
 def test_importing_a_submodule_runs_only_what_it_imports() -> None:
     script = (
         "import sys\n"
-        "import bdh_train.train.checkpoint\n"
+        "import bdh_train.storage.checkpoint\n"
         "print(sorted(m for m in sys.modules if m.startswith('bdh_train')))\n"
         "import bdh_train.config\n"
         "words = ('planner', 'fsdp', 'pipelin')\n"
@@ -340,7 +339,7 @@ def test_importing_a_submodule_runs_only_what_it_imports() -> None:
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     checkpoint_run, config_run = (ast.literal_eval(line) for line in proc.stdout.splitlines())
-    assert set(checkpoint_run) <= runs_on_import("bdh_train.train.checkpoint"), checkpoint_run
+    assert set(checkpoint_run) <= runs_on_import("bdh_train.storage.checkpoint"), checkpoint_run
     assert config_run == [], (
         f"importing bdh_train.config (the sections' dataclasses) imports {config_run}: the "
         "pipeline planner, FSDP or the pipeline runner"

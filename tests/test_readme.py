@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from bdh_train.train.checkpoint import resolve_checkpoint
+from bdh_train.storage.checkpoint import resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -39,7 +39,7 @@ def test_a_saved_config_is_readable_by_the_group_under_umask_022(tmp_path, umask
 
 
 def test_a_checkpoint_directory_and_its_files_follow_the_umask(tmp_path, umask):
-    from bdh_train.train.checkpoint import save_checkpoint
+    from bdh_train.storage.checkpoint import save_checkpoint
 
     umask(0o022)
 

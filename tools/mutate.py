@@ -38,7 +38,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     "train/schedules.py": ["tests/train/test_schedules.py"],
     "train/accumulate.py": ["tests/train/test_accumulate.py"],
     "train/reduce.py": ["tests/train/test_reduce.py"],
-    "train/checkpoint.py": ["tests/train/test_checkpoint.py"],
+    "train/checkpoint.py": ["tests/storage/test_checkpoint.py"],
     "model/state.py": ["tests/model/test_model_state.py"],
     "model/mixer.py": ["tests/model/test_mixer.py"],
     "model/chunked_grad.py": ["tests/model/test_mixer.py"],
@@ -58,7 +58,7 @@ MODULE_TESTS: dict[str, list[str]] = {
         "tests/model/test_summary_memory.py",
         "tests/model/test_alibi_learned.py",
         "tests/model/test_nca_head.py",
-        "tests/test_inference.py",
+        "tests/generation/test_continuation.py",
         "tests/test_api.py",
     ],
 }

@@ -22,11 +22,11 @@ _LAZY = {
     "RunConfig": "bdh_train.config",
     "SequenceBatch": "bdh_train.batch",
     "StepOutput": "bdh_train.batch",
-    "Trainer": "bdh_train.trainer",
+    "Trainer": "bdh_train.training.trainer",
     "WeightedGradientAccumulator": "bdh_train.train.accumulate",
     "load_config": "bdh_train.config",
-    "load_run": "bdh_train.inference",
-    "score_text": "bdh_train.inference",
+    "load_run": "bdh_train.shared.loading",
+    "score_text": "bdh_train.evals.text_score",
 }
 """Public name -> the module that defines it."""
 
@@ -54,8 +54,9 @@ __getattr__, __dir__ = lazy_names("bdh_train", _LAZY)
 if TYPE_CHECKING:
     from bdh_train.batch import IGNORE_INDEX, SequenceBatch, StepOutput
     from bdh_train.config import RunConfig, load_config
-    from bdh_train.inference import load_run, score_text
+    from bdh_train.evals.text_score import score_text
     from bdh_train.model import BDH, BDHConfig, ModelState
+    from bdh_train.shared.loading import load_run
     from bdh_train.train.accumulate import WeightedGradientAccumulator
     from bdh_train.train.step import LanguageTrainModel
-    from bdh_train.trainer import Trainer
+    from bdh_train.training.trainer import Trainer

@@ -12,30 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import MICRO
 
 from bdh_train.cli import main
 from bdh_train.data import write_token_file
-
-MICRO = [
-    "--set",
-    "model.n_layer=2",
-    "--set",
-    "model.n_embd=32",
-    "--set",
-    "model.n_head=2",
-    "--set",
-    "model.mlp_internal_dim_multiplier=4",
-    "--set",
-    "training.block_size=16",
-    "--set",
-    "training.batch_size=4",
-    "--set",
-    "training.max_steps=3",
-    "--set",
-    "training.eval_every=3",
-    "--set",
-    "training.checkpoint_every=3",
-]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -327,7 +307,7 @@ def test_plot_redraws_loss_png(tmp_path, capsys):
 def test_export_ternary_of_a_bitnet_run(tmp_path, capsys):
     import torch
 
-    from bdh_train.export import load_ternary
+    from bdh_train.storage.ternary import load_ternary
 
     bitnet = Path(__file__).parents[2] / "configs" / "bitnet.toml"
     run_dir = tmp_path / "run"
@@ -373,7 +353,7 @@ def test_export_ternary_of_a_bitnet_run(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["val_loss"] > 0
     # an export is never written into the checkpoint it reads (it would damage it) nor as
     # a directory, and either refusal leaves the files as they were
-    from bdh_train.train.checkpoint import resolve_checkpoint
+    from bdh_train.storage.checkpoint import resolve_checkpoint
 
     checkpoint = resolve_checkpoint(run_dir)
     weights = checkpoint / "model.safetensors"
@@ -410,9 +390,9 @@ def test_train_frees_its_trainer_before_the_process_group_goes(tmp_path, monkeyp
     import gc
     import weakref
 
-    from bdh_train import trainer as trainer_module
     from bdh_train.distributed.env import DistContext
     from bdh_train.errors import DataError
+    from bdh_train.training import trainer as trainer_module
 
     made: list[weakref.ref] = []
     freed_at_close: list[bool] = []

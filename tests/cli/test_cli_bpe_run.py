@@ -10,14 +10,13 @@ import shutil
 
 import pytest
 import torch
-from helpers import BPE_TEXT, bpe_corpus
-from test_cli import MICRO
+from helpers import BPE_TEXT, MICRO, bpe_corpus
 
 import bdh_train
 from bdh_train.cli import main
-from bdh_train.data.tokenizer import TOKENIZER_FILE
-from bdh_train.export import export_tokenizer_json
-from bdh_train.train.checkpoint import MANIFEST
+from bdh_train.data.tokenizer import TOKENIZER_FILE, load_tokenizer
+from bdh_train.storage.checkpoint import MANIFEST
+from bdh_train.storage.ternary import export_tokenizer_json
 
 SMALL = [*MICRO, "--set", "model.n_layer=1", "--set", "training.checkpoint_every=2"]
 GREEDY = ["--temperature", "0", "--max-new-tokens", "8", "--device", "cpu"]
@@ -50,7 +49,7 @@ def bpe_run(tmp_path_factory):
     import contextlib
     import io
 
-    from bdh_train.trainer import Trainer
+    from bdh_train.training.trainer import Trainer
 
     console = io.StringIO()
     real_sample = Trainer.sample
@@ -68,7 +67,7 @@ def test_the_tokenizer_travels_with_the_run(bpe_run):
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
     assert [c.name for c in checkpoints] == ["step-0000002", "step-0000003"]
     for where in [run_dir, *checkpoints]:
-        copy = bdh_train.inference.load_tokenizer(where / TOKENIZER_FILE)
+        copy = load_tokenizer(where / TOKENIZER_FILE)
         assert copy.fingerprint() == tok.fingerprint(), where
     for checkpoint in checkpoints:  # the manifest guards the copy like every other file
         assert TOKENIZER_FILE in json.loads((checkpoint / MANIFEST).read_text())["files"]
@@ -180,4 +179,4 @@ def test_a_moved_run_resumes_with_its_own_tokenizer_copy(bpe_run, tmp_path, caps
 
 
 def load_fingerprint(path) -> str:
-    return bdh_train.inference.load_tokenizer(path).fingerprint()
+    return load_tokenizer(path).fingerprint()

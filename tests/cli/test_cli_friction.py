@@ -37,7 +37,7 @@ RUN = set_args(
 def corpus_run(tmp_path_factory):
     """(prepared BPE corpus, run directory, ternary export) of a 3-step BitNet run whose only
     data setting is data.source = the corpus."""
-    from bdh_train.trainer import Trainer
+    from bdh_train.training.trainer import Trainer
 
     root = tmp_path_factory.mktemp("friction")
     text = root / "text.txt"

@@ -11,13 +11,12 @@ import subprocess
 import sys
 
 import pytest
-from helpers import assert_close
-from test_cli import MICRO
+from helpers import MICRO, assert_close
 
 import bdh_train
 from bdh_train.cli import COMMANDS, build_parser, main
 from bdh_train.cli.args import DEVICES
-from bdh_train.train import checkpoint as ckpt
+from bdh_train.storage import checkpoint as ckpt
 
 
 def test_the_cli_and_its_help_import_no_torch():
@@ -115,7 +114,7 @@ def test_load_run_gives_the_model_in_eval_mode(run_dir):
 
     import torch
 
-    from bdh_train.inference import load_run
+    from bdh_train.shared.loading import load_run
 
     model, _, _ = load_run(run_dir)
     assert not any(m.training for m in model.modules())
@@ -228,7 +227,7 @@ def test_a_chat_line_that_is_not_utf8_is_one_line(run_dir, capsys, monkeypatch):
 
 def test_a_checkpoint_whose_weights_are_not_safetensors_is_one_line(tmp_path, capsys):
     """A directory holding a model.safetensors that is not one, under a manifest that matches
-    it (without a manifest it is refused before it is read: tests/train/test_checkpoint_trust)."""
+    it (without a manifest it is refused before it is read: tests/storage/test_checkpoint_trust)."""
     (tmp_path / "model.safetensors").write_bytes(b"garbage\n")
     ckpt._write_manifest(tmp_path)
     assert main(["generate", "--checkpoint", str(tmp_path), "--device", "cpu"]) == 2
@@ -353,7 +352,8 @@ def test_chat_does_not_read_a_stop_into_the_state(run_dir):
     state and last output."""
     import torch
 
-    from bdh_train.inference import Continuation, chat
+    from bdh_train.generation.chat import chat
+    from bdh_train.generation.continuation import Continuation
 
     model, tok, _ = bdh_train.load_run(run_dir)
     turns = ["def add(a, b):\n", "    return\n"]
@@ -409,7 +409,7 @@ def test_a_stop_ends_generate_and_its_continuation_alike(run_dir, tmp_path, caps
 
 
 def test_until_stop_closes_the_stream_it_stops():
-    from bdh_train.inference import until_stop
+    from bdh_train.generation.chat import until_stop
 
     closed = []
 
@@ -550,9 +550,9 @@ def test_a_byte_order_mark_and_crlf_lines_read_as_plain_lines(run_dir, tmp_path,
 def test_a_prompt_of_no_tokens_is_refused_with_its_line(tmp_path):
     """A tokenizer without a token for a prompt's characters (a subword vocabulary without
     byte fallback encodes them to nothing) is refused before anything is generated."""
-    from bdh_train.completions import read_prompts
     from bdh_train.data.tokenizer import ByteTokenizer
     from bdh_train.errors import DataError
+    from bdh_train.generation.completions import read_prompts
 
     class Sparse(ByteTokenizer):
         def encode(self, text):
@@ -665,7 +665,7 @@ def test_completions_with_a_summary_memory_mark_its_events():
     import torch
     from helpers import tiny_model
 
-    from bdh_train.completions import PromptRecord, complete
+    from bdh_train.generation.completions import PromptRecord, complete
     from bdh_train.model.config import SummaryMemoryConfig
 
     class Digits:  # a tokenizer of the digits 0-9
@@ -732,7 +732,7 @@ def _checkpoint_with_a_nan(run_dir, directory):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from bdh_train.train import checkpoint as ckpt
+    from bdh_train.storage import checkpoint as ckpt
 
     source = ckpt.resolve_checkpoint(run_dir) / ckpt.MODEL_FILE
     with safe_open(str(source), "pt") as handle:
@@ -799,7 +799,7 @@ def test_a_state_file_holding_nan_is_one_line(run_dir, tmp_path, capsys):
 def test_generate_stopped_by_ctrl_c_ends_its_line(run_dir, tmp_path, capsys, monkeypatch, state):
     """Ctrl-C in the middle of a completion: the text so far ends with a newline, so the
     "interrupted" on stderr (and the shell's prompt) start lines of their own."""
-    from bdh_train import inference
+    from bdh_train.generation import continuation as inference
     from bdh_train.model import BDH
 
     def two_then_ctrl_c(self, *args, **kwargs):

@@ -18,7 +18,7 @@ from bdh_train.data.layout import META_FILE, in_validation, is_prepared
 from bdh_train.data.prepared import load_prepared, prepare_corpus, read_meta
 from bdh_train.data.tokenizer import load_tokenizer, train_bpe
 from bdh_train.errors import DataError
-from bdh_train.trainer import Trainer
+from bdh_train.training.trainer import Trainer
 
 CORPUS = [
     f"Document {i}: {' '.join(['the quick brown fox', 'jumps over', 'the lazy dog'][: i % 3 + 1])}"

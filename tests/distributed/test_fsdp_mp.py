@@ -32,13 +32,13 @@ from bdh_train.config import load_config
 from bdh_train.distributed import fsdp
 from bdh_train.distributed.env import DistContext
 from bdh_train.errors import CheckpointError, ConfigError
-from bdh_train.inference import load_run
 from bdh_train.model import QuantConfig
-from bdh_train.train import checkpoint as ckpt
+from bdh_train.shared.loading import load_run
+from bdh_train.storage import checkpoint as ckpt
 from bdh_train.train.accumulate import WeightedGradientAccumulator
 from bdh_train.train.reduce import accumulate_sharded
 from bdh_train.train.step import LanguageTrainModel
-from bdh_train.trainer import Trainer
+from bdh_train.training.trainer import Trainer
 
 BASE = [*DISTRIBUTED_RUN, "optimizer.grad_clip_norm=0.5"]
 MODES = {

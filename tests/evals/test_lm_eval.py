@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness backend (`bdh_train.lm_eval`, model `bdh`): a local YAML task over
+"""The lm-evaluation-harness backend (`bdh_train.evals.lm_eval`, model `bdh`): a local YAML task
 JSON lines written here (no download) run through `lm_eval.simple_evaluate`, its per-request
 log-likelihoods against a hand loop of one model call per request, rolling perplexity with
 the state carried against the model's loss over the whole document in one call (and the
@@ -24,7 +24,7 @@ from helpers import assert_close, tiny_model
 from bdh_train.data.tokenizer import ByteTokenizer
 from bdh_train.errors import BDHTrainError, ConfigError
 from bdh_train.evals import scoring
-from bdh_train.inference import load_run
+from bdh_train.shared.loading import load_run
 
 NEWLINE = 10
 """The byte tokenizer's document separator: what a document is predicted after."""
@@ -83,7 +83,7 @@ def harness(tmp_path_factory):
     import lm_eval.evaluator
     from lm_eval.tasks import TaskManager
 
-    import bdh_train.lm_eval as backend
+    import bdh_train.evals.lm_eval as backend
 
     tasks = tmp / "tasks"
     tasks.mkdir()

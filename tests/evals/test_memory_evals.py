@@ -27,7 +27,8 @@ from helpers import assert_close, tiny_model
 from bdh_train.cli import main
 from bdh_train.data.tokenizer import ByteTokenizer
 from bdh_train.errors import ConfigError
-from bdh_train.evals import memory, passkey, scoring
+from bdh_train.evals import context as memory
+from bdh_train.evals import passkey, scoring
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +221,7 @@ def test_refusals_are_one_line_and_write_nothing(
     _refused(capsys, [*argv, "--passkey", "--passkey-depths", "0,2"], "must lie in [0, 1]")
     # 10^14 tokens: refused before a prompt is built (building it would exhaust memory)
     _refused(capsys, [*argv, "--passkey", "--passkey-lengths", "100000000000000"], "GiB for")
-    monkeypatch.setattr("bdh_train.inference.tokenizer_for", lambda config: None)
+    monkeypatch.setattr("bdh_train.shared.loading.tokenizer_for", lambda config: None)
     _refused(capsys, [*argv, "--passkey"], "needs a token-head model with a tokenizer")
     assert not out.exists()
 

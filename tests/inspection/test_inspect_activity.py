@@ -9,7 +9,7 @@ import torch
 from helpers import tiny_model
 
 from bdh_train.data.tokens import TokenData
-from bdh_train.inspect.activity import InspectRecorder, record_activity
+from bdh_train.inspect.neuron_activity import InspectRecorder, record_activity
 from bdh_train.model.activity import ActivityCounts, recording
 from bdh_train.model.config import LanguageHeadConfig
 from bdh_train.train.evaluate import Evaluator, _summed
@@ -139,7 +139,7 @@ def test_inspect_recorder_keeps_each_neurons_top_tokens_and_token_shares():
 
 
 def test_the_dashboard_ranks_by_selectivity_and_sets_always_on_neurons_apart():
-    from bdh_train.inspect.run import InspectOptions, dashboard, neuron_selectivity
+    from bdh_train.inspect.analysis import InspectOptions, dashboard, neuron_selectivity
 
     # one layer, one head, 4 neurons over 8 tokens; the dashboards keep each neuron's top 2
     x = torch.tensor(

@@ -24,7 +24,7 @@ from helpers import (
 
 from bdh_train.cli import main
 from bdh_train.errors import BDHTrainError
-from bdh_train.inspect.run import InspectOptions, inspect_model, write_report
+from bdh_train.inspect.analysis import InspectOptions, inspect_model, write_report
 from bdh_train.train.metrics import read_metrics
 
 RUN = [*MICRO_RUN, "training.max_steps=2", "training.eval_every=1", "training.eval_steps=1"]
@@ -137,7 +137,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(
         same = [{"prompt": p["prompt"], "concept": True} for p in PROMPTS]
         extra = ["--prompts", str(_prompts_file(tmp_path / "p.jsonl", same))]
     else:  # a model whose checkpoint carries no tokenizer (not a byte model)
-        monkeypatch.setattr("bdh_train.inference.tokenizer_for", lambda config: None)
+        monkeypatch.setattr("bdh_train.shared.loading.tokenizer_for", lambda config: None)
     before = sorted(tmp_path.iterdir())
     capsys.readouterr()
     assert _inspect(run_dir, tmp_path / "out", *extra) == 2
@@ -245,7 +245,7 @@ def test_the_report_directory_appears_whole_or_not_at_all(inspection, tmp_path, 
     def fail(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("bdh_train.inspect.run.write_hub_graphml", fail)
+    monkeypatch.setattr("bdh_train.inspect.analysis.write_hub_graphml", fail)
     with pytest.raises(BDHTrainError, match="cannot write .*No space left on device"):
         write_report(inspection, tmp_path / "new" / "deeper", hubs=4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing half-built

@@ -25,7 +25,7 @@ from bdh_train.model.positions import (
     learned_alibi_log_decay,
     rope_frequencies,
 )
-from bdh_train.train import checkpoint as ckpt
+from bdh_train.storage import checkpoint as ckpt
 from bdh_train.train.init_from import InitTransferConfig, init_weights_from
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.step import LanguageTrainModel

@@ -12,7 +12,7 @@ from helpers import assert_close, tiny_model
 
 from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.model import BDH, QuantConfig, decoders
-from bdh_train.model import generate as generation
+from bdh_train.model import sampling as generation
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.model.decoders import FastDecoder, GenericDecoder
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from bdh_train.model.generate import sample_next_token
+from bdh_train.model.sampling import sample_next_token
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi", "alibi_learned"])

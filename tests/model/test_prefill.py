@@ -9,10 +9,10 @@ from helpers import assert_close, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bdh_train.data.events import SummaryEventTrigger
-from bdh_train.inference import Continuation
+from bdh_train.generation.continuation import Continuation
 from bdh_train.inspect.synapses import read_state
 from bdh_train.model.config import SummaryMemoryConfig
-from bdh_train.model.generate import PREFILL_TOKENS, read_tokens
+from bdh_train.model.sampling import PREFILL_TOKENS, read_tokens
 from bdh_train.model.state import ModelState
 
 GATED = SummaryMemoryConfig(enabled=True, chunk_tokens=4, write_gate=True, residual_scale=1.0)

@@ -10,7 +10,7 @@ import torch
 from helpers import tiny_model
 
 from bdh_train.errors import CheckpointError, ConfigError
-from bdh_train.export import export_ternary, load_ternary, pack_ternary, unpack_ternary
+from bdh_train.export.ternary import export_ternary
 from bdh_train.model import BDH, BDHConfig, QuantConfig
 from bdh_train.model.matmul import per_head_matmul
 from bdh_train.model.mixer import EXECUTORS
@@ -24,6 +24,7 @@ from bdh_train.model.quant import (
     ste,
     warmup_lambda,
 )
+from bdh_train.storage.ternary import load_ternary, pack_ternary, unpack_ternary
 
 # BDH's three projection shapes: u @ encoder, a @ encoder_v, y @ decoder (B=2, T=5, H=3, D=8, N=6)
 SHAPES = [((2, 1, 5, 8), (3, 8, 6)), ((2, 3, 5, 8), (3, 8, 6)), ((2, 1, 5, 18), (18, 8))]

@@ -13,8 +13,8 @@ from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.errors import CheckpointError, ConfigError
 from bdh_train.model import BDHConfig
 from bdh_train.model.config import SummaryMemoryConfig
-from bdh_train.model.generate import sample_next_token
 from bdh_train.model.mixer import EXECUTORS
+from bdh_train.model.sampling import sample_next_token
 from bdh_train.model.summary import SummaryCarry, summary_branch
 
 VOCAB = 32

@@ -70,7 +70,7 @@ def test_auto_retains_only_for_cpu_training_under_glibc():
 )
 def test_the_trainer_applies_the_configured_policy(tmp_path, mode, recompute):
     from bdh_train.config import load_config
-    from bdh_train.trainer import Trainer
+    from bdh_train.training.trainer import Trainer
 
     overrides = [
         "model.n_layer=1",

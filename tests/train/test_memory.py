@@ -27,15 +27,11 @@ from bdh_train.batch import SequenceBatch
 from bdh_train.cli import main
 from bdh_train.errors import ConfigError
 from bdh_train.model import BDHConfig
-from bdh_train.train import build, machine_memory, memory
+from bdh_train.train import build, machine_memory
+from bdh_train.train import memory_estimate as memory
 from bdh_train.train.config import TrainingConfig
 from bdh_train.train.machine_memory import AvailableMemory
-from bdh_train.train.memory import (
-    GIB,
-    MIB,
-    check_step_memory,
-    estimate_step_memory,
-)
+from bdh_train.train.memory_estimate import GIB, MIB, check_step_memory, estimate_step_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_step_memory  # noqa: E402  (two_steps and profiled_peak: one measurement for both)

@@ -14,10 +14,10 @@ import pytest
 
 from bdh_train.config import load_config
 from bdh_train.errors import ConfigError
+from bdh_train.storage.run_dir import TENSORBOARD_DIR
 from bdh_train.train import metrics as metrics_module
 from bdh_train.train.metrics import read_metrics, scalars
-from bdh_train.train.run_dir import TENSORBOARD_DIR
-from bdh_train.trainer import Trainer
+from bdh_train.training.trainer import Trainer
 
 TINY = [
     "model.n_layer=1",

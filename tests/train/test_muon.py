@@ -17,7 +17,7 @@ from bdh_train.model.bdh import BDH
 from bdh_train.model.config import BDHConfig
 from bdh_train.train.muon import MuonAdamW
 from bdh_train.train.optim import OptimizerConfig
-from bdh_train.trainer import Trainer
+from bdh_train.training.trainer import Trainer
 
 LR, DECAY, MU = 0.05, 0.1, 0.9
 

@@ -454,7 +454,7 @@ def test_pipeline_with_virtual_stages_matches_full_batch():
 
 
 def test_pipeline_plan_must_cover_the_model():
-    """Pipeline + TBPTT or streaming is a config rule (tests/test_config.py); the step checks
+    """Pipeline + TBPTT or streaming is a config rule (tests/config/test_config.py); the step checks
     only that the plan it was given fits its model."""
     model = tiny_model(n_layer=2)
     with pytest.raises(ConfigError, match="pipeline plan covers 4 layers but model.n_layer is 2"):

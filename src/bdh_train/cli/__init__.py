@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f": {exc.filename}" if exc.filename else ""
         message = f"error: {exc.strerror or exc}{where}"
         if args.run is not None:
-            from bdh_train.train.checkpoint import io_advice
+            from bdh_train.storage.checkpoint import io_advice
 
             message += f"; {io_advice(args.run.path)}"
         _report(args, message)

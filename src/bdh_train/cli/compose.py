@@ -82,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_grow(args: argparse.Namespace) -> int:
-    from bdh_train.compose import grow_run
+    from bdh_train.compose.grow import grow_run
 
     out = grow_run(args.checkpoint, args.neurons_multiplier, args.out, args.seed)
     print(f"grown x{args.neurons_multiplier}: {out} (train on: --config {out}/config.toml)")
@@ -91,7 +91,7 @@ def cmd_grow(args: argparse.Namespace) -> int:
 
 
 def cmd_import_official(args: argparse.Namespace) -> int:
-    from bdh_train.compose import import_official
+    from bdh_train.compose.grow import import_official
 
     out = import_official(args.checkpoint, args.n_layer, args.out)
     print(f"imported: {out} (generate --checkpoint {out}; train on: --config {out}/config.toml)")
@@ -100,7 +100,7 @@ def cmd_import_official(args: argparse.Namespace) -> int:
 
 def recipe_line(out: object) -> str:
     """The fine-tune recipe the written config holds, in words."""
-    from bdh_train.compose import describe_recipe
+    from bdh_train.compose.common import describe_recipe
     from bdh_train.config import load_config
 
     cfg = load_config([f"{out}/config.toml"], default_preset=False)
@@ -108,7 +108,7 @@ def recipe_line(out: object) -> str:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from bdh_train.compose import FinetuneConfig, merge_runs
+    from bdh_train.compose.merge import FinetuneConfig, merge_runs
     from bdh_train.errors import ConfigError
 
     if args.eval_batches < 1:

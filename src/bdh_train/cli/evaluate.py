@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_memory_args(p: argparse.ArgumentParser) -> None:
-    """What the state remembers (bdh_train.evals.run; docs/evaluation.md)."""
+    """What the state remembers (bdh_train.evals.measures; docs/evaluation.md)."""
     g = p.add_argument_group("what the state remembers (instead of the loss)")
     g.add_argument(
         "--context-curve",
@@ -137,7 +137,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _memory_evals(args: argparse.Namespace) -> int:
     """eval --context-curve / --retention / --passkey / --recall: each option checked before
     loading."""
-    from bdh_train.evals.run import MemoryEvals, run_memory_evals
+    from bdh_train.evals.measures import MemoryEvals, run_memory_evals
 
     options = MemoryEvals(
         context_curve=args.context_curve,

@@ -184,8 +184,8 @@ def _load_for_inference(args: argparse.Namespace, need_text: bool, finite: bool 
     `finite` (commands that sample), weights holding NaN or infinity are refused."""
     _check_inference_args(args)
 
-    from bdh_train.inference import load_run
-    from bdh_train.train.threads import set_threads
+    from bdh_train.shared.loading import load_run
+    from bdh_train.shared.threads import set_threads
 
     set_threads(args.threads)
     model, tok, cfg = load_run(args.checkpoint, device=args.device, finite=finite)
@@ -227,7 +227,7 @@ def _check_prompts_file_args(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from bdh_train.inference import stop_token_ids
+    from bdh_train.generation.chat import stop_token_ids
 
     _check_prompts_file_args(args)
     _check_save_state(args)
@@ -252,7 +252,7 @@ def _generate_from_prompts_file(
 ) -> int:
     """Print each prompt of --prompts-file with its completion, one JSON line each (ASCII:
     any other character escaped, whatever the terminal's encoding)."""
-    from bdh_train.completions import complete, read_prompts
+    from bdh_train.generation.completions import complete, read_prompts
 
     records = read_prompts(args.prompts_file, tok)
     for done in complete(
@@ -283,7 +283,8 @@ def _generate_in_one_call(
     """--prompt continued by one BDH.stream_generate call (no state saved or loaded)."""
     import torch
 
-    from bdh_train.inference import encode_text, until_stop
+    from bdh_train.generation.chat import until_stop
+    from bdh_train.shared.loading import encode_text
 
     out = sys.stdout
     text = "\n" if args.prompt is None else args.prompt
@@ -316,7 +317,9 @@ def _generate_with_state(
 ) -> int:
     """--prompt read into a Continuation (after --load-state's state, before --save-state),
     then sampled from it."""
-    from bdh_train.inference import Continuation, encode_text, until_stop
+    from bdh_train.generation.chat import until_stop
+    from bdh_train.generation.continuation import Continuation
+    from bdh_train.shared.loading import encode_text
 
     out = sys.stdout
     cont = Continuation(model, events)
@@ -338,7 +341,7 @@ def _generate_with_state(
 def _stream_line(tokens: Iterator[int], out: TextIO, tok: Tokenizer) -> None:
     """Write `tokens` as text as they come, then end the line, also when Ctrl-C stops the
     stream (the "interrupted" on stderr then starts a line of its own)."""
-    from bdh_train.inference import stream_text
+    from bdh_train.generation.chat import stream_text
 
     try:
         stream_text(tokens, out, tok)
@@ -358,7 +361,8 @@ def _save_state(cont, path: str, force: bool = False) -> None:
 def cmd_chat(args: argparse.Namespace) -> int:
     import torch
 
-    from bdh_train.inference import Continuation, chat, stop_token_ids
+    from bdh_train.generation.chat import chat, stop_token_ids
+    from bdh_train.generation.continuation import Continuation
 
     _check_save_state(args)
     model, tok, cfg = _load_for_inference(args, need_text=True, finite=True)

@@ -49,7 +49,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     _check_inference_args(args)
     import torch
 
-    from bdh_train.inspect.run import InspectOptions, check_options, inspect_checkpoint
+    from bdh_train.inspect.analysis import InspectOptions, check_options, inspect_checkpoint
 
     options = InspectOptions(
         max_tokens=args.max_tokens, graph_neurons=args.graph_neurons, layer=args.layer

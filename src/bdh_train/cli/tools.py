@@ -145,8 +145,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
+    from bdh_train.storage.run_dir import RunDir
     from bdh_train.train.metrics import plot_losses
-    from bdh_train.train.run_dir import RunDir
 
     run = RunDir(args.run_dir)
     run.check_has_metrics()
@@ -155,9 +155,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from bdh_train.storage.run_dir import RunDir
     from bdh_train.train.metrics import read_metrics
     from bdh_train.train.profile import plot_profile, profile_rows, profile_table
-    from bdh_train.train.run_dir import RunDir
 
     _check_png(args)
     run = RunDir(args.run_dir)
@@ -212,7 +212,7 @@ def _plan_memory(args: argparse.Namespace) -> int:
     from bdh_train.config import load_config
     from bdh_train.distributed.env import resolve_device
     from bdh_train.train.allocator import resolve_host_allocator
-    from bdh_train.train.memory import (
+    from bdh_train.train.memory_estimate import (
         available_memory,
         check_step_memory,
         estimate_step_memory,
@@ -252,17 +252,17 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise ConfigError(
                 "export --hf never replaces a directory; drop --force, name a new DIR"
             )
-        from bdh_train.huggingface.export import export_hf
+        from bdh_train.export.huggingface.writer import export_hf
 
         print(export_hf(args.run_dir, args.hf))
         return 0
     if args.out is None:
         raise ConfigError("export --ternary needs RUN and OUT, the file to write")
     from bdh_train.data.tokenizer import HFTokenizer
-    from bdh_train.export import export_ternary
-    from bdh_train.inference import load_run
+    from bdh_train.export.ternary import export_ternary
+    from bdh_train.shared.loading import load_run
     from bdh_train.storage.output import check_output
-    from bdh_train.train.run_dir import check_outside_checkpoints
+    from bdh_train.storage.run_dir import check_outside_checkpoints
 
     check_outside_checkpoints(Path(args.run_dir), args.out)
     check_output(args.out, "OUT", force=args.force)

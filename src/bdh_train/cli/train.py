@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from bdh_train.config import load_train_config
-    from bdh_train.launch import plan_train, train
+    from bdh_train.training.launch import plan_train, train
 
     plan = plan_train(args.run_dir, args.resume)
     args.run = plan.run  # an error is logged there once the command owns the directory

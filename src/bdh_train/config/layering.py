@@ -36,7 +36,7 @@ from bdh_train.data.prepared import corpus_tokenizer
 from bdh_train.data.sources import BUILTIN_PREFIX
 from bdh_train.data.tokenizer import BYTES, load_tokenizer
 from bdh_train.errors import ConfigError
-from bdh_train.train.run_dir import CONFIG_MAX_BYTES, RunDir
+from bdh_train.storage.run_dir import CONFIG_MAX_BYTES, RunDir
 from bdh_train.utils import (
     atomic_write,
     dataclass_in,

@@ -13,7 +13,7 @@ from bdh_train.data.tokenizer import BYTES
 from bdh_train.distributed.config import ParallelConfig
 from bdh_train.errors import ConfigError
 from bdh_train.model.config import BDHConfig
-from bdh_train.train.checkpoint import CheckpointConfig
+from bdh_train.storage.checkpoint import CheckpointConfig
 from bdh_train.train.config import TrainingConfig
 from bdh_train.train.metrics import MetricsConfig
 from bdh_train.train.optim import OptimizerConfig

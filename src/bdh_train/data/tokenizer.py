@@ -22,16 +22,12 @@ import torch
 
 from bdh_train.data.formats import CUT_ANYWHERE, CUT_AT_WHITESPACE
 from bdh_train.errors import DataError
+from bdh_train.storage.places import BYTES, TOKENIZER_FILE
 from bdh_train.utils import atomic_write, read_regular_file
 
 TokenIds = Iterable[int] | np.ndarray | torch.Tensor
 """What decode accepts: a list of ints, a 1-D numpy array or a 1-D tensor."""
 
-BYTES = "bytes"
-"""The `data.tokenizer` value of the byte tokenizer."""
-TOKENIZER_FILE = "tokenizer.json"
-"""The file a Hugging Face tokenizer is stored in: in a run directory, a checkpoint, a
-prepared corpus directory."""
 EOT_TOKEN = "<|endoftext|>"
 """The end-of-document token `train_bpe` adds."""
 EOT_NAMES = (EOT_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "[EOS]")

@@ -22,7 +22,7 @@ import numpy as np
 
 from bdh_train.data.tokenizer import Tokenizer
 from bdh_train.errors import ConfigError
-from bdh_train.evals.memory import plot_grid
+from bdh_train.evals.context import plot_grid
 
 FILLER = (
     "The grass is green. ",

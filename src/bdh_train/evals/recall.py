@@ -20,7 +20,7 @@ import torch
 from bdh_train.batch import IGNORE_INDEX
 from bdh_train.data.mqar import chance_accuracy, check_shape, mqar_examples
 from bdh_train.errors import ConfigError
-from bdh_train.evals.memory import plot_grid
+from bdh_train.evals.context import plot_grid
 from bdh_train.evals.scoring import score_batch
 from bdh_train.model.bdh import BDH
 from bdh_train.model.summary import SummaryEvents

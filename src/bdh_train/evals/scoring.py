@@ -18,7 +18,7 @@ import torch
 from bdh_train.data.tokenizer import Tokenizer
 from bdh_train.errors import BDHTrainError
 from bdh_train.model.bdh import BDH
-from bdh_train.model.generate import PREFILL_TOKENS, read_tokens
+from bdh_train.model.sampling import PREFILL_TOKENS, read_tokens
 from bdh_train.model.summary import SummaryEvents
 
 LOGIT_BUDGET = 1 << 24

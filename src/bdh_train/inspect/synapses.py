@@ -32,7 +32,7 @@ import torch
 
 from bdh_train.errors import BDHTrainError
 from bdh_train.model.bdh import BDH
-from bdh_train.model.generate import read_tokens
+from bdh_train.model.sampling import read_tokens
 
 
 def read_state(model: BDH, ids: list[int], layer: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bdh_train.errors import BDHTrainError
-from bdh_train.model import generate as generation
+from bdh_train.model import sampling as generation
 from bdh_train.model.activity import ActivationRecorder
 from bdh_train.model.config import BDHConfig, head_parameter_shapes
 from bdh_train.model.gate import GateKernels, gate
@@ -172,7 +172,7 @@ class BDH(nn.Module):
 
     `forward_hidden` gives the last layer's hidden states and, given a `ModelState`,
     continues from it and advances it; `loss_from_hidden` and `logits_from_hidden` apply the
-    head; `forward` is (logits, mean loss). The generation functions of model/generate.py
+    head; `forward` is (logits, mean loss). The generation functions of model/sampling.py
     are methods too (`generate`, `stream_generate` and their batch forms).
     """
 
@@ -570,7 +570,7 @@ class BDH(nn.Module):
         return logits, loss
 
     # ---------------------------------------------------------------- generation
-    # Each of model/generate.py's generation functions takes the model first, so the function
+    # Each of model/sampling.py's generation functions takes the model first, so the function
     # itself is the method: its defaults and its documentation have that one home.
     stream_generate = generation.stream_generate
     generate = generation.generate

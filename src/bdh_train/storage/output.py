@@ -1,5 +1,5 @@
 """The one output policy of every command that writes (a run's checkpoints excepted, which
-train/checkpoint.py publishes inside the run with the same primitives):
+storage/checkpoint.py publishes inside the run with the same primitives):
 
 - `check_output`: whether a path may take an output, judged before anything is computed. It
   is refused when it is, or lies inside, a checkpoint or a run's own files

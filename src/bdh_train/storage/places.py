@@ -1,13 +1,17 @@
 """The names of a run directory's files and of a checkpoint's weights: what makes a directory
 a run or a checkpoint, which the output policy (`storage.output`) never writes into. The run
-directory's own module (train/run_dir.py) describes the layout."""
+directory's own module (storage/run_dir.py) describes the layout."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+BYTES = "bytes"
+"""The `data.tokenizer` value of the byte tokenizer (no tokenizer file)."""
 CONFIG_FILE = "config.toml"
 TOKENIZER_FILE = "tokenizer.json"
+"""The file a Hugging Face tokenizer is stored in: in a run directory, a checkpoint, a
+prepared corpus directory."""
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 PROFILE_FILE = "profile.png"

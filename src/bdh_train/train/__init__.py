@@ -1,9 +1,9 @@
 """Training components: the train step, exact weighted accumulation and its cross-rank
 reduction, schedules, the optimizer, checkpoints, evaluation, metrics and profiling. Each
-owns its config section where it has one; `bdh_train.trainer` assembles them.
+owns its config section where it has one; `bdh_train.training.trainer` assembles them.
 
 The public names below are imported on first use (PEP 562), so importing one submodule
-(`bdh_train.train.checkpoint`, say) does not import its siblings and, through them,
+(`bdh_train.storage.checkpoint`, say) does not import its siblings and, through them,
 `bdh_train.distributed`.
 """
 
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from bdh_train.utils import lazy_names
 
 _LAZY = {
-    "CheckpointConfig": "bdh_train.train.checkpoint",
-    "Checkpointer": "bdh_train.train.checkpoint",
+    "CheckpointConfig": "bdh_train.storage.checkpoint",
+    "Checkpointer": "bdh_train.storage.checkpoint",
     "EvalResult": "bdh_train.train.evaluate",
     "GradientScale": "bdh_train.train.schedules",
     "GradientScaleRamp": "bdh_train.train.schedules",
@@ -73,8 +73,8 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:
+    from bdh_train.storage.checkpoint import CheckpointConfig, Checkpointer
     from bdh_train.train.accumulate import WeightedGradientAccumulator
-    from bdh_train.train.checkpoint import CheckpointConfig, Checkpointer
     from bdh_train.train.config import TrainingConfig
     from bdh_train.train.evaluate import EvalResult, evaluate
     from bdh_train.train.init_from import InitTransferConfig, init_weights_from

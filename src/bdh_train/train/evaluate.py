@@ -36,8 +36,8 @@ from bdh_train.errors import DataError
 from bdh_train.model.activity import ActivityCounts, recording
 from bdh_train.model.bdh import BDH
 from bdh_train.model.config import BDHConfig, LanguageHeadConfig
-from bdh_train.model.generate import check_finite_weights
 from bdh_train.model.heads import counted_target_mask
+from bdh_train.model.sampling import check_finite_weights
 from bdh_train.train.config import every_and_last
 
 

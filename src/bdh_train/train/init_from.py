@@ -9,9 +9,9 @@ from pathlib import Path
 
 from bdh_train import checks
 from bdh_train.errors import CheckpointError
-from bdh_train.interop import load_official_checkpoint
 from bdh_train.model import BDH, groups
-from bdh_train.train import checkpoint as ckpt
+from bdh_train.model.official import load_official_checkpoint
+from bdh_train.storage import checkpoint as ckpt
 
 OFFICIAL_SUFFIXES = (".pt", ".pth", ".bin")
 """A file with one of these suffixes is read as an official torch state_dict."""

@@ -15,8 +15,8 @@ from typing import Any, Literal, Protocol, cast
 
 from bdh_train import checks
 from bdh_train.errors import ConfigError, DataError
+from bdh_train.storage.run_dir import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, append_line
 from bdh_train.train.config import every_and_last
-from bdh_train.train.run_dir import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, append_line
 from bdh_train.utils import atomic_write, json_kind, open_regular, read_lines
 
 WANDB_MODES = ("offline", "online")

@@ -25,11 +25,11 @@ from bdh_train.data.tokenizer import TOKENIZER_FILE, HFTokenizer, Tokenizer, loa
 from bdh_train.distributed import fsdp
 from bdh_train.distributed.env import DistContext
 from bdh_train.errors import CheckpointError, ConfigError
-from bdh_train.train import checkpoint as ckpt
+from bdh_train.storage import checkpoint as ckpt
+from bdh_train.storage.dcp import ShardedState
+from bdh_train.storage.run_dir import CONFIG_FILE, RunDir, read_saved_config
 from bdh_train.train.config import TrainingConfig
-from bdh_train.train.dcp import ShardedState
 from bdh_train.train.optim import OptimizerConfig, decay_start
-from bdh_train.train.run_dir import CONFIG_FILE, RunDir, read_saved_config
 
 TRAINER_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.pt"

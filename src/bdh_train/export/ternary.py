@@ -1,0 +1,94 @@
+"""Ternary export: a BitNet-trained BDH as 2-bit packed weights in one safetensors file.
+
+Targeted projections are stored as their ternary codes, 4 per byte, plus one float32
+scale gamma each: 1/16 of their float32 size. Every other tensor (embedding, head, untargeted
+projections, norm) stays float. The BDHConfig rides along as JSON metadata, so the file alone
+rebuilds the model, and so does the run's tokenizer.json (when it has one), so the file alone
+decodes its tokens. Loading gives an inference model that runs the targeted projections as
+integer matmuls on the stored codes, with the same logits as the fake-quant model at lambda = 1
+(the export always uses full quantization, whatever the warm-up step).
+
+Packing: code c in {-1, 0, +1} is stored as c + 1 in 2 bits; element 4i + j of the flattened
+tensor occupies bits 2j..2j+1 of byte i (little-endian within the byte); the tail is padded
+with code 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+from bdh_train.errors import ConfigError
+from bdh_train.model.bdh import BDH
+from bdh_train.model.config import BDHConfig
+from bdh_train.model.quant import PROJECTION_TARGETS, TERNARY_FORMATS, quantize_weight
+from bdh_train.storage.output import write_file
+from bdh_train.storage.ternary import (
+    FORMAT,
+    PACKED_SUFFIX,
+    SCALE_SUFFIX,
+    TOKENIZER_KEY,
+    TRAINING_KEY,
+    pack_ternary,
+)
+
+
+def _targeted(config: BDHConfig) -> list[str]:
+    """BDH parameter names of the quantized projections, in a fixed order."""
+    targets = config.quant.target_modules
+    return [name for name, paper in PROJECTION_TARGETS.items() if paper in targets]
+
+
+def export_ternary(
+    model: BDH,
+    out_path: str | os.PathLike[str],
+    tokenizer_json: str | None = None,
+    training_json: str | None = None,
+    force: bool = False,
+) -> Path:
+    """Write `model` as a packed ternary safetensors file; returns the path. The file is
+    written by the output policy (`storage.output.write_file`): an existing one is replaced
+    only with `force`, and only a regular file.
+
+    `tokenizer_json` (the run's tokenizer.json text) is stored in the metadata, so the export
+    alone decodes (`export_tokenizer_json`); None for the byte tokenizer, which needs no file.
+    `training_json` (the run's ``[training]`` section as JSON) is stored too, so evaluating
+    the export uses the run's block and batch sizes (`export_training_json`).
+
+    Needs a model configured for ternary QAT (quant.enable with a ternary weight_format);
+    exporting a float model would silently destroy it.
+    """
+    config = model.config
+    q = config.quant
+    if not q.enable or q.weight_format not in TERNARY_FORMATS:
+        raise ConfigError(
+            "export --ternary needs a model trained with model.quant.enable = true and "
+            f"model.quant.weight_format in {TERNARY_FORMATS}, got enable={q.enable}, "
+            f"weight_format={q.weight_format!r}"
+        )
+    targeted = _targeted(config)
+    tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, list[int]] = {}
+    for name, param in model.state_dict().items():
+        if name in targeted:
+            codes, scale = quantize_weight(param, q.weight_format)
+            tensors[name + PACKED_SUFFIX] = pack_ternary(codes).cpu()
+            tensors[name + SCALE_SUFFIX] = scale.reshape(1).to(torch.float32).cpu()
+            shapes[name] = list(param.shape)
+        else:
+            tensors[name] = param.detach().cpu().contiguous()
+    metadata = {
+        "format": FORMAT,
+        "config": json.dumps(config.to_dict()),
+        "ternary": json.dumps(shapes),
+    }
+    if tokenizer_json is not None:
+        metadata[TOKENIZER_KEY] = tokenizer_json
+    if training_json is not None:
+        metadata[TRAINING_KEY] = training_json
+    data = safetensors_bytes(tensors, metadata=metadata)
+    return write_file(out_path, data, "OUT", force=force)

@@ -1,0 +1,208 @@
+"""A training run launched in this process: join the torchrun process group (or run alone),
+build the trainer, run it, and free the group while the interpreter is whole."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import gc
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bdh_train.config import RunConfig
+from bdh_train.distributed.env import DistContext, resolve_device
+from bdh_train.errors import BDHTrainError, ConfigError
+from bdh_train.storage import checkpoint as ckpt
+from bdh_train.storage.run_dir import RUNS_ROOT, RunDir, run_of_checkpoint
+from bdh_train.training.trainer import RunResult, Trainer
+from bdh_train.utils import STEPS_CAP_ENV, steps_cap
+
+StopHandler = Callable[[Callable[[], None]], AbstractContextManager[None]]
+"""Given the trainer's `request_stop`, a context that calls it when the run is asked to stop
+(the CLI's SIGTERM and Ctrl-C handlers)."""
+
+
+@dataclass
+class TrainPlan:
+    """What `bdh-train train` does: a fresh run in `run`, or with `resume` the run continued,
+    from `checkpoint` (None: a resumed run's latest) whose saved config is `continued`'s."""
+
+    run: RunDir
+    resume: bool
+    checkpoint: Path | None
+    continued: RunDir | None
+    """The run or checkpoint directory whose saved config a resume continues."""
+
+
+def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
+    """`bdh-train train [--run-dir RUN_DIR] [--resume [RESUME]]`.
+
+    Without --resume, a fresh run in RUN_DIR (default runs/<date>-<time>). With --resume
+    RESUME (a bare --resume: RUN_DIR), RESUME is a run directory, continued from its latest
+    checkpoint, or a checkpoint directory. A checkpoint continues the run it belongs to when
+    it is that run's newest checkpoint; otherwise, or given a --run-dir of its own, it
+    continues in that new run directory. Nothing is ever written inside a checkpoint."""
+    if resume is None:
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run = RunDir(run_dir) if run_dir else RunDir(Path(RUNS_ROOT) / stamp, stamped=True)
+        return TrainPlan(run, False, None, None)
+    path = Path(resume or run_dir or "")
+    if str(path) in ("", "."):
+        raise ConfigError("--resume needs a run directory: --resume DIR or --run-dir DIR")
+    if not ckpt.is_checkpoint_dir(path):
+        return TrainPlan(RunDir(path, fresh=False), True, None, RunDir(path, fresh=False))
+    owner = run_of_checkpoint(path)
+    if run_dir is not None and (owner is None or Path(run_dir).resolve() != owner.path.resolve()):
+        return TrainPlan(RunDir(run_dir), False, path, RunDir(path, fresh=False))
+    if owner is None:
+        raise ConfigError(
+            f"{path} is a checkpoint outside a run directory: continue it in a new run "
+            f"directory with --run-dir NEW --resume {path}"
+        )
+    # a directory of checkpoints/ not named step-N is no checkpoint of the run's (none listed)
+    listed = ckpt.list_checkpoints(owner.checkpoints)
+    if not listed or listed[-1].resolve() != path.resolve():
+        newest = f" ({listed[-1].name} is)" if listed else ""
+        raise ConfigError(
+            f"{path} is not the newest checkpoint of {owner.path}{newest}: resuming the run "
+            f"from it would overwrite the later ones; continue it in a new run directory with "
+            f"--run-dir NEW --resume {path}"
+        )
+    return TrainPlan(RunDir(owner.path, fresh=False), True, path, RunDir(path, fresh=False))
+
+
+def _no_stop_handler(request_stop: Callable[[], None]) -> AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def train(
+    cfg: RunConfig,
+    run: RunDir,
+    resume: bool = False,
+    overwrite: bool = False,
+    resume_fallback: bool = False,
+    stop_handler: StopHandler = _no_stop_handler,
+    checkpoint: Path | None = None,
+) -> RunResult:
+    """Train `cfg` in `run` (a fresh run, or with `resume` the run continued; from
+    `checkpoint` when given) on the process group torchrun describes in the environment, or
+    alone."""
+    cfg, note = capped_steps(cfg, run, resume, resume_fallback, checkpoint)
+    dist_ctx = DistContext.from_env(
+        resolve_device(cfg.training.device).type, cfg.parallel.collective_timeout_s
+    )
+    if note and dist_ctx.is_main:
+        print(note, file=sys.stderr)
+    trainer = None
+    try:
+        trainer = Trainer(
+            cfg,
+            run,
+            resume=resume,
+            dist_ctx=dist_ctx,
+            overwrite=overwrite,
+            resume_fallback=resume_fallback,
+            checkpoint=checkpoint,
+        )
+        with stop_handler(trainer.request_stop):
+            return trainer.run()
+    except BaseException as exc:
+        error: BaseException = exc
+        if dist_ctx.active and _collective_failure(exc):
+            error = _unanswered(exc, dist_ctx, cfg.parallel.collective_timeout_s, run)
+        if dist_ctx.active and isinstance(error, BDHTrainError):
+            _ignore_sigterm()  # ending already: torchrun's SIGTERM would hide the exit status
+        # the traceback's frames (Trainer.run's `self` among them) would keep the trainer
+        # alive past the collection below; the messages keep their files and lines
+        traceback.clear_frames(exc.__traceback__)
+        if error is exc:
+            raise
+        raise error from None
+    finally:
+        # The trainer sits in reference cycles, and its wrapped model (DDP's reducer, FSDP,
+        # pipeline stages) holds the process group: left to the cycle collector, gloo's
+        # group could be freed during interpreter shutdown, where a torchrun rank once
+        # aborted ("terminate called without an active exception"). Freed here, the group
+        # goes while the interpreter is whole, then is destroyed.
+        trainer = None
+        gc.collect()
+        dist_ctx.close()
+
+
+def capped_steps(
+    cfg: RunConfig,
+    run: RunDir,
+    resume: bool = False,
+    resume_fallback: bool = False,
+    checkpoint: Path | None = None,
+) -> tuple[RunConfig, str | None]:
+    """`cfg` shortened by `steps_cap()`: training.max_steps to at most that many steps past
+    where the run starts (0, or a resume's checkpoint step) and training.eval_steps to at
+    most that many batches, with the line that says so; `cfg` and None when the cap is unset
+    or shortens nothing."""
+    cap = steps_cap()
+    if cap is None:
+        return cfg, None
+    start = 0
+    if resume or checkpoint is not None:
+        found = ckpt.resolve_checkpoint(checkpoint or run.path, fallback=resume_fallback)
+        start = (ckpt.checkpoint_position(found.name) or (0, 0))[0]
+    t = cfg.training
+    steps, evals = min(t.max_steps, start + cap), min(t.eval_steps, cap)
+    if (steps, evals) == (t.max_steps, t.eval_steps):
+        return cfg, None
+    capped = replace(cfg, training=replace(t, max_steps=steps, eval_steps=evals))
+    # layered_on is a ClassVar only so that it is no dataclass field; it is set per instance
+    capped.layered_on = cfg.layered_on  # type: ignore[misc]
+    return capped, (
+        f"note: {STEPS_CAP_ENV}={cap} in the environment: training.max_steps {t.max_steps} -> "
+        f"{steps}, training.eval_steps {t.eval_steps} -> {evals} (a shortened run; unset it "
+        "to train the configured length)"
+    )
+
+
+def _ignore_sigterm() -> None:
+    """A process of a launch that ends with an error: torchrun sends SIGTERM to the others as
+    soon as the first one exits, which would end them (exit -15) before they print their own
+    `error:` line and exit 2 (the group is freed next, which does not wait on the others)."""
+    with contextlib.suppress(ValueError):  # not the main thread: leave the handlers
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """A wait on the other processes that failed: torch.distributed's errors, and gloo's,
+    which come as plain RuntimeErrors naming its sources."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
+
+
+def _unanswered(
+    exc: BaseException, dist_ctx: DistContext, timeout_s: float, run: RunDir
+) -> BDHTrainError:
+    """The one-line error of a process whose collective failed: which processes did not
+    answer (those that did not report through the store), what gloo said, the last
+    checkpoint."""
+    silent = dist_ctx.silent_ranks()
+    if silent:
+        who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+    else:
+        who = "another process"
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    said = said.split("] ", 1)[-1]  # gloo's source location
+    if "timed out" in said.lower():
+        what = f"{who} did not answer within parallel.collective_timeout_s = {timeout_s:g} s"
+    else:
+        what = f"{who} left the run"
+    kept = ckpt.list_checkpoints(run.checkpoints) if run.checkpoints.is_dir() else []
+    last = (
+        f"the last checkpoint is {kept[-1]} (continue with --resume {run.path})"
+        if kept
+        else "no checkpoint was written"
+    )
+    return BDHTrainError(f"{what} (stopped, hung or gone; rank {dist_ctx.rank}: {said}); {last}")

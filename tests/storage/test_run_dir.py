@@ -1,0 +1,165 @@
+"""The run directory's owner: a refused command leaves a run byte for byte as it was, every
+file name of a run has one home, and reading a finished run imports nothing of training."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import MICRO_RUN, set_args
+
+from bdh_train.cli import main
+from bdh_train.errors import ConfigError
+from bdh_train.storage.run_dir import ERROR_LOG, LOCK_FILE, RunDirLock
+from bdh_train.training.launch import plan_train
+
+MICRO = [
+    *MICRO_RUN,
+    "training.eval_every=0",
+    "training.max_steps=2",
+]
+SETS = set_args(MICRO)
+SRC = Path(__file__).resolve().parents[2] / "src" / "bdh_train"
+
+
+def tree_digest(root: Path) -> dict[str, tuple[str, int, int]]:
+    """Every entry under `root`: (kind and SHA-256 of a file's bytes, mode, mtime in ns)."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        kind = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+        out[str(path.relative_to(root))] = (kind, st.st_mode, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["train", "--run-dir", str(run), *SETS]) == 0
+    assert (run / LOCK_FILE).is_file()  # the lock file stays; its lock is gone
+    return run
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--run-dir", "{run}", *SETS],  # a fresh run into a used directory
+        ["train", "--run-dir", "{run}", *SETS, "--set", "training.blok_size=3"],
+        ["train", "--resume", "{run}", "--set", "training.blok_size=3"],  # a bad resume config
+        ["train", "--resume", "{run}", "--set", "training.max_steps=1"],  # nothing to train
+    ],
+    ids=["fresh-into-used", "fresh-bad-config", "resume-bad-config", "resume-past-the-end"],
+)
+def test_a_refused_train_leaves_the_run_byte_for_byte(finished_run, argv, capsys):
+    before = tree_digest(finished_run)
+    code = main([a.format(run=finished_run) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert tree_digest(finished_run) == before
+    assert not (finished_run / ERROR_LOG).exists()
+
+
+def test_a_refused_train_leaves_an_empty_directory_empty(tmp_path, capsys):
+    """An empty directory the user made is not the command's: no error log in it."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train", "--run-dir", str(empty), *SETS, "--set", "training.blok_size=3"]) == 2
+    assert "unknown key training.blok_size" in capsys.readouterr().err
+    assert list(empty.iterdir()) == []
+
+
+def test_a_run_locked_by_another_trainer_is_left_alone(finished_run, capsys):
+    holder = RunDirLock(finished_run).acquire()  # the lock file now holds this pid
+    try:
+        before = tree_digest(finished_run)
+        assert main(["train", "--resume", str(finished_run), "--set=training.max_steps=3"]) == 2
+        assert f"in use by another trainer (pid {os.getpid()})" in capsys.readouterr().err
+        assert tree_digest(finished_run) == before
+    finally:
+        holder.release()
+
+
+def test_an_error_of_a_run_the_command_owns_goes_to_its_log(tmp_path, capsys):
+    """A trainer built on the run owns it: an error while it trains is logged there too."""
+    run = tmp_path / "run"
+    diverging = ["--set=optimizer.lr=1e30", "--set=training.max_consecutive_skips=0"]
+    assert (
+        main(["train", "--run-dir", str(run), *SETS, "--set=training.max_steps=6", *diverging]) == 2
+    )
+    message = capsys.readouterr().err.strip()
+    assert "consecutive steps had a non-finite loss" in message
+    assert (run / ERROR_LOG).read_text().strip().endswith(message)
+
+
+def test_a_fresh_run_after_a_failed_start_drops_the_stale_error_log(tmp_path, capsys, monkeypatch):
+    from bdh_train.training.trainer import Trainer
+
+    real_sample = Trainer.sample  # the end-of-run sample: 4 tokens, not 200
+    monkeypatch.setattr(Trainer, "sample", lambda self: real_sample(self, max_new_tokens=4))
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), "--config", str(tmp_path / "no.toml")]) == 2
+    assert "no.toml" in (run / ERROR_LOG).read_text()  # the failed start's line
+    capsys.readouterr()
+    one_step = ["--set=training.max_steps=1", "--set=training.log_every=0"]  # no loss.png
+    assert main(["train", "--run-dir", str(run), *SETS, *one_step]) == 0
+    assert not (run / ERROR_LOG).exists()
+
+
+def test_the_plan_of_train_and_resume(tmp_path):
+    """--run-dir names a fresh run's directory (default runs/<date>-<time>); --resume DIR
+    names the run to continue, a bare --resume the --run-dir."""
+    fresh = plan_train("a", None)
+    assert (str(fresh.run.path), fresh.resume, fresh.checkpoint, fresh.continued) == (
+        "a",
+        False,
+        None,
+        None,
+    )
+    for run_dir, resume, want in [("a", "", "a"), (None, "b", "b"), ("a", "b", "b")]:
+        plan = plan_train(run_dir, resume)
+        assert (str(plan.run.path), plan.resume, plan.checkpoint) == (want, True, None)
+        assert plan.continued is not None and str(plan.continued.path) == want
+    stamped = plan_train(None, None)
+    assert not stamped.resume and re.fullmatch(r"runs/\d{8}-\d{6}", str(stamped.run.path))
+    with pytest.raises(ConfigError, match="--resume needs a run directory"):
+        plan_train(None, "")
+
+
+def test_each_run_file_name_has_one_home():
+    """The names of a run's files are spelt only in storage/places.py."""
+    names = ['"metrics.jsonl"', '"config.toml"', '"checkpoints"', '"loss.png"', '"error.log"']
+    found = {
+        str(path.relative_to(SRC))
+        for path in SRC.rglob("*.py")
+        for name in names
+        if name in path.read_text(encoding="utf-8")
+    }
+    assert found == {"storage/places.py"}
+
+
+def test_reading_a_finished_run_imports_nothing_of_training():
+    """Importing `bdh_train.shared.loading` and `bdh_train.generation.chat` (load_run,
+    generate, chat) leaves out the trainer, FSDP,
+    the pipeline planner and runner, and the training-only components."""
+    code = (
+        "import sys, bdh_train.shared.loading, bdh_train.generation.chat; "
+        "print('\\n'.join(sorted(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    unwanted = [
+        m
+        for m in out
+        if m == "bdh_train.training.trainer"
+        or m.startswith(("torch.distributed.fsdp", "torch.distributed.pipelining"))
+        or m in ("bdh_train.distributed.planner", "bdh_train.distributed.pipeline")
+        or m in ("bdh_train.train.accumulate", "bdh_train.train.step", "bdh_train.train.reduce")
+    ]
+    assert unwanted == []
+    assert "bdh_train.shared.loading" in out

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from bdh_train.model.bdh import BDH
 
 ACTIVITIES = ("x", "y", "xy")
 """The recorded activities: x, yg = relu(a @ encoder_v), and x * yg."""
@@ -34,8 +31,14 @@ class ActivationRecorder(Protocol):
     def record(self, x: torch.Tensor, pre: torch.Tensor) -> None: ...
 
 
+class Recordable(Protocol):
+    """A model with a `recorder` slot (`BDH`)."""
+
+    recorder: ActivationRecorder | None
+
+
 @contextlib.contextmanager
-def recording(model: BDH, recorder: ActivationRecorder) -> Iterator[ActivationRecorder]:
+def recording(model: Recordable, recorder: ActivationRecorder) -> Iterator[ActivationRecorder]:
     """`model.recorder = recorder` inside the block (the previous one restored after it)."""
     previous, model.recorder = model.recorder, recorder
     try:

@@ -280,10 +280,11 @@ def _generate_in_one_call(
     generator: torch.Generator,
     stops: dict[int, str],
 ) -> int:
-    """--prompt continued by one BDH.stream_generate call (no state saved or loaded)."""
+    """--prompt continued by one sampling.stream_generate call (no state saved or loaded)."""
     import torch
 
     from bdh_train.generation.chat import until_stop
+    from bdh_train.model import sampling
     from bdh_train.shared.loading import encode_text
 
     out = sys.stdout
@@ -295,7 +296,8 @@ def _generate_in_one_call(
     )
     out.write(text)
     out.flush()
-    stream = model.stream_generate(
+    stream = sampling.stream_generate(
+        model,
         prompt,
         args.max_new_tokens,
         args.temperature,

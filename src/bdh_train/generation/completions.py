@@ -26,7 +26,7 @@ import torch
 
 from bdh_train.data.tokenizer import Tokenizer
 from bdh_train.errors import DataError
-from bdh_train.model import BDH
+from bdh_train.model import BDH, sampling
 from bdh_train.model.summary import SummaryEvents
 from bdh_train.shared.loading import encode_text
 from bdh_train.utils import json_kind, open_regular, read_lines
@@ -178,7 +178,8 @@ def complete(
     prompt's alone; sampled rows share `generator`, so their draws depend on the batch."""
     pending = iter(records)
     while batch := list(itertools.islice(pending, batch_size)):
-        rows = model.generate_batch(
+        rows = sampling.generate_batch(
+            model,
             [record.ids for record in batch],
             max_new_tokens,
             temperature,

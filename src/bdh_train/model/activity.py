@@ -15,23 +15,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from bdh_train.model.bdh import BDH
+from bdh_train.model.bdh import BDH, ActivationRecorder
 
 ACTIVITIES = ("x", "y", "xy")
 """The recorded activities: x, yg = relu(a @ encoder_v), and x * yg."""
-
-
-class ActivationRecorder(Protocol):
-    """What `BDH.recorder` is: told the layer, then handed its x and pre."""
-
-    layer: int
-
-    def record(self, x: torch.Tensor, pre: torch.Tensor) -> None: ...
 
 
 @contextlib.contextmanager

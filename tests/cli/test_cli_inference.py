@@ -818,3 +818,30 @@ def test_generate_stopped_by_ctrl_c_ends_its_line(run_dir, tmp_path, capsys, mon
     assert main(argv) == 130
     captured = capsys.readouterr()
     assert captured.out == "xab\n" and captured.err.endswith("interrupted\n")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["generate"], ["chat"], ["eval"], ["inspect", "--out", "{tmp}/report"]],
+    ids=["generate", "chat", "eval", "inspect"],
+)
+def test_threads_0_takes_the_automatic_count_in_every_command(tmp_path, monkeypatch, command):
+    """--threads 0 (the default) is the count `set_threads` picks from the load, as its help
+    says, in each command that loads a checkpoint: with 1.5 of 2 CPUs busy it is 1, down from
+    torch's 2. The count is set before the checkpoint is read (this one does not exist)."""
+    import torch
+
+    from bdh_train.shared import threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(threads, "read_loadavg", lambda: "1.50 1.20 1.00 3/200 1\n")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        argv = [a.format(tmp=tmp_path) for a in command]
+        missing = str(tmp_path / "no-run")
+        assert main([*argv, "--checkpoint", missing, "--device", "cpu", "--threads", "0"]) == 2
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

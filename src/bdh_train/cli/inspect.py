@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from bdh_train.cli.generate import _add_inference_args, _check_inference_args
+from bdh_train.cli.args import _add_inference_args, _check_inference_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -2,8 +2,8 @@
 JSON lines written here (no download) run through `lm_eval.simple_evaluate`, its per-request
 log-likelihoods against a hand loop of one model call per request, rolling perplexity with
 the state carried against the model's loss over the whole document in one call (and the
-disjoint windows against a hand loop of their own), generation against `BDH.generate`, and
-the refusals.
+disjoint windows against a hand loop of their own), generation against `sampling.generate`,
+and the refusals.
 
 Float64 models, so the backend's batching, padding and chunking are checked at 1e-10 (the
 acceptance asks 1e-6); the by-name path loads the float32 checkpoint and is checked against

@@ -1,6 +1,6 @@
 """Continuing a sequence across calls: `Continuation` (feed, sample, save, load) against the
-one-call `BDH.generate`, and the chat loop built on it. float64 models, so greedy choices are
-not decided by rounding."""
+one-call `sampling.generate`, and the chat loop built on it. float64 models, so greedy choices
+are not decided by rounding."""
 
 from __future__ import annotations
 

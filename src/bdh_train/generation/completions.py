@@ -4,10 +4,11 @@ The prompts come as JSON lines, one object a line with its text under "prompt" (
 keys, an id say, are copied to the output). `read_prompts` reads and checks the whole file
 before anything is generated, so a bad line is refused with its line number and nothing is
 printed; generation reads it again, so memory holds a line and a batch at a time, not the
-file. `complete` generates them in batches of rows that step together (`BDH.generate_batch`:
-each prompt read alone, then one step for all rows; a row that samples a stop token leaves
-its batch) and yields each record with its "completion" (the new text, the stop token left
-out) and "stop" (the stop text it ended on, or None when it ran to the token limit).
+file. `complete` generates them in batches of rows that step together
+(`sampling.generate_batch`: each prompt read alone, then one step for all rows; a row that
+samples a stop token leaves its batch) and yields each record with its "completion" (the new
+text, the stop token left out) and "stop" (the stop text it ended on, or None when it ran to
+the token limit).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from _common import (
     wait_for_quiet,
 )
 
-from bdh_train.model import BDH, BDHConfig
+from bdh_train.model import BDH, BDHConfig, decoders
 from bdh_train.model import sampling as generation
 
 CONFIG_A = CONFIGS["a"]
@@ -57,12 +57,12 @@ BATCH = 16
 def fast_decoder_without_graph():
     """The fast decoder with its eager step where it would run the fixed-shape (CUDA graph)
     one: the launch cost the graph saves."""
-    real = generation.FastDecoder
-    generation.FastDecoder = functools.partial(real, static=False)
+    real = decoders.FastDecoder
+    decoders.FastDecoder = functools.partial(real, static=False)  # what make_decoder builds
     try:
         yield
     finally:
-        generation.FastDecoder = real
+        decoders.FastDecoder = real
 
 
 def build_model() -> BDH:

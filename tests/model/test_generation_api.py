@@ -12,6 +12,7 @@ from helpers import assert_close, tiny_model
 from test_layers import imports, modules
 
 from bdh_train.data.events import SummaryEventTrigger
+from bdh_train.generation import continuation
 from bdh_train.model import BDH, QuantConfig, decoders
 from bdh_train.model import sampling as generation
 from bdh_train.model.config import SummaryMemoryConfig
@@ -70,6 +71,29 @@ def test_the_defaults_are_temperature_1_and_the_auto_decoder(monkeypatch, name):
     for other in (0.0, 2.0):
         drawn = call(model, temperature=other, generator=_seeded())
         assert _tokens(default) != _tokens(drawn), f"temperature {other} drew the same"
+
+
+@pytest.mark.parametrize("name", [*CALLS, "Continuation.sample"])
+def test_every_generation_draws_through_the_one_loop(monkeypatch, name):
+    """generate, the streams, the batches and a Continuation draw every token through
+    `sample_tokens` (one call each), so they cannot drift apart."""
+    calls = []
+    real = generation.sample_tokens
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "sample_tokens", counted)
+    monkeypatch.setattr(continuation, "sample_tokens", counted, raising=False)
+    model = tiny_model().eval()
+    if name in CALLS:
+        tokens = _tokens(CALLS[name](model, temperature=0.0))
+    else:
+        cont = continuation.Continuation(model)
+        cont.feed([3, 1])
+        tokens = list(cont.sample(8, temperature=0.0))
+    assert calls == [1] and len(tokens) >= 8
 
 
 def test_the_model_knows_nothing_of_generation():

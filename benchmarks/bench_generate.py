@@ -4,7 +4,7 @@ against re-running the whole prefix).
 Config (a) (L4 D128 H4 multiplier 16, N=512, vocab 256, dropout 0), fp32, 2 threads, greedy
 decoding (temperature 0), untrained weights, random 16-token prompts.
 
-* fast: `model.stream_generate(..., decoder="fast")`: the prompt is read once, then each new
+* fast: `stream_generate(model, ..., decoder="fast")`: the prompt is read once, then each new
   token is one `FastDecoder.step` (weights folded once, state updated in place; on CUDA the
   step is a replayed CUDA graph).
 * fast, no graph (CUDA only): the same with the eager step.
@@ -44,7 +44,7 @@ from _common import (
     wait_for_quiet,
 )
 
-from bdh_train.model import BDH, BDHConfig
+from bdh_train.model import BDH, BDHConfig, decoders
 from bdh_train.model import sampling as generation
 
 CONFIG_A = CONFIGS["a"]
@@ -57,12 +57,12 @@ BATCH = 16
 def fast_decoder_without_graph():
     """The fast decoder with its eager step where it would run the fixed-shape (CUDA graph)
     one: the launch cost the graph saves."""
-    real = generation.FastDecoder
-    generation.FastDecoder = functools.partial(real, static=False)
+    real = decoders.FastDecoder
+    decoders.FastDecoder = functools.partial(real, static=False)  # what make_decoder builds
     try:
         yield
     finally:
-        generation.FastDecoder = real
+        decoders.FastDecoder = real
 
 
 def build_model() -> BDH:
@@ -151,8 +151,8 @@ def main() -> None:
         torch.randint(0, 256, (PROMPT_TOKENS,), generator=seeds).to(device) for _ in range(BATCH)
     ]
     for decoder in ("fast", "generic"):  # warm-up
-        list(model.stream_generate(prompt, 16, 0.0, decoder=decoder))
-        list(model.stream_generate_batch(prompts, 16, 0.0, decoder=decoder))
+        list(generation.stream_generate(model, prompt, 16, 0.0, decoder=decoder))
+        list(generation.stream_generate_batch(model, prompts, 16, 0.0, decoder=decoder))
 
     def measure(label: str, fn):
         if args.wait_quiet > 0:
@@ -171,7 +171,7 @@ def main() -> None:
 
         def run_one(n=n, d=decoder, context=context):
             with context():
-                return timed_stream(model.stream_generate(prompt, n, 0.0, decoder=d))
+                return timed_stream(generation.stream_generate(model, prompt, n, 0.0, decoder=d))
 
         (per_token, items), others, load = measure(label, run_one)
         tokens_by[label] = [int(t[0]) for t in items]
@@ -240,7 +240,9 @@ def main() -> None:
         def run(d=decoder, context=context):
             with context():
                 t0 = time.perf_counter()
-                stream = model.stream_generate_batch(prompts, args.batch_tokens, 0.0, decoder=d)
+                stream = generation.stream_generate_batch(
+                    model, prompts, args.batch_tokens, 0.0, decoder=d
+                )
                 first = next(stream)  # the prompts are read before the first token
                 prompt_s = time.perf_counter() - t0
                 per_step, _ = timed_stream(stream)

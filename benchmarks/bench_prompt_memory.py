@@ -55,7 +55,7 @@ def worker(spec: dict[str, Any]) -> None:
     import torch
 
     from bdh_train.generation.continuation import Continuation
-    from bdh_train.model import BDH, BDHConfig
+    from bdh_train.model import BDH, BDHConfig, sampling
     from bdh_train.model.sampling import read_tokens
 
     torch.set_num_threads(spec["threads"])
@@ -71,9 +71,11 @@ def worker(spec: dict[str, Any]) -> None:
             cont.feed(ids)
             return next(cont.sample(1, temperature=0))
         if how == "stream":
-            return int(next(model.stream_generate(ids, 1, temperature=0))[0])
+            return int(next(sampling.stream_generate(model, ids, 1, temperature=0))[0])
         if how == "batch":
-            return int(next(model.stream_generate_batch([ids, *others], 1, temperature=0))[0])
+            return int(
+                next(sampling.stream_generate_batch(model, [ids, *others], 1, temperature=0))[0]
+            )
         with torch.inference_mode():  # one call
             hidden, _ = read_tokens(model, model.init_state(1), ids.view(1, -1), chunk_tokens=None)
             return int(model.logits_from_hidden(hidden).argmax(-1)[0])

@@ -129,13 +129,15 @@ def main() -> int:
     model.eval()
     prompt = on[0][:1, :16]
     with torch.no_grad():
-        fast = model.generate(prompt, 200, temperature=0, decoder="fast")
-        generic = model.generate(prompt, 200, temperature=0, decoder="generic")
+        fast = generation.generate(model, prompt, 200, temperature=0, decoder="fast")
+        generic = generation.generate(model, prompt, 200, temperature=0, decoder="generic")
         prompts = [on[0][0, :5], on[0][1, :11], on[0][0, 40:43]]
-        fast_rows = model.generate_batch(prompts, 120, temperature=0, decoder="fast")
+        fast_rows = generation.generate_batch(model, prompts, 120, temperature=0, decoder="fast")
         stops = [int(fast_rows[0][5 + 30]), int(fast_rows[1][11 + 70])]
         batches = [
-            model.generate_batch(prompts, 120, temperature=0, stop_tokens=stops, decoder=name)
+            generation.generate_batch(
+                model, prompts, 120, temperature=0, stop_tokens=stops, decoder=name
+            )
             for name in ("fast", "generic")
         ]
     same_tokens = bool(torch.equal(fast, generic))

@@ -15,6 +15,7 @@ from helpers import BPE_TEXT, MICRO, bpe_corpus
 import bdh_train
 from bdh_train.cli import main
 from bdh_train.data.tokenizer import TOKENIZER_FILE, load_tokenizer
+from bdh_train.model import sampling
 from bdh_train.storage.checkpoint import MANIFEST
 from bdh_train.storage.ternary import export_tokenizer_json
 
@@ -83,7 +84,9 @@ def test_generate_and_eval_decode_with_the_run_tokenizer(bpe_run, capsys):
     assert loaded.fingerprint() == tok.fingerprint() and cfg.model.vocab_size == tok.vocab_size
     prompt = "ROMEO 3: the quick"
     ids = torch.tensor(tok.encode(prompt))
-    expected = prompt + tok.decode(model.generate(ids, 8, temperature=0)[len(ids) :]) + "\n"
+    expected = (
+        prompt + tok.decode(sampling.generate(model, ids, 8, temperature=0)[len(ids) :]) + "\n"
+    )
     for checkpoint in (run_dir, export):
         capsys.readouterr()
         assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", prompt, *GREEDY]) == 0

@@ -16,6 +16,7 @@ from helpers import MICRO, assert_close
 import bdh_train
 from bdh_train.cli import COMMANDS, build_parser, main
 from bdh_train.cli.args import DEVICES
+from bdh_train.model import sampling
 from bdh_train.storage import checkpoint as ckpt
 
 
@@ -276,7 +277,9 @@ def test_chat_turns_continue_one_state(run_dir, capsys, monkeypatch):
     model, tok, _ = bdh_train.load_run(run_dir)
 
     def greedy_tokens(prompt: list[int]) -> list[int]:
-        return model.generate(torch.tensor(prompt), 6, temperature=0)[len(prompt) :].tolist()
+        return sampling.generate(model, torch.tensor(prompt), 6, temperature=0)[
+            len(prompt) :
+        ].tolist()
 
     first = greedy_tokens(tok.encode(turns[0]))
     second = greedy_tokens(tok.encode(turns[0]) + first + tok.encode(turns[1]))
@@ -330,7 +333,9 @@ def test_a_stop_ends_chat_replies_unread(run_dir, capsys, monkeypatch):
     model, tok, _ = bdh_train.load_run(run_dir)
 
     def greedy_tokens(prompt: list[int]) -> list[int]:
-        return model.generate(torch.tensor(prompt), 12, temperature=0)[len(prompt) :].tolist()
+        return sampling.generate(model, torch.tensor(prompt), 12, temperature=0)[
+            len(prompt) :
+        ].tolist()
 
     turns = ["def add(a, b):\n", "    return\n"]
     plain = greedy_tokens(tok.encode(turns[0]))
@@ -396,7 +401,7 @@ def test_a_stop_ends_generate_and_its_continuation_alike(run_dir, tmp_path, caps
     model, tok, _ = bdh_train.load_run(run_dir)
     prompt = "def add(a, b):\n"
     ids = tok.encode(prompt)
-    plain = model.generate(torch.tensor(ids), 12, temperature=0)[len(ids) :].tolist()
+    plain = sampling.generate(model, torch.tensor(ids), 12, temperature=0)[len(ids) :].tolist()
     stop = next(t for t in plain[1:] if t < 128 and t != plain[0])
     cut = tok.decode(_cut_at(plain, stop))
     greedy = ["--temperature", "0", "--max-new-tokens", "12", "--stop", chr(stop)]
@@ -690,7 +695,7 @@ def test_completions_with_a_summary_memory_mark_its_events():
     records = [PromptRecord({"prompt": p}, Digits().encode(p)) for p in prompts]
     sample = dict(temperature=0.0, top_k=None, generator=None, stops={})
     got = list(complete(model, Digits(), records, 8, 2, summary_events=Sevens(), **sample))
-    want = model.generate_batch([r.ids for r in records], 8, 0.0, summary_events=Sevens())
+    want = sampling.generate_batch(model, [r.ids for r in records], 8, 0.0, summary_events=Sevens())
     assert [g["completion"] for g in got] == [
         Digits().decode(w[len(r.ids) :].tolist()) for w, r in zip(want, records, strict=True)
     ]
@@ -800,13 +805,12 @@ def test_generate_stopped_by_ctrl_c_ends_its_line(run_dir, tmp_path, capsys, mon
     """Ctrl-C in the middle of a completion: the text so far ends with a newline, so the
     "interrupted" on stderr (and the shell's prompt) start lines of their own."""
     from bdh_train.generation import continuation as inference
-    from bdh_train.model import BDH
 
     def two_then_ctrl_c(self, *args, **kwargs):
         yield from (ord("a"), ord("b"))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(BDH, "stream_generate", two_then_ctrl_c)
+    monkeypatch.setattr(sampling, "stream_generate", two_then_ctrl_c)
     monkeypatch.setattr(inference.Continuation, "sample", two_then_ctrl_c)
     capsys.readouterr()
     extra = [a.format(tmp=tmp_path) for a in state]
@@ -814,3 +818,30 @@ def test_generate_stopped_by_ctrl_c_ends_its_line(run_dir, tmp_path, capsys, mon
     assert main(argv) == 130
     captured = capsys.readouterr()
     assert captured.out == "xab\n" and captured.err.endswith("interrupted\n")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["generate"], ["chat"], ["eval"], ["inspect", "--out", "{tmp}/report"]],
+    ids=["generate", "chat", "eval", "inspect"],
+)
+def test_threads_0_takes_the_automatic_count_in_every_command(tmp_path, monkeypatch, command):
+    """--threads 0 (the default) is the count `set_threads` picks from the load, as its help
+    says, in each command that loads a checkpoint: with 1.5 of 2 CPUs busy it is 1, down from
+    torch's 2. The count is set before the checkpoint is read (this one does not exist)."""
+    import torch
+
+    from bdh_train.shared import threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(threads, "read_loadavg", lambda: "1.50 1.20 1.00 3/200 1\n")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        argv = [a.format(tmp=tmp_path) for a in command]
+        missing = str(tmp_path / "no-run")
+        assert main([*argv, "--checkpoint", missing, "--device", "cpu", "--threads", "0"]) == 2
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -2,8 +2,8 @@
 JSON lines written here (no download) run through `lm_eval.simple_evaluate`, its per-request
 log-likelihoods against a hand loop of one model call per request, rolling perplexity with
 the state carried against the model's loss over the whole document in one call (and the
-disjoint windows against a hand loop of their own), generation against `BDH.generate`, and
-the refusals.
+disjoint windows against a hand loop of their own), generation against `sampling.generate`,
+and the refusals.
 
 Float64 models, so the backend's batching, padding and chunking are checked at 1e-10 (the
 acceptance asks 1e-6); the by-name path loads the float32 checkpoint and is checked against
@@ -24,6 +24,7 @@ from helpers import assert_close, tiny_model
 from bdh_train.data.tokenizer import ByteTokenizer
 from bdh_train.errors import BDHTrainError, ConfigError
 from bdh_train.evals import scoring
+from bdh_train.model import sampling
 from bdh_train.shared.loading import load_run
 
 NEWLINE = 10
@@ -150,7 +151,9 @@ def test_a_local_task_scores_each_choice_as_a_hand_loop(harness, model64):
 def test_is_greedy_means_every_continuation_token_is_the_argmax(harness, model64):
     lm = harness.backend.BDHLM(model=model64, tokenizer=ByteTokenizer(), batch_size=2)
     context = list(b"The cat sat")
-    greedy = model64.generate(torch.tensor(context), 3, temperature=0.0)[len(context) :].tolist()
+    greedy = sampling.generate(model64, torch.tensor(context), 3, temperature=0.0)[
+        len(context) :
+    ].tolist()
     other = [(t + 1) % 256 for t in greedy]
     continuations = [greedy, greedy[:1] + other[1:], other[:1] + greedy[1:], greedy[:2]]
     results = lm._loglikelihood_tokens([((None, None), context, c) for c in continuations])
@@ -235,7 +238,7 @@ def test_generate_until_is_greedy_generation_cut_at_the_stop(harness, model64):
     got = lm.generate_until([SimpleNamespace(args=(c, stops)) for c in contexts])
     for context, text in zip(contexts, got, strict=True):
         prompt = torch.tensor(list(context.encode()) or [NEWLINE])
-        whole = model64.generate(prompt, 12, temperature=0.0)[len(prompt) :]
+        whole = sampling.generate(model64, prompt, 12, temperature=0.0)[len(prompt) :]
         expected = bytes(whole.tolist()).decode("utf-8", errors="replace").split("e")[0]
         assert text == expected
 

@@ -27,7 +27,7 @@ from helpers import MICRO, assert_close, bpe_corpus, tiny_config
 from bdh_train.cli import main
 from bdh_train.data.tokenizer import ByteTokenizer
 from bdh_train.export.ternary import export_ternary
-from bdh_train.model import BDH
+from bdh_train.model import BDH, sampling
 from bdh_train.model.config import QuantConfig, SummaryMemoryConfig
 from bdh_train.model.positions import rope_frequencies
 from bdh_train.shared.loading import load_run
@@ -312,14 +312,16 @@ def test_generation_equals_bdh_train(exported):
     model, tok = sides["run"]
     out = results["run"]
     prompt = tok.encode(PROMPT)
-    expected = model.generate(torch.tensor([prompt]), 200, temperature=0.0)[0, len(prompt) :]
+    expected = sampling.generate(model, torch.tensor([prompt]), 200, temperature=0.0)[
+        0, len(prompt) :
+    ]
     assert out["greedy"] == expected.tolist()
     assert out["top1"] == out["greedy"][:20]
     # the state is a transformers Cache, and each new token is one step on it
     assert "Cache" in out["cache"] and out["cache"][0] == "BDHCache"
     assert out["widths"] == [len(prompt)] + [1] * 199
     prompts = [tok.encode(text) for text in TEXTS]  # a left-padded batch: each row's own
-    alone = model.generate_batch(prompts, 20, temperature=0.0)
+    alone = sampling.generate_batch(model, prompts, 20, temperature=0.0)
     assert out["batch_greedy"] == [
         r[len(p) :].tolist() for r, p in zip(alone, prompts, strict=True)
     ]

@@ -1,6 +1,6 @@
 """Continuing a sequence across calls: `Continuation` (feed, sample, save, load) against the
-one-call `BDH.generate`, and the chat loop built on it. float64 models, so greedy choices are
-not decided by rounding."""
+one-call `sampling.generate`, and the chat loop built on it. float64 models, so greedy choices
+are not decided by rounding."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from bdh_train.data.tokenizer import ByteTokenizer
 from bdh_train.errors import CheckpointError, DataError
 from bdh_train.generation.chat import chat
 from bdh_train.generation.continuation import Continuation
+from bdh_train.model import sampling
 from bdh_train.model.config import SummaryMemoryConfig
 
 GATED = SummaryMemoryConfig(enabled=True, chunk_tokens=4, write_gate=True, residual_scale=1.0)
@@ -42,7 +43,8 @@ def assert_state_is_the_whole_sequence(cont: Continuation, model, events, seq: l
 
 
 def one_call(model, events, prompt: list[int], n: int, temperature: float, seed: int):
-    out = model.generate(
+    out = sampling.generate(
+        model,
         torch.tensor(prompt),
         n,
         temperature,
@@ -170,11 +172,11 @@ NAN_WEIGHTS = (
 
 
 def _draw_generate(model, t):
-    model.generate(torch.tensor([1, 2]), 3, t, generator=torch.Generator().manual_seed(0))
+    sampling.generate(model, torch.tensor([1, 2]), 3, t, generator=torch.Generator().manual_seed(0))
 
 
 def _draw_batch(model, t):
-    model.generate_batch([[1, 2], [3]], 3, t, generator=torch.Generator().manual_seed(0))
+    sampling.generate_batch(model, [[1, 2], [3]], 3, t, generator=torch.Generator().manual_seed(0))
 
 
 def _draw_continuation(model, t):

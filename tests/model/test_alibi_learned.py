@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from bdh_train.batch import SequenceBatch
 from bdh_train.config import load_config
 from bdh_train.errors import ConfigError
-from bdh_train.model import BDH
+from bdh_train.model import BDH, sampling
 from bdh_train.model.mixer import EXECUTORS
 from bdh_train.model.positions import (
     alibi_log_decay,
@@ -78,7 +78,7 @@ def test_at_init_equals_alibi_bit_for_bit(executor):
                 assert torch.equal(a, c)
     prompt = b.inputs[:, :4]
     sampled = [
-        m.eval().generate(prompt, 8, top_k=5, generator=torch.Generator().manual_seed(3))
+        sampling.generate(m.eval(), prompt, 8, top_k=5, generator=torch.Generator().manual_seed(3))
         for m in (alibi, learned)
     ]
     assert torch.equal(sampled[0], sampled[1])

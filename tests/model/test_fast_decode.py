@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assert_close, tiny_model
 
-from bdh_train.model import QuantConfig, decoders
+from bdh_train.model import QuantConfig, decoders, sampling
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.model.decoders import FastDecoder, GenericDecoder, fast_decoder_unsupported
 
@@ -94,8 +94,14 @@ def test_fast_generation_draws_the_generic_tokens(position):
     prompt = torch.randint(0, 32, (2, 4), generator=torch.Generator().manual_seed(2))
     for temperature, top_k in ((0.0, None), (1.0, 8)):
         outs = [
-            model.generate(
-                prompt, 12, temperature, top_k, torch.Generator().manual_seed(5), decoder=name
+            sampling.generate(
+                model,
+                prompt,
+                12,
+                temperature,
+                top_k,
+                torch.Generator().manual_seed(5),
+                decoder=name,
             )
             for name in ("fast", "generic")
         ]
@@ -105,10 +111,10 @@ def test_fast_generation_draws_the_generic_tokens(position):
 def test_batch_rows_generate_what_they_generate_alone():
     model = _model(torch.float64, "rope")
     prompts = [[3, 1, 4], [1], [5, 9, 2, 6, 5, 3]]
-    batch = model.generate_batch(prompts, 10, temperature=0)
-    generic = model.generate_batch(prompts, 10, temperature=0, decoder="generic")
+    batch = sampling.generate_batch(model, prompts, 10, temperature=0)
+    generic = sampling.generate_batch(model, prompts, 10, temperature=0, decoder="generic")
     for row, prompt in enumerate(prompts):
-        alone = model.generate(torch.tensor(prompt), 10, temperature=0, decoder="generic")
+        alone = sampling.generate(model, torch.tensor(prompt), 10, temperature=0, decoder="generic")
         assert torch.equal(batch[row], alone), f"row {row}"
         assert torch.equal(generic[row], alone), f"row {row}, generic decoder"
 
@@ -119,7 +125,7 @@ def test_stop_tokens_end_rows_and_stopped_rows_leave_the_batch(monkeypatch, stat
     CPU) drops their rows as the eager step does and draws the eager step's tokens."""
     model = _model(torch.float64, "rope")
     prompts = [[3, 1, 4], [1], [5, 9, 2, 6, 5, 3]]
-    alone = model.generate_batch(prompts, 12, 0.0)
+    alone = sampling.generate_batch(model, prompts, 12, 0.0)
     monkeypatch.setattr(decoders, "FastDecoder", partial(FastDecoder, static=static))
     free = [row[len(p) :].tolist() for row, p in zip(alone, prompts, strict=True)]
     stops = {free[0][2], free[1][5]}  # row 0 stops by its 3rd token, row 1 by its 6th
@@ -133,7 +139,7 @@ def test_stop_tokens_end_rows_and_stopped_rows_leave_the_batch(monkeypatch, stat
     monkeypatch.setattr(
         FastDecoder, "step", lambda self, t: stepped_rows.append(t.shape[0]) or real_step(self, t)
     )
-    out = model.generate_batch(prompts, 12, 0.0, stop_tokens=sorted(stops))
+    out = sampling.generate_batch(model, prompts, 12, 0.0, stop_tokens=sorted(stops))
     for row, prompt in enumerate(prompts):
         assert out[row][: len(prompt)].tolist() == prompt
         assert out[row][len(prompt) :].tolist() == cut(free[row]), f"row {row}"
@@ -141,11 +147,15 @@ def test_stop_tokens_end_rows_and_stopped_rows_leave_the_batch(monkeypatch, stat
     # step k (k = 1..) reads the tokens drawn at step k-1 of the rows still going
     assert stepped_rows == [sum(n > k for n in lengths) for k in range(1, max(lengths))]
 
-    generic = model.generate_batch(prompts, 12, 0.0, stop_tokens=sorted(stops), decoder="generic")
+    generic = sampling.generate_batch(
+        model, prompts, 12, 0.0, stop_tokens=sorted(stops), decoder="generic"
+    )
     assert all(torch.equal(g, f) for g, f in zip(generic, out, strict=True)), "generic decoder"
 
     stream = list(
-        model.stream_generate_batch(prompts, 12, 0.0, stop_tokens=sorted(stops), pad_id=-7)
+        sampling.stream_generate_batch(
+            model, prompts, 12, 0.0, stop_tokens=sorted(stops), pad_id=-7
+        )
     )
     assert len(stream) == min(12, max(lengths))
     for row, n in enumerate(lengths):
@@ -237,9 +247,12 @@ def test_rows_that_stay_after_others_stop_keep_their_own_positions(monkeypatch, 
 
 def test_all_rows_stopping_ends_the_stream():
     model = _model(torch.float32, "alibi")
-    first = model.generate_batch([[1, 2], [3]], 1, 0.0)
+    first = sampling.generate_batch(model, [[1, 2], [3]], 1, 0.0)
     stops = [int(row[-1]) for row in first]
-    assert len(list(model.stream_generate_batch([[1, 2], [3]], 50, 0.0, stop_tokens=stops))) == 1
+    assert (
+        len(list(sampling.stream_generate_batch(model, [[1, 2], [3]], 50, 0.0, stop_tokens=stops)))
+        == 1
+    )
 
 
 def test_unsupported_models_fall_back_to_the_generic_decoder():
@@ -249,10 +262,10 @@ def test_unsupported_models_fall_back_to_the_generic_decoder():
     for model, reason in ((summary, "summary"), (quantized, "quantized"), (noisy, "dropout")):
         assert reason in fast_decoder_unsupported(model)
         with pytest.raises(ValueError, match=reason):
-            model.generate(torch.tensor([1, 2]), 2, decoder="fast")
+            sampling.generate(model, torch.tensor([1, 2]), 2, decoder="fast")
         prompt = torch.tensor([1, 2])
-        auto = model.generate(prompt, 3, 0.0)
-        assert torch.equal(auto, model.generate(prompt, 3, 0.0, decoder="generic"))
+        auto = sampling.generate(model, prompt, 3, 0.0)
+        assert torch.equal(auto, sampling.generate(model, prompt, 3, 0.0, decoder="generic"))
     assert fast_decoder_unsupported(tiny_model().eval()) is None
     assert fast_decoder_unsupported(tiny_model(dropout=0.1).eval()) is None
 
@@ -260,11 +273,11 @@ def test_unsupported_models_fall_back_to_the_generic_decoder():
 def test_bad_batch_prompts_are_refused():
     model = tiny_model().eval()
     with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
-        model.generate_batch([[1], []], 2)
+        sampling.generate_batch(model, [[1], []], 2)
     with pytest.raises(ValueError, match="at least one prompt"):
-        model.generate_batch([], 2)
+        sampling.generate_batch(model, [], 2)
     with pytest.raises(ValueError, match="unknown decoder"):
-        model.generate(torch.tensor([1]), 2, decoder="turbo")
+        sampling.generate(model, torch.tensor([1]), 2, decoder="turbo")
 
 
 def test_batch_rows_with_a_summary_memory_generate_what_they_generate_alone():
@@ -273,9 +286,9 @@ def test_batch_rows_with_a_summary_memory_generate_what_they_generate_alone():
     config = SummaryMemoryConfig(enabled=True, chunk_tokens=2)
     model = tiny_model(torch.float64, summary_memory=config).eval()
     prompts = [[3, 1, 4], [1], [5, 9, 2, 6]]
-    alone = [model.generate(torch.tensor(p), 6, temperature=0) for p in prompts]
+    alone = [sampling.generate(model, torch.tensor(p), 6, temperature=0) for p in prompts]
     stop = int(alone[1][2])  # row 1's 2nd new token
-    batch = model.generate_batch(prompts, 6, temperature=0, stop_tokens=[stop])
+    batch = sampling.generate_batch(model, prompts, 6, temperature=0, stop_tokens=[stop])
     for row, (prompt, tokens) in enumerate(zip(prompts, alone, strict=True)):
         new = tokens[len(prompt) :].tolist()
         cut = new[: new.index(stop) + 1] if stop in new else new

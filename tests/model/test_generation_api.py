@@ -9,8 +9,10 @@ import re
 import pytest
 import torch
 from helpers import assert_close, tiny_model
+from test_layers import imports, modules
 
 from bdh_train.data.events import SummaryEventTrigger
+from bdh_train.generation import continuation
 from bdh_train.model import BDH, QuantConfig, decoders
 from bdh_train.model import sampling as generation
 from bdh_train.model.config import SummaryMemoryConfig
@@ -71,17 +73,43 @@ def test_the_defaults_are_temperature_1_and_the_auto_decoder(monkeypatch, name):
         assert _tokens(default) != _tokens(drawn), f"temperature {other} drew the same"
 
 
-def test_the_models_generation_methods_are_the_module_functions():
-    """BDH.generate and its three siblings are generate.py's functions themselves, so their
-    defaults and documentation live in one place; called on a model they generate what the
-    functions generate."""
-    for name in CALLS:
-        assert getattr(BDH, name) is getattr(generation, name)
+@pytest.mark.parametrize("name", [*CALLS, "Continuation.sample"])
+def test_every_generation_draws_through_the_one_loop(monkeypatch, name):
+    """generate, the streams, the batches and a Continuation draw every token through
+    `sample_tokens` (one call each), so they cannot drift apart."""
+    calls = []
+    real = generation.sample_tokens
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "sample_tokens", counted)
+    monkeypatch.setattr(continuation, "sample_tokens", counted, raising=False)
     model = tiny_model().eval()
-    prompt = torch.tensor([3, 1])
-    assert torch.equal(
-        model.generate(prompt, 6, temperature=0), generation.generate(model, prompt, 6, 0)
+    if name in CALLS:
+        tokens = _tokens(CALLS[name](model, temperature=0.0))
+    else:
+        cont = continuation.Continuation(model)
+        cont.feed([3, 1])
+        tokens = list(cont.sample(8, temperature=0.0))
+    assert calls == [1] and len(tokens) >= 8
+
+
+def test_the_model_knows_nothing_of_generation():
+    """Generation takes a model: `BDH` has none of the generation functions as methods, and
+    model/bdh.py imports no module that imports it back, not even for types (no circle in
+    model/: sampling, decoders and activity import BDH, bdh.py none of them)."""
+    for name in CALLS:
+        assert not hasattr(BDH, name), name
+    paths = modules()
+    bdh = "bdh_train.model.bdh"
+    back = sorted(
+        found.target
+        for found in imports(paths[bdh])
+        if found.target in paths and bdh in {i.target for i in imports(paths[found.target])}
     )
+    assert back == [], f"model/bdh.py imports {back}, which import it back"
 
 
 def test_sample_next_token_defaults_to_temperature_1():
@@ -122,14 +150,18 @@ def test_a_batch_samples_with_its_top_k_and_generator(batch):
     """One prompt in a batch draws what it draws alone: the same generator and top-k."""
     model = tiny_model().eval()
     options = dict(temperature=1.0, top_k=3)
-    alone = model.generate(torch.tensor([4, 2]), 10, generator=_seeded(), **options)
+    alone = generation.generate(model, torch.tensor([4, 2]), 10, generator=_seeded(), **options)
     if batch:
-        got = model.generate_batch([[4, 2]], 10, generator=_seeded(), **options)[0]
+        got = generation.generate_batch(model, [[4, 2]], 10, generator=_seeded(), **options)[0]
     else:
-        steps = model.stream_generate_batch([[4, 2]], 10, generator=_seeded(), **options)
+        steps = generation.stream_generate_batch(
+            model, [[4, 2]], 10, generator=_seeded(), **options
+        )
         got = torch.cat([torch.tensor([4, 2]), torch.cat(list(steps))])
     assert got.tolist() == alone.tolist()
-    wide = model.generate(torch.tensor([4, 2]), 10, generator=_seeded(), temperature=1.0)
+    wide = generation.generate(
+        model, torch.tensor([4, 2]), 10, generator=_seeded(), temperature=1.0
+    )
     assert wide.tolist() != alone.tolist(), "top-k 3 drew what all 32 tokens draw"
 
 
@@ -139,7 +171,7 @@ STOP_PROMPTS = [[2, 8], [6]]
 def _row_1_stop(model, new_tokens: int) -> tuple[list[torch.Tensor], int]:
     """(STOP_PROMPTS generated greedily without stops, row 1's first new token): a stop that
     ends row 1 at once and that row 0 never draws."""
-    free = model.generate_batch(STOP_PROMPTS, new_tokens, temperature=0)
+    free = generation.generate_batch(model, STOP_PROMPTS, new_tokens, temperature=0)
     stop = int(free[1][1])
     assert stop not in free[0].tolist()
     return free, stop
@@ -158,11 +190,15 @@ def test_stopped_rows_are_padded_with_0_by_default():
 def test_prompts_of_any_integer_dtype_generate_long_tokens(dtype):
     model = tiny_model().eval()
     prompts = [[3, 1, 4], [1]]
-    want = model.generate_batch(prompts, 5, temperature=0)
-    got = model.generate_batch([torch.tensor(p, dtype=dtype) for p in prompts], 5, temperature=0)
+    want = generation.generate_batch(model, prompts, 5, temperature=0)
+    got = generation.generate_batch(
+        model, [torch.tensor(p, dtype=dtype) for p in prompts], 5, temperature=0
+    )
     for row_got, row_want in zip(got, want, strict=True):
         assert row_got.dtype == torch.long and row_got.tolist() == row_want.tolist()
-    steps = list(model.stream_generate_batch([torch.tensor(p, dtype=dtype) for p in prompts], 3))
+    steps = list(
+        generation.stream_generate_batch(model, [torch.tensor(p, dtype=dtype) for p in prompts], 3)
+    )
     assert all(step.dtype == torch.long for step in steps)
 
 
@@ -174,10 +210,14 @@ def test_n_new_tokens_take_n_minus_1_steps(monkeypatch):
     monkeypatch.setattr(FastDecoder, "step", lambda self, t: steps.append(1) or real_step(self, t))
     for count in (1, 5):
         steps.clear()
-        assert len(list(model.stream_generate(torch.tensor([1, 2]), count, 0.0))) == count
+        assert (
+            len(list(generation.stream_generate(model, torch.tensor([1, 2]), count, 0.0))) == count
+        )
         assert len(steps) == count - 1
         steps.clear()
-        assert len(list(model.stream_generate_batch([[1, 2], [3]], count, 0.0))) == count
+        assert (
+            len(list(generation.stream_generate_batch(model, [[1, 2], [3]], count, 0.0))) == count
+        )
         assert len(steps) == count - 1
 
 
@@ -200,8 +240,8 @@ def test_each_call_steps_with_the_decoder_asked_for(monkeypatch, name):
 def test_no_new_tokens_give_back_the_prompt():
     model = tiny_model().eval()
     for prompt in (torch.tensor([3, 1]), torch.tensor([[3, 1], [2, 2]])):
-        assert torch.equal(model.generate(prompt, 0), prompt)
-    rows = model.generate_batch([[3, 1], [2]], 0)
+        assert torch.equal(generation.generate(model, prompt, 0), prompt)
+    rows = generation.generate_batch(model, [[3, 1], [2]], 0)
     assert [row.tolist() for row in rows] == [[3, 1], [2]]
     assert all(row.dtype == torch.long for row in rows)
 
@@ -216,9 +256,9 @@ def test_rows_are_cut_only_when_one_stops(monkeypatch):
     monkeypatch.setattr(
         FastDecoder, "keep_rows", lambda self, rows: cuts.append(rows.tolist()) or real(self, rows)
     )
-    model.generate_batch(prompts, 5, temperature=0)
+    generation.generate_batch(model, prompts, 5, temperature=0)
     assert cuts == []
-    model.generate_batch(prompts, 5, temperature=0, stop_tokens=[stop])
+    generation.generate_batch(model, prompts, 5, temperature=0, stop_tokens=[stop])
     assert cuts == [[0]]
 
 
@@ -226,9 +266,9 @@ def test_bad_batch_prompts_get_the_whole_message():
     model = tiny_model().eval()
     start = "generate_batch needs at least one prompt, each of at least one token"
     with pytest.raises(ValueError, match=f"^{re.escape(start)}$"):
-        model.generate_batch([], 2)
+        generation.generate_batch(model, [], 2)
     with pytest.raises(ValueError, match=f"^{re.escape(start)}; prompts \\[1\\] are empty$"):
-        model.generate_batch([[1], []], 2)
+        generation.generate_batch(model, [[1], []], 2)
 
 
 def test_unsupported_models_are_named_exactly():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import tiny_model
 
+from bdh_train.model import sampling
 from bdh_train.model.sampling import sample_next_token
 
 
@@ -18,7 +19,7 @@ def test_greedy_recurrent_equals_full_prefix_rerun(position):
         with torch.no_grad():
             model.decay_log_gain.copy_(torch.tensor([0.7, -0.9]))
     prompt = torch.randint(0, 32, (2, 5))
-    fast = model.generate(prompt, 64, temperature=0)
+    fast = sampling.generate(model, prompt, 64, temperature=0)
     seq = prompt
     with torch.no_grad():
         for _ in range(64):
@@ -30,13 +31,13 @@ def test_greedy_recurrent_equals_full_prefix_rerun(position):
 def test_stream_generate_yields_one_token_at_a_time_and_is_seeded():
     model = tiny_model().eval()
     prompt = torch.tensor([1, 2, 3])
-    stream = model.stream_generate(
-        prompt, 5, temperature=1.0, top_k=4, generator=torch.Generator().manual_seed(7)
+    stream = sampling.stream_generate(
+        model, prompt, 5, temperature=1.0, top_k=4, generator=torch.Generator().manual_seed(7)
     )
     tokens = [int(t) for t in stream]
     assert len(tokens) == 5
-    again = model.generate(
-        prompt, 5, temperature=1.0, top_k=4, generator=torch.Generator().manual_seed(7)
+    again = sampling.generate(
+        model, prompt, 5, temperature=1.0, top_k=4, generator=torch.Generator().manual_seed(7)
     )
     assert again[3:].tolist() == tokens
     assert again[:3].tolist() == [1, 2, 3]
@@ -45,15 +46,15 @@ def test_stream_generate_yields_one_token_at_a_time_and_is_seeded():
 def test_top_k_one_is_greedy():
     model = tiny_model().eval()
     prompt = torch.tensor([[4, 5]])
-    sampled = model.generate(
-        prompt, 8, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(0)
+    sampled = sampling.generate(
+        model, prompt, 8, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(0)
     )
-    assert torch.equal(sampled, model.generate(prompt, 8, temperature=0))
+    assert torch.equal(sampled, sampling.generate(model, prompt, 8, temperature=0))
 
 
 def test_empty_prompt_is_rejected():
     with pytest.raises(ValueError, match="at least one token"):
-        tiny_model().generate(torch.zeros(1, 0, dtype=torch.long), 3)
+        sampling.generate(tiny_model(), torch.zeros(1, 0, dtype=torch.long), 3)
 
 
 def _noisy_and_clean():
@@ -81,7 +82,8 @@ def test_dropout_is_off_in_eval_forward_and_in_generation():
     prompt = torch.tensor([[4, 5, 6]])
     for temperature, top_k in [(0.0, None), (1.0, 8)]:
         outs = [
-            model.generate(
+            sampling.generate(
+                model,
                 prompt,
                 24,
                 temperature=temperature,

@@ -11,7 +11,7 @@ from helpers import tiny_model
 
 from bdh_train.batch import IGNORE_INDEX
 from bdh_train.errors import ConfigError
-from bdh_train.model import BDH, BDHConfig, LanguageHeadConfig
+from bdh_train.model import BDH, BDHConfig, LanguageHeadConfig, sampling
 from bdh_train.model.heads import (
     count_targets,
     counted_target_mask,
@@ -115,7 +115,7 @@ def test_forward_returns_no_logits_and_the_head_loss():
     with pytest.raises(ValueError, match="no flat token logits"):
         model.logits_from_hidden(model.forward_hidden(idx))
     with pytest.raises(ValueError, match="generation are unavailable"):
-        model.generate(idx, 2)
+        sampling.generate(model, idx, 2)
 
 
 def test_split_calls_with_state_equal_the_full_loss():

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.generation.continuation import Continuation
 from bdh_train.inspect.synapses import read_state
+from bdh_train.model import sampling
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.model.sampling import PREFILL_TOKENS, read_tokens
 from bdh_train.model.state import ModelState
@@ -136,11 +137,11 @@ def _feed(model, ids):
 
 
 def _stream(model, ids):
-    list(model.stream_generate(ids, 1, temperature=0))
+    list(sampling.stream_generate(model, ids, 1, temperature=0))
 
 
 def _generate_batch(model, ids):
-    model.generate_batch([ids, ids[:5]], 1, temperature=0)
+    sampling.generate_batch(model, [ids, ids[:5]], 1, temperature=0)
 
 
 def _inspect_prompt(model, ids):

@@ -11,7 +11,7 @@ from helpers import assert_close, tiny_model
 
 from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.errors import CheckpointError, ConfigError
-from bdh_train.model import BDHConfig
+from bdh_train.model import BDHConfig, sampling
 from bdh_train.model.config import SummaryMemoryConfig
 from bdh_train.model.mixer import EXECUTORS
 from bdh_train.model.sampling import sample_next_token
@@ -251,7 +251,7 @@ def test_greedy_generation_equals_full_prefix_rerun(position):
     sm = summary(chunk_tokens=4, surprise_gate_threshold=0.2, residual_scale=1.0)
     model = tiny_model(torch.float64, position=position, summary_memory=sm).eval()
     prompt = torch.randint(0, VOCAB, (2, 5))
-    fast = model.generate(prompt, 24, temperature=0)
+    fast = sampling.generate(model, prompt, 24, temperature=0)
     seq = prompt
     with torch.no_grad():
         for _ in range(24):
@@ -259,7 +259,7 @@ def test_greedy_generation_equals_full_prefix_rerun(position):
             seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(fast, seq)
     plain = tiny_model(torch.float64, position=position).eval()
-    assert not torch.equal(plain.generate(prompt, 24, temperature=0), fast)
+    assert not torch.equal(sampling.generate(plain, prompt, 24, temperature=0), fast)
 
 
 def test_generation_marks_the_events_of_the_tokens_it_produces(monkeypatch):
@@ -279,8 +279,8 @@ def test_generation_marks_the_events_of_the_tokens_it_produces(monkeypatch):
 
     monkeypatch.setattr(model, "forward_hidden", recording)
     prompt = torch.tensor([[3, 0, 1, 2], [1, 2, 1, 2]])
-    fast = model.generate(
-        prompt, 40, generator=torch.Generator().manual_seed(0), summary_events=trigger
+    fast = sampling.generate(
+        model, prompt, 40, generator=torch.Generator().manual_seed(0), summary_events=trigger
     )
     monkeypatch.undo()
     expected = trigger.mask(fast)

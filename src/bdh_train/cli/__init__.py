@@ -6,9 +6,10 @@ stderr with exit status 2, never a traceback.
 
 Each command is a plain function of the parsed arguments, listed in COMMANDS; the module of
 its group adds its parser (`register`): train, generate (generate, chat), evaluate (eval),
-prepare (prepare, corpus), tools (config, plot, profile, plan, export), compose (grow, merge,
-import-official), inspect. What the parsers share is in `args`. Torch, numpy and the rest of
-the package are imported inside the commands, so `--help` pays for none of them.
+prepare (prepare, corpus), tools (config, plot, profile, plan), export, compose (grow, merge,
+import-official), inspect. What the parsers share is in `args`; what a command runs is in
+the package of its application, so a command module only parses and calls. Torch, numpy and
+the rest of the package are imported inside the commands, so `--help` pays for none of them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from bdh_train import __version__
-from bdh_train.cli import compose, evaluate, generate, inspect, prepare, tools, train
+from bdh_train.cli import compose, evaluate, export, generate, inspect, prepare, tools, train
 from bdh_train.cli.args import _HelpFormatter, _Parser
 from bdh_train.cli.train import EXIT_STOPPED
 from bdh_train.errors import BDHTrainError
@@ -41,7 +42,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plot": tools.cmd_plot,
     "profile": tools.cmd_profile,
     "plan": tools.cmd_plan,
-    "export": tools.cmd_export,
+    "export": export.cmd_export,
     "grow": compose.cmd_grow,
     "merge": compose.cmd_merge,
     "import-official": compose.cmd_import_official,
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser = functools.partial(  # type: ignore[method-assign]
         sub.add_parser, formatter_class=_HelpFormatter
     )
-    for group in (train, generate, evaluate, prepare, tools, compose, inspect):
+    for group in (train, generate, evaluate, prepare, tools, export, compose, inspect):
         group.register(sub)
     return parser
 

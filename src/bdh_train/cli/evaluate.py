@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from bdh_train.cli.generate import _add_inference_args, _load_for_inference
+from bdh_train.cli.args import _add_inference_args, _load_for_inference
 from bdh_train.errors import ConfigError
 
 T = TypeVar("T")

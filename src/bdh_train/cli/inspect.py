@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from bdh_train.cli.generate import _add_inference_args, _check_inference_args
+from bdh_train.cli.args import _add_inference_args, _check_inference_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,16 +47,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     _check_inference_args(args)
-    import torch
-
     from bdh_train.inspect.analysis import InspectOptions, check_options, inspect_checkpoint
+    from bdh_train.shared.threads import set_threads
 
     options = InspectOptions(
         max_tokens=args.max_tokens, graph_neurons=args.graph_neurons, layer=args.layer
     )
     check_options(options)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     report = inspect_checkpoint(
         args.checkpoint,
         args.out,

@@ -1,14 +1,11 @@
 """The smaller commands: `config` (the resolved config, --explain), `plot` (loss curves),
-`profile` (where a step's time goes), `plan` (a pipeline schedule) and `export` (a ternary
-file for inference, or a Hugging Face model directory)."""
+`profile` (where a step's time goes) and `plan` (a pipeline schedule, or a step's memory)."""
 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-from bdh_train.cli.args import _add_config_args
+from bdh_train.cli.args import _add_config_args, check_output_option
 from bdh_train.errors import BDHTrainError, ConfigError
 
 
@@ -26,29 +23,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--png", default=None, metavar="PATH", help="draw the bars to PATH instead")
     _add_png_force(p)
     _register_plan(sub)
-
-    p = sub.add_parser(
-        "export",
-        help="export a run, checkpoint or ternary export: packed ternary weights (--ternary "
-        "RUN OUT) or a Hugging Face transformers model directory (--hf DIR RUN)",
-    )
-    kind = p.add_mutually_exclusive_group(required=True)
-    kind.add_argument(
-        "--ternary",
-        action="store_true",
-        help="pack ternary (BitNet b1.58) weights 4 per byte into the file OUT",
-    )
-    kind.add_argument(
-        "--hf",
-        metavar="DIR",
-        help="write a new directory DIR that AutoModelForCausalLM.from_pretrained(DIR, "
-        "trust_remote_code=True) and AutoTokenizer load with no bdh-train installed",
-    )
-    p.add_argument("run_dir", help="a run directory, a checkpoint, or a ternary export file")
-    p.add_argument("out", nargs="?", help="the file --ternary writes")
-    p.add_argument(
-        "--force", action="store_true", help="--ternary: replace an existing OUT (a regular file)"
-    )
 
 
 def _register_config(sub: argparse._SubParsersAction) -> None:
@@ -116,15 +90,6 @@ def _add_png_force(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _check_png(args: argparse.Namespace) -> None:
-    """--png under the output policy (never over a file without --force, never a device,
-    link, run's file or checkpoint), before anything is computed."""
-    if args.png:
-        from bdh_train.storage.output import check_output
-
-        check_output(args.png, "--png", force=args.force)
-
-
 def cmd_config(args: argparse.Namespace) -> int:
     if args.explain is not None:
         from bdh_train.config import load_config
@@ -159,7 +124,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from bdh_train.train.metrics import read_metrics
     from bdh_train.train.profile import plot_profile, profile_rows, profile_table
 
-    _check_png(args)
+    check_output_option(args.png or None, "--png", args.force)
     run = RunDir(args.run_dir)
     run.check_has_metrics()
     rows = profile_rows(read_metrics(run.metrics))
@@ -183,13 +148,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         given = [name for name, value in pipeline.items() if value is not None]
         if given:
             raise ConfigError(f"plan --memory reads the run's config; drop {', '.join(given)}")
-        return _plan_memory(args)
+        from bdh_train.config import load_config
+        from bdh_train.train.memory_estimate import plan_memory
+
+        cfg = load_config(args.config, args.overrides, args.preset).resolved()
+        print("\n".join(plan_memory(cfg.model, cfg.training)))
+        return 0
     if args.config or args.overrides or args.preset:
         raise ConfigError("--config, --set and --preset go with plan --memory")
     missing = [name for name, value in pipeline.items() if value is None]
     if missing:
         raise ConfigError(f"plan needs {', '.join(missing)} (or --memory)")
-    _check_png(args)
+    check_output_option(args.png or None, "--png", args.force)
     from bdh_train.distributed.planner import (
         build_pipeline_plan,
         plot_timeline,
@@ -204,70 +174,4 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(render_timeline(plan))
     if args.png:
         print(plot_timeline(plan, args.png))
-    return 0
-
-
-def _plan_memory(args: argparse.Namespace) -> int:
-    """`plan --memory`: the estimate, what this process may use, and whether it fits."""
-    from bdh_train.config import load_config
-    from bdh_train.distributed.env import resolve_device
-    from bdh_train.train.allocator import resolve_host_allocator
-    from bdh_train.train.memory_estimate import (
-        available_memory,
-        check_step_memory,
-        estimate_step_memory,
-        format_bytes,
-        render_step_memory,
-    )
-
-    cfg = load_config(args.config, args.overrides, args.preset).resolved()
-    t = cfg.training
-    device = resolve_device(t.device)
-    estimate = estimate_step_memory(cfg.model, t, device.type)
-    print(render_step_memory(estimate, cfg.model, t, device.type))
-    room = available_memory(device)
-    if room.bytes < 0:
-        print("this process's available memory is unknown here")
-        return 0
-    print(f"this process has {format_bytes(room.bytes)} available ({room.source})")
-    try:
-        check_step_memory(cfg.model, t, device, available=room)
-        print("it fits")
-    except ConfigError as exc:
-        print(f"it does not fit: `bdh-train train` would refuse it ({exc})")
-    if resolve_host_allocator(t.host_allocator, device, t.recompute != "none") == "retain":
-        print(
-            "training.host_allocator keeps freed memory in this process's heap here, so its "
-            "resident set runs above the tensors' peak estimated here (docs/benchmarks.md, "
-            '"Train-step memory")'
-        )
-    return 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    if args.hf is not None:
-        if args.out is not None:
-            raise ConfigError(f"export --hf DIR takes one RUN; drop {args.out}")
-        if args.force:
-            raise ConfigError(
-                "export --hf never replaces a directory; drop --force, name a new DIR"
-            )
-        from bdh_train.export.huggingface.writer import export_hf
-
-        print(export_hf(args.run_dir, args.hf))
-        return 0
-    if args.out is None:
-        raise ConfigError("export --ternary needs RUN and OUT, the file to write")
-    from bdh_train.data.tokenizer import HFTokenizer
-    from bdh_train.export.ternary import export_ternary
-    from bdh_train.shared.loading import load_run
-    from bdh_train.storage.output import check_output
-    from bdh_train.storage.run_dir import check_outside_checkpoints
-
-    check_outside_checkpoints(Path(args.run_dir), args.out)
-    check_output(args.out, "OUT", force=args.force)
-    model, tok, cfg = load_run(args.run_dir)
-    tokenizer_json = tok.to_json() if isinstance(tok, HFTokenizer) else None
-    training_json = json.dumps(cfg.to_dict()["training"])
-    print(export_ternary(model, args.out, tokenizer_json, training_json, force=args.force))
     return 0

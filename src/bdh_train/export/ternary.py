@@ -22,11 +22,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as safetensors_bytes
 
+from bdh_train.data.tokenizer import HFTokenizer
 from bdh_train.errors import ConfigError
 from bdh_train.model.bdh import BDH
 from bdh_train.model.config import BDHConfig
 from bdh_train.model.quant import PROJECTION_TARGETS, TERNARY_FORMATS, quantize_weight
-from bdh_train.storage.output import write_file
+from bdh_train.shared.loading import load_run
+from bdh_train.storage.output import check_output, write_file
+from bdh_train.storage.run_dir import check_outside_checkpoints
 from bdh_train.storage.ternary import (
     FORMAT,
     PACKED_SUFFIX,
@@ -92,3 +95,18 @@ def export_ternary(
         metadata[TRAINING_KEY] = training_json
     data = safetensors_bytes(tensors, metadata=metadata)
     return write_file(out_path, data, "OUT", force=force)
+
+
+def export_run_ternary(
+    source: str | os.PathLike[str], out_path: str | os.PathLike[str], force: bool = False
+) -> Path:
+    """`bdh-train export --ternary RUN OUT`: the model of `source` (a run directory, a
+    checkpoint or a ternary export) written by `export_ternary` with the run's tokenizer.json
+    (an HF tokenizer's) and its ``[training]`` section. OUT is checked by the output policy
+    (and kept outside the checkpoints read) before anything is loaded."""
+    check_outside_checkpoints(Path(source), out_path)
+    check_output(out_path, "OUT", force=force)
+    model, tok, cfg = load_run(source)
+    tokenizer_json = tok.to_json() if isinstance(tok, HFTokenizer) else None
+    training_json = json.dumps(cfg.to_dict()["training"])
+    return export_ternary(model, out_path, tokenizer_json, training_json, force=force)

@@ -4,10 +4,11 @@ The prompts come as JSON lines, one object a line with its text under "prompt" (
 keys, an id say, are copied to the output). `read_prompts` reads and checks the whole file
 before anything is generated, so a bad line is refused with its line number and nothing is
 printed; generation reads it again, so memory holds a line and a batch at a time, not the
-file. `complete` generates them in batches of rows that step together (`BDH.generate_batch`:
-each prompt read alone, then one step for all rows; a row that samples a stop token leaves
-its batch) and yields each record with its "completion" (the new text, the stop token left
-out) and "stop" (the stop text it ended on, or None when it ran to the token limit).
+file. `complete` generates them in batches of rows that step together
+(`sampling.generate_batch`: each prompt read alone, then one step for all rows; a row that
+samples a stop token leaves its batch) and yields each record with its "completion" (the new
+text, the stop token left out) and "stop" (the stop text it ended on, or None when it ran to
+the token limit).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from bdh_train.data.tokenizer import Tokenizer
 from bdh_train.errors import DataError
-from bdh_train.model import BDH
+from bdh_train.model import BDH, sampling
 from bdh_train.model.summary import SummaryEvents
 from bdh_train.shared.loading import encode_text
 from bdh_train.utils import json_kind, open_regular, read_lines
@@ -178,7 +179,8 @@ def complete(
     prompt's alone; sampled rows share `generator`, so their draws depend on the batch."""
     pending = iter(records)
     while batch := list(itertools.islice(pending, batch_size)):
-        rows = model.generate_batch(
+        rows = sampling.generate_batch(
+            model,
             [record.ids for record in batch],
             max_new_tokens,
             temperature,

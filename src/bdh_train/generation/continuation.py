@@ -20,9 +20,9 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_bytes
 
 from bdh_train.errors import BDHTrainError, CheckpointError
-from bdh_train.model import BDH, ModelState, sample_next_token
+from bdh_train.model import BDH, ModelState
 from bdh_train.model.decoders import FastDecoder, GenericDecoder, make_decoder
-from bdh_train.model.sampling import check_finite_logits, read_tokens
+from bdh_train.model.sampling import read_tokens, sample_tokens
 from bdh_train.model.summary import SummaryEvents
 from bdh_train.shared.loading import config_hash
 from bdh_train.storage.output import write_file
@@ -35,8 +35,8 @@ class Continuation:
     """One sequence read so far: the model's carried state and the output of its last token.
 
     `feed(ids)` reads tokens on top of what was read; `sample(n, ...)` draws n tokens, each
-    fed back as it is drawn. Feeding A then B equals feeding A + B; `BDH.stream_generate` is
-    the one-call twin (tests/generation/test_continuation.py checks they agree).
+    fed back as it is drawn. Feeding A then B equals feeding A + B; `sampling.stream_generate`
+    is the one-call twin (tests/generation/test_continuation.py checks they agree).
     """
 
     def __init__(self, model: BDH, summary_events: SummaryEvents | None = None) -> None:
@@ -79,22 +79,34 @@ class Continuation:
         top_k: int | None = None,
         generator: torch.Generator | None = None,
     ) -> Iterator[int]:
-        """Draw tokens one at a time, each read back in before the next is drawn (one
-        recurrent step each, by the fast decoder where it applies: model/sampling.py)."""
+        """Draw tokens one at a time, each read back in before the next is drawn: the
+        generation loop (`model/sampling.sample_tokens`), one recurrent step a token by the
+        fast decoder where it applies. A token the caller stops at is not read."""
         if self.hidden is None:
             raise BDHTrainError("nothing has been read yet: give a prompt")
         decoder = make_decoder(self.model, self.state, "auto", self.events, self.recent)
+
+        def read(hidden: torch.Tensor) -> None:
+            self.hidden = hidden.unsqueeze(1)
+            if isinstance(decoder, GenericDecoder) and decoder.recent is not None:
+                self.recent = decoder.recent
+
+        steps = sample_tokens(
+            self.model,
+            decoder,
+            self.hidden[:, -1],
+            max_new_tokens,
+            temperature,
+            top_k,
+            generator,
+            read_last=True,
+            on_read=read,
+        )
         try:
-            for index in range(max_new_tokens):
-                logits = self.model.logits_from_hidden(self.hidden)[:, -1].float()
-                if index == 0:
-                    check_finite_logits(self.model, logits)
-                token = sample_next_token(logits, temperature, top_k, generator)
+            for token in steps:
                 yield int(token[0])
-                self.hidden = decoder.step(token).unsqueeze(1)
-                if isinstance(decoder, GenericDecoder) and decoder.recent is not None:
-                    self.recent = decoder.recent
         finally:  # the state holds every token read, also when the caller stops early
+            steps.close()
             if isinstance(decoder, FastDecoder):
                 decoder.flush()
 

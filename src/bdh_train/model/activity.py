@@ -15,30 +15,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+
+from bdh_train.model.bdh import BDH, ActivationRecorder
 
 ACTIVITIES = ("x", "y", "xy")
 """The recorded activities: x, yg = relu(a @ encoder_v), and x * yg."""
 
 
-class ActivationRecorder(Protocol):
-    """What `BDH.recorder` is: told the layer, then handed its x and pre."""
-
-    layer: int
-
-    def record(self, x: torch.Tensor, pre: torch.Tensor) -> None: ...
-
-
-class Recordable(Protocol):
-    """A model with a `recorder` slot (`BDH`)."""
-
-    recorder: ActivationRecorder | None
-
-
 @contextlib.contextmanager
-def recording(model: Recordable, recorder: ActivationRecorder) -> Iterator[ActivationRecorder]:
+def recording(model: BDH, recorder: ActivationRecorder) -> Iterator[ActivationRecorder]:
     """`model.recorder = recorder` inside the block (the previous one restored after it)."""
     previous, model.recorder = model.recorder, recorder
     try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bdh_train.errors import BDHTrainError
-from bdh_train.model import sampling as generation
-from bdh_train.model.activity import ActivationRecorder
 from bdh_train.model.config import BDHConfig, head_parameter_shapes
 from bdh_train.model.gate import GateKernels, gate
 from bdh_train.model.heads import nca_factorized_loss, token_cross_entropy
@@ -165,6 +163,15 @@ def _check_fits_in_memory(config: BDHConfig) -> None:
         raise config.size_error(f"this machine's memory holds ({memory / 2**30:.0f} GiB)")
 
 
+class ActivationRecorder(Protocol):
+    """What `BDH.recorder` is: told the layer, then handed its x and pre
+    (`model/activity.py` records them)."""
+
+    layer: int
+
+    def record(self, x: torch.Tensor, pre: torch.Tensor) -> None: ...
+
+
 class BDH(nn.Module):
     """A Dragon Hatchling (BDH) language model: token embedding, one set of layer weights
     applied n_layer times, and the language head `config.language_head` names (the layer
@@ -172,8 +179,8 @@ class BDH(nn.Module):
 
     `forward_hidden` gives the last layer's hidden states and, given a `ModelState`,
     continues from it and advances it; `loss_from_hidden` and `logits_from_hidden` apply the
-    head; `forward` is (logits, mean loss). The generation functions of model/sampling.py
-    are methods too (`generate`, `stream_generate` and their batch forms).
+    head; `forward` is (logits, mean loss). Generation takes the model
+    (`model/sampling.py`: `generate(model, ...)`); the model knows nothing of it.
     """
 
     norm_eps: float = LN_EPS
@@ -568,14 +575,6 @@ class BDH(nn.Module):
         logits = self.logits_from_hidden(hidden)
         loss = None if targets is None else token_cross_entropy(logits, targets)
         return logits, loss
-
-    # ---------------------------------------------------------------- generation
-    # Each of model/sampling.py's generation functions takes the model first, so the function
-    # itself is the method: its defaults and its documentation have that one home.
-    stream_generate = generation.stream_generate
-    generate = generation.generate
-    stream_generate_batch = generation.stream_generate_batch
-    generate_batch = generation.generate_batch
 
 
 def _default_rope_freqs(module: BDH, state_dict, prefix: str, *args) -> None:

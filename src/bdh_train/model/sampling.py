@@ -6,22 +6,23 @@ Two decoders take the step (`model/decoders.py`): the generic one, the model's o
 code, and the fast one, the same arithmetic with a generation's constants folded once;
 `decoder='auto'` takes the fast one where it applies.
 
-Batched generation (`stream_generate_batch`, `generate_batch`) takes prompts of different
-lengths: each prompt is read on its own (exactly as when it is generated alone), then the rows
-step together, each at its own position. A row that samples one of `stop_tokens` ends there:
-it is removed from the batch (its state rows are dropped, so it costs nothing afterwards) and
-the stream yields `pad_id` for it.
+One loop samples for all of them (`sample_tokens`: one row or a batch; `Continuation`, which
+carries a state between calls, drives it too). Batched generation (`stream_generate_batch`,
+`generate_batch`) takes prompts of different lengths: each prompt is read on its own (exactly
+as when it is generated alone), then the rows step together, each at its own position. A row
+that samples one of `stop_tokens` ends there: it is removed from the batch (its state rows are
+dropped, so it costs nothing afterwards) and the stream yields `pad_id` for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from bdh_train.errors import BDHTrainError
-from bdh_train.model.decoders import make_decoder
+from bdh_train.model.decoders import Decoder, make_decoder
 from bdh_train.model.state import ModelState
 from bdh_train.model.summary import NO_TOKEN, SummaryEvents
 
@@ -162,6 +163,59 @@ def _read_prompt(
     return state, hidden, recent
 
 
+def sample_tokens(
+    model: BDH,
+    decoder: Decoder,
+    hidden: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    stop_tokens: Sequence[int] = (),
+    pad_id: int = 0,
+    read_last: bool = False,
+    on_read: Callable[[torch.Tensor], None] | None = None,
+) -> Generator[torch.Tensor, None, None]:
+    """The sampling loop of every generation: yield new tokens [B] one step at a time from
+    rows read so far (`hidden` [B, D], their last token's output; `decoder` steps their state).
+
+    Each token is read back in (one `decoder` step, `on_read` given the new hidden [B, D])
+    before the next is drawn, and after the last one only with `read_last`; a caller that
+    stops iterating leaves the token it was given unread. A row that samples a token of
+    `stop_tokens` yields it and is done: it leaves the batch (`decoder.keep_rows`) and yields
+    `pad_id` from then on; the loop ends after `max_new_tokens` steps or when every row is
+    done. It sets no grad mode: run it under the one the state was read in (inference_mode
+    or no_grad)."""
+    device = hidden.device
+    rows = hidden.shape[0]
+    stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=device)
+    active = torch.arange(rows, device=device)  # original index of each stepped row
+    for index in range(max_new_tokens):
+        logits = model.logits_from_hidden(hidden).float()
+        if index == 0:
+            check_finite_logits(model, logits)
+        token = sample_next_token(logits, temperature, top_k, generator)
+        if active.shape[0] == rows:
+            out = token
+        else:
+            out = torch.full((rows,), pad_id, dtype=torch.long, device=device)
+            out[active] = token
+        yield out
+        if index + 1 == max_new_tokens and not read_last:
+            return
+        going = ~torch.isin(token, stops) if stops.numel() else None
+        if going is not None and not bool(going.all()):
+            if not bool(going.any()):
+                return
+            keep = going.nonzero().squeeze(1)
+            decoder.keep_rows(keep)
+            active, token = active[keep], token[keep]
+        hidden = decoder.step(token)
+        if on_read is not None:
+            on_read(hidden)
+
+
+@torch.inference_mode()
 def stream_generate(
     model: BDH,
     prompt_ids: torch.Tensor,
@@ -175,25 +229,15 @@ def stream_generate(
     """Yield new tokens [B] one at a time for prompts [B, T] (or one prompt [T]).
 
     The prompt is read once with the model's executor, PREFILL_TOKENS at a time
-    (`read_tokens`); then each token costs one recurrent step (`decoder`: see DECODERS).
-    temperature 0 means greedy. `summary_events` marks the summary events of the prompt and
-    of each new token (for a summary memory with a write gate; without it such a memory is
-    never written).
+    (`read_tokens`); then each token costs one recurrent step (`decoder`: see DECODERS) of
+    `sample_tokens`. temperature 0 means greedy. `summary_events` marks the summary events of
+    the prompt and of each new token (for a summary memory with a write gate; without it
+    such a memory is never written).
     """
-    with torch.inference_mode():
-        prompt = _prompt_rows(prompt_ids)
-        state, hidden, recent = _read_prompt(model, prompt, summary_events)
-        stepper = make_decoder(model, state, decoder, summary_events, recent)
-    for index in range(max_new_tokens):
-        with torch.inference_mode():
-            logits = model.logits_from_hidden(hidden).float()
-            if index == 0:
-                check_finite_logits(model, logits)
-            token = sample_next_token(logits, temperature, top_k, generator)
-        yield token
-        if index + 1 < max_new_tokens:
-            with torch.inference_mode():
-                hidden = stepper.step(token)
+    prompt = _prompt_rows(prompt_ids)
+    state, hidden, recent = _read_prompt(model, prompt, summary_events)
+    stepper = make_decoder(model, state, decoder, summary_events, recent)
+    yield from sample_tokens(model, stepper, hidden, max_new_tokens, temperature, top_k, generator)
 
 
 def generate(
@@ -217,6 +261,7 @@ def generate(
     return out[0] if prompt_ids.dim() == 1 else out
 
 
+@torch.inference_mode()
 def stream_generate_batch(
     model: BDH,
     prompts: Sequence[torch.Tensor | Sequence[int]],
@@ -232,11 +277,11 @@ def stream_generate_batch(
     """Yield new tokens [B] (one per prompt) one step at a time, for prompts of any lengths.
 
     Each prompt is read alone (as `stream_generate` reads it), then the rows step together,
-    each at its own position. A row that samples a token of `stop_tokens` yields it and is
-    done: it leaves the batch, and yields `pad_id` from then on. The stream ends after
-    `max_new_tokens` steps or when every row is done. Greedy rows (temperature 0) get exactly
-    the tokens they get alone; sampled rows share `generator`, so their draws depend on the
-    batch.
+    each at its own position (`sample_tokens`). A row that samples a token of `stop_tokens`
+    yields it and is done: it leaves the batch, and yields `pad_id` from then on. The stream
+    ends after `max_new_tokens` steps or when every row is done. Greedy rows (temperature 0)
+    get exactly the tokens they get alone; sampled rows share `generator`, so their draws
+    depend on the batch.
     """
     device = model.embed.weight.device
     rows = [torch.as_tensor(p, dtype=torch.long, device=device).reshape(-1) for p in prompts]
@@ -246,38 +291,15 @@ def stream_generate_batch(
             "generate_batch needs at least one prompt, each of at least one token"
             + (f"; prompts {empty} are empty" if empty else "")
         )
-    with torch.inference_mode():
-        read = [_read_prompt(model, row.view(1, -1), summary_events) for row in rows]
-        state = ModelState.concat([r[0] for r in read])
-        hidden = torch.cat([r[1] for r in read])
-        recents = [r[2] for r in read if r[2] is not None]  # each row's, with summary_events
-        recent = None if summary_events is None else torch.cat(recents)
-        stepper = make_decoder(model, state, decoder, summary_events, recent)
-        stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=device)
-        active = torch.arange(len(rows), device=device)  # original index of each stepped row
-    for index in range(max_new_tokens):
-        with torch.inference_mode():
-            logits = model.logits_from_hidden(hidden).float()
-            if index == 0:
-                check_finite_logits(model, logits)
-            token = sample_next_token(logits, temperature, top_k, generator)
-            if active.shape[0] == len(rows):
-                out = token
-            else:
-                out = torch.full((len(rows),), pad_id, dtype=torch.long, device=device)
-                out[active] = token
-        yield out
-        if index + 1 == max_new_tokens:
-            return
-        with torch.inference_mode():
-            going = ~torch.isin(token, stops) if stops.numel() else None
-            if going is not None and not bool(going.all()):
-                if not bool(going.any()):
-                    return
-                keep = going.nonzero().squeeze(1)
-                stepper.keep_rows(keep)
-                active, token = active[keep], token[keep]
-            hidden = stepper.step(token)
+    read = [_read_prompt(model, row.view(1, -1), summary_events) for row in rows]
+    state = ModelState.concat([r[0] for r in read])
+    hidden = torch.cat([r[1] for r in read])
+    recents = [r[2] for r in read if r[2] is not None]  # each row's, with summary_events
+    recent = None if summary_events is None else torch.cat(recents)
+    stepper = make_decoder(model, state, decoder, summary_events, recent)
+    yield from sample_tokens(
+        model, stepper, hidden, max_new_tokens, temperature, top_k, generator, stop_tokens, pad_id
+    )
 
 
 def generate_batch(

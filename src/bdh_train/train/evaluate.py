@@ -33,6 +33,7 @@ from bdh_train.data.loaders import eval_batches, eval_window_count
 from bdh_train.data.tokenizer import BYTES, Tokenizer
 from bdh_train.data.tokens import TokenData
 from bdh_train.errors import DataError
+from bdh_train.model import sampling
 from bdh_train.model.activity import ActivityCounts, recording
 from bdh_train.model.bdh import BDH
 from bdh_train.model.config import BDHConfig, LanguageHeadConfig
@@ -283,7 +284,8 @@ def sample_continuation(
         sample_prompt(data.tokens[:SAMPLE_PROMPT_TOKENS], tokenizer), device=device
     )
     model.eval()
-    out = model.generate(
+    out = sampling.generate(
+        model,
         prompt,
         max_new_tokens,
         temperature=temperature,

@@ -33,10 +33,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from bdh_train.distributed.config import ParallelConfig
+from bdh_train.distributed.env import resolve_device
 from bdh_train.errors import ConfigError
 from bdh_train.model.bdh import compile_mode_for
 from bdh_train.model.config import BDHConfig, head_parameter_shapes
 from bdh_train.model.mixer import calibration_for, resolve_executor
+from bdh_train.train.allocator import resolve_host_allocator
 from bdh_train.train.config import TrainingConfig
 from bdh_train.train.machine_memory import AvailableMemory, available_memory
 
@@ -574,3 +576,28 @@ def check_step_memory(
         f"a train step needs {estimate.summary()}, at its peak in {estimate.at}; this process "
         f"has {where}: " + ", or ".join(ways)
     )
+
+
+def plan_memory(model: BDHConfig, training: TrainingConfig) -> list[str]:
+    """`bdh-train plan --memory`'s lines: the estimate on training.device, what this process
+    may use, whether the step fits (`train`'s check) and whether the heap keeps freed memory."""
+    device = resolve_device(training.device)
+    estimate = estimate_step_memory(model, training, device.type)
+    lines = [render_step_memory(estimate, model, training, device.type)]
+    room = available_memory(device)
+    if room.bytes < 0:
+        return [*lines, "this process's available memory is unknown here"]
+    lines.append(f"this process has {format_bytes(room.bytes)} available ({room.source})")
+    try:
+        check_step_memory(model, training, device, available=room)
+        lines.append("it fits")
+    except ConfigError as exc:
+        lines.append(f"it does not fit: `bdh-train train` would refuse it ({exc})")
+    saving = training.recompute != "none"
+    if resolve_host_allocator(training.host_allocator, device, saving) == "retain":
+        lines.append(
+            "training.host_allocator keeps freed memory in this process's heap here, so its "
+            "resident set runs above the tensors' peak estimated here (docs/benchmarks.md, "
+            '"Train-step memory")'
+        )
+    return lines

@@ -27,11 +27,12 @@ from bdh_train.batch import SequenceBatch
 from bdh_train.cli import main
 from bdh_train.errors import ConfigError
 from bdh_train.model import BDHConfig
-from bdh_train.train import build, machine_memory
+from bdh_train.train import build, machine_memory, memory_check
 from bdh_train.train import memory_estimate as memory
 from bdh_train.train.config import TrainingConfig
 from bdh_train.train.machine_memory import AvailableMemory
-from bdh_train.train.memory_estimate import GIB, MIB, check_step_memory, estimate_step_memory
+from bdh_train.train.memory_check import check_step_memory
+from bdh_train.train.memory_estimate import GIB, MIB, estimate_step_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_step_memory  # noqa: E402  (two_steps and profiled_peak: one measurement for both)
@@ -166,7 +167,7 @@ def test_train_refuses_before_the_model_is_allocated(tmp_path, capsys, monkeypat
         raise AssertionError("the model was built")
 
     monkeypatch.setattr(
-        memory, "available_memory", lambda device: AvailableMemory(12 * GIB, "a test's limit")
+        memory_check, "available_memory", lambda device: AvailableMemory(12 * GIB, "a test's limit")
     )
     monkeypatch.setattr(build, "BDH", no_model)
     run_dir = tmp_path / "run"
@@ -194,7 +195,7 @@ def test_train_refuses_before_the_model_is_allocated(tmp_path, capsys, monkeypat
 
 def test_plan_prints_the_estimate_and_the_verdict(capsys, monkeypatch):
     monkeypatch.setattr(
-        memory, "available_memory", lambda device: AvailableMemory(5 * GIB, "a test's limit")
+        memory_check, "available_memory", lambda device: AvailableMemory(5 * GIB, "a test's limit")
     )
     sets = ["--set", "training.device='cpu'", "--set", "training.batch_size=4"]
     assert main(["plan", "--memory", *sets]) == 0

@@ -149,7 +149,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if given:
             raise ConfigError(f"plan --memory reads the run's config; drop {', '.join(given)}")
         from bdh_train.config import load_config
-        from bdh_train.train.memory_estimate import plan_memory
+        from bdh_train.train.memory_check import plan_memory
 
         cfg = load_config(args.config, args.overrides, args.preset).resolved()
         print("\n".join(plan_memory(cfg.model, cfg.training)))

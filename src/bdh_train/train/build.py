@@ -36,7 +36,7 @@ from bdh_train.train.evaluate import (
     text_tokenizer,
     validation_source,
 )
-from bdh_train.train.memory_estimate import check_step_memory, process_share
+from bdh_train.train.memory_check import check_step_memory, process_share
 from bdh_train.train.profile import StepProfiler
 from bdh_train.train.reduce import all_reduce_sums
 from bdh_train.train.schedules import GradientScaleSchedule

@@ -37,6 +37,7 @@ import torch
 from _common import cpu_counters, fmt, machine_line, others_cpu_share, print_table
 from recipe import GPT, Arm, Recipe, bdh_arm, gpt_arm
 
+from bdh_train.config import load_config
 from bdh_train.data.mqar import chance_accuracy, mqar_examples
 from bdh_train.evals.recall import model_scorer, recall_accuracy
 from bdh_train.model.bdh import BDH
@@ -190,7 +191,7 @@ def train(arms: list[RecallArm], task: Task, every: float, examples: int) -> flo
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=float, default=600, help="seconds of training per arm")
+    parser.add_argument("--budget", type=float, help="seconds of training per arm (600)")
     parser.add_argument(
         "--steps",
         type=int,
@@ -203,11 +204,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="PAIRS:UNTIL,...",
         help="fewer pairs first: e.g. 4:200,8:400 (4 pairs before step 200, 8 before 400)",
     )
-    parser.add_argument("--pairs", type=int, default=16)
-    parser.add_argument("--length", type=int, default=128, help="tokens per training example")
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--pairs", type=int, help="default 16, or the config's data.mqar.pairs")
+    parser.add_argument(
+        "--length", type=int, help="tokens per example (128, or the config's data.mqar.length)"
+    )
+    parser.add_argument("--vocab", type=int, help="default 256, or the config's model.vocab_size")
+    parser.add_argument("--batch", type=int, help="default 32, or the config's batch_size")
     parser.add_argument("--preset", default="tiny")
+    parser.add_argument(
+        "--config",
+        help="the BDH arm's config file (instead of --preset); the task's pairs, length, "
+        "vocabulary, batch and, without --steps and --budget, steps come from it",
+    )
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="for the BDH arm"
     )
@@ -223,10 +231,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     curriculum = tuple(
         (int(p), int(u)) for p, u in (c.split(":") for c in args.curriculum.split(",") if c)
     )
+    if args.config:
+        cfg = load_config([args.config], args.set)
+        mqar = cfg.data.mqar
+        args.pairs = args.pairs or mqar.pairs
+        args.length = args.length or mqar.length
+        args.vocab = args.vocab or mqar.vocab_size or cfg.model.vocab_size
+        args.batch = args.batch or cfg.training.batch_size
+        if args.budget is None and not args.steps:
+            args.steps = cfg.training.max_steps
+        args.preset = args.config
+    args.pairs, args.length = args.pairs or 16, args.length or 128
+    args.vocab, args.batch = args.vocab or 256, args.batch or 32
+    args.budget = args.budget or 600.0
     task = Task(args.pairs, args.length, args.vocab, args.batch, args.seed, curriculum)
     recipe = Recipe(
         args.preset,
         (*args.set, f"model.vocab_size={args.vocab}", f"training.batch_size={args.batch}"),
+        (args.config,) if args.config else (),
     )
     arms = [RecallArm.of(bdh_arm(recipe, args.optimizer, [], args.budget, args.preset))]
     if not args.no_gpt:

@@ -214,13 +214,17 @@ class Arm:
 
 @dataclass(frozen=True)
 class Recipe:
-    """A preset and the `--set` overrides every arm of the run applies on top of it."""
+    """A preset (or config files, which name their preset) and the `--set` overrides every arm
+    of the run applies on top of it."""
 
     preset: str
     sets: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+    """Config files layered instead of `preset` (each may extend a preset)."""
 
     def config(self, *overrides: str) -> RunConfig:
-        return load_config(preset=self.preset, overrides=[*self.sets, *overrides])
+        preset = None if self.files else self.preset
+        return load_config(self.files, [*self.sets, *overrides], preset=preset)
 
 
 def overridden(recipe: Recipe, changes: Sequence[str]) -> list[str]:

@@ -280,7 +280,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     headers += [f"acc @{n}" for n in lengths]
     headers += [f"state floats @{lengths[0]}", f"@{lengths[-1]}"]
     print_table(
-        f"MQAR {args.pairs} pairs, {args.budget:.0f} s per arm: load average {load:.1f} at the "
+        f"MQAR {args.pairs} pairs, "
+        + (f"{args.steps} steps" if args.steps else f"{args.budget:.0f} s")
+        + f" per arm: load average {load:.1f} at the "
         f"start, {os.getloadavg()[0]:.1f} at the end; others used {others:.0%} of the CPUs",
         headers,
         rows,

@@ -83,15 +83,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=1400)
     parser.add_argument("--block", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--windows", type=int, default=0, help="held-out windows (0: all)")
+    parser.add_argument(
+        "--shapes",
+        default="1x8,2x8,2x4",
+        help="the arms: BLOCKSxBATCH, a window of BLOCKS blocks at that batch, comma-separated",
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     configure_host_allocator("auto", torch.device("cpu"))
     train, held = load_bytes(args.data)
     target = bdh_arm(Recipe(args.preset), "adamw", [], 1.0, args.preset).params
-    shapes = [(1, args.batch), (2, args.batch), (2, args.batch // 2)]
+    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
     arms = []
     for blocks, batch in shapes:
         recipe = Recipe(

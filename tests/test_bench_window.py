@@ -66,3 +66,21 @@ def test_curriculum_gives_each_batch_its_pairs():
     for k, pairs in [(3, 4), (12, 8), (25, 16)]:
         _, targets = task.batch_at(k)
         assert ((targets != IGNORE_INDEX).sum(dim=1) == pairs).all()
+
+
+def test_recall_reads_its_task_and_model_from_a_config(capsys, monkeypatch):
+    """configs/mqar.toml names the task (pairs in 64 tokens, 64 ids) and the BDH: at width
+    16 (2 heads of 8 * 16 / 2 = 64 neurons) it has 3 * 2 * 16 * 64 + 2 * 64 * 16 = 8,192
+    parameters and is scored at 64, 128 and 256 tokens."""
+    monkeypatch.setattr(recall, "configure_host_allocator", lambda mode, device: "system")
+    monkeypatch.setattr(recall.torch, "set_num_threads", lambda threads: None)
+    config = Path(__file__).resolve().parents[1] / "configs" / "mqar.toml"
+    recall.main(
+        ["--config", str(config), "--steps", "1", "--every", "1", "--eval-examples", "1"]
+        + ["--batch", "2", "--no-gpt", "--set", "model.n_embd=16", "--set", "data.mqar.pairs=8"]
+    )
+    out = capsys.readouterr().out
+    assert "MQAR: 8 pairs, 64 tokens, vocabulary 64" in out
+    assert "| acc @64 | acc @128 | acc @256 |" in out
+    row = next(line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| BDH"))
+    assert [c.strip() for c in row[1:3]] == ["8,192", "1"]

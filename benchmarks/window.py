@@ -1,4 +1,4 @@
-"""The control of the state recipe: does the text reward context older than one block at all?
+"""The control of the state recipe: does the text reward context older than one block?
 
 `recipe.py`'s GPT (the tiny preset's layers and heads, the width nearest its parameter count,
 its optimizer) trained with a window of one block (128 bytes) and of two blocks (256), the
@@ -18,6 +18,7 @@ one-block arm, `two blocks` reads past its trained length.) Each difference come
 standard error over the windows (paired: the same targets).
 
     python benchmarks/window.py --steps 1400
+    python benchmarks/window.py --steps 1000 --shapes 2x4   # one arm (a process per arm)
 """
 
 from __future__ import annotations

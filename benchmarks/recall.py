@@ -37,6 +37,7 @@ import torch
 from _common import cpu_counters, fmt, machine_line, others_cpu_share, print_table
 from recipe import GPT, Arm, Recipe, bdh_arm, gpt_arm
 
+from bdh_train.config import load_config
 from bdh_train.data.mqar import chance_accuracy, mqar_examples
 from bdh_train.evals.recall import model_scorer, recall_accuracy
 from bdh_train.model.bdh import BDH
@@ -55,10 +56,16 @@ class Task:
     vocab: int
     batch: int
     seed: int
+    curriculum: tuple[tuple[int, int], ...] = ()
+    """(pairs, until step): batches before `until` hold these pairs (the first that applies);
+    from the last `until` on, `pairs`."""
+
+    def pairs_at(self, k: int) -> int:
+        return next((p for p, until in self.curriculum if k < until), self.pairs)
 
     def batch_at(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, targets = mqar_examples(
-            self.pairs, self.length, self.vocab, self.batch, [self.seed, k]
+            self.pairs_at(k), self.length, self.vocab, self.batch, [self.seed, k]
         )
         return torch.from_numpy(tokens), torch.from_numpy(targets)
 
@@ -70,6 +77,8 @@ class RecallArm(Arm):
 
     curve: list[tuple[float, int, float]] = field(default_factory=list)
     """(seconds, steps, accuracy at the trained length) at each scoring."""
+    cpu: float = 0.0
+    """CPU seconds of this arm's steps (all threads of the process)."""
 
     @classmethod
     def of(cls, arm: Arm) -> RecallArm:
@@ -81,7 +90,7 @@ class RecallArm(Arm):
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, task: Task) -> None:  # type: ignore[override]
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         tokens, targets = task.batch_at(self.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr()
@@ -92,6 +101,7 @@ class RecallArm(Arm):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.elapsed += time.perf_counter() - started
+        self.cpu += time.process_time() - cpu
         self.steps += 1
         self.losses.append(loss.item())
 
@@ -155,7 +165,8 @@ def state_floats(arm: Arm, length: int) -> int:
 
 def train(arms: list[RecallArm], task: Task, every: float, examples: int) -> float:
     """Alternate one step per unfinished arm until each has spent its budget, scoring each
-    every `every` seconds of its clock; the share of the CPUs other processes used."""
+    every `every` seconds of its clock (steps, for arms trained for a number of steps); the
+    share of the CPUs other processes used."""
     for arm in arms:
         arm.prime(task)
     before = cpu_counters()
@@ -165,11 +176,13 @@ def train(arms: list[RecallArm], task: Task, every: float, examples: int) -> flo
                 continue
             arm.step(task)
             due = (len(arm.curve) + 1) * every
-            if arm.elapsed >= due or arm.done:
+            clock = arm.steps if arm.total_steps else arm.elapsed
+            if clock >= due or arm.done:
                 acc = accuracy(arm, task, task.length, examples)
                 arm.curve.append((arm.elapsed, arm.steps, acc))
                 print(
-                    f"  {arm.model_name}: {arm.elapsed:6.0f} s, step {arm.steps:5d}, train loss "
+                    f"  {arm.model_name}: {arm.elapsed:6.0f} s ({arm.cpu:.0f} CPU s), step "
+                    f"{arm.steps:5d} ({task.pairs_at(arm.steps - 1)} pairs), train loss "
                     f"{np.mean(arm.losses[-20:]):.3f}, accuracy {acc:.3f}",
                     flush=True,
                 )
@@ -178,12 +191,31 @@ def train(arms: list[RecallArm], task: Task, every: float, examples: int) -> flo
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=float, default=600, help="seconds of training per arm")
-    parser.add_argument("--pairs", type=int, default=16)
-    parser.add_argument("--length", type=int, default=128, help="tokens per training example")
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--budget", type=float, help="seconds of training per arm (600)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="train each arm this many steps instead (the schedule over steps; --every in steps)",
+    )
+    parser.add_argument(
+        "--curriculum",
+        default="",
+        metavar="PAIRS:UNTIL,...",
+        help="fewer pairs first: e.g. 4:200,8:400 (4 pairs before step 200, 8 before 400)",
+    )
+    parser.add_argument("--pairs", type=int, help="default 16, or the config's data.mqar.pairs")
+    parser.add_argument(
+        "--length", type=int, help="tokens per example (128, or the config's data.mqar.length)"
+    )
+    parser.add_argument("--vocab", type=int, help="default 256, or the config's model.vocab_size")
+    parser.add_argument("--batch", type=int, help="default 32, or the config's batch_size")
     parser.add_argument("--preset", default="tiny")
+    parser.add_argument(
+        "--config",
+        help="the BDH arm's config file (instead of --preset); the task's pairs, length, "
+        "vocabulary, batch and, without --steps and --budget, steps come from it",
+    )
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="for the BDH arm"
     )
@@ -196,19 +228,39 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     configure_host_allocator("auto", torch.device("cpu"))
-    task = Task(args.pairs, args.length, args.vocab, args.batch, args.seed)
+    curriculum = tuple(
+        (int(p), int(u)) for p, u in (c.split(":") for c in args.curriculum.split(",") if c)
+    )
+    if args.config:
+        cfg = load_config([args.config], args.set)
+        mqar = cfg.data.mqar
+        args.pairs = args.pairs or mqar.pairs
+        args.length = args.length or mqar.length
+        args.vocab = args.vocab or mqar.vocab_size or cfg.model.vocab_size
+        args.batch = args.batch or cfg.training.batch_size
+        if args.budget is None and not args.steps:
+            args.steps = cfg.training.max_steps
+        args.preset = args.config
+    args.pairs, args.length = args.pairs or 16, args.length or 128
+    args.vocab, args.batch = args.vocab or 256, args.batch or 32
+    args.budget = args.budget or 600.0
+    task = Task(args.pairs, args.length, args.vocab, args.batch, args.seed, curriculum)
     recipe = Recipe(
         args.preset,
         (*args.set, f"model.vocab_size={args.vocab}", f"training.batch_size={args.batch}"),
+        (args.config,) if args.config else (),
     )
     arms = [RecallArm.of(bdh_arm(recipe, args.optimizer, [], args.budget, args.preset))]
     if not args.no_gpt:
         arms.append(RecallArm.of(gpt_arm(recipe, args.optimizer, arms[0].params, args.budget)))
+    for arm in arms:
+        arm.total_steps = args.steps
     print(f"machine: {machine_line()}")
     print(
         f"MQAR: {args.pairs} pairs, {args.length} tokens, vocabulary {args.vocab} (chance "
         f"{chance_accuracy(args.vocab):.4f}); batch {args.batch}; BDH {args.preset} "
         f"{' '.join(args.set)}; threads {args.threads}"
+        + (f"; curriculum {args.curriculum}" if curriculum else "")
     )
     load = os.getloadavg()[0]
     others = train(arms, task, args.every, args.eval_examples)
@@ -217,25 +269,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     for arm in arms:
         scored = [accuracy(arm, task, n, args.eval_examples) for n in lengths]
         rows.append(
-            [arm.model_name, f"{arm.params:,}", arm.steps, fmt(arm.elapsed)]
+            [arm.model_name, f"{arm.params:,}", arm.steps, fmt(arm.elapsed), fmt(arm.cpu)]
             + [fmt(a, ".3f") for a in scored]
             + [f"{state_floats(arm, n):,}" for n in (lengths[0], lengths[-1])]
         )
         if arm.model_name == "GPT":
             full = [accuracy(arm, task, n, args.eval_examples, window=False) for n in lengths]
-            rows.append(["GPT full", "", "", ""] + [fmt(a, ".3f") for a in full] + ["", ""])
-    headers = ["model", "params", "steps", "seconds"]
+            rows.append(["GPT full", "", "", "", ""] + [fmt(a, ".3f") for a in full] + ["", ""])
+    headers = ["model", "params", "steps", "seconds", "CPU s"]
     headers += [f"acc @{n}" for n in lengths]
     headers += [f"state floats @{lengths[0]}", f"@{lengths[-1]}"]
     print_table(
-        f"MQAR {args.pairs} pairs, {args.budget:.0f} s per arm: load average {load:.1f} at the "
+        f"MQAR {args.pairs} pairs, "
+        + (f"{args.steps} steps" if args.steps else f"{args.budget:.0f} s")
+        + f" per arm: load average {load:.1f} at the "
         f"start, {os.getloadavg()[0]:.1f} at the end; others used {others:.0%} of the CPUs",
         headers,
         rows,
     )
     print()
     for arm in arms:
-        curve = ", ".join(f"{t:.0f} s {a:.3f}" for t, _, a in arm.curve)
+        curve = ", ".join(f"{t:.0f} s (step {k}) {a:.3f}" for t, k, a in arm.curve)
         print(f"{arm.model_name} accuracy at {args.length} against its clock: {curve}")
 
 

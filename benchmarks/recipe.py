@@ -150,6 +150,8 @@ class Arm:
     batch: int
     budget_s: float
     seed: int
+    total_steps: int = 0
+    """Steps to train (the schedule runs over them); 0: train for `budget_s` seconds."""
     elapsed: float = 0.0
     steps: int = 0
     losses: list[float] = field(default_factory=list)
@@ -160,20 +162,29 @@ class Arm:
 
     @property
     def done(self) -> bool:
+        if self.total_steps:
+            return self.steps >= self.total_steps
         return self.elapsed >= self.budget_s
 
     @property
     def params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
+    def progress(self) -> float:
+        """How far the schedule has run, 0 to 1: steps / `total_steps`, or seconds trained /
+        the budget's seconds."""
+        if self.total_steps:
+            return min(self.steps / self.total_steps, 1.0)
+        return min(self.elapsed / self.budget_s, 1.0)
+
     def lr(self) -> float:
-        """Linear warm-up over steps, then constant or cosine over the budget's seconds."""
+        """Linear warm-up over steps, then constant or cosine over `progress`."""
         o = self.optim
         if self.steps < o.warmup_steps:
             return o.lr * (self.steps + 1) / o.warmup_steps
         if o.schedule == "constant":
             return o.lr
-        progress = min(self.elapsed / self.budget_s, 1.0)
+        progress = self.progress()
         return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
 
     def prime(self, train: torch.Tensor) -> None:
@@ -203,13 +214,17 @@ class Arm:
 
 @dataclass(frozen=True)
 class Recipe:
-    """A preset and the `--set` overrides every arm of the run applies on top of it."""
+    """A preset (or config files, which name their preset) and the `--set` overrides every arm
+    of the run applies on top of it."""
 
     preset: str
     sets: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+    """Config files layered instead of `preset` (each may extend a preset)."""
 
     def config(self, *overrides: str) -> RunConfig:
-        return load_config(preset=self.preset, overrides=[*self.sets, *overrides])
+        preset = None if self.files else self.preset
+        return load_config(self.files, [*self.sets, *overrides], preset=preset)
 
 
 def overridden(recipe: Recipe, changes: Sequence[str]) -> list[str]:

@@ -71,6 +71,16 @@ def test_arm_learning_rate_warms_up_over_steps_then_follows_the_clock():
     assert arm.lr() == pytest.approx(0.001, rel=1e-12)
 
 
+def test_arm_with_total_steps_schedules_and_stops_by_steps():
+    optim = OptimizerConfig(lr=0.01, min_lr=0.001, warmup_steps=4, schedule="cosine")
+    arm = recipe.Arm("x", "x", torch.nn.Linear(1, 1), None, optim, 4, 2, 100.0, 0, 8)  # type: ignore[arg-type]
+    arm.steps, arm.elapsed = 6, 1000.0  # 6 of 8 steps: cos(3 pi / 4), whatever the clock
+    assert arm.lr() == pytest.approx(0.001 + 0.009 * (1 - math.sqrt(0.5)) / 2, rel=1e-12)
+    assert not arm.done
+    arm.steps, arm.elapsed = 8, 0.0
+    assert arm.done and arm.lr() == pytest.approx(0.001, rel=1e-12)
+
+
 def test_recipe_runs_one_step_per_arm_and_prints_the_table(tmp_path, capsys, monkeypatch):
     # the script sets these for its whole process; the test process keeps its own
     monkeypatch.setattr(recipe, "configure_host_allocator", lambda mode, device: "system")

@@ -92,8 +92,7 @@ def _finish_split(directory: Path, split: _Split) -> dict[str, int] | None:
     """Close the split's files and turn its raw index into the .npy; None (files removed)
     when it got no tokens."""
     split.writer.close()
-    for handle in (split.tokens, split.index):
-        os.fsync(handle.fileno())
+    for handle in (split.tokens, split.index):  # put on disk by `publish_dir`
         handle.close()
     raw = directory / f"{split.name}.idx.raw"
     if split.writer.n_tokens == 0:
@@ -141,13 +140,10 @@ def _cut_tail(
     with open(directory / tokens_file("val"), "wb") as out:
         for s in range(cut, n, _COPY_TOKENS):
             out.write(np.asarray(tokens[s : min(s + _COPY_TOKENS, n)]).tobytes())
-        out.flush()
-        os.fsync(out.fileno())
     val_bytes = _text_bytes(tokens[cut:], lengths)
     del tokens, starts
     with open(train_bin, "r+b") as fh:
         fh.truncate(cut * np.dtype(dtype).itemsize)
-        os.fsync(fh.fileno())
     _write_index(directory / index_file("train"), train_starts)
     _write_index(directory / index_file("val"), val_starts)
     train = {

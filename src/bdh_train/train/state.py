@@ -11,7 +11,6 @@ go to sharded/ through DCP instead (model.safetensors is still written, for infe
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -363,8 +362,8 @@ def check_resumed_length(
 
 
 def model_metadata(model_config: dict[str, Any], state: TrainerState) -> dict[str, str]:
-    """model.safetensors' metadata: the model's config (JSON) and the step."""
-    return {"bdh_config": json.dumps(model_config), "step": str(state.step)}
+    """model.safetensors' metadata (`checkpoint.weights_metadata`) at the state's step."""
+    return ckpt.weights_metadata(model_config, state.step)
 
 
 def diverged_advice(run: RunDir) -> str:

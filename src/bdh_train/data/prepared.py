@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from bdh_train import checks
-from bdh_train.data import formats
+from bdh_train.data import corpus_files, formats
 from bdh_train.data.encode import SplitWriter, write_pieces
 from bdh_train.data.layout import (
     FORMAT_NAME,
@@ -240,16 +240,16 @@ def prepare_corpus(
     if tokenizer is not None and train_bpe_vocab is not None:
         raise DataError("give a tokenizer or a BPE vocabulary size to train, not both")
     _check_output(out, force)
-    files = formats.expand_sources(list(sources))
-    val_files = formats.expand_sources(list(val_sources)) if val_sources else []
+    files = corpus_files.expand_sources(list(sources))
+    val_files = corpus_files.expand_sources(list(val_sources)) if val_sources else []
     fraction = 0.0 if val_sources else float(val_fraction)
-    totals = [formats.source_bytes(files), formats.source_bytes(val_files)]
+    totals = [corpus_files.source_bytes(files), corpus_files.source_bytes(val_files)]
     total = None if None in totals else sum(t for t in totals if t is not None)
 
     def write(tmp: Path) -> None:
         nonlocal tokenizer
         if train_bpe_vocab is not None:  # one bar of ours, not the tokenizers library's stages
-            bar = _Progress(formats.source_bytes(files), progress, "train BPE", tokens=False)
+            bar = _Progress(corpus_files.source_bytes(files), progress, "train BPE", tokens=False)
             try:
                 tokenizer = train_bpe(
                     _training_texts(files, text_field, fraction, bar), train_bpe_vocab

@@ -409,23 +409,32 @@ def _swap(
     building: Path, final: Path, error: type[BDHTrainError], before_rename: Callable[[], None]
 ) -> None:
     """`rename_into_place` with the output policy's set-aside folder: a locked one beside
-    `final` (`locked_dir`, which `clean_leftovers` knows), removed after; a failure is
-    `error`."""
-    asides: list[tuple[Path, int]] = []
+    `final` (`locked_dir`, which `clean_leftovers` knows), removed after. A file that cannot
+    be put on disk, or a rename that fails, is `error`."""
+    locks: list[int] = []
+    settled = False
 
     def aside() -> Path:
-        asides.append(locked_dir(final, OLD))
-        return asides[-1][0] / final.name
+        folder, lock = locked_dir(final, OLD)
+        locks.append(lock)
+        return folder / final.name
+
+    def on_disk() -> None:  # every file is on disk: what fails from here is no write
+        nonlocal settled
+        settled = True
+        before_rename()
 
     try:
-        kept = rename_into_place(building, final, aside, before_rename)
+        kept = rename_into_place(building, final, aside, on_disk)
         if kept is not None:
             shutil.rmtree(kept.parent, ignore_errors=True)
     except NotRenamedError as exc:
         left = "; the previous one is left in place" if exc.replaced else ""
         raise error(f"cannot move the new {final} into place: {exc.strerror or exc}{left}") from exc
     except OSError as exc:
+        if settled:
+            raise
         raise _write_error(exc, building, final, error) from exc
     finally:
-        for _folder, lock in asides:
+        for lock in locks:
             os.close(lock)

@@ -421,7 +421,7 @@ def test_a_fifo_or_device_as_data_or_state_is_refused_before_opening(
     byte_checkpoint: Path, tmp_path: Path, fifo: Path, capsys, bounded_memory
 ):
     """Each would hang on the FIFO (a read waits for a writer) or read /dev/zero forever."""
-    from bdh_train.data.formats import expand_sources
+    from bdh_train.data.corpus_files import expand_sources
 
     ck = str(byte_checkpoint)
     fix = (

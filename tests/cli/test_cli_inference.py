@@ -230,7 +230,7 @@ def test_a_checkpoint_whose_weights_are_not_safetensors_is_one_line(tmp_path, ca
     """A directory holding a model.safetensors that is not one, under a manifest that matches
     it (without a manifest it is refused before it is read: tests/storage/test_checkpoint_trust)."""
     (tmp_path / "model.safetensors").write_bytes(b"garbage\n")
-    ckpt._write_manifest(tmp_path)
+    ckpt.write_manifest(tmp_path)
     assert main(["generate", "--checkpoint", str(tmp_path), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot read {tmp_path / 'model.safetensors'}: ")
@@ -746,7 +746,7 @@ def _checkpoint_with_a_nan(run_dir, directory):
     tensors["encoder"].view(-1)[5] = float("nan")
     directory.mkdir()
     save_file(tensors, str(directory / ckpt.MODEL_FILE), metadata=meta)
-    ckpt._write_manifest(directory)
+    ckpt.write_manifest(directory)
     return directory, tensors["encoder"].numel()
 
 

@@ -170,7 +170,7 @@ def test_a_source_with_nan_weights_is_refused_and_nothing_is_written(sources, tm
     bad.mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()},
               str(bad / ckpt.MODEL_FILE), metadata=meta)  # fmt: skip
-    ckpt._write_manifest(bad)
+    ckpt.write_manifest(bad)
     commands = {
         "grow": ["grow", "--checkpoint", str(bad), "--neurons-multiplier", "2"],
         "merge": ["merge", str(sources["A"]), str(bad)],

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from bdh_train.data import formats, load_tokens
+from bdh_train.data import corpus_files, formats, load_tokens
 from bdh_train.data.encode import encode_texts
 from bdh_train.data.formats import iter_documents, split_text
 from bdh_train.data.tokenizer import ByteTokenizer, piece_cuts, train_bpe
@@ -97,7 +97,7 @@ def test_byte_encoding_fast_path_matches_the_tokenizer() -> None:
 
 
 def test_utf8_is_checked_as_it_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(formats, "READ_BYTES", 3)  # multi-byte characters straddle reads
+    monkeypatch.setattr(corpus_files, "READ_BYTES", 3)  # multi-byte characters straddle reads
     monkeypatch.setattr(formats, "PIECE_CHARS", 8)
     text = "Grüße\n世界 🐉\nline\nend"
     path = tmp_path / "a.txt"
@@ -141,7 +141,7 @@ def test_pieces_encode_like_the_whole_document(
     joined = [i for ids in bpe.encode_batch(pieces) for i in ids]
     assert joined == bpe.encode(text)
     monkeypatch.setattr(formats, "PIECE_CHARS", piece_chars)
-    monkeypatch.setattr(formats, "READ_BYTES", 5)
+    monkeypatch.setattr(corpus_files, "READ_BYTES", 5)
     path = tmp_path / "doc.txt"
     path.write_text(text, encoding="utf-8")
     assert len([p for p in formats.read_pieces(path, "text", "whitespace") if p.text]) > 1
@@ -157,7 +157,7 @@ def test_crlf_text_streams_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyP
     bpe = train_bpe([text], 300)
     monkeypatch.setattr(formats, "PIECE_CHARS", 30)
     monkeypatch.setattr(formats, "MAX_PIECE_CHARS", 60)
-    monkeypatch.setattr(formats, "READ_BYTES", 7)
+    monkeypatch.setattr(corpus_files, "READ_BYTES", 7)
     path = tmp_path / "crlf.txt"
     path.write_bytes(text.encode())
     pieces = [p.text for p in formats.read_pieces(path, "text", formats.CUT_AT_WHITESPACE)]
@@ -200,7 +200,7 @@ def test_other_tokenizers_get_whole_documents(
     metaspace = HFTokenizer(hf)
     assert piece_cuts(metaspace) is None
     monkeypatch.setattr(formats, "PIECE_CHARS", 30)
-    monkeypatch.setattr(formats, "READ_BYTES", 7)
+    monkeypatch.setattr(corpus_files, "READ_BYTES", 7)
     jsonl = tmp_path / "c.jsonl"
     jsonl.write_text(json.dumps({"text": text}) + "\n")
     path = tmp_path / "doc.txt"

@@ -173,7 +173,7 @@ def test_alibi_weights_start_an_alibi_learned_run_at_alibi(tmp_path):
     exactly what the alibi model did."""
     alibi = tiny_model(position="alibi")
     save_file(alibi.state_dict(), str(tmp_path / ckpt.MODEL_FILE))
-    ckpt._write_manifest(tmp_path)  # a checkpoint directory has one
+    ckpt.write_manifest(tmp_path)  # a checkpoint directory has one
     learned = tiny_model(seed=5, position="alibi_learned")
     fresh = init_weights_from(learned, InitTransferConfig(), tmp_path)
     assert fresh == ["decay_log_gain"]

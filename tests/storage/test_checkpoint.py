@@ -25,6 +25,7 @@ from safetensors import safe_open
 from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
 from bdh_train.storage import checkpoint as ckpt
 from bdh_train.storage import dcp, output
+from bdh_train.storage import manifest as ckpt_manifest
 from bdh_train.utils import first_line
 
 
@@ -165,12 +166,12 @@ def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path: Path) 
     (tmp_path / "sub" / "deeper").mkdir(parents=True)
     (tmp_path / "b.bin").write_bytes(b"x" * 3)
     (tmp_path / "sub" / "deeper" / "a.txt").write_bytes(b"")
-    assert ckpt._checkpoint_files(tmp_path) == [
+    assert ckpt_manifest._checkpoint_files(tmp_path) == [
         tmp_path / "b.bin",
         tmp_path / "sub" / "deeper" / "a.txt",
     ]
-    ckpt._write_manifest(tmp_path)
-    ckpt._write_manifest(tmp_path)  # a second manifest does not list the first
+    ckpt.write_manifest(tmp_path)
+    ckpt.write_manifest(tmp_path)  # a second manifest does not list the first
     assert json.loads((tmp_path / ckpt.MANIFEST).read_text()) == {
         "files": {
             "b.bin": {"bytes": 3, "sha256": hashlib.sha256(b"xxx").hexdigest()},
@@ -179,7 +180,7 @@ def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path: Path) 
     }
     big = tmp_path / "big"
     big.write_bytes(bytes(range(256)) * 4097)  # more than one 1 MiB block
-    assert ckpt._sha256(big) == hashlib.sha256(big.read_bytes()).hexdigest()
+    assert ckpt_manifest._sha256(big) == hashlib.sha256(big.read_bytes()).hexdigest()
 
 
 def _verified(directory: Path) -> str:
@@ -697,7 +698,6 @@ def test_a_resave_sets_the_old_copy_aside_inside_checkpoints_and_syncs_every_dir
 
     with (
         mock.patch.object(tempfile, "mkdtemp", recording),
-        mock.patch.object(ckpt, "fsync_dir", lambda p: (synced.append(p), fsync_dir(p))),
         mock.patch.object(output, "fsync_dir", lambda p: (synced.append(p), fsync_dir(p))),
     ):
         ckpt.save_checkpoint(tmp_path, "step-0000005", write)

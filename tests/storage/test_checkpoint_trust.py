@@ -26,6 +26,7 @@ from bdh_train.cli import main
 from bdh_train.errors import CheckpointError
 from bdh_train.storage import checkpoint as ckpt
 from bdh_train.storage import dcp
+from bdh_train.storage import manifest as ckpt_manifest
 
 SETS = set_args(
     [
@@ -147,7 +148,7 @@ def test_a_payload_in_any_checkpoint_file_runs_nothing_on_resume(
         _poison_byte_item(checkpoint / ckpt.SHARDED_DIR, marker)
     else:
         _poison_torch_file(checkpoint, where, marker)
-    ckpt._write_manifest(checkpoint)
+    ckpt.write_manifest(checkpoint)
     ckpt.verify_checkpoint(checkpoint)
     capsys.readouterr()
     status = main(["train", "--resume", str(run), "--set", "training.max_steps=5"])
@@ -292,11 +293,14 @@ def test_the_manifest_must_cover_exactly_the_files_present(tmp_path: Path) -> No
         files = {**base, name: entry}
         manifest.write_text(json.dumps({"files": files}))
         assert _verified(checkpoint) == f"checkpoint {checkpoint} is missing {name}"
-    whole = ckpt._sha256(checkpoint / ckpt.MODEL_FILE)
+    whole = ckpt_manifest._sha256(checkpoint / ckpt.MODEL_FILE)
     for entry in (["not", "a", "table"], None, {"sha256": whole}, {"bytes": 1}):
         files = {
             ckpt.MODEL_FILE: entry,
-            "sub/shard": {"bytes": 1, "sha256": ckpt._sha256(checkpoint / "sub" / "shard")},
+            "sub/shard": {
+                "bytes": 1,
+                "sha256": ckpt_manifest._sha256(checkpoint / "sub" / "shard"),
+            },
         }
         manifest.write_text(json.dumps({"files": files}))
         assert _verified(checkpoint) == (
@@ -312,7 +316,7 @@ def test_the_manifest_must_cover_exactly_the_files_present(tmp_path: Path) -> No
 def test_v0_1s_checkpoint_is_the_one_kind_without_a_manifest(tmp_path: Path) -> None:
     """v0.1's checkpoint (no manifest) is recognised by exactly its six files and its model
     config's keys; the same directory with anything added, removed or changed is not."""
-    assert ckpt.written_by_v0_1(V0_1_CHECKPOINT)
+    assert ckpt_manifest.written_by_v0_1(V0_1_CHECKPOINT)
     ckpt.verify_checkpoint(V0_1_CHECKPOINT)
     assert ckpt.resolve_checkpoint(FIXTURE_V0_1) == V0_1_CHECKPOINT
 
@@ -347,11 +351,11 @@ def test_v0_1s_checkpoint_is_the_one_kind_without_a_manifest(tmp_path: Path) -> 
         "damaged-header",
     )
     for name in names:
-        assert not ckpt.written_by_v0_1(tmp_path / name), name
+        assert not ckpt_manifest.written_by_v0_1(tmp_path / name), name
         assert "has no manifest.json and is not one v0.1 wrote" in _verified(tmp_path / name)
     flipped = variant("flipped-weights")  # v0.1 recorded no checksum: this cannot be seen
     flip_byte(flipped / ckpt.MODEL_FILE)
-    assert ckpt.written_by_v0_1(flipped)
+    assert ckpt_manifest.written_by_v0_1(flipped)
 
 
 # ---------------------------------------------------------------- a missing `latest`
@@ -453,7 +457,7 @@ def test_pruning_leaves_a_checkpoint_it_cannot_read_and_reads_each_once(tmp_path
     for step in (1, 2, 3):
         _save(tmp_path, step)
     second = tmp_path / "checkpoints" / "step-0000002"
-    sha256, read = ckpt._sha256, ckpt.read_regular_file
+    sha256, read = ckpt_manifest._sha256, ckpt_manifest.read_regular_file
 
     def failing_sha256(path: Path) -> str:
         if path == second / ckpt.MODEL_FILE:
@@ -466,8 +470,8 @@ def test_pruning_leaves_a_checkpoint_it_cannot_read_and_reads_each_once(tmp_path
         return read(path, *args, **kwargs)
 
     for patch in (
-        mock.patch.object(ckpt, "_sha256", failing_sha256),
-        mock.patch.object(ckpt, "read_regular_file", failing_read),
+        mock.patch.object(ckpt_manifest, "_sha256", failing_sha256),
+        mock.patch.object(ckpt_manifest, "read_regular_file", failing_read),
     ):
         with patch:
             ckpt.prune_checkpoints(tmp_path / "checkpoints", keep=2)
@@ -532,7 +536,7 @@ def test_every_checkpoint_file_follows_the_umask(tmp_path: Path) -> None:
     assert final is not None
     modes = {
         p.relative_to(final).as_posix(): stat.S_IMODE(p.stat().st_mode)
-        for p in ckpt._checkpoint_files(final)
+        for p in ckpt_manifest._checkpoint_files(final)
     }
     assert modes == {
         name: 0o640

@@ -225,6 +225,59 @@ def test_a_write_past_the_file_size_limit_names_the_file_and_leaves_nothing(tmp_
     assert list(tmp_path.iterdir()) == []  # no temporary, and no parent folder it made
 
 
+def test_a_published_directory_follows_the_umask_as_a_checkpoint_does(tmp_path):
+    """Every directory bdh-train publishes (a merge's, as here, an export's, a run's
+    checkpoint) gets the modes open() and mkdir give under the umask, though safetensors
+    creates its files 0o600."""
+
+    def composed(directory: Path) -> None:
+        save_file({"w": torch.zeros(2)}, str(directory / "model.safetensors"))
+
+    old = os.umask(0o027)
+    try:
+        merged = ckpt.publish_checkpoint_dir(tmp_path / "merged", composed, "merge")
+        saved = ckpt.save_checkpoint(tmp_path / "run", "step-0000001", composed)
+    finally:
+        os.umask(old)
+    for final in (merged, saved):
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in final.iterdir()}
+        assert modes == {"model.safetensors": 0o640, "manifest.json": 0o640}, final
+        assert stat.S_IMODE(final.stat().st_mode) == 0o750
+
+
+def test_a_rename_that_fails_puts_the_replaced_directory_back(tmp_path, monkeypatch):
+    """A --force (or a checkpoint's re-save) whose final rename fails leaves the earlier
+    directory in place and no temporary or set-aside folder."""
+    out = write_directory(tmp_path / "hf", {"a": b"earlier"})
+    saved = ckpt.save_checkpoint(tmp_path, "step-0000001", lambda d: (d / "w").write_bytes(b"1"))
+    replace = os.replace
+
+    def failing(src, dst):
+        if ".tmp-" in Path(src).name:  # the built directory's rename, not the set-aside ones
+            raise OSError(18, "Invalid cross-device link")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(BDHTrainError) as err:
+        output.publish_dir(
+            out,
+            lambda d: (d / "a").write_bytes(b"new"),
+            "--hf",
+            "x",
+            force=True,
+            same_kind=lambda p: None,
+        )
+    assert str(err.value) == (
+        f"cannot move the new {out} into place: Invalid cross-device link; the previous one is "
+        "left in place"
+    )
+    with pytest.raises(OSError, match="cross-device"):
+        ckpt.save_checkpoint(tmp_path, "step-0000001", lambda d: (d / "w").write_bytes(b"2"))
+    assert (out / "a").read_bytes() == b"earlier" and (saved / "w").read_bytes() == b"1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "hf"]
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["latest", "step-0000001"]
+
+
 # ------------------------------------------------------------------ 16. what a kill leaves
 def test_the_next_command_of_a_kind_cleans_what_a_killed_one_left(
     inspection, no_figures, tmp_path, capsys

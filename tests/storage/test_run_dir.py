@@ -142,6 +142,18 @@ def test_each_run_file_name_has_one_home():
     assert found == {"storage/places.py"}
 
 
+def test_the_model_config_metadata_key_has_one_home():
+    """The key model.safetensors' metadata holds the model's config under is spelt only in
+    storage/places.py (`MODEL_CONFIG_KEY`); messages and the v0.1 check use the constant."""
+    spelt = re.compile(r"""["']bdh_config["']""")
+    found = {
+        str(path.relative_to(SRC))
+        for path in SRC.rglob("*.py")
+        if spelt.search(path.read_text(encoding="utf-8"))
+    }
+    assert found == {"storage/places.py"}
+
+
 def test_reading_a_finished_run_imports_nothing_of_training():
     """Importing `bdh_train.shared.loading` and `bdh_train.generation.chat` (load_run,
     generate, chat) leaves out the trainer, FSDP,

@@ -133,7 +133,7 @@ def test_run_dir_naming_a_file_and_a_non_utf8_config(tmp_path, capsys):
 def _rewrite_part(checkpoint: Path, name: str, data: bytes) -> None:
     """Replace one file and re-sign the manifest: damage the checksum cannot see."""
     (checkpoint / name).write_bytes(data)
-    ckpt._write_manifest(checkpoint)
+    ckpt.write_manifest(checkpoint)
 
 
 def _pickled_namespace() -> bytes:
@@ -189,7 +189,7 @@ def test_untrusted_model_sizes_are_refused_before_allocation(base_run, tmp_path,
     config["vocab_size"] = 10**12
     meta["bdh_config"] = json.dumps(config)
     save_file(tensors, str(checkpoint / ckpt.MODEL_FILE), meta)
-    ckpt._write_manifest(checkpoint)
+    ckpt.write_manifest(checkpoint)
     for command in (["generate", "--checkpoint", str(run)], ["eval", "--checkpoint", str(run)]):
         assert main(command) == 2
         line = one_error_line(capsys)

@@ -130,7 +130,7 @@ def write_composed(
     def write(directory: Path) -> None:
         from safetensors.torch import save_file
 
-        metadata = {"bdh_config": json.dumps(config), "step": "0"}
+        metadata = ckpt.weights_metadata(config, 0)
         with writing(directory / ckpt.MODEL_FILE):
             save_file(tensors, str(directory / ckpt.MODEL_FILE), metadata=metadata)
         texts = {CONFIG_FILE: dump_toml(cfg)}

@@ -14,7 +14,7 @@ from pathlib import Path
 from bdh_train import checks
 from bdh_train.data.events import SummaryEventTrigger
 from bdh_train.data.formats import TEXT_FIELD
-from bdh_train.data.layout import is_prepared_split
+from bdh_train.data.layout import is_prepared_split, prepared_directory, tokens_file
 from bdh_train.data.mqar import MqarConfig, mqar_source
 from bdh_train.data.nca import NcaConfig, nca_source
 from bdh_train.data.sources import (
@@ -232,3 +232,32 @@ class DataConfig:
             bin_dtype=self.bin_dtype,
             text_field=self.text_field,
         )
+
+    def evaluation_data(
+        self,
+        source: str | None,
+        vocab_size: int,
+        block_size: int | None,
+        tokenizer: Tokenizer | None = None,
+    ) -> TokenData:
+        """The tokens `bdh-train eval`, `inspect` and the memory measures read: `source`
+        (their --data; a prepared corpus gives its validation split when it has one) read
+        with `tokenizer` (default: this config's), else the run's validation split, the one
+        training validates on (`load_splits`). A run without one (data.val_fraction = 0 and
+        no data.val_source) is a ConfigError asking for --data: nothing is evaluated on the
+        data the model trained on unless --data names it. `block_size`: the tokens hold at
+        least one window of block_size + 1 (None: any length, for a stream read whole)."""
+        if source:
+            corpus = Path(source).expanduser()
+            if prepared_directory(corpus) == corpus and (corpus / tokens_file("val")).is_file():
+                source = str(corpus / tokens_file("val"))
+            tokens = self.load_source(source, vocab_size, tokenizer)
+            if block_size is not None:
+                tokens.validate_for_block(block_size, "eval data")
+            return tokens
+        _, val = self.load_splits(vocab_size, 1 if block_size is None else block_size)
+        if val is None:
+            raise ConfigError(
+                "the run has no validation split (data.val_fraction = 0); pass --data SOURCE"
+            )
+        return val

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from bdh_train import checks
-from bdh_train.data import formats
+from bdh_train.data import corpus_files, formats
 from bdh_train.data.encode import SplitWriter, write_pieces
 from bdh_train.data.layout import (
     FORMAT_NAME,
@@ -92,8 +92,7 @@ def _finish_split(directory: Path, split: _Split) -> dict[str, int] | None:
     """Close the split's files and turn its raw index into the .npy; None (files removed)
     when it got no tokens."""
     split.writer.close()
-    for handle in (split.tokens, split.index):
-        os.fsync(handle.fileno())
+    for handle in (split.tokens, split.index):  # put on disk by `publish_dir`
         handle.close()
     raw = directory / f"{split.name}.idx.raw"
     if split.writer.n_tokens == 0:
@@ -141,13 +140,10 @@ def _cut_tail(
     with open(directory / tokens_file("val"), "wb") as out:
         for s in range(cut, n, _COPY_TOKENS):
             out.write(np.asarray(tokens[s : min(s + _COPY_TOKENS, n)]).tobytes())
-        out.flush()
-        os.fsync(out.fileno())
     val_bytes = _text_bytes(tokens[cut:], lengths)
     del tokens, starts
     with open(train_bin, "r+b") as fh:
         fh.truncate(cut * np.dtype(dtype).itemsize)
-        os.fsync(fh.fileno())
     _write_index(directory / index_file("train"), train_starts)
     _write_index(directory / index_file("val"), val_starts)
     train = {
@@ -244,16 +240,16 @@ def prepare_corpus(
     if tokenizer is not None and train_bpe_vocab is not None:
         raise DataError("give a tokenizer or a BPE vocabulary size to train, not both")
     _check_output(out, force)
-    files = formats.expand_sources(list(sources))
-    val_files = formats.expand_sources(list(val_sources)) if val_sources else []
+    files = corpus_files.expand_sources(list(sources))
+    val_files = corpus_files.expand_sources(list(val_sources)) if val_sources else []
     fraction = 0.0 if val_sources else float(val_fraction)
-    totals = [formats.source_bytes(files), formats.source_bytes(val_files)]
+    totals = [corpus_files.source_bytes(files), corpus_files.source_bytes(val_files)]
     total = None if None in totals else sum(t for t in totals if t is not None)
 
     def write(tmp: Path) -> None:
         nonlocal tokenizer
         if train_bpe_vocab is not None:  # one bar of ours, not the tokenizers library's stages
-            bar = _Progress(formats.source_bytes(files), progress, "train BPE", tokens=False)
+            bar = _Progress(corpus_files.source_bytes(files), progress, "train BPE", tokens=False)
             try:
                 tokenizer = train_bpe(
                     _training_texts(files, text_field, fraction, bar), train_bpe_vocab

@@ -17,7 +17,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from bdh_train.data import formats, prepared
+from bdh_train.data import corpus_files, formats, prepared
 from bdh_train.data.encode import encode_in_memory
 from bdh_train.data.formats import TEXT_FIELD
 from bdh_train.data.layout import is_prepared, is_prepared_split
@@ -228,8 +228,8 @@ def _from_path(
         return train
     if path.suffix == ".bin":
         return _from_bin(path, vocab_size, bin_dtype, tokenizer)
-    if path.is_dir() and not formats.is_hf_dataset(path):
-        files = formats.corpus_files(path)
+    if path.is_dir() and not corpus_files.is_hf_dataset(path):
+        files = corpus_files.corpus_files(path)
         if tokenizer.kind == BYTES and all(_is_plain_text(p) for p in files):
             return _from_directory(path, files, vocab_size)
         what = f"'{path}' ({len(files)} files)"
@@ -247,9 +247,9 @@ def _is_plain_text(path: Path) -> bool:
     """Read as text by the memory-mapped byte path: not compressed, not a record format."""
     return (
         path.is_file()
-        and formats.compression_of(path) is None
-        and formats.format_suffix(path)
-        not in formats.JSON_LINES_SUFFIXES + formats.PARQUET_SUFFIXES
+        and corpus_files.compression_of(path) is None
+        and corpus_files.format_suffix(path)
+        not in corpus_files.JSON_LINES_SUFFIXES + corpus_files.PARQUET_SUFFIXES
     )
 
 
@@ -257,7 +257,7 @@ def _from_text_file(path: Path, vocab_size: int) -> TokenData:
     if file_size(path) == 0:
         raise DataError(f"data file '{path}' is empty; point data.source at a file with text")
     tokens = memmap_file(path, "uint8", "text file")
-    formats.check_utf8(path)
+    corpus_files.check_utf8(path)
     return TokenData(tokens, vocab_size, f"'{path}'", byte_level=True)
 
 
@@ -277,7 +277,7 @@ def _from_directory(path: Path, files: list[Path], vocab_size: int) -> TokenData
             position += 1
         starts.append(position)
         parts.append(memmap_file(p, "uint8", "text file"))
-        formats.check_utf8(p)
+        corpus_files.check_utf8(p)
         position += len(parts[-1])
     return TokenData(
         np.concatenate(parts),

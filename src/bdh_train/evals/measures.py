@@ -122,8 +122,6 @@ def run_memory_evals(
     `tokenizer` is; --recall alone needs none), on `source` (else the run's validation
     split); write their files under options.out and return their tables and the paths
     written, to print."""
-    from bdh_train.train.build import evaluation_data
-
     text = None
     if options.passkey or options.reads_data:
         text = text_model(model, tokenizer, "the model")
@@ -160,7 +158,7 @@ def run_memory_evals(
         )
     tokens = None
     if options.reads_data:
-        tokens = evaluation_data(cfg.data, source, model.config.vocab_size, block).tokens
+        tokens = cfg.data.evaluation_data(source, model.config.vocab_size, block).tokens
     files: dict[str, object] = {}
     lines: list[str] = []
     if options.context_curve:

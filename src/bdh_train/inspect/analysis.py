@@ -398,10 +398,10 @@ def inspect_checkpoint(
     device: str = "cpu",
     force: bool = False,
 ) -> Path:
-    """Inspect a run (directory, checkpoint or export) on `data` (default: its validation
-    split, else its training data) and the prompts; write the report directory `out`
-    (`write_report`) and return its report.html. Every input is checked before anything is
-    computed or written."""
+    """Inspect a run (directory, checkpoint or export) on `data` and the prompts, and write
+    the report directory `out` (`write_report`); return its report.html. The data is what
+    eval reads (`DataConfig.evaluation_data`): `data`, else the run's validation split.
+    Every input is checked before anything is computed or written."""
     from bdh_train.shared.loading import load_run
 
     check_options(options)
@@ -416,12 +416,7 @@ def inspect_checkpoint(
     prompts, labels = (
         read_probe_prompts(prompt, prompts_file, tokenizer) if tokenizer else ([], None)
     )
-    vocab = model.config.vocab_size
-    if data is not None:
-        stream = cfg.data.load_source(data, vocab)
-    else:
-        train, val = cfg.data.load_splits(vocab, 2)
-        stream = val if val is not None else train
+    stream = cfg.data.evaluation_data(data, model.config.vocab_size, None, tokenizer)
     tokens = torch.from_numpy(stream.tokens[: options.max_tokens].astype("int64"))
     inspection = inspect_model(
         model, tokens, tokenizer, options, prompts, labels, progress=_bar(len(tokens))

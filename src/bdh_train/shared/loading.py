@@ -88,23 +88,22 @@ def load_run(
             f"cannot read {directory / ckpt.MODEL_FILE}: {exc}; it is damaged or not a "
             "safetensors file: pass --checkpoint an intact checkpoint"
         ) from None
-    if "bdh_config" not in meta:
+    key = ckpt.MODEL_CONFIG_KEY
+    if key not in meta:
         raise CheckpointError(
-            f"{directory / ckpt.MODEL_FILE} has no bdh_config metadata; "
-            "was it written by bdh-train?"
+            f"{directory / ckpt.MODEL_FILE} has no {key} metadata; was it written by bdh-train?"
         )
     try:  # untrusted sizes: validated (and checked against memory) before anything is built
-        config = BDHConfig.from_dict(json.loads(meta["bdh_config"]))
+        config = BDHConfig.from_dict(json.loads(meta[key]))
     except (BDHTrainError, ValueError, TypeError, RecursionError) as exc:
         raise CheckpointError(
-            f"the bdh_config metadata of {directory / ckpt.MODEL_FILE} is unusable: "
-            f"{first_line(exc)}"
+            f"the {key} metadata of {directory / ckpt.MODEL_FILE} is unusable: {first_line(exc)}"
         ) from None
     # the sizes the config implies against the file's tensors, before the model is allocated
     problems = shape_mismatch(state_shapes(config), ckpt.weight_shapes(directory))
     if problems is not None:
         raise CheckpointError(
-            f"the bdh_config metadata of {directory / ckpt.MODEL_FILE} does not fit its "
+            f"the {key} metadata of {directory / ckpt.MODEL_FILE} does not fit its "
             f"tensors ({problems}): the file was changed or damaged"
         )
     model = BDH(config)

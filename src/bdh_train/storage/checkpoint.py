@@ -1,8 +1,10 @@
 """Checkpoints: written whole or not at all, kept K deep, found through a `latest` pointer.
 
 A checkpoint is a directory `checkpoints/step-XXXXXXX/`. It is written into a hidden
-temporary directory beside it and renamed into place only when every file is on disk, so a
-crash (or SIGKILL) during a save leaves the previous checkpoint and pointer untouched.
+temporary directory beside it and published by `output.rename_into_place` (renamed into place
+only when every file is on disk), so a crash (or SIGKILL) during a save leaves the previous
+checkpoint and pointer untouched. Its manifest and the checks against it are
+storage/manifest.py.
 
 `Checkpointer` saves and loads a mapping of stateful parts, one file each; the file's suffix
 decides its format (`.json`, `.pt`, `.safetensors` model weights; a part whose state is a
@@ -14,13 +16,10 @@ reshards on load, so any number of processes (sharded or not) resumes it.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import random
 import re
 import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,17 +27,19 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from bdh_train import checks
 from bdh_train.errors import BDHTrainError, CheckpointError
 from bdh_train.model.bdh import shape_mismatch
 from bdh_train.storage.dcp import ShardedState, dcp_errors
-from bdh_train.storage.output import fsync_dir, make_dir, publish_dir, sync_tree
-from bdh_train.storage.places import MANIFEST, MODEL_FILE
-from bdh_train.storage.run_dir import CHECKPOINTS, CONFIG_FILE
-from bdh_train.utils import atomic_write, current_umask, first_line, quoted, read_regular_file
+from bdh_train.storage.manifest import read_json, verify_checkpoint, write_json, write_manifest
+from bdh_train.storage.output import make_dir, publish_dir, put_back, rename_into_place
+from bdh_train.storage.places import MANIFEST as MANIFEST  # read as ckpt.MANIFEST
+from bdh_train.storage.places import MODEL_CONFIG_KEY, MODEL_FILE
+from bdh_train.storage.run_dir import CHECKPOINTS
+from bdh_train.utils import atomic_write, first_line, quoted, read_regular_file
 
 
 @dataclass
@@ -63,9 +64,6 @@ SHARDED_DIR = "sharded"
 
 LATEST_MAX_BYTES = 256
 """The most a `latest` pointer may hold: one checkpoint name (step-XXXXXXX-mMM) and a newline."""
-JSON_MAX_BYTES = 16 << 20
-"""The most a checkpoint's JSON file (manifest.json, trainer.json, loader.json) may hold: a
-manifest takes about 150 bytes a file, the others a few hundred bytes."""
 _NAME = re.compile(r"step-(\d{7,})(?:-m(\d{2,}))?")
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
@@ -83,122 +81,6 @@ def checkpoint_position(name: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2) or 0)) if match else None
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _checkpoint_files(directory: Path) -> list[Path]:
-    """Every file of a checkpoint directory, its subdirectories' (DCP shards) included."""
-    return sorted(p for p in directory.rglob("*") if p.is_file())
-
-
-def _write_manifest(directory: Path) -> None:
-    files = {
-        p.relative_to(directory).as_posix(): {"sha256": _sha256(p), "bytes": p.stat().st_size}
-        for p in _checkpoint_files(directory)
-        if p.name != MANIFEST
-    }
-    write_json(directory / MANIFEST, {"files": files})
-
-
-_V0_1_FILES = frozenset(
-    {CONFIG_FILE, "loader.json", MODEL_FILE, "optimizer.pt", "ranks.pt", "trainer.json"}
-)
-"""The files of a checkpoint written by v0.1 (tests/fixtures/checkpoint_v0_1)."""
-_V0_1_MODEL_KEYS = frozenset(
-    {
-        "chunk_size",
-        "dropout",
-        "executor",
-        "language_head",
-        "mlp_internal_dim_multiplier",
-        "n_embd",
-        "n_head",
-        "n_layer",
-        "norm",
-        "position",
-        "quant",
-        "vocab_size",
-    }
-)
-"""The keys of v0.1's model config (model.safetensors' bdh_config). Every checkpoint written
-since summary memory was merged (074993b) has a manifest and model.summary_memory besides."""
-
-
-def written_by_v0_1(directory: Path) -> bool:
-    """Whether `directory` (which has no manifest) is a checkpoint as v0.1 wrote it, before
-    manifests existed: exactly v0.1's six files and nothing else (no sharded/, no
-    tokenizer.json), and a model config with exactly v0.1's keys, so a checkpoint written
-    since summary memory was merged that lost its manifest is not taken for v0.1's. Its files
-    cannot be checked: v0.1 recorded no checksums."""
-    directory = Path(directory)
-    entries = list(directory.iterdir())
-    if {p.name for p in entries} != _V0_1_FILES or not all(p.is_file() for p in entries):
-        return False
-    try:
-        with safe_open(str(directory / MODEL_FILE), "pt") as handle:
-            config = json.loads((handle.metadata() or {}).get("bdh_config", "null"))
-    except (
-        SafetensorError,
-        ValueError,
-        RecursionError,
-    ):  # an OSError (unreadable) is not an answer: raised
-        return False
-    return isinstance(config, dict) and set(config) == _V0_1_MODEL_KEYS
-
-
-def _listed_files(manifest: Path) -> dict[str, Any]:
-    """The manifest's files table: relative path -> {"sha256", "bytes"}."""
-    data = read_json(manifest)
-    files = data.get("files") if isinstance(data, dict) else None
-    if not isinstance(files, dict):
-        raise CheckpointError(f"{manifest} lists no files")
-    return files
-
-
-def verify_checkpoint(directory: Path) -> None:
-    """Raise CheckpointError unless the checkpoint's manifest is readable and lists exactly the
-    files present (model.safetensors among them), each whole and unchanged. A checkpoint
-    without a manifest is damaged, unless it is one v0.1 wrote (`written_by_v0_1`)."""
-    directory = Path(directory)
-    if not (directory / MODEL_FILE).is_file():
-        raise CheckpointError(f"checkpoint {directory} has no {MODEL_FILE}")
-    if not (directory / MANIFEST).is_file():
-        if written_by_v0_1(directory):
-            return
-        raise CheckpointError(
-            f"checkpoint {directory} has no {MANIFEST} and is not one v0.1 wrote (the only "
-            "kind without): it is incomplete or was changed"
-        )
-    files = _listed_files(directory / MANIFEST)
-    present = {p.relative_to(directory).as_posix() for p in _checkpoint_files(directory)}
-    present.discard(MANIFEST)
-    missing = sorted(set(files) - present)
-    if missing:
-        raise CheckpointError(f"checkpoint {directory} is missing {missing[0]}")
-    unlisted = sorted(present - set(files))
-    if unlisted:
-        raise CheckpointError(
-            f"checkpoint {directory}: {', '.join(unlisted)} not listed in its {MANIFEST} (the "
-            "checkpoint was changed or the manifest damaged)"
-        )
-    for name, entry in sorted(files.items()):
-        path = directory / name
-        if (
-            not isinstance(entry, dict)
-            or path.stat().st_size != entry.get("bytes")
-            or _sha256(path) != entry.get("sha256")
-        ):
-            raise CheckpointError(
-                f"checkpoint {directory}: {name} does not match its SHA-256 in {MANIFEST} "
-                "(the file was changed or damaged)"
-            )
-
-
 def recover_checkpoints(root: Path) -> None:
     """Finish or undo what a crash interrupted: a half-written temporary directory is removed;
     a checkpoint set aside for a re-save comes back when its replacement never arrived."""
@@ -212,8 +94,8 @@ def recover_checkpoints(root: Path) -> None:
         if path.name.startswith(_OLD_PREFIX):
             name = path.name[len(_OLD_PREFIX) :].rsplit("-", 1)[0]
             kept = path / _SET_ASIDE
-            if kept.is_dir() and checkpoint_position(name) and not (root / name).exists():
-                os.replace(kept, root / name)
+            if kept.is_dir() and checkpoint_position(name):
+                put_back(kept, root / name)
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -228,8 +110,9 @@ def save_checkpoint(
 ) -> Path:
     """Call `write(tmp_dir)` to fill a fresh directory, add its manifest, then publish it.
 
-    The new directory is renamed into place only when every file is on disk; a checkpoint of
-    the same name is first set aside and deleted only after the new one is in place, so a
+    The new directory is renamed into place only when every file is on disk
+    (`output.rename_into_place`); a checkpoint of the same name is first set aside inside
+    checkpoints/ and deleted only after the new one is in place and `latest` names it, so a
     crash at any point leaves one whole checkpoint of that name (`recover_checkpoints`).
     `before_rename` is a test seam: it runs between the complete temporary write and the
     rename, which is where a crash must not damage anything. `tmp` is a temporary directory
@@ -239,37 +122,28 @@ def save_checkpoint(
     """
     root = Path(run_dir) / CHECKPOINTS
     final = root / name
-    if tmp is None:
-        tmp = make_temp_dir(run_dir, name)
-    old: Path | None = None
+    building = make_temp_dir(run_dir, name) if tmp is None else tmp
     try:
-        write(tmp)
-        _seal(tmp)
-        if before_rename is not None:
-            before_rename(tmp)
-        if final.exists():  # a re-save of the same point (e.g. after resume): swap it
-            old = Path(tempfile.mkdtemp(dir=root, prefix=f"{_OLD_PREFIX}{final.name}-"))
-            os.replace(final, old / _SET_ASIDE)
-        os.replace(tmp, final)
-        fsync_dir(root)
+        write(building)
+        write_manifest(building)
+        old = rename_into_place(  # a re-save of the same point (e.g. after resume): swapped
+            building,
+            final,
+            lambda: make_dir(root, f"{_OLD_PREFIX}{final.name}-") / _SET_ASIDE,
+            None if before_rename is None else lambda: before_rename(building),
+        )
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(building, ignore_errors=True)
         raise
     with atomic_write(root / LATEST) as handle:
         handle.write(final.name + "\n")
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old.parent, ignore_errors=True)
     if intact is not None:
         intact.add(final.name)
     if keep > 0:
         prune_checkpoints(root, keep, intact)
     return final
-
-
-def _seal(directory: Path) -> None:
-    """Add the manifest of a checkpoint directory's files and put them all on disk."""
-    _write_manifest(directory)
-    sync_tree(directory)
 
 
 def publish_checkpoint_dir(final: Path, write: Callable[[Path], None], command: str) -> Path:
@@ -281,7 +155,7 @@ def publish_checkpoint_dir(final: Path, write: Callable[[Path], None], command: 
 
     def sealed(directory: Path) -> None:
         write(directory)
-        _write_manifest(directory)
+        write_manifest(directory)
 
     return publish_dir(final, sealed, "--out", command, CheckpointError)
 
@@ -475,25 +349,6 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def write_json(path: Path, data: Any) -> None:
-    with atomic_write(path) as handle:
-        json.dump(data, handle, indent=1, sort_keys=True)
-
-
-def read_json(path: Path) -> Any:
-    """The JSON in `path`; CheckpointError when it is no regular file of at most
-    JSON_MAX_BYTES, cannot be read, is not UTF-8 (a flipped byte) or not JSON."""
-    fix = "the checkpoint is damaged: use another checkpoint"
-    try:
-        data = read_regular_file(path, JSON_MAX_BYTES, str(path), CheckpointError, fix)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # ValueError: UTF-8 and JSON errors
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
-
-
 def torch_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -533,6 +388,12 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 
 
+def weights_metadata(model_config: dict[str, Any], step: int) -> dict[str, str]:
+    """model.safetensors' metadata: the model's config as JSON (`MODEL_CONFIG_KEY`, which
+    `load_run` builds the model from) and the step it was taken at."""
+    return {MODEL_CONFIG_KEY: json.dumps(model_config), "step": str(step)}
+
+
 @dataclass
 class ModelWeights:
     """The model as a checkpoint part: its tensors plus string metadata in safetensors."""
@@ -562,8 +423,7 @@ def _write_part(path: Path, state: Any) -> None:
         torch.save(state, path)
     elif path.suffix == ".safetensors":
         tensors, metadata = state
-        save_file(tensors, str(path), metadata=metadata)
-        os.chmod(path, 0o666 & ~current_umask())  # safetensors creates it 0o600
+        save_file(tensors, str(path), metadata=metadata)  # its mode: `rename_into_place`
     else:
         raise ValueError(f"no checkpoint format for {path.name}")
 

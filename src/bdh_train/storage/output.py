@@ -1,5 +1,5 @@
 """The one output policy of every command that writes (a run's checkpoints excepted, which
-storage/checkpoint.py publishes inside the run with the same primitives):
+storage/checkpoint.py publishes inside the run with the same `rename_into_place`):
 
 - `check_output`: whether a path may take an output, judged before anything is computed. It
   is refused when it is, or lies inside, a checkpoint or a run's own files
@@ -8,11 +8,17 @@ storage/checkpoint.py publishes inside the run with the same primitives):
   all (a dangling link included). `force` replaces a regular file with a regular file, a
   directory with a directory the command says is of its kind, and a dangling link as a link.
 - `write_file`: a file written through a temporary beside it, fsynced, renamed into place.
-- `publish_dir`: a directory built in a locked temporary beside its place, every file and
-  folder fsynced, then renamed into place (an existing one, when allowed, set aside first and
-  removed after); a failure removes the temporary and the parent folders the call created.
+- `publish_dir`: a directory built in a locked temporary beside its place and published by
+  `rename_into_place` (an existing one, when allowed, set aside first and removed after); a
+  failure removes the temporary and the parent folders the call created.
 - `clean_leftovers`: what a killed `publish_dir` of the same output left (a temporary, or
   the earlier output set aside, put back when its replacement never arrived).
+
+`rename_into_place` is the one way a built directory is published, a run's checkpoints
+included (storage/checkpoint.py keeps its temporaries inside checkpoints/ under names of its
+own): each file gets the mode `open()` gives under the umask, every file and folder is
+fsynced, and only then is the directory renamed into place. `put_back` is the one way a copy
+set aside by a killed publish comes back.
 
 Every refusal is one error naming the path, what it is and what to do, raised before the
 disk is touched.
@@ -30,6 +36,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from bdh_train.errors import BDHTrainError, ConfigError
 from bdh_train.storage.places import guarded_place
@@ -146,13 +153,69 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def sync_tree(directory: Path) -> None:
-    """Put every file and folder under `directory` (and it) on disk."""
+def _settle_tree(directory: Path) -> None:
+    """Give every file under `directory` the mode `open()` gives under the umask (safetensors
+    creates its files 0o600) and put every file and folder (and `directory`) on disk."""
+    mode = 0o666 & ~current_umask()
     for root, _dirs, files in os.walk(directory):
         for name in files:
             with open(os.path.join(root, name), "rb") as handle:
+                os.fchmod(handle.fileno(), mode)
                 os.fsync(handle.fileno())
         fsync_dir(Path(root))
+
+
+def rename_into_place(
+    building: Path,
+    final: Path,
+    aside: Callable[[], Path],
+    before_rename: Callable[[], None] | None = None,
+) -> Path | None:
+    """Publish the directory `building` (made beside `final` by `make_dir`) as `final`: its
+    files get the umask's mode and every file and folder is put on disk (an OSError naming
+    the file when that fails), `before_rename()` runs, then `building` is renamed to `final`
+    and the parent folder synced. An existing `final` (a link included) is first moved to
+    `aside()`, a path inside a new folder beside it that a kill between the two renames
+    leaves for the caller's recovery (`put_back`), and is put back when the rename fails
+    (`NotRenamedError`; the empty folder is removed).
+    Returns where the replaced copy went, for the caller to remove once the new one is in
+    use; None when nothing was replaced."""
+    _settle_tree(building)
+    if before_rename is not None:
+        before_rename()
+    kept = aside() if os.path.lexists(final) else None
+    try:
+        if kept is not None:
+            os.replace(final, kept)
+        try:
+            os.replace(building, final)
+        except OSError as exc:
+            if kept is not None:
+                os.replace(kept, final)
+            raise NotRenamedError(exc, kept is not None) from exc
+    except OSError:
+        if kept is not None:  # empty unless the copy could not be put back
+            with contextlib.suppress(OSError):
+                kept.parent.rmdir()
+        raise
+    fsync_dir(final.parent)
+    return kept
+
+
+class NotRenamedError(OSError):
+    """The built directory could not be renamed into place (the rename's OSError); an
+    existing one set aside for it (`replaced`) has been put back."""
+
+    def __init__(self, exc: OSError, replaced: bool) -> None:
+        super().__init__(exc.errno, exc.strerror, exc.filename, None, exc.filename2)
+        self.replaced = replaced
+
+
+def put_back(kept: Path, final: Path) -> None:
+    """Bring back `kept`, the copy of `final` a killed `rename_into_place` set aside, when
+    `final` is missing (the kill came between the two renames)."""
+    if not os.path.lexists(final) and kept.exists():
+        os.replace(kept, final)
 
 
 def make_dir(parent: Path, prefix: str) -> Path:
@@ -231,9 +294,8 @@ def clean_leftovers(
             path = Path(entry)
             if not os.path.samestat(os.stat(path), os.fstat(fd)):
                 continue
-            kept = path / final.name
-            if role == OLD and not os.path.lexists(final) and kept.exists():
-                os.replace(kept, final)
+            if role == OLD:
+                put_back(path / final.name, final)
             if _only_plain(path) and (role == OLD or ours is None or ours(path)):
                 shutil.rmtree(path)
                 removed.append(path)
@@ -298,13 +360,15 @@ def publish_dir(
     ours: Callable[[Path], bool] | None = None,
 ) -> Path:
     """Publish the directory `final`: `write(building)` fills a locked temporary beside it,
-    every file is fsynced, the policy (`check_output`) is checked again and the directory is
-    renamed into place; an existing `final` that the policy lets it replace is set aside
-    first and removed after (and put back when the rename fails). What killed runs of
-    `command` (e.g. 'export --hf') left for `final` is removed first, each said on stderr.
+    and `rename_into_place` puts every file on disk, checks the policy (`check_output`)
+    again and renames the directory into place; an existing `final` that the policy lets it
+    replace is set aside first and removed after (and put back when the rename fails). What
+    killed runs of `command` (e.g. 'export --hf') left for `final` is removed first, each
+    said on stderr.
     A failed write is `error` naming the file (nothing is left, not even the parent folders
     this call made). Returns `final` as an absolute path."""
-    final = check_output(final, what, error, force=force, directory=True, same_kind=same_kind)
+    checks: dict[str, Any] = dict(force=force, directory=True, same_kind=same_kind)
+    final = check_output(final, what, error, **checks)
     for left in clean_leftovers(final, ours):
         print(
             f"notice: removed '{left}', left by a `bdh-train {command}` of '{final}' that did "
@@ -316,13 +380,13 @@ def publish_dir(
     try:
         try:
             write(building)
-            sync_tree(building)
         except OSError as exc:
-            failed = _failed_file(exc, building, final, final)
-            reason = exc.strerror or first_line(exc)
-            raise error(f"cannot write {failed} ({reason}); nothing was written: {_FIX}") from exc
-        check_output(final, what, error, force=force, directory=True, same_kind=same_kind)
-        _swap(building, final, error)
+            raise _write_error(exc, building, final, error) from exc
+
+        def still_allowed() -> None:  # the policy again, just before the rename
+            check_output(final, what, error, **checks)
+
+        _swap(building, final, error, still_allowed)
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         _remove_made(final.parent, made)
@@ -332,31 +396,45 @@ def publish_dir(
     return final
 
 
-def _swap(building: Path, final: Path, error: type[BDHTrainError]) -> None:
-    """Rename `building` to `final`; an existing `final` is set aside in a locked folder
-    first (a kill between the renames leaves it there for `clean_leftovers`), removed after,
-    and put back when the rename fails."""
-    if not os.path.lexists(final):
-        try:
-            os.rename(building, final)
-        except OSError as exc:
-            raise error(f"cannot move the new {final} into place: {exc.strerror or exc}") from exc
-        fsync_dir(final.parent)
-        return
-    aside, lock = locked_dir(final, OLD)
+def _write_error(
+    exc: OSError, building: Path, final: Path, error: type[BDHTrainError]
+) -> BDHTrainError:
+    """`error` naming the file of the published directory that could not be written."""
+    failed = _failed_file(exc, building, final, final)
+    reason = exc.strerror or first_line(exc)
+    return error(f"cannot write {failed} ({reason}); nothing was written: {_FIX}")
+
+
+def _swap(
+    building: Path, final: Path, error: type[BDHTrainError], before_rename: Callable[[], None]
+) -> None:
+    """`rename_into_place` with the output policy's set-aside folder: a locked one beside
+    `final` (`locked_dir`, which `clean_leftovers` knows), removed after. A file that cannot
+    be put on disk, or a rename that fails, is `error`."""
+    locks: list[int] = []
+    settled = False
+
+    def aside() -> Path:
+        folder, lock = locked_dir(final, OLD)
+        locks.append(lock)
+        return folder / final.name
+
+    def on_disk() -> None:  # every file is on disk: what fails from here is no write
+        nonlocal settled
+        settled = True
+        before_rename()
+
     try:
-        os.replace(final, aside / final.name)
-        try:
-            os.replace(building, final)
-        except OSError as exc:
-            os.replace(aside / final.name, final)
-            raise error(
-                f"cannot move the new {final} into place: {exc.strerror or exc}; the previous "
-                "one is left in place"
-            ) from exc
-        fsync_dir(final.parent)
-        shutil.rmtree(aside, ignore_errors=True)
+        kept = rename_into_place(building, final, aside, on_disk)
+        if kept is not None:
+            shutil.rmtree(kept.parent, ignore_errors=True)
+    except NotRenamedError as exc:
+        left = "; the previous one is left in place" if exc.replaced else ""
+        raise error(f"cannot move the new {final} into place: {exc.strerror or exc}{left}") from exc
+    except OSError as exc:
+        if settled:
+            raise
+        raise _write_error(exc, building, final, error) from exc
     finally:
-        os.close(lock)
-        with contextlib.suppress(OSError):
-            aside.rmdir()
+        for lock in locks:
+            os.close(lock)

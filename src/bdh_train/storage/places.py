@@ -38,6 +38,8 @@ LAYOUT = (
 """Every name a run directory may hold: what `--overwrite` may replace."""
 MODEL_FILE = "model.safetensors"
 """A checkpoint's weights."""
+MODEL_CONFIG_KEY = "bdh_config"
+"""The key of the model's config (JSON) in model.safetensors' metadata."""
 MANIFEST = "manifest.json"
 """SHA-256 and size of every other file of a checkpoint, written last, checked on load."""
 

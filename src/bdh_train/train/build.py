@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-from pathlib import Path
 from typing import IO
 
 import torch
 from tqdm import tqdm
 
 from bdh_train.data.config import DataConfig
-from bdh_train.data.layout import prepared_directory, tokens_file
 from bdh_train.data.loaders import (
     RandomWindowLoader,
     StreamingCorpusLoader,
@@ -25,7 +23,6 @@ from bdh_train.data.tokens import TokenData
 from bdh_train.distributed.config import ParallelConfig
 from bdh_train.distributed.env import DistContext, pipeline_mesh
 from bdh_train.distributed.planner import build_pipeline_plan
-from bdh_train.errors import ConfigError
 from bdh_train.model import BDH, BDHConfig
 from bdh_train.model.bdh import check_compiler
 from bdh_train.train.config import TrainingConfig
@@ -185,31 +182,6 @@ def build_evaluator(
     )
 
 
-def evaluation_data(
-    data: DataConfig,
-    source: str | None,
-    vocab_size: int,
-    block_size: int,
-    tokenizer: Tokenizer | None = None,
-) -> TokenData:
-    """`source` (`bdh-train eval --data`; a prepared corpus gives its validation split, when
-    it has one), else the run's validation split; text is read with `tokenizer` (default:
-    the config's)."""
-    if source:
-        corpus = Path(source).expanduser()
-        if prepared_directory(corpus) == corpus and (corpus / tokens_file("val")).is_file():
-            source = str(corpus / tokens_file("val"))
-        tokens = data.load_source(source, vocab_size, tokenizer)
-        tokens.validate_for_block(block_size, "eval data")
-        return tokens
-    _, val = data.load_splits(vocab_size, block_size)
-    if val is None:
-        raise ConfigError(
-            "the run has no validation split (data.val_fraction = 0); pass --data SOURCE"
-        )
-    return val
-
-
 def evaluate_model(
     model: BDH,
     tokenizer: Tokenizer | None,
@@ -219,8 +191,9 @@ def evaluate_model(
     max_batches: int | None,
     report: IO[str] | None = None,
 ) -> EvalResult:
-    """`bdh-train eval`: the run's evaluation recipe (`build_evaluator`) on `source`, else
-    the run's validation split, with the model where it is. A model without a tokenizer of
+    """`bdh-train eval`: the run's evaluation recipe (`build_evaluator`) on
+    `DataConfig.evaluation_data` (`source`, else the run's validation split), with the model
+    where it is. A model without a tokenizer of
     its own reads bytes. At most `steps_cap()` batches when the environment sets it. With
     `report` (stderr), what is evaluated and how it relates to the figure `train` printed
     (`eval_scope`) is written there first, then a progress bar. Its row is the loss alone:
@@ -230,7 +203,7 @@ def evaluate_model(
     if cap is not None:
         max_batches = cap if max_batches is None else min(max_batches, cap)
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
-    data = evaluation_data(data_config, source, model.config.vocab_size, t.block_size, tok)
+    data = data_config.evaluation_data(source, model.config.vocab_size, t.block_size, tok)
     step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
     name = source or validation_source(data_config)
     device = model.embed.weight.device

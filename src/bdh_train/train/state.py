@@ -11,7 +11,6 @@ go to sharded/ through DCP instead (model.safetensors is still written, for infe
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -179,6 +178,21 @@ class SavedText:
         raise NotImplementedError
 
 
+@dataclass(frozen=True, kw_only=True)
+class CheckpointParts:
+    """What a training checkpoint is made of (`TrainingCheckpoints`), named at construction."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    state: TrainerState
+    loader: ckpt.Stateful
+    ranks: RankStates
+    model_metadata: Callable[[], dict[str, str]]
+    """model.safetensors' metadata at the time of a save (`model_metadata`)."""
+    saved: dict[str, str]
+    """The text files written beside the parts (config.toml, tokenizer.json: `saved_files`)."""
+
+
 class TrainingCheckpoints:
     """The trainer's checkpoints: the parts, when one is due (every
     `training.checkpoint_every` steps and at the last, never inside a streak of skipped
@@ -188,25 +202,22 @@ class TrainingCheckpoints:
         self,
         run: RunDir,
         training: TrainingConfig,
+        parts: CheckpointParts,
+        *,
         is_main: bool,
         dcp: bool,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        state: TrainerState,
-        loader: ckpt.Stateful,
-        ranks: RankStates,
-        model_metadata: Callable[[], dict[str, str]],
-        saved: dict[str, str],
     ) -> None:
-        """`saved` are the text files written beside the parts (config.toml,
-        tokenizer.json); `dcp` writes the model and optimizer as DCP shards
-        (parallel.shard = 'fsdp')."""
+        """`dcp` writes the model and optimizer as DCP shards (parallel.shard = 'fsdp'); only
+        the main process (`is_main`) writes the files and recovers what a crash left."""
         self.run, self.training = run, training
         self.every, self.last_step = training.checkpoint_every, training.max_steps
         self.checkpointer = ckpt.Checkpointer(run.path, training.keep_checkpoints, is_main)
-        self.dcp, self.model, self.optimizer = dcp, model, optimizer
-        self.state, self.loader, self.ranks, self.saved = state, loader, ranks, saved
-        self.weights = ckpt.ModelWeights(model, model_metadata, partial(fsdp.full_weights, model))
+        self.dcp, self.model, self.optimizer = dcp, parts.model, parts.optimizer
+        self.state, self.loader, self.ranks = parts.state, parts.loader, parts.ranks
+        self.saved = parts.saved
+        self.weights = ckpt.ModelWeights(
+            parts.model, parts.model_metadata, partial(fsdp.full_weights, parts.model)
+        )
 
     def should_save(self, step: int, skips: int) -> bool:
         """The final step always checkpoints, even with checkpoint_every = 0; a step of a
@@ -363,8 +374,8 @@ def check_resumed_length(
 
 
 def model_metadata(model_config: dict[str, Any], state: TrainerState) -> dict[str, str]:
-    """model.safetensors' metadata: the model's config (JSON) and the step."""
-    return {"bdh_config": json.dumps(model_config), "step": str(state.step)}
+    """model.safetensors' metadata (`checkpoint.weights_metadata`) at the state's step."""
+    return ckpt.weights_metadata(model_config, state.step)
 
 
 def diverged_advice(run: RunDir) -> str:

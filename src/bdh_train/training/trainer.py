@@ -49,6 +49,7 @@ from bdh_train.train.metrics import MetricsReporter, plot_losses
 from bdh_train.train.profile import ProfileSettings, StepProfiler
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.state import (
+    CheckpointParts,
     RankStates,
     TrainerState,
     TrainingCheckpoints,
@@ -205,18 +206,17 @@ class Trainer:
             self.data_parallel,
             pipelined=p.pipeline_stages > 1 and not p.emulate,
         )
+        parts = CheckpointParts(
+            model=self.model,
+            optimizer=self.optimizer,
+            state=self.state,
+            loader=self.loader,
+            ranks=ranks,
+            model_metadata=partial(model_metadata, cfg.model.to_dict(), self.state),
+            saved=saved_files(dump_toml(self.saved_cfg), self.tokenizer),
+        )
         self.checkpoints = TrainingCheckpoints(
-            self.run_files,
-            t,
-            self.dist.is_main,
-            p.shard == "fsdp",
-            self.model,
-            self.optimizer,
-            self.state,
-            self.loader,
-            ranks,
-            partial(model_metadata, cfg.model.to_dict(), self.state),
-            saved_files(dump_toml(self.saved_cfg), self.tokenizer),
+            self.run_files, t, parts, is_main=self.dist.is_main, dcp=p.shard == "fsdp"
         )
         self.evaluator: Evaluator | None = None
         if self.val_data is not None:

@@ -23,8 +23,9 @@ from bdh_train.model import BDH
 from bdh_train.model.sampling import NonFiniteModelError
 from bdh_train.shared.loading import load_run
 from bdh_train.storage import checkpoint as ckpt
+from bdh_train.train.config import TrainingConfig
 from bdh_train.train.optim import OptimizerConfig
-from bdh_train.training.trainer import Trainer
+from bdh_train.training.trainer import Trainer, TrainingDiverged
 from bdh_train.utils import STEPS_CAP_ENV
 
 SHORT = [*MICRO_RUN, "training.max_steps=2", "training.eval_every=0", "training.eval_steps=1"]
@@ -114,6 +115,8 @@ def test_merge_reports_every_domain_and_fine_tunes_with_the_embedding_frozen(
     steps = [line for line in shown.splitlines() if line.startswith("step ")]
     assert steps[0].startswith("step 1/3 | loss ") and " | ETA " in steps[0]
     assert steps[-1].startswith("step 3/3 | loss ") and " | 192 tok | " in steps[-1]
+    # the sources' lr, 3e-3, after a linear warm-up of 10 steps: 3e-4 at step 1, 9e-4 at 3
+    assert " | lr 3.00e-04 | " in steps[0] and " | lr 9.00e-04 | " in steps[-1]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "step" in r] == [1, 2, 3]
     table = {(r["model"], r["domain"]): r for r in rows if "domain" in r}
@@ -196,10 +199,28 @@ def test_a_frozen_group_gets_neither_gradient_nor_weight_decay():
     tokens = torch.randint(0, 256, (4000,), generator=torch.Generator().manual_seed(1))
     data = [TokenData(tokens.numpy(), 256, "random")]
     adamw = OptimizerConfig(lr=0.05, weight_decay=0.5)
-    losses = finetune_model(model, data, FinetuneConfig(5, freeze=["embedding"]), adamw, 16, 4)
+    frozen = FinetuneConfig(5, freeze=["embedding"])
+    losses = finetune_model(model, data, frozen, adamw, TrainingConfig(block_size=16, batch_size=4))
     assert len(losses) == 5
     after = model.state_dict()
     assert torch.equal(after["embed.weight"], before["embed.weight"])
     for name in ("encoder", "encoder_v", "decoder", "lm_head"):
         assert not torch.equal(after[name], before[name]), name
     assert all(p.requires_grad for p in model.parameters())  # unfrozen afterwards
+
+
+def test_a_fine_tune_skips_non_finite_steps_as_training_does():
+    """A NaN weight makes every loss NaN: each step is skipped (the weights stay as they
+    were), and the sixth in a row (training.max_consecutive_skips = 5) stops the fine-tune
+    with training's message, saying that nothing was written."""
+    torch.manual_seed(0)
+    model = BDH(load_config(overrides=MICRO_RUN).model)
+    with torch.no_grad():
+        model.lm_head.view(-1)[0] = float("nan")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tokens = torch.randint(0, 256, (4000,), generator=torch.Generator().manual_seed(1))
+    data = [TokenData(tokens.numpy(), 256, "random")]
+    training = TrainingConfig(block_size=16, batch_size=4)
+    with pytest.raises(TrainingDiverged, match=r"^6 consecutive steps .* nothing was written"):
+        finetune_model(model, data, FinetuneConfig(9), OptimizerConfig(), training)
+    torch.testing.assert_close(dict(model.state_dict()), before, rtol=0, atol=0, equal_nan=True)

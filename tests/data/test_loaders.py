@@ -23,7 +23,7 @@ from bdh_train.data import (
     load_tokens,
     write_token_file,
 )
-from bdh_train.data.loaders import document_starts
+from bdh_train.data.loaders import MixedWindowLoader, document_starts
 from bdh_train.errors import ConfigError, DataError
 
 TOKENS = np.arange(5000, dtype=np.int64)
@@ -251,6 +251,33 @@ def test_random_windows_with_a_single_valid_start() -> None:
         batch = loader.next_batch()
         assert batch.inputs.tolist() == [[0, 1, 2, 3]] * 3
         assert batch.targets.tolist() == [[1, 2, 3, 4]] * 3
+
+
+# ------------------------------------------------------------------ mixed windows
+def test_mixed_windows_take_row_r_from_source_r_mod_the_sources() -> None:
+    """Sources 0..11 and 100..111, block 4 (starts 0..7 of each), batch 5: rows 0, 2 and 4
+    are shifted slices of the first source, rows 1 and 3 of the second. 40 batches of 5 rows
+    draw each source's 8 starts 100 and 80 times: a given start is missed with probability
+    (7/8)^80 < 3e-5 (and the seed fixes the draw). Batch n is a function of (seed, n) alone."""
+    sources = [np.arange(12, dtype=np.int64), np.arange(100, 112, dtype=np.int64)]
+    loader = MixedWindowLoader(sources, block_size=4, batch_size=5, seed=3)
+    starts: list[set[int]] = [set(), set()]
+    batches = [loader.next_batch() for _ in range(40)]
+    for batch in batches:
+        assert batch.inputs.shape == (5, 4) and batch.reset is None
+        assert torch.equal(batch.inputs, batch.inputs[:, :1] + torch.arange(4))
+        assert torch.equal(batch.targets, batch.inputs + 1)
+        for row, first in enumerate(batch.inputs[:, 0].tolist()):
+            starts[row % 2].add(first)
+    assert starts == [set(range(8)), set(range(100, 108))]
+    again = MixedWindowLoader(sources, block_size=4, batch_size=5, seed=3)
+    assert all(_same(again.batch_at(n), batches[n]) for n in (0, 17, 39))
+    other = MixedWindowLoader(sources, block_size=4, batch_size=5, seed=4)
+    assert not all(_same(other.batch_at(n), batches[n]) for n in range(3))
+    with pytest.raises(DataError, match=r"has 4 tokens, fewer than block_size \+ 1 = 5"):
+        MixedWindowLoader([sources[0], np.arange(4)], block_size=4, batch_size=2, seed=0)
+    with pytest.raises(ConfigError, match="at least one token source"):
+        MixedWindowLoader([], block_size=4, batch_size=2, seed=0)
 
 
 # ------------------------------------------------------------------ corpus documents

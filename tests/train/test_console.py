@@ -381,8 +381,9 @@ def test_the_banner_says_how_much_of_the_split_an_evaluation_covers():
     t = TrainingConfig(block_size=8, batch_size=2, max_steps=3)
 
     def line(evaluation):
-        args = (Path("run"), "cpu", 10, "src", 100, 43, None, t, None, None, "config.toml")
-        lines = console.Banner(*args, evaluation=evaluation).lines()
+        data = console.RunData("src", 100, 43, evaluation=evaluation)
+        start = console.RunStart("config.toml")
+        lines = console.Banner(Path("run"), "cpu", 10, t, data, start).lines()
         return [text for text in lines if text.startswith("validation")]
 
     assert line((1, 16, 3)) == [

@@ -22,23 +22,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import numpy as np
 import torch
 
 from bdh_train.compose.common import (
+    FINETUNE_WARMUP_STEPS,
     Source,
     check_out,
     load_source,
     source_tokenizer_text,
     write_composed,
 )
+from bdh_train.data.events import SummaryEventTrigger
+from bdh_train.data.loaders import MixedWindowLoader
 from bdh_train.data.tokens import TokenData
+from bdh_train.distributed.config import ParallelConfig
+from bdh_train.distributed.env import DistContext
 from bdh_train.errors import ConfigError
 from bdh_train.model import BDH, groups
 from bdh_train.model.surgery import merge_weights, merged_config
-from bdh_train.train.build import evaluate_model
+from bdh_train.train.accumulate import WeightedGradientAccumulator
+from bdh_train.train.build import build_executor, evaluate_model
+from bdh_train.train.config import TrainingConfig
 from bdh_train.train.console import Progress, format_duration
 from bdh_train.train.optim import OptimizerConfig
+from bdh_train.train.schedules import GradientScaleSchedule
+from bdh_train.train.state import TrainerState
+from bdh_train.train.window import StepWindow, reduction_for
 from bdh_train.utils import steps_cap
 
 
@@ -207,10 +216,10 @@ def merge_runs(
             merged,
             data,
             finetune,
-            first.optimizer,
-            first.training.block_size,
-            first.training.batch_size,
+            merge_finetune_recipe(first.optimizer),
+            first.training,
             shown.finetune(finetune.steps, first.training.log_every),
+            first.data.summary_trigger(),
         )
         label = f"merged+ft{finetune.steps}"
         report.results[label] = shown.evaluate(merged, label, sources, names, eval_batches)
@@ -227,17 +236,17 @@ def _finetune_data(sources: list[Source], named: list[str], vocab_size: int) -> 
     return [s.cfg.data.load_splits(vocab_size, s.cfg.training.block_size)[0] for s in sources]
 
 
-def mixed_batch(
-    domains: list[TokenData], block: int, batch: int, rng: np.random.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) [batch, block] of random windows, row r from domain r mod len(domains)."""
-    rows = []
-    for r in range(batch):
-        tokens = domains[r % len(domains)].tokens
-        start = int(rng.integers(0, len(tokens) - block))
-        rows.append(np.asarray(tokens[start : start + block + 1], dtype=np.int64))
-    window = torch.from_numpy(np.stack(rows))
-    return window[:, :-1], window[:, 1:]
+def merge_finetune_recipe(optimizer: OptimizerConfig) -> OptimizerConfig:
+    """The optimizer of merge's own fine-tune (--finetune-steps): the first source's (its lr,
+    betas, weight decay, clipping; AdamW or Muon) with its lr held constant after a linear
+    warm-up of FINETUNE_WARMUP_STEPS (the fresh optimizer's moments are empty: without a
+    warm-up its first updates are its largest, and the loss rose at the second step). Not
+    `finetune_recipe`'s decayed rate, which a run that trains on a composed model starts
+    with: a merge starts far from either source's fit (its dense parts are averages), and at
+    equal steps the source's rate repairs more."""
+    return dataclasses.replace(
+        optimizer, schedule="constant", warmup_steps=FINETUNE_WARMUP_STEPS, min_lr=0.0
+    )
 
 
 def finetune_model(
@@ -245,44 +254,57 @@ def finetune_model(
     domains: list[TokenData],
     finetune: FinetuneConfig,
     optimizer: OptimizerConfig,
-    block: int,
-    batch: int,
+    training: TrainingConfig,
     progress: Progress | None = None,
+    summary_trigger: SummaryEventTrigger | None = None,
 ) -> list[float]:
-    """`finetune.steps` steps of the first source's optimizer (AdamW, or Muon for the neuron
-    matrices with AdamW for the rest; its lr, betas, decay and clipping, no schedule)
-    on rows mixed from `domains`; returns each step's loss, each step shown on `progress`
-    as train shows its steps. Parameters of the frozen groups
-    have requires_grad False for the fine-tune, so they get no gradient, and are left out of
-    the optimizer, so its decoupled weight decay never touches them."""
+    """`finetune.steps` optimizer steps of `optimizer` (its warm-up and schedule over those
+    steps) through training's step executor and window (`build_executor`, `StepWindow`),
+    each on `training.batch_size` rows of `training.block_size` tokens mixed row by row
+    from `domains` (`MixedWindowLoader`); returns each step's loss, each step shown on
+    `progress` as train shows its steps. A step with a non-finite loss or gradient is skipped
+    as in training. The state is not carried from one batch to the next (the windows are
+    unrelated). Parameters of the frozen groups have requires_grad False for the fine-tune,
+    so they get no gradient, and are left out of the optimizer, so its decoupled weight decay
+    never touches them."""
+    t = dataclasses.replace(
+        training,
+        max_steps=finetune.steps,
+        tbptt_persist_across_steps=False,
+        min_logical_block_size=0,
+        stream_documents="fixed",
+    )
     for data in domains:
-        data.validate_for_block(block, "fine-tune data")
+        data.validate_for_block(t.block_size, "fine-tune data")
     frozen = {
         name for target in finetune.freeze for name in groups.params_for_target(model, target)
     }
     for name, param in model.named_parameters():
         param.requires_grad_(name not in frozen)
-    opt = optimizer.build(model)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    rng = np.random.default_rng(finetune.seed)
     torch.manual_seed(finetune.seed)
+    device, scales, state = model.embed.weight.device, GradientScaleSchedule(model), TrainerState()
+    executor, dp = build_executor(model, t, ParallelConfig(), DistContext(), device, scales, None)
+    accumulator = WeightedGradientAccumulator(model, torch.float32)
+    window = StepWindow(
+        model,
+        reduction_for(executor, accumulator, model, dp),
+        optimizer.build(model),
+        scales,
+        state,
+        optimizer,
+        t,
+        log=(lambda line: None) if progress is None else progress.log,
+        last_good=lambda: "nothing was written: use fewer --finetune-steps or freeze more groups",
+    )
+    loader = MixedWindowLoader(domains, t.block_size, t.batch_size, finetune.seed, summary_trigger)
     losses = []
-    model.train()
     try:
-        for _ in range(finetune.steps):
-            inputs, targets = mixed_batch(domains, block, batch, rng)
-            device = model.embed.weight.device
-            _, loss = model(inputs.to(device), targets.to(device))
-            assert loss is not None
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(trainable, optimizer.clip_norm())
-            opt.step()
-            losses.append(float(loss.detach()))
+        while state.step < finetune.steps:
+            window.micro_step(lambda: loader.next_batch().to(device))
+            row = window.optimizer_step()
+            losses.append(row["loss"])
             if progress is not None:
-                step = len(losses)
-                row = {"loss": losses[-1], "lr": optimizer.lr, "grad_norm": float(norm)}
-                progress.update(step, {**row, "step": step, "tokens": step * block * batch})
+                progress.update(state.step, row)
     finally:
         if progress is not None:
             progress.close()

@@ -14,7 +14,7 @@ trigger, every loader also emits the batch's summary event mask, a function of t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,8 @@ _STREAM_PERM_TAG = 0x5D0C
 """Mixed into the epoch-permutation seed so it never coincides with a random-window seed."""
 _SCAN_CHUNK = 1 << 22
 """Tokens scanned per chunk for end-of-document ids, so a memmap is never read whole."""
+_MIX_TAG = 0x313C
+"""Mixed into the mixed loader's seed so it never coincides with a random-window seed."""
 
 
 def _as_tokens(tokens: TokenSource) -> tuple[np.ndarray, str]:
@@ -225,6 +227,49 @@ class RandomWindowLoader(_RankedLoader):
             "batch_size": self.batch_size,
             "num_starts": self.num_starts,
         }
+
+
+class MixedWindowLoader:
+    """Windows of block_size + 1 tokens at uniformly random positions of several sources,
+    mixed row by row: row r of every batch is a window of source r mod len(sources) (a merge's
+    fine-tune on its sources' domains). One process, no accumulation: batch n (the n-th
+    `next_batch()`) is a pure function of (seed, n), as `RandomWindowLoader`'s are of (seed,
+    step, micro)."""
+
+    kind = "mixed_window"
+
+    def __init__(
+        self,
+        sources: Sequence[TokenSource],
+        block_size: int,
+        batch_size: int,
+        seed: int,
+        summary_trigger: SummaryEventTrigger | None = None,
+    ) -> None:
+        if not sources:
+            raise ConfigError("a mixed loader needs at least one token source")
+        # each source's windows, checked as the training loader checks them
+        self.sources = [RandomWindowLoader(s, block_size, batch_size, seed) for s in sources]
+        self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
+        self.summary_trigger = summary_trigger
+        self.step = 0
+
+    def batch_at(self, step: int) -> SequenceBatch:
+        """The batch `step` (0-based); does not move the cursor."""
+        gen = torch.Generator().manual_seed(_seed_from(self.seed, int(step), _MIX_TAG))
+        rows = []
+        for r in range(self.batch_size):
+            source = self.sources[r % len(self.sources)]
+            start = int(torch.randint(0, source.num_starts, (1,), generator=gen))
+            rows.append(np.asarray(source.tokens[start : start + self.block_size + 1]))
+        windows = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return _windows_to_batch(windows, None, self.summary_trigger)
+
+    def next_batch(self) -> SequenceBatch:
+        """The batch at the cursor, then advance it."""
+        batch = self.batch_at(self.step)
+        self.step += 1
+        return batch
 
 
 class _EpochQueueLoader(_RankedLoader):

@@ -25,11 +25,21 @@ from pathlib import Path
 
 import numpy as np
 
+from bdh_train.data.config import DataConfig
+from bdh_train.data.tokens import TokenData
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.evals.scoring import score_sequences
 from bdh_train.model.bdh import BDH
 from bdh_train.model.summary import SummaryEvents
-from bdh_train.utils import atomic_write
+from bdh_train.train.config import TrainingConfig
+from bdh_train.utils import atomic_write, steps_cap
+
+STATE_GAIN_BLOCKS = 32
+"""Training blocks per stretch of the end-of-run state-gain line's context curve: its last
+bucket holds the targets 16 to 32 blocks into a stretch."""
+STATE_GAIN_SEQUENCES = 4
+"""Stretches of the state-gain line's context curve, at most (fewer when the validation split
+is shorter; one when `steps_cap` shortens the command for a smoke test)."""
 
 
 def stretches(tokens: np.ndarray, rows: int, length: int, what: str) -> list[list[int]]:
@@ -127,6 +137,33 @@ def context_curve(
         carried_means.append(float(carried_loss[:, lo - 1 : hi - 1].mean()))
         blocks_means.append(float(blocks_loss[:, lo - 1 : hi - 1].mean()))
     return ContextCurve(block_size, length, sequences, edges, counts, carried_means, blocks_means)
+
+
+def state_gain_line(
+    model: BDH, val: TokenData | None, training: TrainingConfig, data: DataConfig
+) -> str | None:
+    """The end-of-run line of `bdh-train train` on what the carried state gained on held-out
+    text: the context curve over the validation split `val` (`STATE_GAIN_BLOCKS` training
+    blocks, up to `STATE_GAIN_SEQUENCES` stretches, in batches of the run's), its last bucket
+    read with the state carried against in fresh blocks. None for a model without a token
+    head, or a validation split shorter than one stretch."""
+    if val is None or model.config.language_head.type != "token":
+        return None
+    length = STATE_GAIN_BLOCKS * training.block_size
+    most = 1 if steps_cap() is not None else STATE_GAIN_SEQUENCES
+    sequences = min(most, (len(val) - 1) // length)
+    if sequences < 1:
+        return None
+    events = data.summary_trigger() if model.config.summary_memory.write_gate else None
+    training_mode = model.training
+    model.eval()
+    try:
+        curve = context_curve(
+            model, val.tokens, training.block_size, length, sequences, training.batch_size, events
+        )
+    finally:
+        model.train(training_mode)
+    return curve.last_bucket_line()
 
 
 def plot_context_curve(curve: ContextCurve, path: str | os.PathLike[str]) -> Path:

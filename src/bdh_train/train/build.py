@@ -5,6 +5,7 @@ evaluator. The trainer calls these and wires the results together."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from functools import partial
 from typing import IO
 
@@ -140,30 +141,40 @@ def build_loader(
     )
 
 
+@dataclass
+class EvalRecipe:
+    """What a run's evaluations follow: its [training] (block and batch sizes, cadence,
+    activity recording), its [data] (summary trigger, validation source), its model's head
+    and its tokenizer (bits per byte for text of it)."""
+
+    training: TrainingConfig
+    data: DataConfig
+    model: BDHConfig
+    tokenizer: Tokenizer
+
+
 def build_evaluator(
     executor: EvalLoss,
     data: TokenData,
-    source: str | None,
-    max_batches: int | None,
-    training: TrainingConfig,
-    data_config: DataConfig,
-    model: BDHConfig,
-    tokenizer: Tokenizer,
+    recipe: EvalRecipe,
     device: torch.device,
+    max_batches: int | None = None,
     dp: DistContext | None = None,
+    *,
+    source: str | None = None,
     record_activity: bool = True,
 ) -> Evaluator:
     """The evaluation recipe of `bdh-train train` and `bdh-train eval` alike: the run's block
     and batch sizes, summary trigger and head on `data` (of `source`, default the run's
-    validation source), in bits per byte too when it is text of the run's tokenizer. Under
-    torchrun (`dp`), data-parallel ranks split the batches and add their sums (pipeline ranks
-    evaluate every batch together). With `record_activity` and `training.eval_activity` the same
-    forwards record the neurons' activity (not under a multi-process pipeline, whose ranks hold
-    some layers each)."""
-    t, dp = training, dp or DistContext()
+    validation source), at most `max_batches` batches (None: all), in bits per byte too when
+    it is text of the run's tokenizer. Under torchrun (`dp`), data-parallel ranks split the
+    batches and add their sums (pipeline ranks evaluate every batch together). With
+    `record_activity` and `training.eval_activity` the same forwards record the neurons'
+    activity (not under a multi-process pipeline, whose ranks hold some layers each)."""
+    t, dp = recipe.training, dp or DistContext()
     records = record_activity and t.eval_activity
     recorded = executor if isinstance(executor, LanguageTrainModel) and records else None
-    source = validation_source(data_config) if source is None else source
+    source = validation_source(recipe.data) if source is None else source
     return Evaluator(
         executor,
         data,
@@ -171,9 +182,9 @@ def build_evaluator(
         t.batch_size,
         max_batches,
         device,
-        data_config.summary_trigger(),
-        model.language_head,
-        text_tokenizer(tokenizer, source),
+        recipe.data.summary_trigger(),
+        recipe.model.language_head,
+        text_tokenizer(recipe.tokenizer, source),
         part=(dp.rank, dp.world_size),
         add_across_ranks=partial(all_reduce_sums, group=dp.group) if dp.active else None,
         every=t.eval_every,
@@ -207,17 +218,9 @@ def evaluate_model(
     step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)
     name = source or validation_source(data_config)
     device = model.embed.weight.device
+    recipe = EvalRecipe(t, data_config, model.config, tok)
     evaluator = build_evaluator(
-        step,
-        data,
-        name,
-        max_batches,
-        t,
-        data_config,
-        model.config,
-        tok,
-        device,
-        record_activity=False,
+        step, data, recipe, device, max_batches, source=name, record_activity=False
     )
     if report is None:
         return evaluator.run()

@@ -15,7 +15,11 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from bdh_train.data.config import DataConfig
+from bdh_train.data.tokenizer import HFTokenizer, Tokenizer
+from bdh_train.data.tokens import TokenData
 from bdh_train.train.config import TrainingConfig
+from bdh_train.train.evaluate import Evaluator
 from bdh_train.train.state import TrainerState
 
 
@@ -154,54 +158,90 @@ def device_line(device: str, world_size: int, mesh: tuple[int, int], sharded: bo
 
 
 @dataclass
+class RunData:
+    """The banner's data: the source, each split's size, the tokenizer and what each
+    evaluation reads."""
+
+    source: str
+    train_tokens: int
+    val_tokens: int | None
+    tokenizer: str | None = None
+    """The Hugging Face tokenizer as named, with its size; None for bytes."""
+    evaluation: tuple[int, int, int] | None = None
+    """(batches, tokens, every): what each evaluation reads (`Evaluator.coverage`) and how
+    often; None without a validation split."""
+
+    @classmethod
+    def of(
+        cls,
+        data: DataConfig,
+        tokenizer: Tokenizer,
+        splits: tuple[TokenData, TokenData | None],
+        evaluator: Evaluator | None,
+    ) -> RunData:
+        """A run's data as its [data] section, tokenizer, splits and evaluator have it."""
+        train, val = splits
+        hf = isinstance(tokenizer, HFTokenizer)
+        return cls(
+            data.source,
+            len(train),
+            None if val is None else len(val),
+            f"{data.tokenizer} ({tokenizer.vocab_size:,} ids)" if hf else None,
+            None if evaluator is None else (*evaluator.coverage, evaluator.every),
+        )
+
+
+@dataclass
+class RunStart:
+    """Where the run starts from: its weights and config, or the checkpoint it resumes."""
+
+    saved_config: str
+    """The run's saved config file (a resume's source)."""
+    resumed_at: int | None = None
+    """The checkpoint's step on a resume."""
+    layered_on: str | None = None
+    """The preset the config was layered on (`RunConfig.layered_on`)."""
+    init_from: str | None = None
+    """The weights a fresh run starts from (checkpoint.init_from); None when initialised."""
+
+
+@dataclass
 class Banner:
     """What the run is about to do."""
 
     run_dir: Path
     device: str
+    """The device, and under torchrun the processes (`device_line`)."""
     parameters: int
-    source: str
-    train_tokens: int
-    val_tokens: int | None
-    tokenizer: str | None
-    """The Hugging Face tokenizer as named, with its size; None for bytes."""
     training: TrainingConfig
     """The run's [training]: its batch, block, accumulation, length and recurrence."""
-    resumed_at: int | None
-    """The checkpoint's step on a resume."""
-    layered_on: str | None
-    """The preset the config was layered on (`RunConfig.layered_on`)."""
-    saved_config: str
-    """The run's saved config file (a resume's source)."""
+    data: RunData
+    start: RunStart
     threads: str | None = None
     """torch's CPU thread count and why (`ThreadChoice.describe`); None off the CPU."""
-    init_from: str | None = None
-    """The weights a fresh run starts from (checkpoint.init_from); None when initialised."""
-    evaluation: tuple[int, int, int] | None = None
-    """(batches, tokens, every): what each evaluation reads (`Evaluator.coverage`) and how
-    often; None without a validation split."""
     throughput: str | None = None
     """FLOPs per token and the peak (`Throughput.describe`); None when not counted."""
 
     def lines(self) -> list[str]:
         t, params, accum = self.training, self.parameters, self.training.accumulation_steps
-        val = "no val split" if self.val_tokens is None else f"{self.val_tokens:,} val tokens"
+        data, start = self.data, self.start
+        val = "no val split" if data.val_tokens is None else f"{data.val_tokens:,} val tokens"
         per_step = t.tokens_per_step
         micro = f" x {accum} micro-steps" if accum > 1 else ""
-        if self.resumed_at is not None:
-            steps = f"steps {self.resumed_at} -> {t.max_steps} (resumed)"
+        if start.resumed_at is not None:
+            steps = f"steps {start.resumed_at} -> {t.max_steps} (resumed)"
         else:
             steps = f"{t.max_steps:,} steps"
-        tokenizer = [f"tokenizer      {self.tokenizer}"] if self.tokenizer is not None else []
-        if self.layered_on is not None:
-            layered = f"layered on {self.layered_on}"
-        elif self.resumed_at is not None:
-            layered = f"the run's saved {self.saved_config}"
+        tokenizer = [f"tokenizer      {data.tokenizer}"] if data.tokenizer is not None else []
+        if start.layered_on is not None:
+            layered = f"layered on {start.layered_on}"
+        elif start.resumed_at is not None:
+            layered = f"the run's saved {start.saved_config}"
         else:
             layered = "built directly (no preset)"
         threads = [f"threads        {self.threads}"] if self.threads is not None else []
         recurrence = [f"recurrence     {r}"] if (r := t.recurrence()) is not None else []
-        init = [f"weights        loaded from {self.init_from}"] if self.init_from else []
+        init = [f"weights        loaded from {start.init_from}"] if start.init_from else []
         flops = [f"throughput     {self.throughput}"] if self.throughput is not None else []
         return [
             f"run directory  {self.run_dir.resolve()}",
@@ -209,7 +249,7 @@ class Banner:
             *threads,
             f"model          {params / 1e6:.2f} M parameters ({params:,})",
             *init,
-            f"data           {self.source}: {self.train_tokens:,} train tokens, {val}",
+            f"data           {data.source}: {data.train_tokens:,} train tokens, {val}",
             *self._evaluation(),
             *tokenizer,
             f"per step       {t.batch_size} x {t.block_size} tokens{micro} = {per_step:,} tokens",
@@ -220,14 +260,15 @@ class Banner:
         ]
 
     def _evaluation(self) -> list[str]:
-        if self.evaluation is None or self.val_tokens is None:
+        split = self.data.val_tokens
+        if self.data.evaluation is None or split is None:
             return []
-        batches, tokens, every = self.evaluation
+        batches, tokens, every = self.data.evaluation
         block = self.training.block_size
         where = (  # the split's windows of block_size targets (after its first token)
             "the whole split"
-            if tokens >= (self.val_tokens - 1) // block * block
-            else f"{tokens / (self.val_tokens - 1):.1%} of the split, sampled across it"
+            if tokens >= (split - 1) // block * block
+            else f"{tokens / (split - 1):.1%} of the split, sampled across it"
         )
         when = f"every {every:,} steps and at the end" if every else "never (eval_every = 0)"
         return [

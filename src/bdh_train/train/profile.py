@@ -265,6 +265,11 @@ class StepProfiler:
         self.recorded = 0
         """Micro-steps recorded so far."""
 
+    @classmethod
+    def of(cls, settings: ProfileSettings, device: torch.device) -> StepProfiler | None:
+        """The profiler `settings` ask for on `device`; None when they record nothing."""
+        return cls(device, settings) if settings.enabled else None
+
     @property
     def detail(self) -> bool:
         """Whether the step should run the detail probes (`probe`)."""

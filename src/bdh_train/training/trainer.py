@@ -24,17 +24,25 @@ from bdh_train.config import RunConfig, dump_toml, save_config
 from bdh_train.data.tokenizer import HFTokenizer
 from bdh_train.distributed import fsdp
 from bdh_train.distributed.env import DistContext, resolve_device
-from bdh_train.evals.context import context_curve
+from bdh_train.evals.context import state_gain_line
 from bdh_train.shared.threads import set_threads
 from bdh_train.storage import checkpoint as ckpt
 from bdh_train.storage.run_dir import RunDir
 from bdh_train.train.accumulate import WeightedGradientAccumulator
 from bdh_train.train.allocator import configure_host_allocator
-from bdh_train.train.build import build_evaluator, build_executor, build_loader, build_model
+from bdh_train.train.build import (
+    EvalRecipe,
+    build_evaluator,
+    build_executor,
+    build_loader,
+    build_model,
+)
 from bdh_train.train.console import (
     Banner,
     CompileNotice,
     Progress,
+    RunData,
+    RunStart,
     budget_line,
     device_line,
     eval_line,
@@ -59,16 +67,8 @@ from bdh_train.train.state import (
 )
 from bdh_train.train.throughput import run_throughput
 from bdh_train.train.window import StepWindow, TrainingDiverged, reduction_for
-from bdh_train.utils import steps_cap
 
 __all__ = ["RunResult", "Trainer", "TrainingDiverged"]
-
-STATE_GAIN_BLOCKS = 32
-"""Training blocks per stretch of the end-of-run state-gain line's context curve: its last
-bucket holds the targets 16 to 32 blocks into a stretch."""
-STATE_GAIN_SEQUENCES = 4
-"""Stretches of the state-gain line's context curve, at most (fewer when the validation split
-is shorter; one when `steps_cap` shortens the command for a smoke test)."""
 
 
 @dataclass
@@ -163,20 +163,10 @@ class Trainer:
         self.gradient_scales = GradientScaleSchedule(
             self.model, t.gradient_scales, t.init_transfer, t.max_steps
         )
-        self.profile_settings = ProfileSettings.resolve(t.profile, t.profile_memory)
-        self.profiler = (
-            StepProfiler(self.device, self.profile_settings)
-            if self.profile_settings.enabled
-            else None
-        )
+        profile = ProfileSettings.resolve(t.profile, t.profile_memory)
+        self.profiler = StepProfiler.of(profile, self.device)
         self.executor, self.data_parallel = build_executor(
-            self.model,
-            t,
-            cfg.parallel,
-            self.dist,
-            self.device,
-            self.gradient_scales,
-            self.profiler,
+            self.model, t, cfg.parallel, self.dist, self.device, self.gradient_scales, self.profiler
         )
         self.loader = build_loader(t, cfg.data, self.train_data, self.data_parallel)
         self.optimizer = cfg.optimizer.build(self.model)
@@ -220,17 +210,9 @@ class Trainer:
         )
         self.evaluator: Evaluator | None = None
         if self.val_data is not None:
+            recipe = EvalRecipe(t, cfg.data, cfg.model, self.tokenizer)
             self.evaluator = build_evaluator(
-                self.executor,
-                self.val_data,
-                None,
-                t.eval_steps,
-                t,
-                cfg.data,
-                cfg.model,
-                self.tokenizer,
-                self.device,
-                self.data_parallel,
+                self.executor, self.val_data, recipe, self.device, t.eval_steps, self.data_parallel
             )
         self.stop_requested, self.clock = False, time.perf_counter  # the time budget's clock
         self.throughput = run_throughput(
@@ -330,7 +312,7 @@ class Trainer:
         for line in lines:
             self.progress.log(line)
         if self.profiler is not None:
-            self.progress.log(self.profile_settings.describe())
+            self.progress.log(self.profiler.settings.describe())
         return self.metrics
 
     def _stop(self, last_val: float | None, why: str | None = None) -> RunResult:
@@ -361,27 +343,19 @@ class Trainer:
 
     def banner(self) -> Banner:
         """What the run is about to do."""
-        cfg, world = self.cfg, self.dist.world_size
+        cfg, world, fresh = self.cfg, self.dist.world_size, self.resumed_from is None
         mesh = cfg.parallel.mesh_shape(world) if world > 1 else (1, 1)
-        tok = self.tokenizer
+        splits = (self.train_data, self.val_data)
+        saved, init = self.run_files.config.name, cfg.checkpoint.init_from if fresh else None
         return Banner(
             self.run_dir,
             device_line(str(self.device), world, mesh, self.sharded),
             sum(p.numel() for p in self.model.parameters()),
-            cfg.data.source,
-            len(self.train_data),
-            len(self.val_data) if self.val_data is not None else None,
-            f"{cfg.data.tokenizer} ({tok.vocab_size:,} ids)"
-            if isinstance(tok, HFTokenizer)
-            else None,
             self.training,
-            self.state.step if self.resumed_from is not None else None,
-            cfg.layered_on,
-            self.run_files.config.name,
-            self.threads.describe() if self.device.type == "cpu" else None,
-            cfg.checkpoint.init_from if self.resumed_from is None else None,
-            (*e.coverage, e.every) if (e := self.evaluator) is not None else None,
-            self.throughput.describe() if self.throughput is not None else None,
+            RunData.of(cfg.data, self.tokenizer, splits, self.evaluator),
+            RunStart(saved, None if fresh else self.state.step, cfg.layered_on, init),
+            threads=self.threads.describe() if self.device.type == "cpu" else None,
+            throughput=None if self.throughput is None else self.throughput.describe(),
         )
 
     # ------------------------------------------------------------------ evaluation
@@ -410,29 +384,9 @@ class Trainer:
         return None if out is None else out[1][0][1]
 
     def state_gain(self) -> str | None:
-        """The end-of-run line on what the carried state gained on held-out text: the context
-        curve over the validation split (`STATE_GAIN_BLOCKS` training blocks, up to
-        `STATE_GAIN_SEQUENCES` stretches), its last bucket read with the state carried
-        against in fresh blocks. None for a model without a token head, or a validation
-        split shorter than one stretch."""
-        val, t = self.val_data, self.training
-        if val is None or self.cfg.model.language_head.type != "token":
-            return None
-        length = STATE_GAIN_BLOCKS * t.block_size
-        most = 1 if steps_cap() is not None else STATE_GAIN_SEQUENCES
-        sequences = min(most, (len(val) - 1) // length)
-        if sequences < 1:
-            return None
-        write_gate = self.cfg.model.summary_memory.write_gate
-        events = self.cfg.data.summary_trigger() if write_gate else None
-        self.model.eval()
-        try:
-            curve = context_curve(
-                self.model, val.tokens, t.block_size, length, sequences, t.batch_size, events
-            )
-        finally:
-            self.model.train()
-        return curve.last_bucket_line()
+        """The end-of-run line on what the carried state gained on the validation split
+        (`state_gain_line`); None without one, or for a model without a token head."""
+        return state_gain_line(self.model, self.val_data, self.training, self.cfg.data)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, before_rename: Callable[[Path], None] | None = None) -> Path:

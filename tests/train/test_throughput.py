@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from bdh_train.data.loaders import eval_batches
+from bdh_train.data.eval_windows import eval_batches
 from bdh_train.train import throughput
 from bdh_train.train.step import LanguageTrainModel
 from bdh_train.train.throughput import Throughput, measure_peak_flops, train_flops_per_token

@@ -4,13 +4,13 @@ deterministic, resumable loaders that produce SequenceBatch; `DataConfig` is the
 section."""
 
 from bdh_train.data.config import GENERATED_SOURCES, DataConfig
+from bdh_train.data.eval_windows import eval_batches
 from bdh_train.data.formats import iter_documents
 from bdh_train.data.loaders import (
     RandomWindowLoader,
     StreamingCorpusLoader,
     StreamingDocumentLoader,
     TokenSource,
-    eval_batches,
 )
 from bdh_train.data.mqar import MqarConfig
 from bdh_train.data.nca import NcaConfig

@@ -39,7 +39,7 @@ _MIX_TAG = 0x313C
 """Mixed into the mixed loader's seed so it never coincides with a random-window seed."""
 
 
-def _as_tokens(tokens: TokenSource) -> tuple[np.ndarray, str]:
+def as_tokens(tokens: TokenSource) -> tuple[np.ndarray, str]:
     if isinstance(tokens, TokenData):
         return tokens.tokens, tokens.source
     if isinstance(tokens, torch.Tensor):
@@ -79,7 +79,7 @@ def _seed_from(*words: int) -> int:
     return int(state[0]) ^ (int(state[1]) >> 1)
 
 
-def _gather(tokens: np.ndarray, starts: list[int] | np.ndarray, width: int) -> torch.Tensor:
+def gather_windows(tokens: np.ndarray, starts: list[int] | np.ndarray, width: int) -> torch.Tensor:
     """[len(starts), width] int64 tensor of tokens[s : s + width] (copied out of the memmap)."""
     if len(starts) == 0:
         return torch.empty((0, width), dtype=torch.long)
@@ -87,7 +87,7 @@ def _gather(tokens: np.ndarray, starts: list[int] | np.ndarray, width: int) -> t
     return torch.from_numpy(rows.astype(np.int64))
 
 
-def _windows_to_batch(
+def windows_to_batch(
     windows: torch.Tensor,
     reset: torch.Tensor | None,
     trigger: SummaryEventTrigger | None = None,
@@ -113,7 +113,7 @@ class _RankedLoader:
         summary_trigger: SummaryEventTrigger | None = None,
     ) -> None:
         self.summary_trigger = summary_trigger
-        self.tokens, self.source = _as_tokens(tokens)
+        self.tokens, self.source = as_tokens(tokens)
         self.block_size = checks.positive_int("block_size", block_size)
         self.batch_size = checks.positive_int("batch_size", batch_size)
         _check_ranks(self.batch_size, rank, world_size)
@@ -187,10 +187,10 @@ class RandomWindowLoader(_RankedLoader):
         """This rank's rows of the global batch for (step, micro); does not move the cursor."""
         starts = self.global_starts(step, micro)
         lo = self.rank * self.rows_per_rank
-        windows = _gather(
+        windows = gather_windows(
             self.tokens, starts[lo : lo + self.rows_per_rank].numpy(), self.block_size + 1
         )
-        return _windows_to_batch(windows, None, self.summary_trigger)
+        return windows_to_batch(windows, None, self.summary_trigger)
 
     def next_batch(self) -> SequenceBatch:
         """The batch at the cursor, then advance it by one micro-batch."""
@@ -263,7 +263,7 @@ class MixedWindowLoader:
             start = int(torch.randint(0, source.num_starts, (1,), generator=gen))
             rows.append(np.asarray(source.tokens[start : start + self.block_size + 1]))
         windows = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return _windows_to_batch(windows, None, self.summary_trigger)
+        return windows_to_batch(windows, None, self.summary_trigger)
 
     def next_batch(self) -> SequenceBatch:
         """The batch at the cursor, then advance it."""
@@ -393,10 +393,10 @@ class StreamingDocumentLoader(_EpochQueueLoader):
             reset.append(self.row_next[b] == 0)
             self.row_next[b] += 1
         lo, hi = self.rank * self.rows_per_rank, (self.rank + 1) * self.rows_per_rank
-        windows = _gather(self.tokens, starts[lo:hi], self.block_size + 1)
+        windows = gather_windows(self.tokens, starts[lo:hi], self.block_size + 1)
         history = self._history(starts[lo:hi])
         reset_rows = torch.tensor(reset[lo:hi], dtype=torch.bool)
-        return _windows_to_batch(windows, reset_rows, self.summary_trigger, history)
+        return windows_to_batch(windows, reset_rows, self.summary_trigger, history)
 
     def _history(self, starts: list[int]) -> torch.Tensor | None:
         """The document's tokens just before each window (NO_TOKEN before the document's
@@ -574,70 +574,3 @@ def _check_state(state: dict[str, Any], kind: str, expected: dict[str, int]) -> 
             f"cannot resume the {kind} loader: its settings or data changed since the checkpoint "
             f"({'; '.join(diffs)}); resume with the original settings or start a fresh run"
         )
-
-
-def eval_window_count(n_tokens: int, block_size: int) -> int:
-    """The evaluation windows of `n_tokens` tokens (`eval_batches`): each predicts
-    `block_size` of them, after the first token."""
-    return (n_tokens - 1) // block_size
-
-
-def eval_batches(
-    tokens: TokenSource,
-    block_size: int,
-    batch_size: int,
-    max_batches: int | None = None,
-    summary_trigger: SummaryEventTrigger | None = None,
-) -> Iterator[SequenceBatch]:
-    """Deterministic evaluation batches of windows: window j covers [j*T, j*T + T + 1), so
-    every token after the first of the windows read is predicted exactly once. max_batches
-    None (or enough batches for every window) reads all windows in order, the last batch
-    maybe short; fewer batches read `sampled_windows` of them, spread across the whole data.
-    Each call starts over, so repeated evals see identical data. With a summary trigger the
-    batches carry their summary event mask (per window)."""
-    arr, source = _as_tokens(tokens)
-    block_size = checks.positive_int("block_size", block_size)
-    batch_size = checks.positive_int("batch_size", batch_size)
-    if max_batches is not None and (isinstance(max_batches, bool) or max_batches < 0):
-        raise ConfigError(f"max_batches must be None or >= 0, got {max_batches!r}")
-    n_windows = eval_window_count(int(arr.shape[0]), block_size)
-    if n_windows < 1:
-        raise DataError(
-            f"validation data from {source} has {arr.shape[0]} tokens, fewer than block_size + "
-            f"1 = {block_size + 1}: use a larger data.val_fraction or a smaller block_size"
-        )
-    n_batches = -(-n_windows // batch_size)
-    if max_batches is not None:
-        n_batches = min(n_batches, int(max_batches))
-    windows = sampled_windows(n_windows, n_batches * batch_size)
-    return _eval_iter(arr, block_size, batch_size, windows, summary_trigger)
-
-
-EVAL_SAMPLE_SEED = 0
-"""The seed of the windows a partial evaluation reads (`sampled_windows`): a constant, so
-every evaluation of a split (a run's, a resumed run's, `bdh-train eval`'s) reads the same."""
-
-
-def sampled_windows(n_windows: int, wanted: int) -> np.ndarray:
-    """The evaluation windows read of `n_windows` when `wanted` are: every window in order
-    when wanted >= n_windows; else one from each of `wanted` equal strata (stratum i =
-    [i * n // wanted, (i + 1) * n // wanted)), at an offset drawn with EVAL_SAMPLE_SEED, in
-    order: a fixed sample spread across the whole split, not its first `wanted` windows."""
-    if wanted >= n_windows or wanted <= 0:
-        return np.arange(min(n_windows, max(wanted, 0)))
-    edges = np.arange(wanted + 1, dtype=np.int64) * n_windows // wanted
-    offsets = np.random.default_rng(EVAL_SAMPLE_SEED).integers(0, edges[1:] - edges[:-1])
-    return edges[:-1] + offsets
-
-
-def _eval_iter(
-    arr: np.ndarray,
-    block_size: int,
-    batch_size: int,
-    windows: np.ndarray,
-    trigger: SummaryEventTrigger | None,
-) -> Iterator[SequenceBatch]:
-    # A separate generator so eval_batches raises its errors at the call, not at first next().
-    for i in range(0, len(windows), batch_size):
-        js = windows[i : i + batch_size]
-        yield _windows_to_batch(_gather(arr, js * block_size, block_size + 1), None, trigger)

@@ -13,11 +13,11 @@ import torch
 from tqdm import tqdm
 
 from bdh_train.data.config import DataConfig
+from bdh_train.data.eval_windows import eval_window_count
 from bdh_train.data.loaders import (
     RandomWindowLoader,
     StreamingCorpusLoader,
     StreamingDocumentLoader,
-    eval_window_count,
 )
 from bdh_train.data.tokenizer import ByteTokenizer, Tokenizer
 from bdh_train.data.tokens import TokenData

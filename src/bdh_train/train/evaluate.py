@@ -28,8 +28,8 @@ import torch
 
 from bdh_train.batch import SequenceBatch
 from bdh_train.data.config import DataConfig, is_text_of
+from bdh_train.data.eval_windows import eval_batches, eval_window_count
 from bdh_train.data.events import SummaryEventTrigger
-from bdh_train.data.loaders import eval_batches, eval_window_count
 from bdh_train.data.tokenizer import BYTES, Tokenizer
 from bdh_train.data.tokens import TokenData
 from bdh_train.errors import DataError

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bdh_train.batch import SequenceBatch
 from bdh_train.data.config import DataConfig
-from bdh_train.data.loaders import eval_batches
+from bdh_train.data.eval_windows import eval_batches
 from bdh_train.data.tokens import TokenData
 from bdh_train.distributed import fsdp
 from bdh_train.model.bdh import BDH

@@ -13,6 +13,14 @@ import torch.distributed as dist
 
 from bdh_train.shared import threads
 from bdh_train.train import throughput
+from bdh_train.training.trainer import Trainer
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "state_gain: the test's in-process runs end with the state-gain line (conftest.py)",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -32,6 +40,15 @@ takes a second of matrix products and varies); tests/train/test_throughput.py me
 @pytest.fixture(autouse=True)
 def _constant_peak(monkeypatch):
     monkeypatch.setattr(throughput, "measure_peak_flops", lambda device, dtype: TEST_PEAK_FLOPS)
+
+
+@pytest.fixture(autouse=True)
+def _state_gain_where_marked(request, monkeypatch):
+    """The end-of-run state-gain line (a context curve over the validation split: up to
+    seconds at a run's end) only in tests marked `state_gain`; a run in any other test of
+    this process ends as one whose validation split is shorter than one stretch does."""
+    if request.node.get_closest_marker("state_gain") is None:
+        monkeypatch.setattr(Trainer, "state_gain", lambda self: None)
 
 
 @pytest.fixture

@@ -31,6 +31,7 @@ def serve(path: str) -> None:
     import matplotlib.figure  # noqa: F401
     import tokenizers  # noqa: F401
     import torch  # noqa: F401  (what the children share; no torch op runs before a fork)
+    import torch._dynamo  # noqa: F401  (2 s of CPU in each train's first optimizer)
 
     import bdh_train.cli as cli
     import bdh_train.data.prepared  # noqa: F401

@@ -41,7 +41,7 @@ test: $(STAMP) browser
 	$(VENV)/bin/ruff check $(CODE)
 	$(VENV)/bin/ruff format --check $(CODE)
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -x -p no:cacheprovider
+	$(PY) -m pytest -x -p no:cacheprovider --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(CODE)

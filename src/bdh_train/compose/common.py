@@ -1,16 +1,13 @@
-"""`bdh-train grow` and `bdh-train merge` on runs: read the sources (run directories or
-checkpoints), join or widen their weights (model/surgery.py), optionally fine-tune a merge
-with chosen parameter groups frozen, measure each source domain's loss, and write the result
-as a checkpoint directory that a new run starts from (`checkpoint.init_from`).
-`bdh-train import-official` writes such a directory from a checkpoint of the official
-implementation (`import_official`).
+"""What grow, merge and import-official share: a source read (a run directory or
+checkpoint, through `load_run`), its finite-weights check, the fine-tune recipe a grown or
+merged run trains on with, and `write_composed`.
 
 The output directory holds model.safetensors, a config.toml (the first source's run config
 with the new model section and `checkpoint.init_from` naming the directory, so
 `bdh-train train --config OUT/config.toml` trains on from it), the source's tokenizer.json
 when it has one, a merge's metrics.jsonl (its report and fine-tune losses) and a manifest. It
 is written beside its final path and renamed into place, so a refusal or a crash leaves
-nothing. No optimizer state is carried: the run that trains on starts a fresh AdamW.
+nothing. No optimizer state is carried: the run that trains on starts a fresh optimizer.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""`bdh-train grow` and `bdh-train merge` on runs: read the sources (run directories or
-checkpoints), join or widen their weights (model/surgery.py), optionally fine-tune a merge
-with chosen parameter groups frozen, measure each source domain's loss, and write the result
-as a checkpoint directory that a new run starts from (`checkpoint.init_from`).
-`bdh-train import-official` writes such a directory from a checkpoint of the official
-implementation (`import_official`).
-
-The output directory holds model.safetensors, a config.toml (the first source's run config
-with the new model section and `checkpoint.init_from` naming the directory, so
-`bdh-train train --config OUT/config.toml` trains on from it), the source's tokenizer.json
-when it has one, a merge's metrics.jsonl (its report and fine-tune losses) and a manifest. It
-is written beside its final path and renamed into place, so a refusal or a crash leaves
-nothing. No optimizer state is carried: the run that trains on starts a fresh AdamW.
-"""
+"""`bdh-train grow` (a run's neurons widened, the function kept: `model/surgery.py`) and
+`bdh-train import-official` (a checkpoint of the official implementation), each written as a
+checkpoint directory a new run starts from."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Using a finished run: `load_run` (a run directory, checkpoint or ternary export -> model,
-tokenizer, config), a `Continuation` that carries the model's fixed-size state between calls
-(what `bdh-train chat` and `generate --save-state/--load-state` are built on), and the state
-file that saves one.
-
-A BDH's whole past is its recurrent state: a few tensors per layer whose size does not grow
-with the text read. A continuation fed A and then B is the model fed A + B, so a chat turn or
-a cached prompt costs only its own tokens.
-"""
+"""`score_text`: the loss of one text under a model, read `SCORE_CHUNK_TOKENS` at a time with
+the state carried, as nats per token and bits per UTF-8 byte."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""Using a finished run: `load_run` (a run directory, checkpoint or ternary export -> model,
-tokenizer, config), a `Continuation` that carries the model's fixed-size state between calls
-(what `bdh-train chat` and `generate --save-state/--load-state` are built on), and the state
-file that saves one.
-
-A BDH's whole past is its recurrent state: a few tensors per layer whose size does not grow
-with the text read. A continuation fed A and then B is the model fed A + B, so a chat turn or
-a cached prompt costs only its own tokens.
-"""
+"""Chat and streamed text: stop texts (each one token of the run's tokenizer), the token
+stream that ends before a stop, text written as it is decoded, and `chat`, turns read from
+the input and answered by one `Continuation` (terminal, pipe or JSON lines)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""Using a finished run: `load_run` (a run directory, checkpoint or ternary export -> model,
-tokenizer, config), a `Continuation` that carries the model's fixed-size state between calls
-(what `bdh-train chat` and `generate --save-state/--load-state` are built on), and the state
-file that saves one.
+"""A `Continuation` carries the model's fixed-size state between calls (what `bdh-train chat`
+and `generate --save-state/--load-state` are built on), and the state file that saves one.
 
 A BDH's whole past is its recurrent state: a few tensors per layer whose size does not grow
 with the text read. A continuation fed A and then B is the model fed A + B, so a chat turn or
-a cached prompt costs only its own tokens.
+a cached prompt costs only its own tokens. A state file is checked when it is loaded: its
+format, the model config's hash and every tensor's shape.
 """
 
 from __future__ import annotations

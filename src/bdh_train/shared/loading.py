@@ -1,12 +1,7 @@
-"""Using a finished run: `load_run` (a run directory, checkpoint or ternary export -> model,
-tokenizer, config), a `Continuation` that carries the model's fixed-size state between calls
-(what `bdh-train chat` and `generate --save-state/--load-state` are built on), and the state
-file that saves one.
-
-A BDH's whole past is its recurrent state: a few tensors per layer whose size does not grow
-with the text read. A continuation fed A and then B is the model fed A + B, so a chat turn or
-a cached prompt costs only its own tokens.
-"""
+"""Loading a finished run for use: `load_run` (a run directory, checkpoint or ternary export
+-> model, tokenizer, config; the checkpoint's tokenizer copy, else the run's, else the byte
+tokenizer), the device it runs on, and `encode_text`, a text's token ids (a text that is not UTF-8
+is refused). Every application that reads a trained model starts here."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
-"""Ternary export: a BitNet-trained BDH as 2-bit packed weights in one safetensors file.
+"""The ternary file (`bdh-ternary/1`): a BitNet-trained BDH as 2-bit packed weights in one
+safetensors file, and its loader.
 
 Targeted projections are stored as their ternary codes, 4 per byte, plus one float32
 scale gamma each: 1/16 of their float32 size. Every other tensor (embedding, head, untargeted
 projections, norm) stays float. The BDHConfig rides along as JSON metadata, so the file alone
 rebuilds the model, and so does the run's tokenizer.json (when it has one), so the file alone
 decodes its tokens. Loading gives an inference model that runs the targeted projections as
-integer matmuls on the stored codes, with the same logits as the fake-quant model at lambda = 1
-(the export always uses full quantization, whatever the warm-up step).
+integer matmuls on the stored codes, with the same logits as the fake-quant model at lambda = 1.
+Every size in the metadata is checked before a tensor is allocated.
 
 Packing: code c in {-1, 0, +1} is stored as c + 1 in 2 bits; element 4i + j of the flattened
 tensor occupies bits 2j..2j+1 of byte i (little-endian within the byte); the tail is padded

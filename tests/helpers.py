@@ -405,24 +405,7 @@ def entry_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-MICRO = [
-    "--set",
-    "model.n_layer=2",
-    "--set",
-    "model.n_embd=32",
-    "--set",
-    "model.n_head=2",
-    "--set",
-    "model.mlp_internal_dim_multiplier=4",
-    "--set",
-    "training.block_size=16",
-    "--set",
-    "training.batch_size=4",
-    "--set",
-    "training.max_steps=3",
-    "--set",
-    "training.eval_every=3",
-    "--set",
-    "training.checkpoint_every=3",
-]
+MICRO = set_args(
+    [*MICRO_RUN, "training.max_steps=3", "training.eval_every=3", "training.checkpoint_every=3"]
+)
 """`--set` options of a micro model for the CLI tests (two layers, width 32)."""

@@ -21,11 +21,13 @@ import pytest
 import torch
 from helpers import (
     FORKSERVER_PRELOAD,
+    MICRO_RUN,
     STREAMING_TBPTT_SETTINGS,
     checkpoint_weights,
     fork_cli,
     metric_rows,
     run_multiprocess,
+    set_args,
 )
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -39,19 +41,14 @@ from bdh_train.storage import checkpoint as ckpt
 from bdh_train.train.metrics import read_metrics
 
 MICRO = [
-    "model.n_layer=2",
-    "model.n_embd=32",
-    "model.n_head=2",
-    "model.mlp_internal_dim_multiplier=4",
-    "training.block_size=16",
-    "training.batch_size=4",
+    *MICRO_RUN,
     "training.log_every=1",
     "training.eval_every=0",
     "training.checkpoint_every=2",
     "training.keep_checkpoints=0",
     "training.max_steps=4",
 ]
-SETS = [a for o in MICRO for a in ("--set", o)]
+SETS = set_args(MICRO)
 
 
 def assert_same_run(a: Path, b: Path) -> None:

@@ -18,30 +18,27 @@ from bdh_train.cli import main
 from bdh_train.data import write_token_file
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cap: int | None = None) -> subprocess.CompletedProcess:
+    """The `bdh-train` script with `args`; `cap`: BDH_TRAIN_MAX_STEPS in its environment."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if cap is not None:
+        env["BDH_TRAIN_MAX_STEPS"] = str(cap)
     return subprocess.run(
         [str(Path(sys.executable).with_name("bdh-train")), *args],
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env=env,
     )
 
 
 @pytest.mark.slow
 def test_default_train_then_generate_and_eval(tmp_path, capsys):
-    """The `bdh-train` script on the default config (3 of its steps), then generate and eval
-    on the run it wrote (in this process: the script's start-up was shown once)."""
+    """The `bdh-train` script on the default config, shortened by BDH_TRAIN_MAX_STEPS=3 (3
+    steps, evaluations of 3 batches), then generate and eval on the run it wrote (in this
+    process: the script's start-up was shown once)."""
     run_dir = tmp_path / "run"
-    proc = run_cli(
-        "train",
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        "training.max_steps=3",
-        "--set",
-        "training.log_every=1",
-    )
+    proc = run_cli("train", "--run-dir", str(run_dir), "--set", "training.log_every=1", cap=3)
     assert proc.returncode == 0, proc.stderr
     assert "--- sample" in proc.stdout
     for name in ("config.toml", "metrics.jsonl", "loss.png", "checkpoints/latest"):
@@ -382,11 +379,14 @@ def test_export_of_a_float_run_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("ending", ["finished", "failed"])
-def test_train_frees_its_trainer_before_the_process_group_goes(tmp_path, monkeypatch, ending):
+def test_train_frees_its_trainer_before_the_process_group_goes(
+    tmp_path, monkeypatch, ending, single_process_group
+):
     """The Trainer sits in reference cycles and its wrapped model holds the process group:
-    `bdh-train train` frees it (cycles collected) before destroying the group, not at
-    interpreter shutdown, also when the run ends in an error (whose traceback holds the
-    trainer's frames). Checked with the cycle collector off, when the group is closed."""
+    `bdh-train train` in a process with a group frees it (cycles collected) before
+    destroying the group, not at interpreter shutdown, also when the run ends in an error
+    (whose traceback holds the trainer's frames). Checked with the cycle collector off,
+    when the group is closed."""
     import gc
     import weakref
 

@@ -45,7 +45,8 @@ STEPS_CAP_ENV = "BDH_TRAIN_MAX_STEPS"
 """The environment variable that shortens every command for a smoke test (the README's
 commands in its test, a config tried before a long run): a `train` command trains at most
 this many optimizer steps past where it starts, a `merge` fine-tunes at most this many steps,
-and `eval` (and every evaluation of a merge) reads at most this many batches."""
+and `eval` (and every evaluation of a merge) reads at most this many batches (its memory
+measures: this many sequences, trials or examples per cell)."""
 
 
 def steps_cap(environ: Mapping[str, str] | None = None) -> int | None:

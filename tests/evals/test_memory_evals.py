@@ -29,6 +29,7 @@ from bdh_train.data.tokenizer import ByteTokenizer
 from bdh_train.errors import ConfigError
 from bdh_train.evals import context as memory
 from bdh_train.evals import passkey, scoring
+from bdh_train.evals.measures import MemoryEvals
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +205,21 @@ def test_the_command_writes_each_measure(byte_run, tmp_path, capsys):
     assert grid["lengths"] == [100, 140] and grid["depths"] == [0.0, 1.0]
     assert all(0.0 <= a <= 1.0 for row in grid["accuracy"] for a in row)
     assert (out / "passkey.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_smoke_test_cap_bounds_each_measure(byte_run, tmp_path, capsys, monkeypatch):
+    """BDH_TRAIN_MAX_STEPS=1: one context-curve sequence, one passkey trial a cell."""
+    assert MemoryEvals(sequences=4, passkey_trials=4, recall_examples=32).capped(None) == (
+        MemoryEvals(sequences=4, passkey_trials=4, recall_examples=32)
+    )
+    sized = MemoryEvals(sequences=4, passkey_trials=1, recall_examples=32).capped(2)
+    assert (sized.sequences, sized.passkey_trials, sized.recall_examples) == (2, 1, 2)
+    monkeypatch.setenv("BDH_TRAIN_MAX_STEPS", "1")
+    argv = ["eval", "--checkpoint", str(byte_run), "--device", "cpu", "--out", str(tmp_path)]
+    assert main([*argv, "--context-curve", "--passkey", *SMALL, *GRID]) == 0
+    printed = capsys.readouterr().out
+    assert "context curve: 1 x 32 tokens" in printed, printed
+    assert "passkey: accuracy over 1 keys per cell" in printed, printed
 
 
 def _refused(capsys, argv: list[str], message: str) -> None:

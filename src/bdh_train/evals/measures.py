@@ -7,7 +7,7 @@ file is written, so a refused or failed run writes nothing."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from bdh_train.evals.scoring import score_continuations, text_model
 from bdh_train.model.bdh import BDH
 from bdh_train.storage.output import check_output, write_file
 from bdh_train.train.machine_memory import available_memory
+from bdh_train.utils import steps_cap
 
 CURVE_BLOCKS = 16
 """--length defaults to this many training blocks."""
@@ -81,6 +82,19 @@ class MemoryEvals:
     def depths(self) -> list[float]:
         return list(PASSKEY_DEPTHS) if self.passkey_depths is None else self.passkey_depths
 
+    def capped(self, cap: int | None) -> MemoryEvals:
+        """These options with at most `cap` context-curve sequences, passkey trials per cell
+        and recall examples per cell (`steps_cap`: a smoke test's bound); unchanged for
+        None."""
+        if cap is None:
+            return self
+        return replace(
+            self,
+            sequences=min(self.sequences, cap),
+            passkey_trials=min(self.passkey_trials, cap),
+            recall_examples=min(self.recall_examples, cap),
+        )
+
     def check(self) -> None:
         """ConfigError for a size that is not positive or a depth outside [0, 1]."""
         sizes = {
@@ -121,7 +135,9 @@ def run_memory_evals(
     """Run the measures `options` asks for on `model` (a token-head model whose text
     `tokenizer` is; --recall alone needs none), on `source` (else the run's validation
     split); write their files under options.out and return their tables and the paths
-    written, to print."""
+    written, to print. Under `steps_cap` every measure reads at most that many sequences
+    (trials, examples) per cell."""
+    options = options.capped(steps_cap())
     text = None
     if options.passkey or options.reads_data:
         text = text_model(model, tokenizer, "the model")

@@ -10,24 +10,40 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import TEST_THREADS, short_run_end
 
 from bdh_train.shared import threads
 from bdh_train.train import throughput
-from bdh_train.training.trainer import Trainer
+
+
+def pytest_collection_modifyitems(config, items):
+    """In a pytest-xdist worker (`make test`: `--dist loadfile --no-loadscope-reorder`, a
+    file's tests on one worker, in the order collected) the files holding slow or
+    multi-process tests go first, so that none of them starts while the other worker has
+    nothing left to run."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        long_files = {
+            item.path
+            for item in items
+            if item.get_closest_marker("slow") or item.get_closest_marker("multiprocess")
+        }
+        items.sort(key=lambda item: item.path not in long_files)
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "state_gain: the test's in-process runs end with the state-gain line (conftest.py)",
+        "run_end: the test's in-process runs end as a user's do: 200-token samples and the "
+        "state-gain line (conftest.py)",
     )
 
 
 @pytest.fixture(autouse=True)
 def _deterministic_threads(monkeypatch):
-    """Two torch threads in every test, also in runs with training.threads = 0: the automatic
-    count sees an idle machine here (tests/shared/test_threads.py fakes the load it reads)."""
-    torch.set_num_threads(2)
+    """TEST_THREADS torch threads in every test, also in runs with training.threads = 0: the
+    automatic count sees an idle machine here (tests/shared/test_threads.py fakes the load
+    it reads)."""
+    torch.set_num_threads(TEST_THREADS)
     monkeypatch.setattr(threads, "read_loadavg", lambda: None)
     yield
 
@@ -43,12 +59,12 @@ def _constant_peak(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _state_gain_where_marked(request, monkeypatch):
-    """The end-of-run state-gain line (a context curve over the validation split: up to
-    seconds at a run's end) only in tests marked `state_gain`; a run in any other test of
-    this process ends as one whose validation split is shorter than one stretch does."""
-    if request.node.get_closest_marker("state_gain") is None:
-        monkeypatch.setattr(Trainer, "state_gain", lambda self: None)
+def _run_end_where_marked(request, monkeypatch):
+    """A run's end as a user sees it (samples of 200 tokens, the state-gain line) only in
+    tests marked `run_end`; in any other test an in-process run ends short
+    (`helpers.short_run_end`)."""
+    if request.node.get_closest_marker("run_end") is None:
+        short_run_end(monkeypatch.setattr)
 
 
 @pytest.fixture

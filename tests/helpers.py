@@ -26,6 +26,24 @@ import torch.multiprocessing as mp
 from bdh_train.model import BDH, BDHConfig
 from bdh_train.train.throughput import IN_PLACE_PRODUCTS  # noqa: F401 (the tests' import)
 
+TEST_THREADS = max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+"""Torch threads in every test (conftest.py): the machine's two cores, shared by the
+pytest-xdist workers that `make test` starts (2 workers: 1 thread each)."""
+
+TEST_SAMPLE_TOKENS = 8
+"""How many tokens an end-of-run sample continues by in a test's run (`short_run_end`)."""
+
+
+def short_run_end(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Through `setattr_` (a monkeypatch's, or `setattr` in a process of its own): a run
+    ends with samples of TEST_SAMPLE_TOKENS tokens (the printing path still runs) and
+    without the state-gain line (a context curve over the validation split: up to seconds),
+    as one whose validation split is shorter than one stretch does."""
+    from bdh_train.training.trainer import Trainer
+
+    setattr_(Trainer, "state_gain", lambda self: None)
+    setattr_(Trainer, "end_sample_tokens", TEST_SAMPLE_TOKENS)
+
 
 # ------------------------------------------------------------------ tiny models
 def tiny_config(**overrides) -> BDHConfig:

@@ -10,8 +10,9 @@ start with a torch import (1-3 s each on 2 cores).
 A client sends its working directory, its environment, its argv and its standard input,
 output and error (the descriptors themselves) and exits with the command's status; the forked
 child takes all of them over before it runs `bdh_train.cli.main(argv)` (or the script), so a
-command sees what it would see as its own process. The client imports only the standard
-library and runs without `site` (-S): it starts in tens of milliseconds.
+command sees what it would see as its own process. A run ends as the suite's in-process runs
+do (`helpers.short_run_end`: 8-token samples, no state-gain line). The client imports only
+the standard library and runs without `site` (-S): it starts in tens of milliseconds.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def serve(path: str) -> None:
     import bdh_train.data.prepared  # noqa: F401
     import bdh_train.shared.loading  # noqa: F401
     import bdh_train.training.launch  # noqa: F401
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from helpers import short_run_end
+
+    short_run_end(setattr)  # as the suite's in-process runs end: 8-token samples, no state gain
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path)

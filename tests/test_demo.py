@@ -161,7 +161,7 @@ def test_make_demo_trains_into_the_run_directory_the_readme_names(tmp_path):
         RunDir(run).check_fresh(overwrite=args.overwrite)
 
 
-@pytest.mark.state_gain
+@pytest.mark.run_end
 def test_the_run_ends_with_what_the_state_gained(tmp_path):
     """The end-of-run line is the last bucket of the context curve over the validation split,
     32 blocks per stretch, 4 stretches; none when the split holds less than one stretch."""
@@ -184,7 +184,7 @@ def test_the_run_ends_with_what_the_state_gained(tmp_path):
     assert Trainer(short, tmp_path / "short", stream=io.StringIO()).state_gain() is None
 
 
-@pytest.mark.state_gain
+@pytest.mark.run_end
 def test_the_state_recipe_streams_a_decayed_state(tmp_path):
     """configs/state.toml: the tiny preset with alibi_spread's decay, trained on 1,024-token
     documents whose blocks carry the state from step to step; a short run of it carries a

@@ -46,9 +46,8 @@ def corpus_run(tmp_path_factory):
     prepare_corpus([text], corpus, train_bpe_vocab=300, val_fraction=0.1, progress=False)
     run = root / "run"
     argv = ["train", "--run-dir", str(run), "--config", str(BITNET), *RUN]
-    real_sample = Trainer.sample
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()):
-        patch.setattr(Trainer, "sample", lambda self: real_sample(self, max_new_tokens=4))
+        patch.setattr(Trainer, "end_sample_tokens", 4)
         assert main([*argv, "--set", f"data.source='{corpus}'"]) == 0
         export = root / "model.ternary.safetensors"
         assert main(["export", "--ternary", str(run), str(export)]) == 0

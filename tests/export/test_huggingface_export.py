@@ -171,9 +171,8 @@ def exported(tmp_path_factory):
     """The bdh-train side (models, tokenizers, the run) and the transformers side's results."""
     root = tmp_path_factory.mktemp("hf")
     run = root / "run"
-    real_sample = Trainer.sample
     with pytest.MonkeyPatch.context() as patch:  # the end-of-run sample: 8 tokens, not 200
-        patch.setattr(Trainer, "sample", lambda self: real_sample(self, max_new_tokens=8))
+        patch.setattr(Trainer, "end_sample_tokens", 8)
         assert main(["train", "--run-dir", str(run), *MICRO]) == 0
     assert main(["export", "--hf", str(root / "run_hf"), str(run)]) == 0
     # a grown model's rope table repeats its source's: not the table computed from its own N

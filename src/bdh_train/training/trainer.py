@@ -88,6 +88,9 @@ class Trainer:
     step executor, window, optimizer, checkpoints, metrics, evaluation), then `run` loops
     micro-steps to `training.max_steps`, or until a stop is requested."""
 
+    end_sample_tokens = 200
+    """How many tokens each end-of-run sample continues its prompt by."""
+
     def __init__(
         self,
         cfg: RunConfig,
@@ -331,7 +334,7 @@ class Trainer:
         if self.dist.is_main and t.log_every:
             plot_losses(self.run_dir)
         with fsdp.gathered(self.model):  # every rank gathers a sharded model's weights
-            sample = self.sample() if self.dist.is_main else None
+            sample = self.sample(self.end_sample_tokens) if self.dist.is_main else None
             gain = self.state_gain() if self.dist.is_main else None
         if gain is not None:
             self.progress.log(gain)
@@ -372,7 +375,7 @@ class Trainer:
         self.progress.log(eval_line(self.state.step, result.val_loss, result.bits_per_byte))
         return result.val_loss
 
-    def sample(self, max_new_tokens: int = 200) -> str | None:
+    def sample(self, max_new_tokens: int) -> str | None:
         """The end-of-run samples (`end_of_run_samples`), printed; returns the first; None
         when the model does not write text of the run's tokenizer."""
         cfg, splits = self.cfg, (self.train_data, self.val_data)

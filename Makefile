@@ -37,11 +37,18 @@ browser:
 		|| echo "apt-get could not install chromium: the browser test is skipped"; fi
 
 # Lint, format check, type check, then the tests: the first failure stops it (CI: .ci/run).
+# The tests run in TEST_WORKERS pytest-xdist processes, one per core of the 2-core machine
+# CI has (each test then runs one torch thread: tests/helpers.py TEST_THREADS). A file's
+# tests share a worker (its module fixtures are built once), and files with long tests go
+# first (tests/conftest.py). TEST_WORKERS=0 runs every test in this one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check $(CODE)
 	$(VENV)/bin/ruff format --check $(CODE)
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -x -p no:cacheprovider --durations=25
+	$(PY) -m pytest -x -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(CODE)

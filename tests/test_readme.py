@@ -141,6 +141,7 @@ def _run(block: Block, work: Path, env: dict[str, str], socket_path: Path) -> No
     )
 
 
+@pytest.mark.slow
 def test_every_readme_block_runs_from_a_clone(clone):
     work, env, socket_path = clone
     ran = [b for b in BLOCKS if b.skip is None]

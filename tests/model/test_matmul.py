@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_close
 
 from bdh_train.model.matmul import (
     heads_major,
@@ -31,7 +32,7 @@ def test_equals_broadcasting_matmul_and_autograd(xs, ws, long):
     w = torch.randn(ws, dtype=torch.float64, requires_grad=True)
     assert heads_major(x, w) == long
     out = per_head_matmul(x, w)
-    torch.testing.assert_close(out, x @ w, rtol=1e-12, atol=1e-12)
+    assert_close(out, x @ w, rtol=1e-12)
     assert (out.is_contiguous(), is_heads_major(out)) == (not long, long)
     g = torch.randn_like(out)
     gx, gw = torch.autograd.grad(out, (x, w), g)
@@ -39,11 +40,11 @@ def test_equals_broadcasting_matmul_and_autograd(xs, ws, long):
     assert torch.equal(mx, gx) and torch.equal(mw, gw)  # per-head: the Function's backward
     if w.dim() == 3:  # its products against autograd's of the same forward products
         ax, aw = torch.autograd.grad(per_head_products(x, w), (x, w), g)
-        torch.testing.assert_close(mx, ax, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(mw, aw, rtol=1e-12, atol=1e-12)
+        assert_close(mx, ax, rtol=1e-12)
+        assert_close(mw, aw, rtol=1e-12)
     bx, bw = torch.autograd.grad(x @ w, (x, w), g)
-    torch.testing.assert_close(gx, bx, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(gw, bw, rtol=1e-12, atol=1e-12)
+    assert_close(gx, bx, rtol=1e-12)
+    assert_close(gw, bw, rtol=1e-12)
 
 
 @pytest.mark.parametrize("seq_len", [3, 5, 12, 13, 40])
@@ -60,13 +61,13 @@ def test_heads_matmul_equals_the_heads_side_by_side(seq_len):
     nodes = [out.grad_fn, *(f for f, _ in out.grad_fn.next_functions)]
     summed = any(type(f).__name__ == "_SummedHeadProductsBackward" for f in nodes)
     assert summed == (seq_len > 12)  # the form taken
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(out, side_by_side @ w, rtol=1e-12, atol=1e-12)
+    assert_close(out, expected, rtol=1e-12)
+    assert_close(out, side_by_side @ w, rtol=1e-12)
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (x, w), g)
     ref = torch.autograd.grad(expected, (x, w), g)
     for a, b in zip(got, ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert_close(a, b, rtol=1e-12)
 
 
 @pytest.mark.parametrize("seq_len", [5, 13], ids=["short", "long"])
@@ -134,7 +135,7 @@ def test_the_input_gradient_with_a_small_and_a_large_weight(in_heads, neurons):
     expected = torch.autograd.grad(out, (x, w), g)
     got = per_head_matmul_backward(x.detach(), w.detach(), g)
     for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert_close(a, b, rtol=1e-12)
 
 
 @pytest.mark.parametrize("needs", ["inputs", "weight"])
@@ -150,7 +151,7 @@ def test_the_summed_heads_with_one_operand_taking_a_gradient(needs):
     (got,) = torch.autograd.grad(out, leaf, g)
     side_by_side = x.transpose(1, 2).reshape(3, 1, 40, 24)
     (expected,) = torch.autograd.grad(side_by_side @ w, leaf, g)
-    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert_close(got, expected, rtol=1e-12)
 
 
 def test_heads_matmul_under_autocast_runs_torch_products():

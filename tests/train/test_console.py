@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import TEST_THREADS
 
 from bdh_train.cli import main
 from bdh_train.config import load_config
@@ -76,7 +77,8 @@ def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypat
     banner = [
         f"run directory  {run}",
         "device         cpu",
-        f"threads        2 (auto: {usable_cpus()} CPUs, 0.0 busy with other work; torch's count 2)",
+        f"threads        {TEST_THREADS} (auto: {usable_cpus()} CPUs, 0.0 busy with other work; "
+        f"torch's count {TEST_THREADS})",
         f"model          {params / 1e6:.2f} M parameters ({params:,})",
         f"data           {home / 'corpus.txt'}: {train_tokens:,} train tokens, "
         f"{val_tokens:,} val tokens",

@@ -38,7 +38,7 @@ STEPS = "2"
 
 SKIP_KINDS = {
     "setup": ("make ", "creates .venv and installs torch and bdh-train from PyPI (network)"),
-    "torchrun": ("torchrun", "starts processes with torchrun; tests/test_ddp*.py run them"),
+    "torchrun": ("torchrun", "starts processes with torchrun; tests/training/ runs them"),
     "gpu": ("cuda", "needs a CUDA device; benchmarks/gpu.sh runs it on one"),
     "network": ("pip install", "installs from PyPI and reads a data set from the Hugging Face Hub"),
 }

@@ -24,6 +24,8 @@ from helpers import (
     assert_same_run,
     checkpoint_weights,
     metric_rows,
+    run_multiprocess,
+    set_args,
 )
 from safetensors.torch import load_file
 
@@ -293,9 +295,21 @@ def assert_same_parameters(one: Path, two: Path) -> None:
         assert_close(b[name], a[name], rtol=1e-5, msg=name)
 
 
+def _train_rank(rank: int, world: int, run: Path, overrides: list[str]) -> None:
+    """A fresh run of `overrides` as rank `rank` of a `world`-process group (forked from the
+    preloaded server: the torchrun path of a data-parallel run is what test_failures.py's
+    SIGTERM and resume and test_multiprocess_endings.py start)."""
+    from bdh_train.distributed.env import DistContext
+
+    cfg = load_config(overrides=overrides)
+    Trainer(cfg, run, dist_ctx=DistContext(rank, world, rank), stream=io.StringIO()).run()
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_ddp_two_processes_equal_one_process(tmp_path):
+    """A data-parallel run of 2 processes and `bdh-train train` in one: the same weights
+    (fp32 1e-5), the same tokens and losses per step."""
     overrides = [
         *MICRO,
         "model.dropout=0.0",
@@ -304,7 +318,10 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
         "training.checkpoint_every=5",
         "training.eval_every=0",
     ]
-    one, two = train_one_and_two_processes(tmp_path, overrides, [])
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_multiprocess(_train_rank, tmp_path / "group", two, overrides, timeout=150)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", "--run-dir", str(one), *set_args(overrides)]) == 0
     assert_same_parameters(one, two)
     rows_one, rows_two = metric_rows(one), metric_rows(two)
     assert [r["tokens"] for r in rows_one] == [r["tokens"] for r in rows_two]

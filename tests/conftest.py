@@ -8,6 +8,12 @@ import resource
 from pathlib import Path
 
 import pytest
+
+# inductor compiles its kernels in the test's own process: its default pool of compile
+# workers would start (and import torch in) two more processes in every xdist worker that
+# compiles, about 4 s of CPU each time
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 import torch
 import torch.distributed as dist
 from helpers import TEST_THREADS, short_run_end

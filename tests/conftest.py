@@ -20,6 +20,7 @@ from helpers import TEST_THREADS, short_run_end
 
 from bdh_train.shared import threads
 from bdh_train.train import throughput
+from bdh_train.training.trainer import Trainer
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,14 +35,6 @@ def pytest_collection_modifyitems(config, items):
             if item.get_closest_marker("slow") or item.get_closest_marker("multiprocess")
         }
         items.sort(key=lambda item: item.path not in long_files)
-
-
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
-        "run_end: the test's in-process runs end as a user's do: 200-token samples and the "
-        "state-gain line (conftest.py)",
-    )
 
 
 @pytest.fixture(autouse=True)
@@ -64,13 +57,26 @@ def _constant_peak(monkeypatch):
     monkeypatch.setattr(throughput, "measure_peak_flops", lambda device, dtype: TEST_PEAK_FLOPS)
 
 
+USER_RUN_END = {"state_gain": Trainer.state_gain, "end_sample_tokens": Trainer.end_sample_tokens}
+"""What `helpers.short_run_end` replaces, as a user's run has it."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _short_run_ends():
+    """Every in-process run of the session ends short (`helpers.short_run_end`), also those
+    that module- and session-scoped fixtures train before any test's own fixtures exist."""
+    with pytest.MonkeyPatch.context() as patch:
+        short_run_end(patch.setattr)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _run_end_where_marked(request, monkeypatch):
-    """A run's end as a user sees it (samples of 200 tokens, the state-gain line) only in
-    tests marked `run_end`; in any other test an in-process run ends short
-    (`helpers.short_run_end`)."""
-    if request.node.get_closest_marker("run_end") is None:
-        short_run_end(monkeypatch.setattr)
+    """In a test marked `run_end`, runs end as a user's do (full samples, the state-gain
+    line)."""
+    if request.node.get_closest_marker("run_end") is not None:
+        for name, value in USER_RUN_END.items():
+            monkeypatch.setattr(Trainer, name, value)
 
 
 @pytest.fixture

@@ -115,6 +115,7 @@ def _worker(
     """One process: join the gloo group, run fn, save its result (or traceback) to a file,
     and leave the group only when every rank has finished fn (`_wait_for_peers`)."""
     torch.set_num_threads(1)
+    short_run_end(setattr)  # as the test's own process ends its runs
     out = Path(out_dir)
     deadline = time.monotonic() + timeout
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))

@@ -33,14 +33,12 @@ def serve(path: str) -> None:
     import tokenizers  # noqa: F401
     import torch  # noqa: F401  (what the children share; no torch op runs before a fork)
     import torch._dynamo  # noqa: F401  (2 s of CPU in each train's first optimizer)
+    from helpers import short_run_end  # this script's directory, tests/, is sys.path[0]
 
     import bdh_train.cli as cli
     import bdh_train.data.prepared  # noqa: F401
     import bdh_train.shared.loading  # noqa: F401
     import bdh_train.training.launch  # noqa: F401
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from helpers import short_run_end
 
     short_run_end(setattr)  # as the suite's in-process runs end: 8-token samples, no state gain
 

@@ -243,16 +243,17 @@ def test_a_prompts_file_line_over_the_limit_is_refused_with_its_number(
 
 @pytest.mark.timeout(120)
 def test_a_large_prompts_file_is_checked_and_read_a_line_at_a_time(tmp_path: Path, bounded_memory):
-    """100,000 prompts of 400 characters (40 MB): their records, held at once, would take
-    more than the 256 MiB `bounded_memory` leaves (a list of 400 ints is 3 KiB: 320 MB of
-    lists alone), so the check and the generation's read must each hold a line at a time."""
+    """150,000 prompts of 400 characters (60 MB): their records, held at once, would take
+    far more than the 256 MiB `bounded_memory` leaves (a list of 400 ints is 3 KiB: 490 MB
+    of lists alone), so the check and the generation's read must each hold a line at a
+    time."""
     import itertools
     import json
 
     from bdh_train.data.tokenizer import ByteTokenizer
     from bdh_train.generation.completions import read_prompts
 
-    n, width = 100_000, 400
+    n, width = 150_000, 400
     prompts = tmp_path / "many.jsonl"
     with open(prompts, "w") as handle:
         for i in range(n):

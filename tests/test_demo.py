@@ -19,7 +19,7 @@ from bdh_train.errors import ConfigError
 from bdh_train.evals import context as memory
 from bdh_train.storage.run_dir import RunDir
 from bdh_train.train.console import eval_line, sample_lines
-from bdh_train.train.evaluate import SAMPLE_TEMPERATURES, sample_continuation
+from bdh_train.train.evaluate import SAMPLE_TEMPERATURES, SAMPLE_TOKENS, sample_continuation
 from bdh_train.training.launch import capped_steps
 from bdh_train.training.trainer import Trainer
 from bdh_train.utils import STEPS_CAP_ENV, steps_cap
@@ -165,6 +165,7 @@ def test_make_demo_trains_into_the_run_directory_the_readme_names(tmp_path):
 def test_the_run_ends_with_what_the_state_gained(tmp_path):
     """The end-of-run line is the last bucket of the context curve over the validation split,
     32 blocks per stretch, 4 stretches; none when the split holds less than one stretch."""
+    assert Trainer.end_sample_tokens == SAMPLE_TOKENS == 200  # a user's run end (the marker)
     stream = io.StringIO()
     steps = ["training.max_steps=1", "training.eval_every=0", "training.checkpoint_every=0"]
     cfg = load_config(overrides=[*MICRO_RUN, *steps, "data.source=builtin:shakespeare"])

@@ -33,7 +33,6 @@ from bdh_train.model.positions import rope_frequencies
 from bdh_train.shared.loading import load_run
 from bdh_train.storage.ternary import load_ternary
 from bdh_train.train.metrics import read_metrics
-from bdh_train.training.trainer import Trainer
 
 HF_SIDE = r"""
 import importlib.abc, json, sys
@@ -171,9 +170,7 @@ def exported(tmp_path_factory):
     """The bdh-train side (models, tokenizers, the run) and the transformers side's results."""
     root = tmp_path_factory.mktemp("hf")
     run = root / "run"
-    with pytest.MonkeyPatch.context() as patch:  # the end-of-run sample: 8 tokens, not 200
-        patch.setattr(Trainer, "end_sample_tokens", 8)
-        assert main(["train", "--run-dir", str(run), *MICRO]) == 0
+    assert main(["train", "--run-dir", str(run), *MICRO]) == 0
     assert main(["export", "--hf", str(root / "run_hf"), str(run)]) == 0
     # a grown model's rope table repeats its source's: not the table computed from its own N
     grow = ["grow", "--checkpoint", str(run), "--neurons-multiplier", "2"]

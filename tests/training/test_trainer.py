@@ -296,13 +296,12 @@ def assert_same_parameters(one: Path, two: Path) -> None:
 
 
 def _train_rank(rank: int, world: int, run: Path, overrides: list[str]) -> None:
-    """A fresh run of `overrides` as rank `rank` of a `world`-process group (forked from the
-    preloaded server: the torchrun path of a data-parallel run is what test_failures.py's
-    SIGTERM and resume and test_multiprocess_endings.py start)."""
-    from bdh_train.distributed.env import DistContext
-
-    cfg = load_config(overrides=overrides)
-    Trainer(cfg, run, dist_ctx=DistContext(rank, world, rank), stream=io.StringIO()).run()
+    """`bdh-train train` of a fresh run as rank `rank` of a `world`-process group: the
+    environment torchrun would give it, in a rank forked from the preloaded server (the
+    launcher itself is what the torchrun tests here and in test_failures.py start)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", "--run-dir", str(run), *set_args(overrides)]) == 0
 
 
 @pytest.mark.multiprocess

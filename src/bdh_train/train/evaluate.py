@@ -238,6 +238,8 @@ def _summed(
 SAMPLE_PROMPT_TOKENS = 32
 """The end-of-run sample continues this many tokens of the validation (else train) data."""
 
+SAMPLE_TOKENS = 200
+"""How many tokens each end-of-run sample continues its prompt by."""
 SAMPLE_TEMPERATURES = (0.8, 0.5)
 """The end-of-run samples' temperatures: the usual one, then a lower one, whose text keeps
 to the model's likeliest words (a young model's 0.8 sample wanders more)."""
@@ -264,7 +266,7 @@ def sample_continuation(
     data_config: DataConfig,
     splits: tuple[TokenData, TokenData | None],
     device: torch.device,
-    max_new_tokens: int = 200,
+    max_new_tokens: int = SAMPLE_TOKENS,
     where: str = "the trained model",
     temperature: float = SAMPLE_TEMPERATURES[0],
 ) -> tuple[str, str] | None:
@@ -306,7 +308,7 @@ def end_of_run_samples(
     data_config: DataConfig,
     splits: tuple[TokenData, TokenData | None],
     device: torch.device,
-    max_new_tokens: int = 200,
+    max_new_tokens: int = SAMPLE_TOKENS,
 ) -> tuple[str, list[tuple[float, str]]] | None:
     """A run's end-of-run samples: (prompt, [(temperature, continuation)]) of
     `sample_continuation` at each of SAMPLE_TEMPERATURES; None when the model does not write

@@ -297,7 +297,8 @@ def plot_losses(run_dir: Path) -> Path:
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     activity = {k: [(r["step"], r[k]) for r in rows if k in r] for k in ACTIVITY_KEYS}
     panels = 2 if any(activity.values()) else 1
-    fig = Figure(figsize=(7, 4.2 * panels))
+    height = 4.2 * panels  # inches
+    fig = Figure(figsize=(7, height))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(panels, 1, 1)
     if train:
@@ -317,9 +318,9 @@ def plot_losses(run_dir: Path) -> Path:
         ax.set_ylabel("share (validation tokens, all layers)")
         ax.grid(alpha=0.3)
         ax.legend()
-    # fixed margins (inches: room for the tick labels and axis titles): a tight layout would
-    # lay out every text twice, most of the plot's time
-    height = 4.2 * panels
+    # fixed margins, room for the tick labels and axis titles (left and right as shares of
+    # the width, top and bottom 0.2 and 0.5 inches): a tight layout would lay out every text
+    # twice, most of the plot's time
     fig.subplots_adjust(left=0.1, right=0.98, top=1 - 0.2 / height, bottom=0.5 / height)
     out = Path(run_dir) / PLOT_FILE
     with atomic_write(out, "wb") as handle:

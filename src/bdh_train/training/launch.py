@@ -130,11 +130,14 @@ def train(
         # pipeline stages) holds the process group: left to the cycle collector, gloo's
         # group could be freed during interpreter shutdown, where a torchrun rank once
         # aborted ("terminate called without an active exception"). Freed here, the group
-        # goes while the interpreter is whole, then is destroyed. Without a process group
-        # there is nothing to order, and a full collection costs time in proportion to the
-        # heap of the process that called train (0.4 s in a long-lived one).
+        # goes while the interpreter is whole, then is destroyed. An accelerator's memory
+        # held by the cycles is given back here too, to a caller that goes on (a notebook).
+        # On the CPU without a process group there is nothing to order or give back, and a
+        # full collection costs time in proportion to the heap of the process that called
+        # train (0.4 s in a long-lived one).
         trainer = None
-        if torch.distributed.is_initialized():
+        grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if grouped or resolve_device(cfg.training.device).type != "cpu":
             gc.collect()
         dist_ctx.close()
 

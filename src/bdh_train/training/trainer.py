@@ -51,7 +51,7 @@ from bdh_train.train.console import (
     stop_line,
     summary_lines,
 )
-from bdh_train.train.evaluate import Evaluator, end_of_run_samples, writes_text
+from bdh_train.train.evaluate import SAMPLE_TOKENS, Evaluator, end_of_run_samples, writes_text
 from bdh_train.train.init_from import init_weights_from
 from bdh_train.train.metrics import MetricsReporter, plot_losses
 from bdh_train.train.profile import ProfileSettings, StepProfiler
@@ -88,8 +88,7 @@ class Trainer:
     step executor, window, optimizer, checkpoints, metrics, evaluation), then `run` loops
     micro-steps to `training.max_steps`, or until a stop is requested."""
 
-    end_sample_tokens = 200
-    """How many tokens each end-of-run sample continues its prompt by."""
+    end_sample_tokens = SAMPLE_TOKENS  # how many tokens each end-of-run sample continues by
 
     def __init__(
         self,
@@ -334,7 +333,7 @@ class Trainer:
         if self.dist.is_main and t.log_every:
             plot_losses(self.run_dir)
         with fsdp.gathered(self.model):  # every rank gathers a sharded model's weights
-            sample = self.sample(self.end_sample_tokens) if self.dist.is_main else None
+            sample = self.sample() if self.dist.is_main else None
             gain = self.state_gain() if self.dist.is_main else None
         if gain is not None:
             self.progress.log(gain)
@@ -375,12 +374,13 @@ class Trainer:
         self.progress.log(eval_line(self.state.step, result.val_loss, result.bits_per_byte))
         return result.val_loss
 
-    def sample(self, max_new_tokens: int) -> str | None:
-        """The end-of-run samples (`end_of_run_samples`), printed; returns the first; None
-        when the model does not write text of the run's tokenizer."""
-        cfg, splits = self.cfg, (self.train_data, self.val_data)
+    def sample(self, max_new_tokens: int | None = None) -> str | None:
+        """`end_of_run_samples` of `max_new_tokens` tokens (None: `end_sample_tokens`), printed;
+        the first, or None when the model writes no text of the run's tokenizer."""
+        cfg, splits, n = self.cfg, (self.train_data, self.val_data), max_new_tokens
+        n = self.end_sample_tokens if n is None else n
         out = end_of_run_samples(
-            self.model, self.tokenizer, cfg.model, cfg.data, splits, self.device, max_new_tokens
+            self.model, self.tokenizer, cfg.model, cfg.data, splits, self.device, n
         )
         if out is not None:
             self.progress.log(sample_lines(*out))

@@ -95,9 +95,8 @@ def train(
     `checkpoint` when given) on the process group torchrun describes in the environment, or
     alone."""
     cfg, note = capped_steps(cfg, run, resume, resume_fallback, checkpoint)
-    dist_ctx = DistContext.from_env(
-        resolve_device(cfg.training.device).type, cfg.parallel.collective_timeout_s
-    )
+    device_type = resolve_device(cfg.training.device).type
+    dist_ctx = DistContext.from_env(device_type, cfg.parallel.collective_timeout_s)
     if note and dist_ctx.is_main:
         print(note, file=sys.stderr)
     trainer = None
@@ -137,7 +136,7 @@ def train(
         # train (0.4 s in a long-lived one).
         trainer = None
         grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if grouped or resolve_device(cfg.training.device).type != "cpu":
+        if grouped or device_type != "cpu":
             gc.collect()
         dist_ctx.close()
 

@@ -377,8 +377,8 @@ class Trainer:
     def sample(self, max_new_tokens: int | None = None) -> str | None:
         """`end_of_run_samples` of `max_new_tokens` tokens (None: `end_sample_tokens`), printed;
         the first, or None when the model writes no text of the run's tokenizer."""
-        cfg, splits, n = self.cfg, (self.train_data, self.val_data), max_new_tokens
-        n = self.end_sample_tokens if n is None else n
+        n = self.end_sample_tokens if max_new_tokens is None else max_new_tokens
+        cfg, splits = self.cfg, (self.train_data, self.val_data)
         out = end_of_run_samples(
             self.model, self.tokenizer, cfg.model, cfg.data, splits, self.device, n
         )

@@ -18,6 +18,12 @@ import torch
 import torch.distributed as dist
 from helpers import TEST_THREADS, short_run_end
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the processes a worker's tests start (bdh-train commands, the README's fork server) run
+    # one torch thread as its tests do: two threads in each of two workers on two cores wait
+    # on each other (the README's blocks took 11 s more CPU with two)
+    os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
+
 from bdh_train.shared import threads
 from bdh_train.train import throughput
 from bdh_train.training.trainer import Trainer

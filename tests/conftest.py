@@ -1,32 +1,19 @@
-"""Shared fixtures. Helpers (tiny models, assert_close, run_multiprocess) live in helpers.py."""
+"""What every pytest process of the suite needs: the order and grouping of test files under
+pytest-xdist, and, in each process that runs tests (not an xdist controller), the fixtures
+and environment of suite_setup.py."""
 
 from __future__ import annotations
 
-import datetime
 import os
-import resource
-from pathlib import Path
 
 import pytest
 
-# inductor compiles its kernels in the test's own process: its default pool of compile
-# workers would start (and import torch in) two more processes in every xdist worker that
-# compiles, about 4 s of CPU each time
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-import torch
-import torch.distributed as dist
-from helpers import TEST_THREADS, short_run_end
-
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # the processes a worker's tests start (bdh-train commands, the README's fork server) run
-    # one torch thread as its tests do: two threads in each of two workers on two cores wait
-    # on each other (the README's blocks took 11 s more CPU with two)
-    os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
-
-from bdh_train.shared import threads
-from bdh_train.train import throughput
-from bdh_train.training.trainer import Trainer
+def pytest_configure(config):
+    """suite_setup.py's fixtures where tests run: in one process, or in each xdist worker."""
+    controller = bool(config.getoption("numprocesses", None)) and not hasattr(config, "workerinput")
+    if not controller:
+        config.pluginmanager.import_plugin("suite_setup")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -43,82 +30,22 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: item.path not in long_files)
 
 
-@pytest.fixture(autouse=True)
-def _deterministic_threads(monkeypatch):
-    """TEST_THREADS torch threads in every test, also in runs with training.threads = 0: the
-    automatic count sees an idle machine here (tests/shared/test_threads.py fakes the load
-    it reads)."""
-    torch.set_num_threads(TEST_THREADS)
-    monkeypatch.setattr(threads, "read_loadavg", lambda: None)
-    yield
+SAME_WORKER = {"tests/model/test_gate.py": "tests/training/test_trainer.py"}
+"""Test files that run in the pytest-xdist worker of another file (`--dist loadfile`): the
+files whose tests compile with inductor, so that a worker's first compile (about 5 s of CPU
+that inductor spends once a process) is paid once."""
 
 
-TEST_PEAK_FLOPS = 1e11
-"""The peak every test's run divides by for its MFU: a constant, not a measurement (which
-takes a second of matrix products and varies); tests/train/test_throughput.py measures."""
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the files of SAME_WORKER in the unit of the file they name."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
 
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return SAME_WORKER.get(file, file)
 
-@pytest.fixture(autouse=True)
-def _constant_peak(monkeypatch):
-    monkeypatch.setattr(throughput, "measure_peak_flops", lambda device, dtype: TEST_PEAK_FLOPS)
-
-
-USER_RUN_END = {"state_gain": Trainer.state_gain, "end_sample_tokens": Trainer.end_sample_tokens}
-"""What `helpers.short_run_end` replaces, as a user's run has it."""
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _short_run_ends():
-    """Every in-process run of the session ends short (`helpers.short_run_end`), also those
-    that module- and session-scoped fixtures train before any test's own fixtures exist."""
-    with pytest.MonkeyPatch.context() as patch:
-        short_run_end(patch.setattr)
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _run_end_where_marked(request, monkeypatch):
-    """In a test marked `run_end`, runs end as a user's do (full samples, the state-gain
-    line)."""
-    if request.node.get_closest_marker("run_end") is not None:
-        for name, value in USER_RUN_END.items():
-            monkeypatch.setattr(Trainer, name, value)
-
-
-@pytest.fixture
-def single_process_group(tmp_path: Path):
-    """A world-size-1 gloo group in this process, destroyed even when the test fails: the
-    collective code paths run, and a SUM or MAX all-reduce over one rank is the identity."""
-    assert not dist.is_initialized(), "an earlier test leaked a default process group"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path / 'store'}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-HEADROOM = 256 << 20
-"""How much more address space a test under `bounded_memory` may map."""
-
-
-@pytest.fixture
-def bounded_memory():
-    """For the test's duration, mapping more than HEADROOM beyond what the process maps now
-    fails (MemoryError): a read without a bound fails fast instead of filling the machine."""
-    with open("/proc/self/statm") as handle:
-        mapped = int(handle.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = mapped + HEADROOM
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    return Scheduling(config, log)

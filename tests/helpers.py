@@ -7,12 +7,15 @@ sys.path, and spawned worker processes inherit that path).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
+import io
 import math
 import multiprocessing
 import os
 import stat
+import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -27,7 +30,7 @@ from bdh_train.model import BDH, BDHConfig
 from bdh_train.train.throughput import IN_PLACE_PRODUCTS  # noqa: F401 (the tests' import)
 
 TEST_THREADS = max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-"""Torch threads in every test (conftest.py): the machine's two cores, shared by the
+"""Torch threads in every test (suite_setup.py): the machine's two cores, shared by the
 pytest-xdist workers that `make test` starts (2 workers: 1 thread each)."""
 
 TEST_SAMPLE_TOKENS = 8
@@ -363,35 +366,64 @@ def unequal_count_micro_batches(rows: int = 4, block: int = 6):
     return out
 
 
-# ------------------------------------------------------------------ a CLI process without start-up
-def _forked_cli(argv: list[str], output: str, file_size_limit: int | None) -> None:
-    """A forkserver child: `bdh-train ARGV` on one thread, stdout and stderr into `output`
-    .out/.err, under RLIMIT_FSIZE `file_size_limit` when given; the exit status is main's."""
-    import resource
-    import sys
-
-    from bdh_train.cli import main
-
-    for fd, suffix in ((1, ".out"), (2, ".err")):
-        os.dup2(os.open(output + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-    if file_size_limit is not None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-    torch.set_num_threads(1)
-    sys.exit(main(argv))
-
-
-def fork_cli(
-    argv: list[str], output: Path, file_size_limit: int | None = None
+# ------------------------------------------------------------------ a process without start-up
+def start_process(
+    fn: Callable[..., Any],
+    *args: Any,
+    stdout: Path,
+    stderr: Path | None = None,
+    file_size_limit: int | None = None,
 ) -> multiprocessing.process.BaseProcess:
-    """Start `bdh-train ARGV` in a process forked from the forkserver (torch and bdh_train
-    already imported: ~3 s sooner than a fresh interpreter); its stdout and stderr go to
-    OUTPUT.out and OUTPUT.err. Join it and read `exitcode` (main's return value)."""
+    """Start fn(*args) in a process of its own forked from the forkserver (FORKSERVER_PRELOAD
+    imported once): a subprocess without an interpreter start and a torch import (about 3 s of
+    CPU), with its own pid, signals, locks and exit. Its standard output goes to `stdout` (a
+    file, or a named pipe the caller opens for reading), line by line, its errors to `stderr`
+    (None: to `stdout` too); it runs one torch thread, under RLIMIT_FSIZE `file_size_limit`
+    when given, and ends runs as the suite does (short_run_end). Its `exitcode` is fn's return
+    value (a command's exit status), or -N after signal N. The caller joins it, and kills it
+    when the test fails."""
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # no-op once the server runs
+    files = (str(stdout), str(stderr if stderr is not None else stdout))
     process = multiprocessing.get_context("forkserver").Process(
-        target=_forked_cli, args=(argv, str(output), file_size_limit)
+        target=_own_process, args=(fn, args, files, file_size_limit)
     )
     process.start()
     return process
+
+
+def _own_process(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    files: tuple[str, str],
+    file_size_limit: int | None,
+) -> None:
+    import resource
+
+    for fd, name in zip((1, 2), files, strict=True):
+        os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    if file_size_limit is not None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+    torch.set_num_threads(1)
+    short_run_end(setattr)
+    sys.exit(fn(*args))
+
+
+def cli_main(argv: list[str]) -> int:
+    """`bdh-train ARGV` (`bdh_train.cli.main`): a command for start_process."""
+    from bdh_train.cli import main
+
+    return main(argv)
+
+
+def cli_as_rank(rank: int, world: int, argv: list[str]) -> int:
+    """`bdh-train ARGV` as rank `rank` of a `world`-process group (a run_multiprocess fn):
+    with the environment torchrun gives its processes, its console output dropped; main's
+    exit status."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    with contextlib.redirect_stdout(io.StringIO()):
+        return cli_main(argv)
 
 
 MICRO_RUN = [

@@ -2,7 +2,7 @@
 limit the error states (`utils.read_regular_file`): a config file or one it extends, a
 tokenizer, a prepared corpus's meta.json, a token header. /dev/zero (endless) and a FIFO (a
 read waits for a writer) are refused at once with one error line, without filling memory:
-each such test runs under `bounded_memory` (conftest.py) and a timeout."""
+each such test runs under `bounded_memory` (suite_setup.py) and a timeout."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def bpe_run(tmp_path_factory):
 
     console = io.StringIO()
     with contextlib.redirect_stdout(console):
-        assert main(args) == 0  # a short sample (conftest.py): a BitNet token costs ~0.1 s
+        assert main(args) == 0  # a short sample (suite_setup.py): a BitNet token costs ~0.1 s
     export = root / "model.ternary.safetensors"
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["export", "--ternary", str(run_dir), str(export)]) == 0

@@ -7,14 +7,12 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import MICRO_RUN, checkpoint_weights, metric_rows, set_args
+from helpers import MICRO_RUN, checkpoint_weights, cli_main, metric_rows, set_args, start_process
 
 from bdh_train.cli import main
 from bdh_train.errors import ConfigError
@@ -272,25 +270,25 @@ def test_ctrl_c_with_the_console_gone_still_saves(tmp_path):
     so every later print meets a closed pipe. The run still checkpoints, exits 75 (stopped,
     resumable), and its error log says where the checkpoint is."""
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "bdh_train", "train", "--run-dir", str(run), *SETS]
+    argv = ["train", "--run-dir", str(run), *SETS]
     argv += ["--set=training.max_steps=100000", "--set=training.checkpoint_every=0"]
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    console = tmp_path / "console"
+    os.mkfifo(console)  # the pipe to `tee`
+    proc = start_process(cli_main, argv, stdout=console)
     try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 120
-        while b"step " not in proc.stdout.readline():  # training has started
-            assert proc.poll() is None and time.monotonic() < deadline
-        proc.stdout.close()  # the reader (tee) is gone
+        with open(console, "rb") as tee:
+            deadline = time.monotonic() + 120
+            while b"step " not in tee.readline():  # training has started
+                assert proc.is_alive() and time.monotonic() < deadline
+        # the reader (tee) is gone
         time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 75
+        assert proc.pid is not None and proc.is_alive(), "the run died with its console"
+        os.kill(proc.pid, signal.SIGINT)
+        proc.join(timeout=120)
+        assert proc.exitcode == 75
     finally:
         proc.kill()
+        proc.join()
     stopped = ckpt.resolve_checkpoint(run)
     log = (run / ERROR_LOG).read_text()
     assert f"checkpoint {stopped}" in log and f"{command_name()} train --resume" in log

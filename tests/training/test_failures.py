@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,16 +25,17 @@ from helpers import (
     MICRO_RUN,
     STREAMING_TBPTT_SETTINGS,
     checkpoint_weights,
-    fork_cli,
+    cli_as_rank,
+    cli_main,
     metric_rows,
     run_multiprocess,
     set_args,
+    start_process,
 )
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from bdh_train.cli import main
-from bdh_train.config import load_config
 from bdh_train.errors import ConfigError
 from bdh_train.model import BDH, BDHConfig
 from bdh_train.model import bdh as bdh_module
@@ -231,9 +233,11 @@ def test_file_size_limit_during_a_save_keeps_the_last_checkpoint(base_run, tmp_p
     run = copy_run(base_run, tmp_path / "run")
     limit = (run / "checkpoints" / "step-0000002" / "optimizer.pt").stat().st_size // 2
 
-    proc = fork_cli(
+    proc = start_process(
+        cli_main,
         ["train", "--resume", str(run), "--set", "training.max_steps=4"],
-        tmp_path / "limited",
+        stdout=tmp_path / "limited.out",
+        stderr=tmp_path / "limited.err",
         file_size_limit=limit,
     )
     proc.join(120)
@@ -312,39 +316,75 @@ def _torchrun(run: Path, processes: int, *args: str) -> list[str]:
     ]
 
 
-LAYOUTS = {
-    "ddp-2": (2, []),
-    "mesh-2x2": (
-        4,
-        ["parallel.pipeline_stages=2", "parallel.data_parallel=2", "parallel.microbatches=2"],
+STOP_SETS = [
+    *SETS,
+    *set_args(
+        [
+            "training.max_steps=100000",
+            "training.checkpoint_every=5",
+            "training.gradient_accumulation_steps=2",
+            "parallel.collective_timeout_s=20",
+        ]
     ),
-}
+]
+"""A run that trains until it is stopped, with checkpoints and accumulation windows."""
+
+
+def assert_stopped_once(run: Path) -> int:
+    """The run's newest checkpoint is the stop's: at the last logged step and its micro-step,
+    the only one at that position, nothing half-written. -> the step it stopped at."""
+    stopped = ckpt.resolve_checkpoint(run)
+    state = ckpt.read_json(stopped / "trainer.json")
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert state["step"] == steps[-1]
+    position = ckpt.checkpoint_position(stopped.name)
+    assert position == (state["step"], state["micro"])
+    same = [
+        p
+        for p in ckpt.list_checkpoints(run / "checkpoints")
+        if ckpt.checkpoint_position(p.name) == position
+    ]
+    assert same == [stopped] and leftovers(run) == []
+    return state["step"]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_sigterm_to_one_rank_stops_all_with_one_checkpoint(tmp_path, layout):
-    """SIGTERM to rank 1 only (of 2 data-parallel processes, or of a 2 x 2 data x pipeline
-    mesh): the stop is agreed at the next micro-step, every rank writes one checkpoint
-    together and exits 75; `--resume` continues from it (data parallel)."""
-    processes, layout_sets = LAYOUTS[layout]
+def test_sigterm_to_one_data_parallel_rank_stops_both_with_one_checkpoint(tmp_path):
+    """SIGTERM to rank 1 only of 2 data-parallel processes (forked with torchrun's
+    environment): the stop is agreed at the next micro-step, both ranks write one checkpoint
+    together and exit 75, and `--resume` continues from it."""
+    run, group = tmp_path / "run", tmp_path / "group"
+
+    def stop_rank_1() -> None:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            if (run / "checkpoints" / "latest").exists() and (group / "rank1.pid").exists():
+                os.kill(int((group / "rank1.pid").read_text()), signal.SIGTERM)
+                return
+            time.sleep(0.1)
+
+    stopper = threading.Thread(target=stop_rank_1, daemon=True)
+    stopper.start()
+    argv = ["train", "--run-dir", str(run), *STOP_SETS]
+    assert run_multiprocess(cli_as_rank, group, argv, timeout=150) == [75, 75]
+    stopper.join()
+    target = assert_stopped_once(run) + 1
+    argv = ["train", "--resume", str(run), "--set", f"training.max_steps={target}"]
+    assert run_multiprocess(cli_as_rank, tmp_path / "resumed", argv, timeout=150) == [0, 0]
+    assert ckpt.read_json(ckpt.resolve_checkpoint(run) / "trainer.json")["step"] == target
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_sigterm_to_one_rank_of_a_torchrun_mesh_stops_all_with_one_checkpoint(tmp_path):
+    """`torchrun` of a 2 x 2 data x pipeline mesh, SIGTERM to rank 1 only: the stop is agreed
+    at the next micro-step and every rank writes one checkpoint together and exits 75."""
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    sets = [
-        *SETS,
-        "--set",
-        "training.max_steps=100000",
-        "--set",
-        "training.checkpoint_every=5",
-        "--set",
-        "training.gradient_accumulation_steps=2",
-        "--set",
-        "parallel.collective_timeout_s=20",
-    ]
-    sets += [a for o in layout_sets for a in ("--set", o)]
+    mesh = ["parallel.pipeline_stages=2", "parallel.data_parallel=2", "parallel.microbatches=2"]
     launcher = subprocess.Popen(
-        _torchrun(run, processes, *sets),
+        _torchrun(run, 4, *STOP_SETS, *set_args(mesh)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -354,12 +394,12 @@ def test_sigterm_to_one_rank_stops_all_with_one_checkpoint(tmp_path, layout):
         deadline = time.monotonic() + 150
         while not (run / "checkpoints" / "latest").exists():
             assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, f"the {layout} run did not start"
+            assert time.monotonic() < deadline, "the mesh run did not start"
             time.sleep(0.2)
         workers = subprocess.run(
             ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True
         ).stdout.split()
-        assert len(workers) == processes, workers
+        assert len(workers) == 4, workers
         ranks = {}
         for pid in workers:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -374,39 +414,7 @@ def test_sigterm_to_one_rank_stops_all_with_one_checkpoint(tmp_path, layout):
     # exit (75, stopped) as a failure and sends SIGTERM to ranks that have not exited yet, so
     # those may report -15: their checkpoint work was already done (checked below).
     assert launcher.returncode != 0 and "75" in exits and set(exits) <= {"75", "-15"}, err[-3000:]
-    stopped = ckpt.resolve_checkpoint(run)
-    state = ckpt.read_json(stopped / "trainer.json")
-    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
-    assert state["step"] == steps[-1]
-    position = ckpt.checkpoint_position(stopped.name)
-    assert position == (state["step"], state["micro"])
-    same = [
-        p
-        for p in ckpt.list_checkpoints(run / "checkpoints")
-        if ckpt.checkpoint_position(p.name) == position
-    ]
-    assert same == [stopped] and leftovers(run) == []
-
-    if layout != "ddp-2":
-        return  # resuming a stopped run is shown once, for data parallel
-    target = state["step"] + 1
-    run_multiprocess(_resume_to, tmp_path / "group", run, target, world=processes, timeout=150)
-    assert ckpt.read_json(ckpt.resolve_checkpoint(run) / "trainer.json")["step"] == target
-
-
-def _resume_to(rank: int, world: int, run: Path, max_steps: int) -> None:
-    """`bdh-train train --resume RUN --set training.max_steps=MAX_STEPS` as rank `rank` of a
-    `world`-process group (forked workers: a second torchrun would start ~3 interpreters)."""
-    from bdh_train.distributed.env import DistContext
-    from bdh_train.storage.run_dir import CONFIG_FILE
-    from bdh_train.training.trainer import Trainer
-
-    cfg = load_config(
-        [run / CONFIG_FILE], [f"training.max_steps={max_steps}"], default_preset=False
-    )
-    Trainer(
-        cfg, run, resume=True, dist_ctx=DistContext(rank, world, rank), stream=io.StringIO()
-    ).run()
+    assert_stopped_once(run)
 
 
 # ------------------------------------------------------------------ SIGKILL loop

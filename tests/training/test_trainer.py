@@ -23,9 +23,12 @@ from helpers import (
     assert_close,
     assert_same_run,
     checkpoint_weights,
+    cli_as_rank,
+    cli_main,
     metric_rows,
     run_multiprocess,
     set_args,
+    start_process,
 )
 from safetensors.torch import load_file
 
@@ -185,22 +188,23 @@ def test_corpus_document_streaming_resume_mid_document_is_bit_exact(tmp_path, mo
     assert metric_rows(whole) == metric_rows(split)
 
 
+def _train_then_die_saving(run_dir: Path) -> None:
+    trainer = Trainer(load_config(overrides=MICRO), run_dir, stream=io.StringIO())
+    trainer.run(stop_after_micro_steps=3)  # checkpoint step-0000003
+    trainer.run(stop_after_micro_steps=2)  # train on to step 5 ...
+    trainer.save_checkpoint(before_rename=lambda tmp: os.kill(os.getpid(), signal.SIGKILL))
+
+
 def test_crash_during_checkpoint_leaves_previous_one_loadable(tmp_path):
     """SIGKILL between the complete temporary write and the rename."""
     run_dir = tmp_path / "run"
-    script = textwrap.dedent(f"""
-        import io, os, signal
-        from bdh_train.config import load_config
-        from bdh_train.training.trainer import Trainer
-        t = Trainer(load_config(overrides={MICRO!r}), {str(run_dir)!r}, stream=io.StringIO())
-        t.run(stop_after_micro_steps=3)               # checkpoint step-0000003
-        t.run(stop_after_micro_steps=2)               # train on to step 5 ...
-        t.save_checkpoint(before_rename=lambda tmp: os.kill(os.getpid(), signal.SIGKILL))
-    """)
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == -9, proc.stderr
+    process = start_process(_train_then_die_saving, run_dir, stdout=tmp_path / "console")
+    try:
+        process.join(timeout=120)
+    finally:
+        process.kill()
+        process.join()
+    assert process.exitcode == -signal.SIGKILL, (tmp_path / "console").read_text()[-3000:]
     latest = ckpt.resolve_checkpoint(run_dir)
     assert latest.name == "step-0000005"  # the completed stop-checkpoint, not the killed one
     leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]
@@ -295,15 +299,6 @@ def assert_same_parameters(one: Path, two: Path) -> None:
         assert_close(b[name], a[name], rtol=1e-5, msg=name)
 
 
-def _train_rank(rank: int, world: int, run: Path, overrides: list[str]) -> None:
-    """`bdh-train train` of a fresh run as rank `rank` of a `world`-process group: the
-    environment torchrun would give it, in a rank forked from the preloaded server (the
-    launcher itself is what the torchrun tests here and in test_failures.py start)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["train", "--run-dir", str(run), *set_args(overrides)]) == 0
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_ddp_two_processes_equal_one_process(tmp_path):
@@ -318,7 +313,10 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
         "training.eval_every=0",
     ]
     one, two = tmp_path / "one", tmp_path / "two"
-    run_multiprocess(_train_rank, tmp_path / "group", two, overrides, timeout=150)
+    # the ranks forked from the preloaded server with torchrun's environment (the launcher
+    # itself is what the torchrun tests here and in test_failures.py start)
+    argv = ["train", "--run-dir", str(two), *set_args(overrides)]
+    assert run_multiprocess(cli_as_rank, tmp_path / "group", argv, timeout=150) == [0, 0]
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["train", "--run-dir", str(one), *set_args(overrides)]) == 0
     assert_same_parameters(one, two)
@@ -859,35 +857,19 @@ def test_a_fresh_run_refuses_a_directory_holding_another_run(tmp_path):
 def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(
     tmp_path, stop_signal, capsys
 ):
-    """The first trainer (a `python -m bdh_train` process) holds the run directory's lock; a
-    second (a resume of the same run with another lr, in this process) gets one error line
-    naming the holder's pid and changes nothing. Ctrl-C or SIGTERM then stops the first at the
-    next micro-step with a checkpoint of exactly the step it reached, and exit status 75
-    (stopped, resumable) instead of 0 (finished)."""
+    """The first trainer (`bdh-train train` in a process of its own) holds the run
+    directory's lock; a second (a resume of the same run with another lr, in this process)
+    gets one error line naming the holder's pid and changes nothing. Ctrl-C or SIGTERM then
+    stops the first at the next micro-step with a checkpoint of exactly the step it reached,
+    and exit status 75 (stopped, resumable) instead of 0 (finished)."""
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     overrides = [*MICRO, "training.eval_every=0", "training.max_steps=100000"]
-    # Its output goes to a file: a pipe nobody reads would fill and block it mid-run.
-    console = open(tmp_path / "first.out", "w")  # noqa: SIM115 - closed below
-    first = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "bdh_train",
-            "train",
-            "--run-dir",
-            str(run),
-            *[f"--set={o}" for o in overrides],
-        ],
-        stdout=console,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+    argv = ["train", "--run-dir", str(run), *[f"--set={o}" for o in overrides]]
+    first = start_process(cli_main, argv, stdout=tmp_path / "first.out")
     try:
         deadline = time.monotonic() + 120
         while not (run / "checkpoints" / "latest").exists():
-            assert first.poll() is None and time.monotonic() < deadline, "first run did not start"
+            assert first.is_alive() and time.monotonic() < deadline, "first run did not start"
             time.sleep(0.05)
         if stop_signal == signal.SIGTERM:  # the lock refuses a second trainer (once is enough)
             capsys.readouterr()
@@ -896,11 +878,13 @@ def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(
                 f"error: run directory {run} is in use by another trainer (pid {first.pid}); "
                 "wait for it to finish or stop it, or use another --run-dir"
             ]
-        first.send_signal(stop_signal)
-        assert first.wait(timeout=120) == 75, (tmp_path / "first.out").read_text()[-2000:]
+        assert first.pid is not None
+        os.kill(first.pid, stop_signal)
+        first.join(timeout=120)
+        assert first.exitcode == 75, (tmp_path / "first.out").read_text()[-2000:]
     finally:
         first.kill()
-        console.close()
+        first.join()
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, len(steps) + 1)), "the first run's log was disturbed"
     assert load_config([run / "config.toml"]).optimizer.lr != 0.5

@@ -25,8 +25,9 @@ from helpers import TEST_THREADS, short_run_end
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # the processes a worker's tests start (bdh-train commands, the README's fork server) run
-    # one torch thread as its tests do: two threads in each of two workers on two cores wait
-    # on each other (the README's blocks took 11 s more CPU with two)
+    # TEST_THREADS torch threads as its tests do (1 with `make test`'s two workers): two
+    # threads in each of two workers on two cores wait on each other (the README's blocks
+    # took 11 s more CPU with two)
     os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
 
 from bdh_train.shared import threads
@@ -36,9 +37,9 @@ from bdh_train.training.trainer import Trainer
 
 @pytest.fixture(autouse=True)
 def _deterministic_threads(monkeypatch):
-    """TEST_THREADS torch threads in every test, also in runs with training.threads = 0: the
-    automatic count sees an idle machine here (tests/shared/test_threads.py fakes the load
-    it reads)."""
+    """TEST_THREADS torch threads in every test, also in runs with training.threads = 0: in
+    an xdist worker that count takes OMP_NUM_THREADS (set above), elsewhere the automatic
+    count sees an idle machine (tests/shared/test_threads.py fakes the load it reads)."""
     torch.set_num_threads(TEST_THREADS)
     monkeypatch.setattr(threads, "read_loadavg", lambda: None)
     yield

@@ -4,8 +4,10 @@ a link, a resume keeps the model and data, and Ctrl-C saves even when the consol
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import select
 import signal
 import time
 from pathlib import Path
@@ -276,11 +278,19 @@ def test_ctrl_c_with_the_console_gone_still_saves(tmp_path):
     os.mkfifo(console)  # the pipe to `tee`
     proc = start_process(cli_main, argv, stdout=console)
     try:
-        with open(console, "rb") as tee:
-            deadline = time.monotonic() + 120
-            while b"step " not in tee.readline():  # training has started
-                assert proc.is_alive() and time.monotonic() < deadline
-        # the reader (tee) is gone
+        tee = os.open(console, os.O_RDONLY | os.O_NONBLOCK)  # no wait for a writer to open it
+        try:
+            seen, deadline = b"", time.monotonic() + 120
+            while b"step " not in seen:  # training has started
+                assert proc.is_alive() and time.monotonic() < deadline, seen[-2000:]
+                select.select([tee], [], [], 0.5)
+                with contextlib.suppress(BlockingIOError):
+                    read = os.read(tee, 1 << 16)
+                    seen += read
+                    if not read:  # no writer yet
+                        time.sleep(0.05)
+        finally:
+            os.close(tee)  # the reader (tee) is gone
         time.sleep(0.5)
         assert proc.pid is not None and proc.is_alive(), "the run died with its console"
         os.kill(proc.pid, signal.SIGINT)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -21,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
-    FORKSERVER_PRELOAD,
     MICRO_RUN,
     STREAMING_TBPTT_SETTINGS,
     checkpoint_weights,
@@ -240,9 +240,13 @@ def test_file_size_limit_during_a_save_keeps_the_last_checkpoint(base_run, tmp_p
         stderr=tmp_path / "limited.err",
         file_size_limit=limit,
     )
-    proc.join(120)
-    stderr = (tmp_path / "limited.err").read_text()
-    assert proc.exitcode == 2, stderr[-2000:]
+    try:
+        proc.join(120)
+        stderr = (tmp_path / "limited.err").read_text()
+        assert proc.exitcode == 2, stderr[-2000:]
+    finally:
+        proc.kill()
+        proc.join()
     assert len(stderr.strip().splitlines()) == 1, stderr
     assert stderr.startswith(
         f"error: cannot write {run / 'checkpoints' / 'step-0000004' / 'optimizer.pt'} ("
@@ -351,9 +355,11 @@ def assert_stopped_once(run: Path) -> int:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_sigterm_to_one_data_parallel_rank_stops_both_with_one_checkpoint(tmp_path):
-    """SIGTERM to rank 1 only of 2 data-parallel processes (forked with torchrun's
-    environment): the stop is agreed at the next micro-step, both ranks write one checkpoint
-    together and exit 75, and `--resume` continues from it."""
+    """SIGTERM to rank 1 only of 2 data-parallel processes (forked by run_multiprocess, which
+    makes their gloo group; `bdh-train train` runs in it with torchrun's rank variables): the
+    stop is agreed at the next micro-step, both ranks write one checkpoint together and exit
+    75, and `--resume` continues from it. The launch through torchrun, the group the command
+    makes itself and its teardown are the mesh test's, below."""
     run, group = tmp_path / "run", tmp_path / "group"
 
     def stop_rank_1() -> None:
@@ -429,16 +435,6 @@ KILL_LOOP = [
 ]
 
 
-def _train_quietly(argv: list[str]) -> None:
-    """A forkserver child: `bdh-train train ARGV` on one thread, output discarded; the exit
-    status is main's."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    torch.set_num_threads(1)
-    sys.exit(main(["train", *argv]))
-
-
 def _pointer(run: Path) -> str | None:
     try:
         return (run / "checkpoints" / "latest").read_text()
@@ -455,20 +451,15 @@ def test_sigkill_loop_resumes_bit_identical(tmp_path):
     """Six SIGKILLs at seeded random moments of a streaming TBPTT run with accumulation that
     checkpoints every step (so many land inside a save), each followed by --resume: the end
     is bit-identical to the uninterrupted run and no temporary directory is left. The runs
-    are forked from a server that imported the package once (a fresh interpreter per run
-    would spend most of the time importing torch)."""
-    import multiprocessing
+    are forked from a server that imported the package once (`helpers.start_process`: a
+    fresh interpreter per run would spend most of the time importing torch)."""
     import random
 
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["bdh_train.cli", *FORKSERVER_PRELOAD, "test_failures"])
     sets = [a for o in KILL_LOOP for a in ("--set", o)]
     whole, run = tmp_path / "whole", tmp_path / "run"
 
     def launch(argv: list[str]) -> multiprocessing.process.BaseProcess:
-        proc = ctx.Process(target=_train_quietly, args=([*argv, *sets],))
-        proc.start()
-        return proc
+        return start_process(cli_main, ["train", *argv, *sets], stdout=Path(os.devnull))
 
     started = time.monotonic()
     proc = launch(["--run-dir", str(whole)])

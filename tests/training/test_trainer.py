@@ -201,10 +201,10 @@ def test_crash_during_checkpoint_leaves_previous_one_loadable(tmp_path):
     process = start_process(_train_then_die_saving, run_dir, stdout=tmp_path / "console")
     try:
         process.join(timeout=120)
+        assert process.exitcode == -signal.SIGKILL, (tmp_path / "console").read_text()[-3000:]
     finally:
         process.kill()
         process.join()
-    assert process.exitcode == -signal.SIGKILL, (tmp_path / "console").read_text()[-3000:]
     latest = ckpt.resolve_checkpoint(run_dir)
     assert latest.name == "step-0000005"  # the completed stop-checkpoint, not the killed one
     leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]

@@ -1,8 +1,9 @@
 """Small shared helpers: the nearest-name hint, dataclasses built from TOML tables with helpful
 errors, the one atomic file write (temporary file, fsync, rename), and the one way to read a
 file a user names: only a regular file (`open_regular`), whole up to a size limit
-(`read_regular_file`) or line by line with a limit per line (`read_lines`), and the
-environment's cap on a command's steps (`steps_cap`)."""
+(`read_regular_file`) or line by line with a limit per line (`read_lines`), the
+environment's cap on a command's steps (`steps_cap`), and whether this process is in a
+torch.distributed process group (`in_process_group`)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,15 @@ def steps_cap(environ: Mapping[str, str] | None = None) -> int | None:
             f"steps), got {value!r}; unset it to train the configured length"
         )
     return int(value)
+
+
+def in_process_group() -> bool:
+    """Whether this process is in an initialized torch.distributed process group, so that
+    collectives can run (torch.distributed built, and a group made by torchrun's environment
+    or by a caller)."""
+    import torch.distributed as dist  # here: reading this module imports no torch
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def suggest(name: str, options: typing.Iterable[str]) -> str:

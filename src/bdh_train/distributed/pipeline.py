@@ -36,6 +36,7 @@ from bdh_train.distributed.planner import PipelinePlan, StageAssignment
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.model.bdh import BDH
 from bdh_train.model.heads import count_targets
+from bdh_train.utils import in_process_group
 
 Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
@@ -107,7 +108,7 @@ class PipelineRunner:
                 f"the pipeline plan was built for model.n_layer={plan.n_layer}, but the model "
                 f"has {model.config.n_layer} layers"
             )
-        if not (dist.is_available() and dist.is_initialized()):
+        if not in_process_group():
             raise ConfigError(
                 "parallel.pipeline_stages > 1 needs an initialized torch.distributed process "
                 "group (one process per stage)"

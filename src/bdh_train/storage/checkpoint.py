@@ -39,7 +39,13 @@ from bdh_train.storage.output import make_dir, publish_dir, put_back, rename_int
 from bdh_train.storage.places import MANIFEST as MANIFEST  # read as ckpt.MANIFEST
 from bdh_train.storage.places import MODEL_CONFIG_KEY, MODEL_FILE
 from bdh_train.storage.run_dir import CHECKPOINTS
-from bdh_train.utils import atomic_write, first_line, quoted, read_regular_file
+from bdh_train.utils import (
+    atomic_write,
+    first_line,
+    in_process_group,
+    quoted,
+    read_regular_file,
+)
 
 
 @dataclass
@@ -501,7 +507,7 @@ class Checkpointer:
                 made[0] = make_temp_dir(self.run_dir, name)
             except OSError as exc:
                 made[0] = exc
-        if dist.is_available() and dist.is_initialized():
+        if in_process_group():
             dist.broadcast_object_list(made, src=0)
         if isinstance(made[0], BaseException):
             raise CheckpointWriteError(self.run_dir, self.run_dir / CHECKPOINTS, made[0])

@@ -19,7 +19,7 @@ import torch
 
 from bdh_train.errors import CheckpointError
 from bdh_train.model.bdh import DEFAULTED_KEYS
-from bdh_train.utils import first_line
+from bdh_train.utils import first_line, in_process_group
 
 
 @dataclass
@@ -220,6 +220,4 @@ def _one_process_quietly() -> Iterator[None]:
 
 def _one_process() -> bool:
     """No process group: DCP reads and writes every shard itself."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized())
+    return not in_process_group()

@@ -30,15 +30,11 @@ from bdh_train.train.accumulate import (
     normalize_gradients,
 )
 from bdh_train.train.step import LanguageTrainModel
+from bdh_train.utils import in_process_group
 
 __all__ = ["accumulate_sharded", "all_reduce_accumulated", "all_reduce_sums"]
 
 _DTYPE_CODES = {torch.float32: 32.0, torch.float64: 64.0}
-
-
-def _distributed_active() -> bool:
-    """True when collectives can run: torch.distributed is built and a group is initialized."""
-    return dist.is_available() and dist.is_initialized()
 
 
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -57,7 +53,7 @@ def _check_same_window_settings(
     `all_reduce_accumulated` differ in dtype (dtype). Costs one small MAX all-reduce; a no-op
     without an initialized process group.
     """
-    if not _distributed_active():
+    if not in_process_group():
         return
     scale = result.state.loss_scale
     code = _DTYPE_CODES.get(result.state.dtype, 0.0)
@@ -104,7 +100,7 @@ def all_reduce_accumulated(
             raise GradientError(
                 f"gradient for parameter {name!r} is {grad.dtype}, work dtype is {state.dtype}"
             )
-    if not _distributed_active():
+    if not in_process_group():
         return normalize_gradients(result.gradients, state.loss_scale, state.total_weight)
     _check_same_window_settings(result, group)
 
@@ -146,7 +142,7 @@ def all_reduce_accumulated(
 def all_reduce_sums(values: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
     """The element-wise sums of `values` over the ranks of `group`, in float64 (evaluation's
     loss sums and counts); the values themselves without an initialized process group."""
-    if not _distributed_active():
+    if not in_process_group():
         return list(values)
     sums = torch.tensor(values, dtype=torch.float64, device=_collective_device(group))
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)

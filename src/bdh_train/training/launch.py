@@ -14,15 +14,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch.distributed
-
 from bdh_train.config import RunConfig
 from bdh_train.distributed.env import DistContext, resolve_device
 from bdh_train.errors import BDHTrainError, ConfigError
 from bdh_train.storage import checkpoint as ckpt
 from bdh_train.storage.run_dir import RUNS_ROOT, RunDir, run_of_checkpoint
 from bdh_train.training.trainer import RunResult, Trainer
-from bdh_train.utils import STEPS_CAP_ENV, steps_cap
+from bdh_train.utils import STEPS_CAP_ENV, in_process_group, steps_cap
 
 StopHandler = Callable[[Callable[[], None]], AbstractContextManager[None]]
 """Given the trainer's `request_stop`, a context that calls it when the run is asked to stop
@@ -135,8 +133,7 @@ def train(
         # full collection costs time in proportion to the heap of the process that called
         # train (0.4 s in a long-lived one).
         trainer = None
-        grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if grouped or device_type != "cpu":
+        if in_process_group() or device_type != "cpu":
             gc.collect()
         dist_ctx.close()
 

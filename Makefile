@@ -41,9 +41,10 @@ browser:
 # CI has (each test then runs one torch thread: tests/helpers.py TEST_THREADS). A file's
 # tests share a worker (its module fixtures are built once), and files with long tests go
 # first (tests/conftest.py). TEST_WORKERS=0 runs every test in this one process.
-# Python caches bytecode even where the environment says not to (PYTHONDONTWRITEBYTECODE): the
-# suite starts about 40 Python processes, and each one compiling bdh_train anew costs 0.4 s of
-# CPU, each worker's rewriting of the test files' asserts 4 s.
+# pytest runs with PYTHONDONTWRITEBYTECODE cleared, so Python caches bytecode even where the
+# environment turns caching off: the suite starts about 40 Python processes, and without the
+# cache each compiled bdh_train anew (0.4 s of CPU) and each worker rewrote every test file's
+# asserts (4 s).
 TEST_WORKERS ?= 2
 
 test: $(STAMP) browser

@@ -18,7 +18,7 @@ import stat
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,13 @@ pytest-xdist workers that `make test` starts (2 workers: 1 thread each)."""
 
 TEST_SAMPLE_TOKENS = 8
 """How many tokens an end-of-run sample continues by in a test's run (`short_run_end`)."""
+
+
+def _as_a_test_process() -> None:
+    """In a process forked for a test (a rank, a command of its own): one torch thread, and
+    runs that end as the test's own process ends them."""
+    torch.set_num_threads(1)
+    short_run_end(setattr)
 
 
 def short_run_end(setattr_: Callable[[Any, str, Any], None]) -> None:
@@ -117,8 +124,7 @@ def _worker(
 ) -> None:
     """One process: join the gloo group, run fn, save its result (or traceback) to a file,
     and leave the group only when every rank has finished fn (`_wait_for_peers`)."""
-    torch.set_num_threads(1)
-    short_run_end(setattr)  # as the test's own process ends its runs
+    _as_a_test_process()
     out = Path(out_dir)
     deadline = time.monotonic() + timeout
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
@@ -367,28 +373,33 @@ def unequal_count_micro_batches(rows: int = 4, block: int = 6):
 
 
 # ------------------------------------------------------------------ a process without start-up
+@contextlib.contextmanager
 def start_process(
     fn: Callable[..., Any],
     *args: Any,
     stdout: Path,
     stderr: Path | None = None,
     file_size_limit: int | None = None,
-) -> multiprocessing.process.BaseProcess:
-    """Start fn(*args) in a process of its own forked from the forkserver (FORKSERVER_PRELOAD
-    imported once): a subprocess without an interpreter start and a torch import (about 3 s of
-    CPU), with its own pid, signals, locks and exit. Its standard output goes to `stdout` (a
-    file, or a named pipe the caller opens for reading), line by line, its errors to `stderr`
-    (None: to `stdout` too); it runs one torch thread, under RLIMIT_FSIZE `file_size_limit`
-    when given, and ends runs as the suite does (short_run_end). Its `exitcode` is fn's return
-    value (a command's exit status), or -N after signal N. The caller joins it, and kills it
-    when the test fails."""
+) -> Iterator[multiprocessing.process.BaseProcess]:
+    """fn(*args) started in a process of its own forked from the forkserver
+    (FORKSERVER_PRELOAD imported once): a subprocess without an interpreter start and a torch
+    import (about 3 s of CPU), with its own pid, signals, locks and exit. Its standard output
+    goes to `stdout` (a file, or a named pipe the caller opens for reading), line by line, its
+    errors to `stderr` (None: to `stdout` too); it runs as the suite's processes do
+    (`_as_a_test_process`), under RLIMIT_FSIZE `file_size_limit` when given. Its `exitcode` is
+    fn's return value (a command's exit status), or -N after signal N. Leaving the block kills
+    it if it still runs and joins it, so that none outlives a failed test."""
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # no-op once the server runs
     files = (str(stdout), str(stderr if stderr is not None else stdout))
     process = multiprocessing.get_context("forkserver").Process(
         target=_own_process, args=(fn, args, files, file_size_limit)
     )
     process.start()
-    return process
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.join()
 
 
 def _own_process(
@@ -405,8 +416,7 @@ def _own_process(
         stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     if file_size_limit is not None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-    torch.set_num_threads(1)
-    short_run_end(setattr)
+    _as_a_test_process()
     sys.exit(fn(*args))
 
 

@@ -276,8 +276,7 @@ def test_ctrl_c_with_the_console_gone_still_saves(tmp_path):
     argv += ["--set=training.max_steps=100000", "--set=training.checkpoint_every=0"]
     console = tmp_path / "console"
     os.mkfifo(console)  # the pipe to `tee`
-    proc = start_process(cli_main, argv, stdout=console)
-    try:
+    with start_process(cli_main, argv, stdout=console) as proc:
         tee = os.open(console, os.O_RDONLY | os.O_NONBLOCK)  # no wait for a writer to open it
         try:
             seen, deadline = b"", time.monotonic() + 120
@@ -296,9 +295,6 @@ def test_ctrl_c_with_the_console_gone_still_saves(tmp_path):
         os.kill(proc.pid, signal.SIGINT)
         proc.join(timeout=120)
         assert proc.exitcode == 75
-    finally:
-        proc.kill()
-        proc.join()
     stopped = ckpt.resolve_checkpoint(run)
     log = (run / ERROR_LOG).read_text()
     assert f"checkpoint {stopped}" in log and f"{command_name()} train --resume" in log

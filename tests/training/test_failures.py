@@ -6,6 +6,7 @@ line and exit status 2, and the last checkpoint stays intact and resumable."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import multiprocessing
@@ -233,20 +234,16 @@ def test_file_size_limit_during_a_save_keeps_the_last_checkpoint(base_run, tmp_p
     run = copy_run(base_run, tmp_path / "run")
     limit = (run / "checkpoints" / "step-0000002" / "optimizer.pt").stat().st_size // 2
 
-    proc = start_process(
+    with start_process(
         cli_main,
         ["train", "--resume", str(run), "--set", "training.max_steps=4"],
         stdout=tmp_path / "limited.out",
         stderr=tmp_path / "limited.err",
         file_size_limit=limit,
-    )
-    try:
+    ) as proc:
         proc.join(120)
         stderr = (tmp_path / "limited.err").read_text()
         assert proc.exitcode == 2, stderr[-2000:]
-    finally:
-        proc.kill()
-        proc.join()
     assert len(stderr.strip().splitlines()) == 1, stderr
     assert stderr.startswith(
         f"error: cannot write {run / 'checkpoints' / 'step-0000004' / 'optimizer.pt'} ("
@@ -458,35 +455,40 @@ def test_sigkill_loop_resumes_bit_identical(tmp_path):
     sets = [a for o in KILL_LOOP for a in ("--set", o)]
     whole, run = tmp_path / "whole", tmp_path / "run"
 
-    def launch(argv: list[str]) -> multiprocessing.process.BaseProcess:
-        return start_process(cli_main, ["train", *argv, *sets], stdout=Path(os.devnull))
+    with contextlib.ExitStack() as processes:  # each killed if alive and joined at the end
 
-    started = time.monotonic()
-    proc = launch(["--run-dir", str(whole)])
-    proc.join(120)
-    assert proc.exitcode == 0
-    trained = [r for r in read_metrics(whole / "metrics.jsonl") if "elapsed_s" in r]
-    step_s = trained[-1]["elapsed_s"] / len(trained)
-    rng = random.Random(12)
-    kills = inside_saves = 0
-    while kills < KILLS:
-        before = _pointer(run)
-        proc = launch(["--resume", str(run)] if before else ["--run-dir", str(run)])
-        deadline = time.monotonic() + 60
-        while _pointer(run) == before and proc.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.002)  # until the first checkpoint of this segment
-        time.sleep(rng.uniform(0.0, 2 * step_s))
-        if not proc.is_alive():
-            break
-        proc.kill()
-        proc.join(60)
-        kills += 1
-        inside_saves += bool(leftovers(run))
-    proc.join(120)
-    if kills == KILLS:
-        proc = launch(["--resume", str(run)])
+        def launch(argv: list[str]) -> multiprocessing.process.BaseProcess:
+            command = ["train", *argv, *sets]
+            return processes.enter_context(
+                start_process(cli_main, command, stdout=Path(os.devnull))
+            )
+
+        started = time.monotonic()
+        proc = launch(["--run-dir", str(whole)])
         proc.join(120)
-    assert proc.exitcode == 0
+        assert proc.exitcode == 0
+        trained = [r for r in read_metrics(whole / "metrics.jsonl") if "elapsed_s" in r]
+        step_s = trained[-1]["elapsed_s"] / len(trained)
+        rng = random.Random(12)
+        kills = inside_saves = 0
+        while kills < KILLS:
+            before = _pointer(run)
+            proc = launch(["--resume", str(run)] if before else ["--run-dir", str(run)])
+            deadline = time.monotonic() + 60
+            while _pointer(run) == before and proc.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.002)  # until the first checkpoint of this segment
+            time.sleep(rng.uniform(0.0, 2 * step_s))
+            if not proc.is_alive():
+                break
+            proc.kill()
+            proc.join(60)
+            kills += 1
+            inside_saves += bool(leftovers(run))
+        proc.join(120)
+        if kills == KILLS:
+            proc = launch(["--resume", str(run)])
+            proc.join(120)
+        assert proc.exitcode == 0
     print(f"{kills} kills, {inside_saves} inside a save, {time.monotonic() - started:.1f} s")
     assert kills == KILLS
     assert_same_run(whole, run)

@@ -198,13 +198,9 @@ def _train_then_die_saving(run_dir: Path) -> None:
 def test_crash_during_checkpoint_leaves_previous_one_loadable(tmp_path):
     """SIGKILL between the complete temporary write and the rename."""
     run_dir = tmp_path / "run"
-    process = start_process(_train_then_die_saving, run_dir, stdout=tmp_path / "console")
-    try:
+    with start_process(_train_then_die_saving, run_dir, stdout=tmp_path / "console") as process:
         process.join(timeout=120)
         assert process.exitcode == -signal.SIGKILL, (tmp_path / "console").read_text()[-3000:]
-    finally:
-        process.kill()
-        process.join()
     latest = ckpt.resolve_checkpoint(run_dir)
     assert latest.name == "step-0000005"  # the completed stop-checkpoint, not the killed one
     leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]
@@ -865,8 +861,7 @@ def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(
     run = tmp_path / "run"
     overrides = [*MICRO, "training.eval_every=0", "training.max_steps=100000"]
     argv = ["train", "--run-dir", str(run), *[f"--set={o}" for o in overrides]]
-    first = start_process(cli_main, argv, stdout=tmp_path / "first.out")
-    try:
+    with start_process(cli_main, argv, stdout=tmp_path / "first.out") as first:
         deadline = time.monotonic() + 120
         while not (run / "checkpoints" / "latest").exists():
             assert first.is_alive() and time.monotonic() < deadline, "first run did not start"
@@ -882,9 +877,6 @@ def test_a_second_trainer_is_refused_and_a_signal_stops_the_first_cleanly(
         os.kill(first.pid, stop_signal)
         first.join(timeout=120)
         assert first.exitcode == 75, (tmp_path / "first.out").read_text()[-2000:]
-    finally:
-        first.kill()
-        first.join()
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, len(steps) + 1)), "the first run's log was disturbed"
     assert load_config([run / "config.toml"]).optimizer.lr != 0.5

@@ -12,7 +12,12 @@ output and the final state, one forward and backward of:
   `training.stream_documents = "corpus"` gives it; before the Function took reset masks, such
   calls ran their chunks one after another;
 * decay function / decay autograd: the same two forms with alibi's per-head decay (what
-  `position = "alibi"` runs; autograd is what it ran before the Function took decay).
+  `position = "alibi"` runs; autograd is what it ran before the Function took decay);
+* both function / both autograd: resets and alibi's decay together (what a streamed alibi
+  run's train step calls: `training.tbptt_persist_across_steps` resets each row where its
+  next document starts), through the Function and through the autograd form the dispatch
+  sent them to before the Function took both (dense's masked products, chunked's
+  chunk-by-chunk loop).
 
 The two alternate, one call each in turn; the table gives the fastest of --rounds calls (ms)
 and their ratio. H=4, N=512, D=128 (config a's mixer), fp32; on the CPU 2 threads and the
@@ -34,7 +39,8 @@ from bdh_train.model.positions import alibi_log_decay
 from bdh_train.train.allocator import configure_host_allocator
 
 HEADS, NEURONS, EMBD = 4, 512, 128
-POINTS = ((8, 512, 128), (8, 512, 512), (8, 2048, 128), (2, 2048, 128))  # (B, T, C)
+POINTS = ((8, 128, 128), (8, 512, 128), (8, 512, 512), (8, 2048, 128), (2, 2048, 128))
+"""(B, T, C); (8, 128, 128) is the tiny preset's block (8 x 128, one chunk: dense)."""
 RESETS_PER_ROW = 3
 
 
@@ -54,6 +60,21 @@ def inputs(batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor
     return tuple(drawn.values())
 
 
+def under_autograd(form):
+    """`form` run with the dispatch sending every call to the autograd form (the Function
+    refused), as it sent resets with decay before the Function took both."""
+
+    def run():
+        real = mixer._hand_written_backward_applies
+        mixer._hand_written_backward_applies = lambda q, log_decay: False
+        try:
+            return form()
+        finally:
+            mixer._hand_written_backward_applies = real
+
+    return run
+
+
 def fastest_calls(
     batch: int, seq_len: int, chunk: int, rounds: int, device: torch.device
 ) -> dict[str, float]:
@@ -63,6 +84,12 @@ def fastest_calls(
     executor = mixer.dense_attention if chunk == seq_len else mixer.chunked_attention
     mask = document_starts(batch, seq_len, RESETS_PER_ROW, device)
     log_decay = alibi_log_decay(HEADS)
+
+    def both():
+        return executor(
+            q, v, initial_state=rho0, chunk_size=chunk, reset_mask=mask, log_decay=log_decay
+        )
+
     forms = {
         "function": lambda: executor(q, v, initial_state=rho0, chunk_size=chunk),
         "autograd": lambda: mixer.chunked_by_products(q, v, rho0, None, chunk, True),
@@ -71,6 +98,8 @@ def fastest_calls(
             q, v, initial_state=rho0, chunk_size=chunk, log_decay=log_decay
         ),
         "decay autograd": lambda: mixer.chunked_by_products(q, v, rho0, log_decay, chunk, True),
+        "both function": both,
+        "both autograd": under_autograd(both),
     }
     best = {name: float("inf") for name in forms}
     for round_index in range(rounds + 1):  # round 0 warms up
@@ -118,6 +147,9 @@ def main() -> None:
                 f"{best['decay function'] * 1e3:.0f}",
                 f"{best['decay autograd'] * 1e3:.0f}",
                 f"{decay_ratio:.2f}x",
+                f"{best['both function'] * 1e3:.0f}",
+                f"{best['both autograd'] * 1e3:.0f}",
+                f"{best['both autograd'] / best['both function']:.2f}x",
             )
         )
     print_table(
@@ -133,6 +165,9 @@ def main() -> None:
             "autograd / function",
             f"function, {RESETS_PER_ROW} resets per row, ms",
             "alibi decay: function ms",
+            "autograd ms",
+            "autograd / function",
+            "resets and decay: function ms",
             "autograd ms",
             "autograd / function",
         ),

@@ -257,8 +257,8 @@ def test_executor_with_document_resets_matches_separate_documents(
 def test_chunked_with_resets_equals_dense_over_several_chunks(need_state, decay):
     """Resets inside the call: T = 7 in chunks of 3 (the last of one token), a reset in each
     row, with and without the final state (every chunk but the last must still pass its state
-    on), against dense, fp64 1e-10. With decay the chunks run one after another; without, all
-    at once through the reset masks of the hand-written Function."""
+    on), against dense, fp64 1e-10: all chunks at once through the reset masks of the
+    hand-written Function (times the decay's powers with decay)."""
     inputs, _ = make_inputs(7, torch.float64, True, seed=5)
     q, v, rho0 = (x.detach() for x in inputs)
     mask = torch.zeros(B, 7, dtype=torch.bool)
@@ -599,17 +599,21 @@ def test_chunked_function_passes_gradcheck(decay):
 
 @pytest.mark.parametrize("executor", ["dense", "chunked"])
 def test_the_autograd_form_runs_under_decay_and_autocast(executor):
-    """Decay with resets, a learned decay (its gradient) and autocast keep the products
-    autograd differentiates; resets alone and a fixed decay alone run through the Function."""
+    """A learned decay (its gradient) and autocast keep the products autograd differentiates;
+    resets, a fixed decay and both together run through the Function."""
     (q, v, rho0), _ = make_inputs(8, torch.float32, True, seed=2)
     fn = EXECUTOR_FUNCTIONS[executor]
     mask = torch.zeros(B, 8, dtype=torch.bool)
     mask[0, 5] = True
     learned = LOG_DECAY.clone().requires_grad_()
-    for kwargs in (dict(log_decay=LOG_DECAY, reset_mask=mask), dict(log_decay=learned)):
+    for kwargs in (dict(log_decay=learned), dict(log_decay=learned, reset_mask=mask)):
         out, _ = fn(q, v, initial_state=rho0, chunk_size=3, **kwargs)
         assert type(out.grad_fn).__name__ != "ChunkedAttentionBackward", kwargs
-    for kwargs in (dict(reset_mask=mask), dict(log_decay=LOG_DECAY)):
+    for kwargs in (
+        dict(reset_mask=mask),
+        dict(log_decay=LOG_DECAY),
+        dict(log_decay=LOG_DECAY, reset_mask=mask),
+    ):
         out, _ = fn(q, v, initial_state=rho0, chunk_size=3, **kwargs)
         assert type(out.grad_fn).__name__ == "ChunkedAttentionBackward", kwargs
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -747,8 +751,8 @@ def test_row_panels_run_without_resets_and_decay_only(monkeypatch, factors):
     calibration = mixer.ExecutorCalibration(16, 1.15, dense_panel_rows=4)
     monkeypatch.setitem(mixer.EXECUTOR_CALIBRATION, "cpu", calibration)
     (q, v, rho0), _ = make_inputs(13, torch.float64, True, seed=13)
-    mask = reset_mask_for(13) if factors == "resets" else None
-    log_decay = LOG_DECAY if factors == "decay" else None
+    mask = reset_mask_for(13) if factors in ("resets", "both") else None
+    log_decay = LOG_DECAY if factors in ("decay", "both") else None
     out, final = chunked_attention_function(q, v, rho0, 13, True, mask, log_decay, 4)
     assert out.grad_fn.in_panels is False
     if factors == "resets":
@@ -841,19 +845,66 @@ def test_dense_over_no_tokens_returns_the_incoming_state():
     assert torch.equal(final, rho0)
 
 
+@pytest.mark.parametrize("decay", [False, True], ids=["no-decay", "decay"])
 @pytest.mark.parametrize("chunk_size", [3, 4, 13])
-def test_chunked_function_with_resets_passes_gradcheck(chunk_size):
+def test_chunked_function_with_resets_passes_gradcheck(chunk_size, decay):
     """Finite differences against the backward with reset masks: RESET_AT's documents (a
     reset at a chunk's first token, inside a chunk, at token 0 and at the last token), chunks
-    of 3 and 4 and one chunk of the whole call (dense)."""
+    of 3 and 4 and one chunk of the whole call (dense), without and with decay."""
     from bdh_train.model.chunked_grad import ChunkedAttention
 
     (q, v, rho0), _ = make_inputs(13, torch.float64, True, seed=12)
     mask = reset_mask_for(13)
+    log_decay = LOG_DECAY if decay else None
     assert torch.autograd.gradcheck(
-        lambda q, v, r: ChunkedAttention.apply(q, v, r, chunk_size, True, mask, False, None, 0),
+        lambda q, v, r: ChunkedAttention.apply(
+            q, v, r, chunk_size, True, mask, False, log_decay, 0
+        ),
         (q, v, rho0),
     )
+
+
+@pytest.mark.parametrize("final_state", [True, False], ids=["final-state", "out-only"])
+@pytest.mark.parametrize(
+    ("executor", "chunk_size"), [("dense", 13), ("chunked", 3), ("chunked", 4)]
+)
+def test_resets_with_decay_in_the_function_equal_the_autograd_form(
+    executor, chunk_size, final_state
+):
+    """The Function with resets and a fixed decay against the same executor's autograd form
+    (the decay as a tensor that takes a gradient, which the dispatch keeps out of the
+    Function: dense's masked products, chunked's chunk-by-chunk loop): outputs, final state
+    and the gradients of q, v and rho0, RESET_AT's documents, fp64 to 1e-10 and fp32 to
+    1e-5."""
+    fn = EXECUTOR_FUNCTIONS[executor]
+    mask = reset_mask_for(13)
+    for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        results = []
+        for log_decay in (LOG_DECAY, LOG_DECAY.clone().requires_grad_()):
+            (q, v, rho0), (g_out, g_rho) = make_inputs(13, dtype, True, seed=16)
+            out, final = fn(
+                q,
+                v,
+                initial_state=rho0,
+                log_decay=log_decay,
+                chunk_size=chunk_size,
+                output_final_state=final_state,
+                reset_mask=mask,
+            )
+            through = type(out.grad_fn).__name__ == "ChunkedAttentionBackward"
+            assert through == (not log_decay.requires_grad), (executor, dtype)
+            loss = (out * g_out).sum() + ((final * g_rho).sum() if final_state else 0)
+            grads = torch.autograd.grad(loss, (q, v, rho0))
+            results.append((out.detach(), final, *grads))
+        (got_out, got_final, *got), (ref_out, ref_final, *ref) = results
+        what = f"{executor} C={chunk_size} {dtype}"
+        assert_close(got_out, ref_out, rtol=rtol, msg=f"{what}: out")
+        if final_state:
+            assert_close(got_final.detach(), ref_final.detach(), rtol=rtol, msg=f"{what}: state")
+        else:
+            assert got_final is None and ref_final is None
+        for name, g, g_ref in zip(("q", "v", "rho0"), got, ref, strict=True):
+            assert_close(g, g_ref, rtol=rtol, msg=f"{what}: grad of {name}")
 
 
 def test_without_gradients_resets_compute_the_same():
@@ -871,7 +922,7 @@ def heads_major_copy(x):
     return x.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_(x.requires_grad)
 
 
-@pytest.mark.parametrize("factors", ["none", "resets", "decay"])
+@pytest.mark.parametrize("factors", ["none", "resets", "decay", "both"])
 @pytest.mark.parametrize("value_heads", [1, H], ids=["shared-v", "per-head-v"])
 @pytest.mark.parametrize(("executor", "chunk_size"), [("dense", 13), ("chunked", 4)])
 def test_heads_major_queries_compute_what_contiguous_ones_do(
@@ -888,8 +939,8 @@ def test_heads_major_queries_compute_what_contiguous_ones_do(
     (q, v, rho0), (g_out, g_rho) = make_inputs(13, torch.float64, True, seed=14)
     if value_heads > 1:
         v = v.detach().expand(B, value_heads, 13, D).contiguous().requires_grad_()
-    mask = reset_mask_for(13) if factors == "resets" else None
-    log_decay = LOG_DECAY if factors == "decay" else None
+    mask = reset_mask_for(13) if factors in ("resets", "both") else None
+    log_decay = LOG_DECAY if factors in ("decay", "both") else None
     fn = EXECUTOR_FUNCTIONS[executor]
     kwargs = dict(chunk_size=chunk_size, reset_mask=mask, log_decay=log_decay)
     results = []
@@ -974,7 +1025,8 @@ def test_a_learned_decay_matches_the_definition_with_its_gradient(executor, chun
         ("chunked", "fixed", True),
         ("chunked", "learned", False),
         ("dense", "learned", False),
-        ("chunked", "fixed+resets", False),
+        ("chunked", "fixed+resets", True),
+        ("chunked", "learned+resets", False),
         ("recurrent", None, False),
     ],
 )
@@ -990,8 +1042,9 @@ def test_only_the_function_takes_heads_major_queries_as_they_lie(
         "fixed": LOG_DECAY,
         "fixed+resets": LOG_DECAY,
         "learned": LOG_DECAY.clone().requires_grad_(),
+        "learned+resets": LOG_DECAY.clone().requires_grad_(),
     }
-    mask = reset_mask_for(13) if log_decay == "fixed+resets" else None
+    mask = reset_mask_for(13) if log_decay and log_decay.endswith("+resets") else None
     kwargs = dict(
         executor=executor,
         initial_state=rho0,

@@ -34,8 +34,10 @@ A fixed per-head decay d = exp(log_decay) (alibi; `ChunkDecay`) weighs the same 
 instead: A_k by d^(t - s), V_k's writes by d^(C - s) (the last chunk's by d^(L - s) for its
 L real tokens), the carry of W_j into S_k by d^(C (k - 1 - j)), rho0 into S_k by d^(kC),
 token t's read of S_k by d^t and rho_T's of S_(K-1) by d^L; backward applies them where the
-reset factors stand. Resets and decay together, and a learned decay (whose gradient this
-backward does not compute), keep the products under autograd (model/mixer.py).
+reset factors stand. Resets and decay together weigh each term by the product of the two
+(`decayed_resets`): a reset drops a term, the decay weighs what stays, and the exponents stay
+differences of in-call positions. A learned decay (whose gradient this backward does not
+compute) keeps the products under autograd (model/mixer.py).
 
 Queries laid out heads-major (a [B, H, T, N] view of a contiguous [H, B, T, N], as the
 layer's projections leave long inputs) run as they lie: every tensor is transposed to
@@ -146,6 +148,14 @@ def chunk_decay(log_decay: Tensor, seq_len: int, chunk_size: int, like: Tensor) 
         from_rho0=powers(c * chunk).view(1, -1, n_chunks, 1, 1),
         final_carries=powers(lengths[-1]).view(1, -1, 1, 1),
     )
+
+
+def decayed_resets(masks: ResetMasks, decay: ChunkDecay) -> ChunkDecay:
+    """The factors of resets and a decay together: each of `decay`'s factors times the reset
+    mask on the same term (the fields align by position; `pairs` also keeps only s < t), so
+    each term keeps its decay where the reset rule keeps it and is 0 where a reset drops it.
+    Every factor takes both the batch and the heads dimension ([B, H, ...])."""
+    return ChunkDecay(*(weights * kept for weights, kept in zip(decay, masks, strict=True)))
 
 
 Factors = ResetMasks | ChunkDecay
@@ -363,16 +373,14 @@ def _run_forward(
     Factors | None,
 ]:
     """(out [B, H, T, D], rho_T or None, what backward needs: (qc, vc, A or its panels, S),
-    the reset masks or decay factors or None) of the executor's forward; `heads_first`: the
-    tensors are laid out [H, B, ...] (the reset mask stays [B, T]). Resets and decay do not
-    combine."""
+    the reset masks, the decay factors, both's products or None) of the executor's forward;
+    `heads_first`: the tensors are laid out [H, B, ...] (the reset mask stays [B, T])."""
     batch, heads, seq_len, _ = q.shape
-    factors: Factors | None = None
-    if reset_mask is not None:
-        assert log_decay is None  # the dispatch sends decay with resets to autograd
-        factors = reset_masks(reset_mask, chunk_size, q.dtype)
-    elif log_decay is not None:
-        factors = chunk_decay(log_decay, seq_len, chunk_size, q)
+    resets = None if reset_mask is None else reset_masks(reset_mask, chunk_size, q.dtype)
+    factors: Factors | None = resets
+    if log_decay is not None:
+        decay = chunk_decay(log_decay, seq_len, chunk_size, q)
+        factors = decay if resets is None else decayed_resets(resets, decay)
     if heads_first and factors is not None:  # batch and heads swap places in every factor
         factors = type(factors)(*(f.transpose(0, 1) for f in factors))
     qc, vc = _pad_to_chunks(q, chunk_size), _pad_to_chunks(v, chunk_size)
@@ -387,7 +395,7 @@ def _run_forward(
 
 
 class ChunkedAttention(torch.autograd.Function):
-    """(out [B, H, T, D], rho_T or None) of the chunked executor (resets or decay); see the
+    """(out [B, H, T, D], rho_T or None) of the chunked executor (resets, decay, or both); see the
     module's docstring for the products of forward and backward."""
 
     @staticmethod
@@ -494,9 +502,9 @@ def chunked_attention_function(
 ) -> tuple[Tensor, Tensor | None]:
     """The chunked executor through `ChunkedAttention` when a gradient is recorded, else its
     forward alone (nothing saved). `reset_mask` [B, T] (True where a row's new document
-    begins) drops a row's state before it; `log_decay` [H] (no gradient; not with resets)
-    decays the state per head and token; `panel_rows` > 0: one chunk (the dense executor)
-    longer than that computes its scores in row panels of that many queries."""
+    begins) drops a row's state before it; `log_decay` [H] (no gradient) decays the state
+    per head and token; `panel_rows` > 0: one chunk (the dense executor) longer than that
+    computes its scores in row panels of that many queries."""
     if reset_mask is not None:
         reset_mask = reset_mask.to(q.device)
     heads_first = is_heads_major(q)

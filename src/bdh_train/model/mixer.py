@@ -173,15 +173,12 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
-def _hand_written_backward_applies(
-    q: Tensor, log_decay: Tensor | None, reset_mask: Tensor | None
-) -> bool:
-    """Whether dense and chunked run as `ChunkedAttention`: with reset masks or a fixed decay
-    (not both, and not a decay that is learned), outside autocast (its backward would not run
-    under it) and outside torch.compile (inductor fuses the autograd form itself)."""
-    decay_applies = log_decay is None or (reset_mask is None and not log_decay.requires_grad)
+def _hand_written_backward_applies(q: Tensor, log_decay: Tensor | None) -> bool:
+    """Whether dense and chunked run as `ChunkedAttention`: with reset masks, a fixed decay or
+    both (not a decay that is learned), outside autocast (its backward would not run under
+    it) and outside torch.compile (inductor fuses the autograd form itself)."""
     return (
-        decay_applies
+        (log_decay is None or not log_decay.requires_grad)
         and _autocast_dtype(q.device.type) is None
         and not torch.compiler.is_compiling()
     )
@@ -193,7 +190,7 @@ def _dense_panel_rows(q: Tensor, log_decay: Tensor | None, reset_mask: Tensor | 
     whole matrix)."""
     if log_decay is not None or reset_mask is not None:
         return 0
-    if not _hand_written_backward_applies(q, None, None):
+    if not _hand_written_backward_applies(q, None):
         return 0
     return calibration_for(q.device.type, q.dtype).dense_panel_rows
 
@@ -215,11 +212,11 @@ def dense_attention(
     reset_mask: Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole call at once through the masked T x T score matrix (chunk_size unused).
-    Without a learned decay, and without decay and resets together, this is the chunked
-    executor's Function with one chunk, which computes the matrix in row panels where
-    `_dense_panel_rows` gives them (the blocks above the diagonal skipped)."""
+    Without a learned decay this is the chunked executor's Function with one chunk, which
+    computes the matrix in row panels where `_dense_panel_rows` gives them (the blocks above
+    the diagonal skipped)."""
     seq_len = q.shape[2]
-    if seq_len > 0 and _hand_written_backward_applies(q, log_decay, reset_mask):
+    if seq_len > 0 and _hand_written_backward_applies(q, log_decay):
         return chunked_attention_function(
             q,
             v,
@@ -302,12 +299,12 @@ def chunked_attention(
     the CPU instead: `chunked_grad.sums_by_product`).
     The final state continues from the last chunk's S with that chunk's real tokens only.
     Outside autocast and torch.compile, the same products run as one autograd Function with
-    a backward of fewer products and no [B, H, T, N] gradient sums, resets (0/1 factors) or a
-    fixed decay (powers) weighing its terms (model/chunked_grad.py). Otherwise, and for a
-    learned decay, `chunked_by_products` is the form autograd differentiates; decay with a
-    reset mask runs the chunks one after another (`_chunk_by_chunk`).
+    a backward of fewer products and no [B, H, T, N] gradient sums, resets (0/1 factors), a
+    fixed decay (powers) or both (their products) weighing its terms (model/chunked_grad.py).
+    Otherwise, and for a learned decay, `chunked_by_products` is the form autograd
+    differentiates; with a reset mask the chunks run one after another (`_chunk_by_chunk`).
     """
-    if _hand_written_backward_applies(q, log_decay, reset_mask):
+    if _hand_written_backward_applies(q, log_decay):
         return chunked_attention_function(
             q, v, initial_state, chunk_size, output_final_state, reset_mask, log_decay, 0
         )
@@ -487,7 +484,7 @@ def linear_attention(
     if fn is None:
         raise ValueError(f"unknown executor {executor!r}; expected one of {EXECUTORS} or 'auto'")
     runs_the_function = executor in ("dense", "chunked") and _hand_written_backward_applies(
-        q, log_decay, reset_mask
+        q, log_decay
     )
     if is_heads_major(q) and not runs_the_function:
         q = q.contiguous()  # only ChunkedAttention runs on the heads-major layout as it lies

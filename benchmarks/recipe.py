@@ -8,8 +8,25 @@ warm-up, betas, weight decay, clipping and dropout; the cosine runs over the bud
 arms train in one process, one optimizer step each in turn, and each counts only its own
 steps' seconds (after one untimed forward and backward, which takes each arm's start-up off
 its clock), so machine load falls on all of them alike. When an arm has spent its budget
-it stops; then every arm is scored on the same held-out windows (the last 10%, `--context`
-bytes of context each): loss in nats per byte and bits per byte.
+it stops; then every arm is scored on the same held-out text (the last 10%; its first
+`--eval-bytes`), three ways, in nats per byte:
+
+* windows: non-overlapping `--context`-byte windows, each read from a fresh start (what every
+  model sees in training: nothing before its block);
+* sliding: every target read with its model's trained block of bytes before it at most, in
+  windows of the block moved `--stride` bytes at a time (default: a quarter of the block;
+  each window scores its last `--stride` targets, read with block - stride + 1 to block
+  bytes of context; the first window scores all of its targets): how a model with a window
+  reads long text;
+* stream: BDH only, the whole text read as one stream from a fresh state, the state carried
+  from token to token (`evals.scoring.score_sequences`): how BDH reads long text, every
+  byte before a target in its state.
+
+A BDH arm whose config streams its state (`training.tbptt_persist_across_steps`) trains as
+`bdh-train train` does then: its rows read documents of `training.min_logical_block_size`
+bytes in consecutive blocks, the detached state carried from each block to the next and
+reset where a document starts (`StreamingDocumentLoader` and `LanguageTrainModel`, the
+trainer's own loader and step); its batches are therefore not the other arms' windows.
 
 The GPT baseline: pre-norm decoder blocks (LayerNorm, causal multi-head attention with
 rotary positions, LayerNorm, 4x GELU MLP, no biases), a final LayerNorm and an untied head;
@@ -18,6 +35,12 @@ as many layers and heads as the BDH preset, its width the one whose parameter co
 
     python benchmarks/recipe.py --budgets 180,600 --presets tiny --optimizers adamw,muon
     python benchmarks/recipe.py --sweep --budgets 40 --presets tiny
+    python benchmarks/recipe.py --budgets 180 --bdh 'alibi streamed:model.position=alibi,\
+        training.tbptt_persist_across_steps=true,training.min_logical_block_size=1024'
+
+`--bdh LABEL:KEY=VALUE,...` adds a BDH arm of the preset with those overrides (its optimizer
+is `optimizer.name` among them, else the first of `--optimizers`); `--no-preset-bdh` leaves
+out the preset's own BDH arms.
 
 `--sweep` varies the BDH recipe one setting at a time (learning rate, warm-up, width against
 neurons at equal parameters, block, dropout, weight decay, batch) at short budgets, beside
@@ -40,9 +63,12 @@ from _common import cpu_counters, fmt, machine_line, others_cpu_share, print_tab
 from torch import nn
 
 from bdh_train.config import RunConfig, load_config
+from bdh_train.data.loaders import StreamingDocumentLoader
+from bdh_train.evals.scoring import score_sequences
 from bdh_train.model.bdh import BDH
 from bdh_train.train.allocator import configure_host_allocator
 from bdh_train.train.optim import OptimizerConfig
+from bdh_train.train.step import LanguageTrainModel
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 SWEEP = {
@@ -203,6 +229,10 @@ class Arm:
             group["lr"] = self.lr()
         _, loss = self.model(windows[:, :-1], windows[:, 1:])
         loss.backward()
+        self.finish_step(started, loss)
+
+    def finish_step(self, started: float, loss: torch.Tensor) -> None:
+        """Clip, update, zero the gradients; count the step's seconds and loss."""
         if self.optim.grad_clip_norm > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip_norm)
         self.optimizer.step()
@@ -210,6 +240,30 @@ class Arm:
         self.elapsed += time.perf_counter() - started
         self.steps += 1
         self.losses.append(loss.item())
+
+
+@dataclass
+class StreamedArm(Arm):
+    """A BDH arm that carries its state across steps as the trainer does: the trainer's
+    streaming loader over `train` and its train step (`LanguageTrainModel`, streaming)."""
+
+    logical_length: int = 0
+    loader: StreamingDocumentLoader | None = None
+    executor: LanguageTrainModel | None = None
+
+    def step(self, train: torch.Tensor) -> None:
+        started = time.perf_counter()
+        if self.loader is None or self.executor is None:
+            tokens = train.numpy()
+            self.loader = StreamingDocumentLoader(
+                tokens, self.block, self.batch, self.logical_length, self.seed
+            )
+            assert isinstance(self.model, BDH)
+            self.executor = LanguageTrainModel(self.model, streaming=True)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr()
+        out = self.executor.train_step(self.loader.next_batch())
+        self.finish_step(started, out.loss)
 
 
 @dataclass(frozen=True)
@@ -244,23 +298,21 @@ def overridden(recipe: Recipe, changes: Sequence[str]) -> list[str]:
     return out
 
 
-def bdh_arm(recipe: Recipe, optimizer: str, changes: Sequence[str], budget: float, label: str):
-    """BDH of `recipe` with `changes` (a sweep variant's) and `optimizer`."""
-    cfg = recipe.config(*overridden(recipe, changes), f"optimizer.name='{optimizer}'")
+def bdh_arm(
+    recipe: Recipe, optimizer: str | None, changes: Sequence[str], budget: float, label: str
+) -> Arm:
+    """BDH of `recipe` with `changes` (a sweep variant's) and `optimizer` (None: the one the
+    recipe names); a `StreamedArm` where the config carries the state across steps."""
+    named = [] if optimizer is None else [f"optimizer.name='{optimizer}'"]
+    cfg = recipe.config(*overridden(recipe, changes), *named)
     torch.manual_seed(cfg.training.seed)
     model = BDH(cfg.model)
     t = cfg.training
-    return Arm(
-        "BDH",
-        label,
-        model,
-        cfg.optimizer.build(model),
-        cfg.optimizer,
-        t.block_size,
-        t.batch_size,
-        budget,
-        t.seed,
-    )
+    shape = (cfg.optimizer, t.block_size, t.batch_size, budget, t.seed)
+    if t.streaming:
+        opt = cfg.optimizer.build(model)
+        return StreamedArm("BDH", label, model, opt, *shape, logical_length=t.logical_block_size)
+    return Arm("BDH", label, model, cfg.optimizer.build(model), *shape)
 
 
 def gpt_model(recipe: Recipe, target_params: int) -> GPT:
@@ -298,6 +350,41 @@ def held_out_loss(model: nn.Module, held: torch.Tensor, context: int, max_bytes:
     return total / count
 
 
+@torch.no_grad()
+def sliding_loss(model: nn.Module, held: torch.Tensor, window: int, stride: int, max_bytes: int):
+    """Mean loss (nats per byte) over every target of the first `max_bytes` of `held` but the
+    first, each read with at most `window` bytes before it: windows of `window` bytes moved
+    `stride` at a time, each scoring its last `stride` targets (the first window all of
+    them), so past the first window a target is read with window - stride + 1 to window
+    bytes before it."""
+    if not 0 < stride <= window:
+        raise ValueError(f"stride must be in 1..window ({window}), got {stride}")
+    model.eval()
+    text = held[: min(len(held), max_bytes)]
+    total, count = 0.0, 0
+    pieces = [(0, 0)]  # (window start, first scored target within the window)
+    pieces += [(s - window, window - stride) for s in range(window + stride, len(text), stride)]
+    for i in range(0, len(pieces), 16):
+        rows = pieces[i : i + 16]
+        windows = torch.stack([text[s : s + window + 1] for s, _ in rows])
+        logits, _ = model(windows[:, :-1], windows[:, 1:])
+        losses = F.cross_entropy(logits.transpose(1, 2), windows[:, 1:], reduction="none")
+        for row, (_, first) in enumerate(rows):
+            total += float(losses[row, first:].sum())
+            count += window - first
+    model.train()
+    return total / count
+
+
+def stream_loss(model: BDH, held: torch.Tensor, max_bytes: int) -> float:
+    """Mean loss (nats per byte) over the first `max_bytes` of `held` read as one stream from
+    a fresh state, the state carried from token to token."""
+    model.eval()
+    (scores,) = score_sequences(model, [held[:max_bytes].tolist()], batch_size=1)
+    model.train()
+    return float(-scores.log_probs.mean())
+
+
 def race(arms: list[Arm], train: torch.Tensor) -> float:
     """Alternate one step per unfinished arm until every arm has spent its budget; the share
     of the machine's CPUs other processes used meanwhile."""
@@ -311,15 +398,50 @@ def race(arms: list[Arm], train: torch.Tensor) -> float:
     return others_cpu_share(before, cpu_counters())
 
 
+@dataclass
+class Scores:
+    """An arm's held-out losses (nats per byte) and speed after its race."""
+
+    windows: float
+    sliding: float
+    stream: float | None
+    """BDH's state carried over the whole text; None for the GPT."""
+    tok_s: float
+    train_tail: float
+    """Mean train loss over the steps every arm took (the last 10 of them)."""
+
+    @property
+    def used(self) -> float:
+        """The loss of the reading the model is used with on long text: BDH's stream, the
+        GPT's sliding window."""
+        return self.sliding if self.stream is None else self.stream
+
+
+def stride_for(arm: Arm, args: argparse.Namespace) -> int:
+    """`--stride`, or a quarter of the arm's block (0)."""
+    return args.stride or max(1, arm.block // 4)
+
+
+def score(arm: Arm, held: torch.Tensor, common: int, args: argparse.Namespace) -> Scores:
+    """`arm`'s `Scores` on `held`; `common`: the steps every arm took."""
+    tail = arm.losses[max(common - 10, 0) : common]
+    model = arm.model
+    return Scores(
+        windows=held_out_loss(model, held, args.context, args.eval_bytes),
+        sliding=sliding_loss(model, held, arm.block, stride_for(arm, args), args.eval_bytes),
+        stream=stream_loss(model, held, args.eval_bytes) if isinstance(model, BDH) else None,
+        tok_s=arm.steps * arm.block * arm.batch / arm.elapsed,
+        train_tail=sum(tail) / len(tail),
+    )
+
+
 def report(title: str, arms: list[Arm], held: torch.Tensor, args: argparse.Namespace) -> None:
-    common = min(a.steps for a in arms)  # every arm saw these batches (same order and shape)
-    rows, held_out, speed, early = [], {}, {}, {}
+    common = min(a.steps for a in arms)  # every arm saw these steps' shapes
+    span = f"{max(common - 10, 0) + 1}-{common}"
+    scores = {id(a): score(a, held, common, args) for a in arms}
+    rows = []
     for a in arms:
-        held_out[id(a)] = loss = held_out_loss(a.model, held, args.context, args.eval_bytes)
-        tokens = a.steps * a.block * a.batch
-        speed[id(a)] = tokens / a.elapsed
-        tail = a.losses[max(common - 10, 0) : common]
-        early[id(a)] = sum(tail) / len(tail)
+        sc = scores[id(a)]
         rows.append(
             [
                 a.model_name,
@@ -327,11 +449,13 @@ def report(title: str, arms: list[Arm], held: torch.Tensor, args: argparse.Names
                 fmt(a.budget_s),
                 f"{a.params:,}",
                 a.steps,
-                f"{tokens:,}",
-                fmt(speed[id(a)]),
-                fmt(early[id(a)], ".3f"),
-                fmt(loss, ".4f"),
-                fmt(loss / math.log(2), ".4f"),
+                f"{a.steps * a.block * a.batch:,}",
+                fmt(sc.tok_s),
+                fmt(sc.train_tail, ".3f"),
+                fmt(sc.windows, ".4f"),
+                fmt(sc.sliding, ".4f"),
+                fmt(sc.stream, ".4f"),
+                fmt(sc.used / math.log(2), ".4f"),
             ]
         )
     headers = [
@@ -342,20 +466,25 @@ def report(title: str, arms: list[Arm], held: torch.Tensor, args: argparse.Names
         "steps",
         "tokens",
         "tok/s",
-        f"train loss {max(common - 10, 0) + 1}-{common}",
-        "held-out nats/byte",
-        "bits/byte",
+        f"train loss {span}",
+        f"windows of {args.context}",
+        f"sliding (stride {args.stride or 'block/4'})",
+        "stream",
+        "bits/byte as used",
     ]
     print_table(title, headers, rows)
     print()
+    gpts = [a for a in arms if a.model_name == "GPT"]
     for b in (a for a in arms if a.model_name == "BDH"):
-        for g in (a for a in arms if a.model_name == "GPT" and a.optim.name == b.optim.name):
+        sb = scores[id(b)]
+        for g in gpts:
+            sg = scores[id(g)]
             print(
-                f"BDH {b.recipe} against GPT {g.recipe}: tokens/s x"
-                f"{speed[id(b)] / speed[id(g)]:.2f}, held-out "
-                f"{held_out[id(b)] - held_out[id(g)]:+.4f} nats/byte, train loss over steps "
-                f"{max(common - 10, 0) + 1}-{common} (the same batches) "
-                f"{early[id(b)] - early[id(g)]:+.3f}"
+                f"BDH {b.recipe} against GPT {g.recipe}: tokens/s x{sb.tok_s / sg.tok_s:.2f}; "
+                f"held-out as used (BDH's {'stream' if sb.stream is not None else 'sliding'}, "
+                f"the GPT's sliding window) {sb.used - sg.used:+.4f} nats/byte, on the same "
+                f"windows {sb.windows - sg.windows:+.4f}; train loss over steps {span} "
+                f"{sb.train_tail - sg.train_tail:+.3f}"
             )
 
 
@@ -376,6 +505,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=128, help="held-out window, bytes")
+    parser.add_argument(
+        "--stride",
+        type=int,
+        default=0,
+        help="bytes a sliding window moves (scored per window); 0: a quarter of the block",
+    )
+    parser.add_argument(
+        "--bdh",
+        action="append",
+        default=[],
+        metavar="LABEL:KEY=VALUE,...",
+        help="a BDH arm of the preset with these overrides (repeatable)",
+    )
+    parser.add_argument(
+        "--no-preset-bdh", action="store_true", help="only the --bdh arms of BDH (and the GPTs)"
+    )
     parser.add_argument("--eval-bytes", type=int, default=65536)
     parser.add_argument("--sweep", action="store_true", help="vary the BDH recipe (SWEEP)")
     parser.add_argument("--variants", default="", help="with --sweep: only these, comma-separated")
@@ -397,8 +542,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                 chosen = args.variants.split(",") if args.variants else list(SWEEP)
                 arms.append(bdh_arm(recipe, optimizers[0], [], budget, f"{preset}'s"))
                 arms += [bdh_arm(recipe, optimizers[0], SWEEP[v], budget, v) for v in chosen]
-            else:
+            elif not args.no_preset_bdh:
                 arms += [bdh_arm(recipe, o, [], budget, f"{preset}'s ({o})") for o in optimizers]
+            for spec in args.bdh:
+                label, _, sets = spec.partition(":")
+                changes = [c for c in sets.split(",") if c]
+                named = any(c.startswith("optimizer.name=") for c in changes)
+                arms.append(
+                    bdh_arm(recipe, None if named else optimizers[0], changes, budget, label)
+                )
+            if not arms:
+                parser.error("no BDH arm: --no-preset-bdh needs at least one --bdh")
             target = arms[0].params
             baselines = optimizers[:1] if args.sweep else optimizers
             arms += [gpt_arm(recipe, o, target, budget) for o in baselines]

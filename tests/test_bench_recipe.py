@@ -1,6 +1,7 @@
 """benchmarks/recipe.py: the GPT baseline's parameter count against its formula, the
-held-out loss and the time-based schedule against hand computations, and a whole run at a
-budget of one step per arm on a micro model."""
+held-out losses (windows, sliding window, stream) and the time-based schedule against hand
+computations, a streamed arm's carried state, and a whole run at a budget of one step per
+arm on a micro model."""
 
 from __future__ import annotations
 
@@ -61,6 +62,62 @@ def test_held_out_loss_weights_every_target_of_the_windows_once():
     assert got == pytest.approx(float(held[1:91].double().mean()), abs=1e-12)
 
 
+class ContextLength(torch.nn.Module):
+    """A 'model' of two ids whose loss on target 0 at position j of a window is
+    softplus(-j) = -log sigmoid(j): it grows the less context the target is read with."""
+
+    def forward(self, x, y):
+        logits = torch.zeros(*x.shape, 2, dtype=torch.float64)
+        logits[..., 0] = torch.arange(x.shape[1], dtype=torch.float64)
+        return logits, None
+
+
+def test_sliding_loss_reads_each_target_once_with_its_window_of_context():
+    """Window 4, stride 2, 11 bytes of zeros (targets 1..10): the first window scores
+    targets 1-4 at positions 0-3, then windows starting at 2, 4, 6 score targets 5-6, 7-8
+    and 9-10 at positions 2-3 (3-4 bytes of context)."""
+    sp = [math.log1p(math.exp(-j)) for j in range(4)]
+    expected = (sum(sp) + 3 * (sp[2] + sp[3])) / 10
+    got = recipe.sliding_loss(ContextLength(), torch.zeros(20, dtype=torch.long), 4, 2, 11)
+    assert got == pytest.approx(expected, abs=1e-12)
+    # stride = window: non-overlapping windows, every target at positions 0-3 (8 targets)
+    got = recipe.sliding_loss(ContextLength(), torch.zeros(20, dtype=torch.long), 4, 4, 11)
+    assert got == pytest.approx(sum(sp) / 4, abs=1e-12)
+    with pytest.raises(ValueError, match="stride"):
+        recipe.sliding_loss(ContextLength(), torch.zeros(20, dtype=torch.long), 4, 5, 11)
+
+
+def test_stream_loss_is_the_whole_text_read_at_once():
+    """The stream read chunk by chunk with the state carried equals one forward over the
+    whole text from a fresh state (fp32, 1e-5): the mean loss of every target."""
+    from bdh_train.config import load_config
+    from bdh_train.model.bdh import BDH
+
+    torch.manual_seed(0)
+    model = BDH(load_config([], [*MICRO, "model.position=alibi"], preset="tiny").model)
+    held = torch.randint(0, 256, (300,))
+    _, loss = model(held[None, :-1], held[None, 1:])
+    got = recipe.stream_loss(model, torch.cat([held, held]), max_bytes=300)
+    assert got == pytest.approx(float(loss.detach()), rel=1e-5)
+
+
+def test_a_streamed_arm_carries_its_state_through_consecutive_blocks(tmp_path):
+    """A BDH arm whose config streams trains through the trainer's streaming loader and step:
+    after two steps each row has read two consecutive blocks of its document and the
+    carried state is the second block's."""
+    streamed = ["training.tbptt_persist_across_steps=true", "training.min_logical_block_size=64"]
+    arm = recipe.bdh_arm(recipe.Recipe("tiny", tuple(MICRO)), "adamw", streamed, 10.0, "s")
+    assert isinstance(arm, recipe.StreamedArm) and arm.logical_length == 64
+    train = torch.arange(1000) % 256
+    arm.step(train)
+    arm.step(train)
+    assert arm.steps == 2 and len(arm.losses) == 2
+    assert arm.loader is not None and arm.loader.row_next == [2, 2]
+    assert arm.executor is not None and arm.executor.carried_state is not None
+    plain = recipe.bdh_arm(recipe.Recipe("tiny", tuple(MICRO)), "adamw", [], 10.0, "p")
+    assert type(plain) is recipe.Arm
+
+
 def test_arm_learning_rate_warms_up_over_steps_then_follows_the_clock():
     optim = OptimizerConfig(lr=0.01, min_lr=0.001, warmup_steps=4, schedule="cosine")
     arm = recipe.Arm("x", "x", torch.nn.Linear(1, 1), None, optim, 4, 2, 100.0, 0)  # type: ignore[arg-type]
@@ -88,21 +145,28 @@ def test_recipe_runs_one_step_per_arm_and_prints_the_table(tmp_path, capsys, mon
     data = tmp_path / "text.txt"
     data.write_bytes(bytes(range(32, 127)) * 20)
     sets = [arg for s in MICRO for arg in ("--set", s)]
-    recipe.main(["--data", str(data), "--budgets", "0.001", "--eval-bytes", "200"] + sets)
+    streamed = "streamed:training.tbptt_persist_across_steps=true,"
+    streamed += "training.min_logical_block_size=32,optimizer.name=muon"
+    argv = ["--data", str(data), "--budgets", "0.001", "--eval-bytes", "200", "--bdh", streamed]
+    recipe.main(argv + sets)
     out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| BDH")]
     rows += [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| GPT")]
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [
         ("BDH", "tiny's (adamw)"),
         ("BDH", "tiny's (muon)"),
+        ("BDH", "streamed"),
         ("GPT", "tiny's (adamw)"),
         ("GPT", "tiny's (muon)"),
     ]
     bdh_params = 3 * 2 * 16 * 32 + 2 * 256 * 16  # N = 4 * 16 / 2
     gpt_params = recipe.gpt_parameter_count(256, 1, recipe.gpt_width(256, 1, 2, bdh_params))
-    assert [int(r[3].replace(",", "")) for r in rows] == [bdh_params] * 2 + [gpt_params] * 2
+    assert [int(r[3].replace(",", "")) for r in rows] == [bdh_params] * 3 + [gpt_params] * 2
     assert all(int(r[4]) == 1 and int(r[5].replace(",", "")) == 32 for r in rows)
     for r in rows:  # an untrained byte model: near ln 256 nats, bits = nats / ln 2
-        nats, bits = float(r[8]), float(r[9])
-        assert abs(nats - math.log(256)) < 0.2
-        assert bits == pytest.approx(nats / math.log(2), abs=1e-4)
+        windows, sliding, stream, bits = (r[i].strip() for i in (8, 9, 10, 11))
+        used = float(sliding if r[0].strip() == "GPT" else stream)
+        assert (stream == "-") == (r[0].strip() == "GPT")
+        assert all(abs(float(x) - math.log(256)) < 0.2 for x in (windows, sliding, used))
+        assert float(bits) == pytest.approx(used / math.log(2), abs=1e-4)
+    assert "BDH streamed against GPT tiny's (muon)" in out

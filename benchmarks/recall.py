@@ -82,7 +82,7 @@ class RecallArm(Arm):
 
     @classmethod
     def of(cls, arm: Arm) -> RecallArm:
-        return cls(**{f.name: getattr(arm, f.name) for f in fields(arm) if f.init})
+        return cls(**{f.name: getattr(arm, f.name) for f in fields(Arm) if f.init})
 
     def prime(self, task: Task) -> None:  # type: ignore[override]
         tokens, targets = task.batch_at(1 << 30)

@@ -307,7 +307,13 @@ def bpe_corpus(directory: Path, vocab_size: int = 300):
 
 
 # ------------------------------------------------------------------ multi-process training
+FRESH_BLOCKS = ["training.tbptt_persist_across_steps=false", "training.min_logical_block_size=0"]
+"""The tiny preset's streaming turned off: random windows, each block from a fresh state (what
+a pipeline needs: a stage keeps no state across steps)."""
+
+
 DISTRIBUTED_RUN = [
+    *FRESH_BLOCKS,
     "model.n_layer=2",
     "model.n_embd=16",
     "model.n_head=2",

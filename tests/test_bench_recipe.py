@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FRESH_BLOCKS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import recipe  # noqa: E402
@@ -114,8 +115,8 @@ def test_a_streamed_arm_carries_its_state_through_consecutive_blocks(tmp_path):
     assert arm.steps == 2 and len(arm.losses) == 2
     assert arm.loader is not None and arm.loader.row_next == [2, 2]
     assert arm.executor is not None and arm.executor.carried_state is not None
-    plain = recipe.bdh_arm(recipe.Recipe("tiny", tuple(MICRO)), "adamw", [], 10.0, "p")
-    assert type(plain) is recipe.Arm
+    fresh = recipe.Recipe("tiny", (*MICRO, *FRESH_BLOCKS))
+    assert type(recipe.bdh_arm(fresh, "adamw", [], 10.0, "p")) is recipe.Arm
 
 
 def test_arm_learning_rate_warms_up_over_steps_then_follows_the_clock():

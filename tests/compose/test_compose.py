@@ -28,7 +28,13 @@ from bdh_train.train.optim import OptimizerConfig
 from bdh_train.training.trainer import Trainer, TrainingDiverged
 from bdh_train.utils import STEPS_CAP_ENV
 
-SHORT = [*MICRO_RUN, "training.max_steps=2", "training.eval_every=0", "training.eval_steps=1"]
+SHORT = [
+    *MICRO_RUN,
+    "model.position='rope'",  # a grown model's rope table is checked against its sources'
+    "training.max_steps=2",
+    "training.eval_every=0",
+    "training.eval_steps=1",
+]
 
 
 @pytest.fixture(scope="module")

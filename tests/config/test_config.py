@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import FRESH_BLOCKS
 
 from bdh_train.config import (
     DEFAULT_PRESET,
@@ -125,7 +126,7 @@ def test_extends_chain_and_order(tmp_path: Path) -> None:
     )
     cfg = load_config([top])
     # preset:tiny listed after mid.toml overrides it; top's own values win over both
-    assert cfg.training.max_steps == 1400
+    assert cfg.training.max_steps == 1000
     assert cfg.model.n_layer == 4
     assert cfg.training.eval_steps == 2
     assert cfg.training.log_every == 50
@@ -494,7 +495,11 @@ def test_each_invalid_field_is_named(item: str, message: str) -> None:
             "does not support streamed state",
         ),
         (
-            ["parallel.pipeline_stages=2", "training.stream_documents='corpus'"],
+            [
+                "parallel.pipeline_stages=2",
+                "training.stream_documents='corpus'",
+                "training.min_logical_block_size=0",
+            ],
             "training.stream_documents='fixed'",
         ),
         (
@@ -502,7 +507,11 @@ def test_each_invalid_field_is_named(item: str, message: str) -> None:
             "training.min_logical_block_size = 1024 cuts the stream into fixed-length documents",
         ),
         (
-            ["training.stream_documents='corpus'", "model.summary_memory.enabled=true"],
+            [
+                "training.stream_documents='corpus'",
+                "training.min_logical_block_size=0",
+                "model.summary_memory.enabled=true",
+            ],
             "training.stream_documents = 'corpus' resets a row's state at the token where",
         ),
         (
@@ -559,6 +568,7 @@ def test_plan_and_train_agree_on_the_pipeline_shape(schedule: str, virtual: int)
     trained = outcome(
         lambda: load_config(
             overrides=[
+                *FRESH_BLOCKS,
                 "model.n_layer=4",
                 "parallel.pipeline_stages=2",
                 f"parallel.virtual_stages_per_rank={virtual}",
@@ -584,9 +594,10 @@ def test_valid_cross_field_combinations() -> None:
     cfg = load_config(overrides=["training.target_tokens_per_step=8192"])
     assert cfg.training.accumulation_steps == 8 and cfg.training.tokens_per_step == 8192
     assert load_config().training.accumulation_steps == 1
-    assert load_config().training.logical_block_size == 128
+    assert load_config().training.logical_block_size == 1024  # the tiny preset streams
     cfg = load_config(
         overrides=[
+            *FRESH_BLOCKS,
             "parallel.pipeline_stages=2",
             "parallel.virtual_stages_per_rank=2",
             "parallel.schedule=interleaved_1f1b",
@@ -626,6 +637,7 @@ def test_valid_cross_field_combinations() -> None:
         ),
         (
             [
+                *FRESH_BLOCKS,
                 "training.tbptt_chunk_size=512",
                 "parallel.pipeline_stages=2",
                 "parallel.microbatches=2",

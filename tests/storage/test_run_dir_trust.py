@@ -238,7 +238,7 @@ def test_overwrite_refuses_a_users_file_in_tensorboard(run4, tmp_path, capsys):
     ("override", "key"),
     [
         ("model.n_layer=3", "model.n_layer"),
-        ("model.position='alibi'", "model.position"),
+        ("model.position='rope'", "model.position"),
         ("data.val_fraction=0.2", "data.val_fraction"),
     ],
 )

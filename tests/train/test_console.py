@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import TEST_THREADS
+from helpers import FRESH_BLOCKS, TEST_THREADS
 
 from bdh_train.cli import main
 from bdh_train.config import load_config
@@ -28,6 +28,7 @@ from bdh_train.train.step import LanguageTrainModel
 from bdh_train.training.trainer import Trainer
 
 SMALL = [
+    *FRESH_BLOCKS,  # the banner's recurrence line only where a test turns it on
     "model.n_layer=1",
     "model.n_embd=16",
     "model.n_head=1",

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    FRESH_BLOCKS,
     MICRO_RUN,
     STREAMING_TBPTT_SETTINGS,
     checkpoint_weights,
@@ -45,6 +46,7 @@ from bdh_train.train.metrics import read_metrics
 
 MICRO = [
     *MICRO_RUN,
+    *FRESH_BLOCKS,  # a checkpoint without a carried state fits the 512 KiB disk; a mesh runs it
     "training.log_every=1",
     "training.eval_every=0",
     "training.checkpoint_every=2",

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import (
+    FRESH_BLOCKS,
     STREAMING_TBPTT_SETTINGS,
     assert_close,
     assert_same_run,
@@ -331,6 +332,7 @@ def test_torchrun_pipeline_training_equals_one_process(tmp_path, schedule):
     process in tests/distributed/test_pipeline_mp.py."""
     overrides = [
         *MICRO,
+        *FRESH_BLOCKS,
         "model.dropout=0.0",
         "model.n_layer=4",
         "training.max_steps=3",
@@ -353,7 +355,8 @@ def test_torchrun_pipeline_training_equals_one_process(tmp_path, schedule):
 def test_pipeline_without_enough_processes_is_refused(tmp_path):
     from bdh_train.errors import ConfigError
 
-    cfg = load_config(overrides=[*MICRO, "parallel.pipeline_stages=2", "parallel.microbatches=2"])
+    pipe = ["parallel.pipeline_stages=2", "parallel.microbatches=2"]
+    cfg = load_config(overrides=[*MICRO, *FRESH_BLOCKS, *pipe])
     with pytest.raises(
         ConfigError, match="needs a multiple of 2 processes .* got 1; or set parallel.emulate=true"
     ):
@@ -365,6 +368,7 @@ def test_emulated_pipeline_trains_in_one_process(tmp_path):
     cfg = load_config(
         overrides=[
             *MICRO,
+            *FRESH_BLOCKS,
             "model.dropout=0.0",
             "parallel.pipeline_stages=2",
             "parallel.microbatches=2",
@@ -372,7 +376,9 @@ def test_emulated_pipeline_trains_in_one_process(tmp_path):
             "training.max_steps=2",
         ]
     )
-    reference = load_config(overrides=[*MICRO, "model.dropout=0.0", "training.max_steps=2"])
+    reference = load_config(
+        overrides=[*MICRO, *FRESH_BLOCKS, "model.dropout=0.0", "training.max_steps=2"]
+    )
     Trainer(cfg, tmp_path / "emu", stream=io.StringIO()).run()
     Trainer(reference, tmp_path / "ref", stream=io.StringIO()).run()
     a, b = checkpoint_weights(tmp_path / "emu"), checkpoint_weights(tmp_path / "ref")

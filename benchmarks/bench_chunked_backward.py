@@ -13,11 +13,12 @@ output and the final state, one forward and backward of:
   calls ran their chunks one after another;
 * decay function / decay autograd: the same two forms with alibi's per-head decay (what
   `position = "alibi"` runs; autograd is what it ran before the Function took decay);
-* both function / both autograd: resets and alibi's decay together (what a streamed alibi
-  run's train step calls: `training.tbptt_persist_across_steps` resets each row where its
-  next document starts), through the Function and through the autograd form the dispatch
-  sent them to before the Function took both (dense's masked products, chunked's
-  chunk-by-chunk loop).
+* both function / both autograd: resets and alibi's decay together (what an alibi run
+  streaming a corpus's documents calls: `training.stream_documents = "corpus"` resets a row
+  mid-block where its next document starts; fixed-length streaming resets only at a block's
+  first token, which the model applies to the incoming state instead), through the Function
+  and through the autograd form the dispatch sent them to before the Function took both
+  (dense's masked products, chunked's chunk-by-chunk loop).
 
 The two alternate, one call each in turn; the table gives the fastest of --rounds calls (ms)
 and their ratio. H=4, N=512, D=128 (config a's mixer), fp32; on the CPU 2 threads and the

@@ -113,6 +113,10 @@ def measure(layout: str, args: argparse.Namespace) -> dict[str, float]:
         "training.log_every=1",
         "training.eval_every=0",
         "training.checkpoint_every=0",
+        # every block from a fresh state, as these layouts were measured (and a pipeline
+        # stage keeps no state between steps, so it refuses the tiny preset's streaming)
+        "training.tbptt_persist_across_steps=false",
+        "training.min_logical_block_size=0",
         *extra,
     ]
     with tempfile.TemporaryDirectory() as out:

@@ -99,12 +99,14 @@ def bench_shakespeare(args: argparse.Namespace) -> None:
             *common,
             "training.block_size=256",
             "training.batch_size=8",
+            "training.tbptt_persist_across_steps=false",  # the preset streams
+            "training.min_logical_block_size=0",
         ],
         "streaming TBPTT (T=64 blocks of 1024-token docs)": [
             *common,
             "training.block_size=64",
             "training.batch_size=32",
-            "training.tbptt_streaming=true",
+            "training.tbptt_persist_across_steps=true",
             "training.min_logical_block_size=1024",
         ],
     }

@@ -250,7 +250,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         (*args.set, f"model.vocab_size={args.vocab}", f"training.batch_size={args.batch}"),
         (args.config,) if args.config else (),
     )
-    arms = [RecallArm.of(bdh_arm(recipe, args.optimizer, [], args.budget, args.preset))]
+    bdh = bdh_arm(recipe, args.optimizer, [], args.budget, args.preset, streamed=False)
+    arms = [RecallArm.of(bdh)]
     if not args.no_gpt:
         arms.append(RecallArm.of(gpt_arm(recipe, args.optimizer, arms[0].params, args.budget)))
     for arm in arms:

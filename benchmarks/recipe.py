@@ -22,11 +22,13 @@ it stops; then every arm is scored on the same held-out text (the last 10%; its 
   from token to token (`evals.scoring.score_sequences`): how BDH reads long text, every
   byte before a target in its state.
 
-A BDH arm whose config streams its state (`training.tbptt_persist_across_steps`) trains as
-`bdh-train train` does then: its rows read documents of `training.min_logical_block_size`
-bytes in consecutive blocks, the detached state carried from each block to the next and
-reset where a document starts (`StreamingDocumentLoader` and `LanguageTrainModel`, the
-trainer's own loader and step); its batches are therefore not the other arms' windows.
+A BDH arm whose config streams its state (`training.tbptt_persist_across_steps`, as the tiny
+preset does) trains through the trainer's own loader and step (`StreamingDocumentLoader`,
+`LanguageTrainModel` with the config's TBPTT chunks): its rows read documents of
+`training.min_logical_block_size` bytes in consecutive blocks, the detached state carried
+from each block to the next and reset where a document starts; its batches are therefore
+not the other arms' windows. (Gradient-scale schedules and `stream_documents = "corpus"`
+are not taken: the latter is refused.)
 
 The GPT baseline: pre-norm decoder blocks (LayerNorm, causal multi-head attention with
 rotary positions, LayerNorm, 4x GELU MLP, no biases), a final LayerNorm and an untied head;
@@ -35,8 +37,8 @@ as many layers and heads as the BDH preset, its width the one whose parameter co
 
     python benchmarks/recipe.py --budgets 180,600 --presets tiny --optimizers adamw,muon
     python benchmarks/recipe.py --sweep --budgets 40 --presets tiny
-    python benchmarks/recipe.py --budgets 180 --bdh 'alibi streamed:model.position=alibi,\
-        training.tbptt_persist_across_steps=true,training.min_logical_block_size=1024'
+    F=training.tbptt_persist_across_steps=false,training.min_logical_block_size=0
+    python benchmarks/recipe.py --budgets 180 --bdh "rope, fresh blocks:model.position=rope,$F"
 
 `--bdh LABEL:KEY=VALUE,...` adds a BDH arm of the preset with those overrides (its optimizer
 is `optimizer.name` among them, else the first of `--optimizers`); `--no-preset-bdh` leaves
@@ -245,21 +247,33 @@ class Arm:
 @dataclass
 class StreamedArm(Arm):
     """A BDH arm that carries its state across steps as the trainer does: the trainer's
-    streaming loader over `train` and its train step (`LanguageTrainModel`, streaming)."""
+    streaming loader over `train` and its train step (`LanguageTrainModel`, streaming, with
+    the config's TBPTT chunks), both made by `prime`, off the clock."""
 
     logical_length: int = 0
+    tbptt_chunk_size: int = 0
+    tbptt_backprop_chunks: int = 1
     loader: StreamingDocumentLoader | None = None
     executor: LanguageTrainModel | None = None
+
+    def prime(self, train: torch.Tensor) -> None:
+        """The loader and the step, then `Arm.prime`'s untimed forward and backward."""
+        self.loader = StreamingDocumentLoader(
+            train.numpy(), self.block, self.batch, self.logical_length, self.seed
+        )
+        assert isinstance(self.model, BDH)
+        self.executor = LanguageTrainModel(
+            self.model,
+            tbptt_chunk_size=self.tbptt_chunk_size,
+            tbptt_backprop_chunks=self.tbptt_backprop_chunks,
+            streaming=True,
+        )
+        super().prime(train)
 
     def step(self, train: torch.Tensor) -> None:
         started = time.perf_counter()
         if self.loader is None or self.executor is None:
-            tokens = train.numpy()
-            self.loader = StreamingDocumentLoader(
-                tokens, self.block, self.batch, self.logical_length, self.seed
-            )
-            assert isinstance(self.model, BDH)
-            self.executor = LanguageTrainModel(self.model, streaming=True)
+            raise RuntimeError("a StreamedArm steps after prime(), which makes its loader")
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr()
         out = self.executor.train_step(self.loader.next_batch())
@@ -299,19 +313,37 @@ def overridden(recipe: Recipe, changes: Sequence[str]) -> list[str]:
 
 
 def bdh_arm(
-    recipe: Recipe, optimizer: str | None, changes: Sequence[str], budget: float, label: str
+    recipe: Recipe,
+    optimizer: str | None,
+    changes: Sequence[str],
+    budget: float,
+    label: str,
+    streamed: bool = True,
 ) -> Arm:
     """BDH of `recipe` with `changes` (a sweep variant's) and `optimizer` (None: the one the
-    recipe names); a `StreamedArm` where the config carries the state across steps."""
+    recipe names); a `StreamedArm` where the config carries the state across steps, unless
+    not `streamed` (a caller that feeds the arm batches of its own)."""
     named = [] if optimizer is None else [f"optimizer.name='{optimizer}'"]
     cfg = recipe.config(*overridden(recipe, changes), *named)
     torch.manual_seed(cfg.training.seed)
     model = BDH(cfg.model)
     t = cfg.training
     shape = (cfg.optimizer, t.block_size, t.batch_size, budget, t.seed)
+    if not streamed:
+        return Arm("BDH", label, model, cfg.optimizer.build(model), *shape)
+    if t.stream_documents == "corpus":
+        raise SystemExit(f"error: {label}: training.stream_documents = 'corpus' is not raced here")
     if t.streaming:
-        opt = cfg.optimizer.build(model)
-        return StreamedArm("BDH", label, model, opt, *shape, logical_length=t.logical_block_size)
+        return StreamedArm(
+            "BDH",
+            label,
+            model,
+            cfg.optimizer.build(model),
+            *shape,
+            logical_length=t.logical_block_size,
+            tbptt_chunk_size=t.tbptt_chunk_size,
+            tbptt_backprop_chunks=t.tbptt_backprop_chunks,
+        )
     return Arm("BDH", label, model, cfg.optimizer.build(model), *shape)
 
 
@@ -355,15 +387,21 @@ def sliding_loss(model: nn.Module, held: torch.Tensor, window: int, stride: int,
     """Mean loss (nats per byte) over every target of the first `max_bytes` of `held` but the
     first, each read with at most `window` bytes before it: windows of `window` bytes moved
     `stride` at a time, each scoring its last `stride` targets (the first window all of
-    them), so past the first window a target is read with window - stride + 1 to window
-    bytes before it."""
+    them, the last window the fewer left), so past the first window a target is read with
+    window - stride + 1 to window bytes before it."""
     if not 0 < stride <= window:
         raise ValueError(f"stride must be in 1..window ({window}), got {stride}")
-    model.eval()
     text = held[: min(len(held), max_bytes)]
-    total, count = 0.0, 0
+    if len(text) < window + 1:
+        raise ValueError(f"{len(text)} bytes: a sliding window of {window} needs {window + 1}")
     pieces = [(0, 0)]  # (window start, first scored target within the window)
-    pieces += [(s - window, window - stride) for s in range(window + stride, len(text), stride)]
+    scored = window  # targets 1..scored are scored
+    while scored < len(text) - 1:
+        end = min(scored + stride, len(text) - 1)  # the last target of the next window
+        pieces.append((end - window, window - (end - scored)))
+        scored = end
+    model.eval()
+    total, count = 0.0, 0
     for i in range(0, len(pieces), 16):
         rows = pieces[i : i + 16]
         windows = torch.stack([text[s : s + window + 1] for s, _ in rows])

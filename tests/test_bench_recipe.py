@@ -81,24 +81,30 @@ def test_sliding_loss_reads_each_target_once_with_its_window_of_context():
     expected = (sum(sp) + 3 * (sp[2] + sp[3])) / 10
     got = recipe.sliding_loss(ContextLength(), torch.zeros(20, dtype=torch.long), 4, 2, 11)
     assert got == pytest.approx(expected, abs=1e-12)
-    # stride = window: non-overlapping windows, every target at positions 0-3 (8 targets)
+    # stride = window: targets 1-4 and 5-8 at positions 0-3, then the last two targets (9-10)
+    # from the window starting at 6, at positions 2-3
     got = recipe.sliding_loss(ContextLength(), torch.zeros(20, dtype=torch.long), 4, 4, 11)
-    assert got == pytest.approx(sum(sp) / 4, abs=1e-12)
+    assert got == pytest.approx((2 * sum(sp) + sp[2] + sp[3]) / 10, abs=1e-12)
     with pytest.raises(ValueError, match="stride"):
         recipe.sliding_loss(ContextLength(), torch.zeros(20, dtype=torch.long), 4, 5, 11)
+    with pytest.raises(ValueError, match="needs 5"):
+        recipe.sliding_loss(ContextLength(), torch.zeros(20, dtype=torch.long), 4, 2, 4)
 
 
 def test_stream_loss_is_the_whole_text_read_at_once():
-    """The stream read chunk by chunk with the state carried equals one forward over the
-    whole text from a fresh state (fp32, 1e-5): the mean loss of every target."""
+    """The stream read chunk by chunk with the state carried (2,500 tokens: three calls of
+    at most PREFILL_TOKENS) equals one forward over the whole text from a fresh state (fp32,
+    1e-5): the mean loss of every target."""
     from bdh_train.config import load_config
     from bdh_train.model.bdh import BDH
+    from bdh_train.model.sampling import PREFILL_TOKENS
 
+    assert PREFILL_TOKENS < 1250
     torch.manual_seed(0)
     model = BDH(load_config([], [*MICRO, "model.position=alibi"], preset="tiny").model)
-    held = torch.randint(0, 256, (300,))
+    held = torch.randint(0, 256, (2500,))
     _, loss = model(held[None, :-1], held[None, 1:])
-    got = recipe.stream_loss(model, torch.cat([held, held]), max_bytes=300)
+    got = recipe.stream_loss(model, torch.cat([held, held]), max_bytes=2500)
     assert got == pytest.approx(float(loss.detach()), rel=1e-5)
 
 
@@ -110,6 +116,7 @@ def test_a_streamed_arm_carries_its_state_through_consecutive_blocks(tmp_path):
     arm = recipe.bdh_arm(recipe.Recipe("tiny", tuple(MICRO)), "adamw", streamed, 10.0, "s")
     assert isinstance(arm, recipe.StreamedArm) and arm.logical_length == 64
     train = torch.arange(1000) % 256
+    arm.prime(train)
     arm.step(train)
     arm.step(train)
     assert arm.steps == 2 and len(arm.losses) == 2

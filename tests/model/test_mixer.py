@@ -279,9 +279,9 @@ def test_chunked_with_resets_equals_dense_over_several_chunks(need_state, decay)
 
 
 def test_an_all_false_reset_mask_changes_nothing():
-    """Bit for bit where the mask only adds masking; under decay chunked runs a mask chunk
-    by chunk and dense through autograd's products, and no mask through the Function: two
-    summation orders that agree to fp64 1e-12."""
+    """Bit for bit where the mask only adds masking; under decay the Function weighs its
+    terms by the decay's powers times the all-ones masks, a product the call without a mask
+    does not take: the two agree to fp64 1e-12."""
     inputs, _ = make_inputs(8, torch.float64, True, seed=3)
     q, v, rho0 = (x.detach() for x in inputs)
     for name, fn in EXECUTOR_FUNCTIONS.items():
@@ -739,7 +739,7 @@ def check_panels_against_definition(seq_len, panel_rows, with_state, final_state
             assert_close(g.double(), g_ref, rtol=rtol, msg=f"{what}: grad of {name}")
 
 
-@pytest.mark.parametrize("factors", ["resets", "decay"])
+@pytest.mark.parametrize("factors", ["resets", "decay", "both"])
 def test_row_panels_run_without_resets_and_decay_only(monkeypatch, factors):
     """Resets and decay weigh the whole score matrix: given panel rows anyway, the Function
     computes it whole (and equals the definition, fp64 1e-10); the mixer gives dense no
@@ -755,8 +755,8 @@ def test_row_panels_run_without_resets_and_decay_only(monkeypatch, factors):
     log_decay = LOG_DECAY if factors in ("decay", "both") else None
     out, final = chunked_attention_function(q, v, rho0, 13, True, mask, log_decay, 4)
     assert out.grad_fn.in_panels is False
-    if factors == "resets":
-        expected = definition_with_resets(q, v, rho0, None, mask)
+    if mask is not None:
+        expected = definition_with_resets(q, v, rho0, log_decay, mask)
     else:
         expected = definition(q, v, rho0, LOG_DECAY)
     assert_close(out, expected[0], rtol=1e-10)
@@ -874,11 +874,18 @@ def test_resets_with_decay_in_the_function_equal_the_autograd_form(
     """The Function with resets and a fixed decay against the same executor's autograd form
     (the decay as a tensor that takes a gradient, which the dispatch keeps out of the
     Function: dense's masked products, chunked's chunk-by-chunk loop): outputs, final state
-    and the gradients of q, v and rho0, RESET_AT's documents, fp64 to 1e-10 and fp32 to
-    1e-5."""
+    and the gradients of q, v and rho0, fp64 to 1e-10 and fp32 to 1e-5. Two sets of
+    documents: RESET_AT's, and a late reset (token 9) beside a row without one, whose later
+    chunks read rho0 decayed by d^(kC) and whose final state carries it."""
     fn = EXECUTOR_FUNCTIONS[executor]
-    mask = reset_mask_for(13)
-    for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+    late = torch.zeros(B, 13, dtype=torch.bool)
+    late[0, 9] = True
+    cases = [
+        (mask, dtype, rtol)
+        for mask in (reset_mask_for(13), late)
+        for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-5))
+    ]
+    for mask, dtype, rtol in cases:
         results = []
         for log_decay in (LOG_DECAY, LOG_DECAY.clone().requires_grad_()):
             (q, v, rho0), (g_out, g_rho) = make_inputs(13, dtype, True, seed=16)
@@ -897,7 +904,7 @@ def test_resets_with_decay_in_the_function_equal_the_autograd_form(
             grads = torch.autograd.grad(loss, (q, v, rho0))
             results.append((out.detach(), final, *grads))
         (got_out, got_final, *got), (ref_out, ref_final, *ref) = results
-        what = f"{executor} C={chunk_size} {dtype}"
+        what = f"{executor} C={chunk_size} {dtype} resets at {mask.nonzero().tolist()}"
         assert_close(got_out, ref_out, rtol=rtol, msg=f"{what}: out")
         if final_state:
             assert_close(got_final.detach(), ref_final.detach(), rtol=rtol, msg=f"{what}: state")

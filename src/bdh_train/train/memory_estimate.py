@@ -230,8 +230,9 @@ class _Piece:
 
     def mixer_kept(self) -> int:
         """What `BDH.mix` keeps for backward. The Function: the rotated (or padded) queries,
-        the value copied per head, the scores, the chunk states, its output (the norm's
-        input) and the norm's statistics. Autograd's products (autocast, a learned decay)
+        the value copied per head, the scores (twice with resets and decay together: their
+        product's score factor), the chunk states, its output (the norm's input) and the
+        norm's statistics. Autograd's products (autocast, a learned decay)
         keep each product's operands, under autocast each one's bfloat16 copy (two of the
         queries for dense, three for chunked, which also reads and writes the states), with
         a decay the weighted queries and scores, and the value unexpanded."""
@@ -245,6 +246,8 @@ class _Piece:
         elif s.function:
             padded = self.padded_neurons != self.neurons
             queries = self.padded_neurons if s.rope or padded else 0
+            if s.decay and s.resets:  # `decayed_resets`' score factor, a [B, H, K, C, C] kept
+                scores *= 2
         else:
             if chunks == 1:
                 copies = 2 if s.autocast else 1
@@ -364,7 +367,7 @@ def _shape(
         autocast=autocast,
         rope=model.position == "rope",
         dropout=model.dropout > 0,
-        function=not (autocast or compiled or learned_decay or (decay and resets)),
+        function=not (autocast or compiled or learned_decay),
         decay=decay,
         resets=resets,
         device_type=device_type,

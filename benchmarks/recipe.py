@@ -561,7 +561,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--eval-bytes", type=int, default=65536)
     parser.add_argument("--sweep", action="store_true", help="vary the BDH recipe (SWEEP)")
-    parser.add_argument("--variants", default="", help="with --sweep: only these, comma-separated")
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="with --sweep: only these SWEEP names, separated by ';' (names hold commas)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     configure_host_allocator("auto", torch.device("cpu"))
@@ -577,7 +581,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             recipe = Recipe(preset, tuple(args.set))
             arms = []
             if args.sweep:
-                chosen = args.variants.split(",") if args.variants else list(SWEEP)
+                chosen = [v.strip() for v in args.variants.split(";")] if args.variants else []
+                unknown = [v for v in chosen if v not in SWEEP]
+                if unknown:
+                    parser.error(f"--variants: no variant {unknown[0]!r}; the names: {list(SWEEP)}")
+                chosen = chosen or list(SWEEP)
                 arms.append(bdh_arm(recipe, optimizers[0], [], budget, f"{preset}'s"))
                 arms += [bdh_arm(recipe, optimizers[0], SWEEP[v], budget, v) for v in chosen]
             elif not args.no_preset_bdh:

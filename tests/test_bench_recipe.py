@@ -178,3 +178,24 @@ def test_recipe_runs_one_step_per_arm_and_prints_the_table(tmp_path, capsys, mon
         assert all(abs(float(x) - math.log(256)) < 0.2 for x in (windows, sliding, used))
         assert float(bits) == pytest.approx(used / math.log(2), abs=1e-4)
     assert "BDH streamed against GPT tiny's (muon)" in out
+
+
+def test_sweep_variants_are_named_whole_and_an_unknown_one_is_refused(
+    tmp_path, capsys, monkeypatch
+):
+    """Variant names hold commas ('D/2, N x2'), so --variants separates them with ';'; a name
+    that is not a variant is one usage error (exit 2), not a traceback."""
+    monkeypatch.setattr(recipe, "configure_host_allocator", lambda mode, device: "system")
+    monkeypatch.setattr(recipe.torch, "set_num_threads", lambda threads: None)
+    data = tmp_path / "text.txt"
+    data.write_bytes(bytes(range(32, 127)) * 20)
+    sets = [arg for s in [*MICRO, *FRESH_BLOCKS] for arg in ("--set", s)]
+    argv = ["--data", str(data), "--budgets", "0.001", "--eval-bytes", "200", "--sweep"]
+    recipe.main([*argv, "--optimizers", "adamw", "--variants", "D/2, N x2;batch x2", *sets])
+    out = capsys.readouterr().out
+    labels = [line.split("|")[2].strip() for line in out.splitlines() if line.startswith("| BDH")]
+    assert labels == ["tiny's", "D/2, N x2", "batch x2"]
+    with pytest.raises(SystemExit) as refused:
+        recipe.main([*argv, "--variants", "D/2", *sets])
+    assert refused.value.code == 2
+    assert "--variants: no variant 'D/2'" in capsys.readouterr().err

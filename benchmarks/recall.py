@@ -92,18 +92,11 @@ class RecallArm(Arm):
     def step(self, task: Task) -> None:  # type: ignore[override]
         started, cpu = time.perf_counter(), time.process_time()
         tokens, targets = task.batch_at(self.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr()
+        self.set_lr()
         _, loss = self.model(tokens, targets)
         loss.backward()
-        if self.optim.grad_clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.elapsed += time.perf_counter() - started
+        self.finish_step(started, loss)
         self.cpu += time.process_time() - cpu
-        self.steps += 1
-        self.losses.append(loss.item())
 
 
 @torch.no_grad()

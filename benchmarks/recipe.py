@@ -227,11 +227,15 @@ class Arm:
         started = time.perf_counter()
         starts = torch.randint(0, len(train) - self.block - 1, (self.batch,), generator=self.order)
         windows = torch.stack([train[s : s + self.block + 1] for s in starts.tolist()])
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr()
+        self.set_lr()
         _, loss = self.model(windows[:, :-1], windows[:, 1:])
         loss.backward()
         self.finish_step(started, loss)
+
+    def set_lr(self) -> None:
+        """The schedule's learning rate (`lr`) into every parameter group, before a step."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr()
 
     def finish_step(self, started: float, loss: torch.Tensor) -> None:
         """Clip, update, zero the gradients; count the step's seconds and loss."""
@@ -274,8 +278,7 @@ class StreamedArm(Arm):
         started = time.perf_counter()
         if self.loader is None or self.executor is None:
             raise RuntimeError("a StreamedArm steps after prime(), which makes its loader")
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr()
+        self.set_lr()
         out = self.executor.train_step(self.loader.next_batch())
         self.finish_step(started, out.loss)
 
@@ -328,23 +331,19 @@ def bdh_arm(
     torch.manual_seed(cfg.training.seed)
     model = BDH(cfg.model)
     t = cfg.training
-    shape = (cfg.optimizer, t.block_size, t.batch_size, budget, t.seed)
-    if not streamed:
-        return Arm("BDH", label, model, cfg.optimizer.build(model), *shape)
-    if t.stream_documents == "corpus":
+    made = ("BDH", label, model, cfg.optimizer.build(model), cfg.optimizer)
+    shape = (t.block_size, t.batch_size, budget, t.seed)
+    if streamed and t.stream_documents == "corpus":
         raise SystemExit(f"error: {label}: training.stream_documents = 'corpus' is not raced here")
-    if t.streaming:
+    if streamed and t.streaming:
         return StreamedArm(
-            "BDH",
-            label,
-            model,
-            cfg.optimizer.build(model),
+            *made,
             *shape,
             logical_length=t.logical_block_size,
             tbptt_chunk_size=t.tbptt_chunk_size,
             tbptt_backprop_chunks=t.tbptt_backprop_chunks,
         )
-    return Arm("BDH", label, model, cfg.optimizer.build(model), *shape)
+    return Arm(*made, *shape)
 
 
 def gpt_model(recipe: Recipe, target_params: int) -> GPT:

@@ -146,12 +146,19 @@ def test_arm_with_total_steps_schedules_and_stops_by_steps():
     assert arm.done and arm.lr() == pytest.approx(0.001, rel=1e-12)
 
 
-def test_recipe_runs_one_step_per_arm_and_prints_the_table(tmp_path, capsys, monkeypatch):
-    # the script sets these for its whole process; the test process keeps its own
+@pytest.fixture
+def text_for_main(tmp_path, monkeypatch) -> Path:
+    """A 1,900-byte text file for a whole `recipe.main` run; the process-wide settings the
+    script makes (allocator, threads) are left as the test process has them."""
     monkeypatch.setattr(recipe, "configure_host_allocator", lambda mode, device: "system")
     monkeypatch.setattr(recipe.torch, "set_num_threads", lambda threads: None)
     data = tmp_path / "text.txt"
     data.write_bytes(bytes(range(32, 127)) * 20)
+    return data
+
+
+def test_recipe_runs_one_step_per_arm_and_prints_the_table(text_for_main, capsys):
+    data = text_for_main
     sets = [arg for s in MICRO for arg in ("--set", s)]
     streamed = "streamed:training.tbptt_persist_across_steps=true,"
     streamed += "training.min_logical_block_size=32,optimizer.name=muon"
@@ -180,15 +187,10 @@ def test_recipe_runs_one_step_per_arm_and_prints_the_table(tmp_path, capsys, mon
     assert "BDH streamed against GPT tiny's (muon)" in out
 
 
-def test_sweep_variants_are_named_whole_and_an_unknown_one_is_refused(
-    tmp_path, capsys, monkeypatch
-):
+def test_sweep_variants_are_named_whole_and_an_unknown_one_is_refused(text_for_main, capsys):
     """Variant names hold commas ('D/2, N x2'), so --variants separates them with ';'; a name
     that is not a variant is one usage error (exit 2), not a traceback."""
-    monkeypatch.setattr(recipe, "configure_host_allocator", lambda mode, device: "system")
-    monkeypatch.setattr(recipe.torch, "set_num_threads", lambda threads: None)
-    data = tmp_path / "text.txt"
-    data.write_bytes(bytes(range(32, 127)) * 20)
+    data = text_for_main
     sets = [arg for s in [*MICRO, *FRESH_BLOCKS] for arg in ("--set", s)]
     argv = ["--data", str(data), "--budgets", "0.001", "--eval-bytes", "200", "--sweep"]
     recipe.main([*argv, "--optimizers", "adamw", "--variants", "D/2, N x2;batch x2", *sets])

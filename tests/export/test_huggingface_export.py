@@ -6,10 +6,12 @@ tokenizer files encode as the run's tokenizer (bytes and a BPE). Refusals are on
 write nothing.
 
 All the transformers side runs in ONE subprocess (`HF_SIDE`, importing transformers costs
-seconds) over five exports: a trained byte run (rope), the same run grown to twice its neurons (its
-rope table is no longer the one computed from N), and three ternary exports built here,
+seconds) over seven exports: a trained byte run (rope), the same run grown to twice its neurons (its
+rope table is no longer the one computed from N), and five ternary exports built here,
 one alibi_learned with an affine norm and a BPE, one alibi and one alibi_spread quantizing the
-decoder only."""
+decoder only, and two under the token shift (`model.token_shift`), one rope quantizing the
+decoder only and one alibi quantizing the encoder only (its int8 rounding reads the shifted
+input; the paper's names, which `quant.target_modules` takes, swap encoder and decoder)."""
 
 from __future__ import annotations
 
@@ -90,6 +92,27 @@ for name, job in jobs.items():
     cache = read["cache"] if "cache" in read else read.past_key_values  # the state after it
     out["position"] = cache.position.tolist()
     out["rho"] = [rho.tolist() for rho in cache.rho]
+    out["previous"] = [None if p is None else p.tolist() for p in cache.previous]
+    if job.get("stepwise"):
+        model.config.prefill_chunk = 256  # the batch read in one block
+        with torch.no_grad():
+            out["whole"] = model(**batch).logits.tolist()
+        model.config.prefill_chunk = 8
+        cache, steps = None, []  # the longest text read one token per call on the cache
+        for token in out["encoded"][-1]:
+            with torch.no_grad():
+                read = model(torch.tensor([[token]]), cache=cache, use_cache=True)
+            cache = read["cache"] if "cache" in read else read.past_key_values
+            steps.append(read.logits[0, -1].tolist())
+        out["steps"] = steps
+        rows = model.generate(**batch, max_new_tokens=20, do_sample=False)  # prompts in blocks
+        out["batch_greedy"] = rows[:, batch["input_ids"].shape[1]:].tolist()
+        beams = model.generate(  # the cache's rows repeated per beam and reordered
+            torch.tensor([out["encoded"][0]]), max_new_tokens=8, num_beams=3, do_sample=False,
+            length_penalty=0.0, return_dict_in_generate=True, output_scores=True,
+        )
+        out["beam"] = beams.sequences[0].tolist()
+        out["beam_score"] = float(beams.sequences_scores[0])
     model.config.prefill_chunk = 256
     if "prompt" not in job:
         continue
@@ -134,6 +157,10 @@ README_TEXTS = ["ROMEO:", "To be"]
 """The texts of the README's transformers example."""
 BLOCK = 16  # training.block_size of MICRO
 WINDOWS = 3
+SHIFTED = [("shift", 4, "rope", "encoder"), ("shift_alibi", 5, "alibi", "decoder_x")]
+"""The token-shift exports: name, seed, position, the one quantized projection (the paper's
+name: 'encoder' is BDH's decoder, 'decoder_x' BDH's encoder)."""
+SHIFTS = [name for name, *_ in SHIFTED]
 
 
 def _refusal(capsys, args: list[str]) -> str:
@@ -216,8 +243,22 @@ def exported(tmp_path_factory):
             ),
             ByteTokenizer(),
         ),
+        **{
+            name: (
+                _ternary(
+                    root / f"{name}.safetensors",
+                    seed,
+                    vocab_size=256,
+                    position=position,
+                    token_shift=True,
+                    quant=QuantConfig(enable=True, target_modules=[target]),
+                ),
+                ByteTokenizer(),
+            )
+            for name, seed, position, target in SHIFTED
+        },
     }
-    for name in ("bpe", "alibi", "spread"):
+    for name in ("bpe", "alibi", "spread", *SHIFTS):
         assert (
             main(["export", "--hf", str(root / f"{name}_hf"), str(root / f"{name}.safetensors")])
             == 0
@@ -228,6 +269,8 @@ def exported(tmp_path_factory):
     assert len(byte_ids) == WINDOWS * BLOCK + 1
     jobs = {name: {"dir": str(root / f"{name}_hf"), "texts": TEXTS} for name in sides}
     jobs["run"]["prompt"] = ByteTokenizer().encode(PROMPT)
+    for name in SHIFTS:
+        jobs[name]["stepwise"] = True
     jobs["run"]["windows"] = [byte_ids[j * BLOCK : j * BLOCK + BLOCK + 1] for j in range(WINDOWS)]
     jobs["run"]["readme"] = readme_hf_example().replace(
         '"bdh-shakespeare"', repr(jobs["run"]["dir"])
@@ -249,11 +292,12 @@ def exported(tmp_path_factory):
     return root, sides, results
 
 
-@pytest.mark.parametrize("name", ["run", "grown", "bpe", "alibi", "spread"])
+@pytest.mark.parametrize("name", ["run", "grown", "bpe", "alibi", "spread", *SHIFTS])
 def test_left_padded_logits_equal_bdh_train(exported, name):
     """Each row's real tokens get bdh-train's logits of the row alone (fp32, 1e-5), with the
-    pads on the left and the rows read 8 tokens at a time; the tokenizer files encode as the
-    run's tokenizer."""
+    pads on the left and the rows read 8 tokens at a time (under the token shift a token's
+    previous one is the row's last real token, across blocks, never a pad); the tokenizer files
+    encode as the run's tokenizer."""
     _, sides, results = exported
     model, tok = sides[name]
     out = results[name]
@@ -279,12 +323,13 @@ def test_the_card_s_loading_lines_ask_nothing_and_warn_nothing(exported, name):
     assert results[name]["warned"] == []
 
 
-@pytest.mark.parametrize("name", ["run", "alibi"])
+@pytest.mark.parametrize("name", ["run", "alibi", *SHIFTS])
 def test_the_cache_after_a_left_padded_batch_is_each_row_s_own_state(exported, name):
     """The state a row leaves is bdh-train's state of the row alone (fp32, 1e-5), read in
     blocks of 8 behind its pads: its position is its real tokens, and rho, which holds keys
     rotated by their absolute positions, has them at the row's own (a position shifted by the
-    pads or the blocks leaves the logits alone, rope being relative, but not rho)."""
+    pads or the blocks leaves the logits alone, rope being relative, but not rho); under the
+    token shift each layer's carried input is the row's last real token's (none without)."""
     _, sides, results = exported
     model, tok = sides[name]
     out = results[name]
@@ -296,6 +341,16 @@ def test_the_cache_after_a_left_padded_batch_is_each_row_s_own_state(exported, n
         for layer, rho in enumerate(out["rho"]):
             assert_close(
                 torch.tensor(rho[row]), state.rho[layer][0], rtol=1e-5, msg=f"row {row} {layer}"
+            )
+        if not model.config.token_shift:
+            assert out["previous"] == [None] * model.config.n_layer
+            continue
+        for layer, previous in enumerate(out["previous"]):
+            assert_close(
+                torch.tensor(previous[row]),
+                state.previous[layer][0],
+                rtol=1e-5,
+                msg=f"previous row {row} {layer}",
             )
 
 
@@ -322,6 +377,12 @@ def test_generation_equals_bdh_train(exported):
     assert out["batch_greedy"] == [
         r[len(p) :].tolist() for r, p in zip(alone, prompts, strict=True)
     ]
+    _assert_beam_scored_by_bdh_train(model, prompt, out)
+
+
+def _assert_beam_scored_by_bdh_train(model: BDH, prompt: list[int], out: dict) -> None:
+    """The best beam continues `prompt` by 8 tokens, and its score is the sum of bdh-train's
+    log-probabilities of them (1e-5)."""
     beam = out["beam"]
     assert beam[: len(prompt)] == prompt and len(beam) == len(prompt) + 8
     with torch.no_grad():
@@ -329,6 +390,36 @@ def test_generation_equals_bdh_train(exported):
     log_probs = torch.log_softmax(logits[0].double(), dim=-1)
     total = sum(float(log_probs[t - 1, beam[t]]) for t in range(len(prompt), len(beam)))
     assert abs(out["beam_score"] - total) <= 1e-5 * abs(total)
+
+
+@pytest.mark.parametrize("name", SHIFTS)
+def test_token_shift_reads_token_by_token_and_generates_as_bdh_train(exported, name):
+    """Under the token shift: the left-padded batch read in one block gives the logits read in
+    blocks of 8; the longest text read one token per call on the cache (the carried input is
+    the next token's previous) gives bdh-train's logits of the whole text (fp32, 1e-5); greedy
+    generate() on the left-padded batch, its prompts read in blocks of 8, gives each row the
+    20 tokens bdh-train generates for it alone; beam search (the carried inputs repeated per
+    beam and reordered with rho) scores its best beam by bdh-train's log-probabilities;
+    config.json and the card say token_shift."""
+    root, sides, results = exported
+    model, tok = sides[name]
+    out = results[name]
+    assert_close(torch.tensor(out["whole"]), torch.tensor(out["logits"]), rtol=1e-5)
+    ids = tok.encode(TEXTS[-1])
+    assert len(out["steps"]) == len(ids) > 8
+    with torch.no_grad():
+        expected, _ = model(torch.tensor([ids]))
+    assert_close(torch.tensor(out["steps"]), expected[0], rtol=1e-5, msg=f"{name} steps")
+    alone = [
+        sampling.generate(model, torch.tensor([tok.encode(t)]), 20, temperature=0.0)[0]
+        for t in TEXTS
+    ]
+    assert out["batch_greedy"] == [
+        r[len(tok.encode(t)) :].tolist() for r, t in zip(alone, TEXTS, strict=True)
+    ]
+    _assert_beam_scored_by_bdh_train(model, tok.encode(TEXTS[0]), out)
+    assert json.loads((root / f"{name}_hf" / "config.json").read_text())["token_shift"] is True
+    assert "token shift: yes" in (root / f"{name}_hf" / "README.md").read_text()
 
 
 def test_loss_of_labels_equals_bdh_train_eval(exported, capsys):
@@ -382,11 +473,13 @@ def test_directory_and_model_card(exported):
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "bdh"
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_bdh.BDHForCausalLM"
+    assert config["token_shift"] is False
     rows = read_metrics(root / "run" / "metrics.jsonl")
     train = [r["loss"] for r in rows if "loss" in r][-1]
     val = [r["val_loss"] for r in rows if "val_loss" in r][-1]
     card = (out / "README.md").read_text()
     assert "- steps: 3; tokens: 192; block size 16, batch size 4" in card
+    assert "token shift: no" in card
     assert f"- final train loss: {train:.4f} nats per token" in card
     assert f"- final validation loss: {val:.4f} nats per token" in card
     assert not [p for p in root.iterdir() if p.name.startswith(".")]  # no staging left

@@ -259,7 +259,13 @@ def test_unsupported_models_fall_back_to_the_generic_decoder():
     summary = tiny_model(summary_memory=SummaryMemoryConfig(enabled=True, chunk_tokens=2)).eval()
     quantized = tiny_model(quant=QuantConfig(enable=True)).eval()
     noisy = tiny_model(dropout=0.1).train()
-    for model, reason in ((summary, "summary"), (quantized, "quantized"), (noisy, "dropout")):
+    shifted = tiny_model(token_shift=True).eval()
+    for model, reason in (
+        (summary, "summary"),
+        (quantized, "quantized"),
+        (noisy, "dropout"),
+        (shifted, "token shift"),
+    ):
         assert reason in fast_decoder_unsupported(model)
         with pytest.raises(ValueError, match=reason):
             sampling.generate(model, torch.tensor([1, 2]), 2, decoder="fast")

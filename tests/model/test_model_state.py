@@ -105,12 +105,14 @@ def _carry(batch: int, width: int, base: float) -> SummaryCarry:
 
 
 def _filled_state(batch: int = 3) -> ModelState:
-    """Layers 0 and 2 have rho and a summary carry, layer 1 has neither."""
+    """Layers 0 and 2 have rho and a summary carry, layer 1 has neither; layer 2 has the token
+    shift's previous input."""
     state = ModelState(3, batch)
     state.rho[0] = torch.arange(batch * 2 * 3 * 4, dtype=torch.float64).view(batch, 2, 3, 4) + 1
     state.rho[2] = -torch.arange(batch * 8, dtype=torch.float32).view(batch, 1, 2, 4) - 1
     state.summary[0] = _carry(batch, 4, 1.0)
     state.summary[2] = _carry(batch, 2, 100.0)
+    state.previous[2] = torch.arange(batch * 4, dtype=torch.float32).view(batch, 1, 1, 4) + 0.5
     state.position = torch.arange(batch) * 5 + 2
     return state
 
@@ -121,6 +123,10 @@ def _assert_states_equal(a: ModelState, b: ModelState) -> None:
     for r, s in zip(a.rho, b.rho, strict=True):
         if r is not None:
             assert r.dtype == s.dtype and torch.equal(r, s)
+    assert [p is None for p in a.previous] == [p is None for p in b.previous]
+    for p, q in zip(a.previous, b.previous, strict=True):
+        if p is not None:
+            assert p.dtype == q.dtype and torch.equal(p, q)
     assert [c is None for c in a.summary] == [c is None for c in b.summary]
     for c, d in zip(a.summary, b.summary, strict=True):
         if c is not None:
@@ -130,6 +136,7 @@ def _assert_states_equal(a: ModelState, b: ModelState) -> None:
 def test_fresh_state_shapes():
     state = ModelState(3, 2, device="meta")
     assert state.rho == [None, None, None] and state.summary == [None, None, None]
+    assert state.previous == [None, None, None]
     assert state.n_layer == 3 and state.batch_size == 2
     assert state.position.dtype == torch.long and state.position.shape == (2,)
     assert state.position.device.type == "meta"
@@ -140,11 +147,13 @@ def test_detach_cuts_summary_and_keeps_none():
     state = _filled_state(2)
     weight = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
     state.rho[0] = state.rho[0] * weight
+    state.previous[2] = state.previous[2] * weight
     state.summary[0] = SummaryCarry(
         *(t * weight if t.is_floating_point() else t for t in state.summary[0])
     )
     expected = _filled_state(2)
     expected.rho[0] = expected.rho[0] * 2
+    expected.previous[2] = (expected.previous[2] * 2).float()
     expected.summary[0] = SummaryCarry(
         expected.summary[0].memory * 2,
         expected.summary[0].chunk_sum * 2,
@@ -152,7 +161,7 @@ def test_detach_cuts_summary_and_keeps_none():
     )
     assert state.detach_() is state
     assert not any(t.requires_grad for t in state.summary[0])
-    assert not state.rho[0].requires_grad
+    assert not state.rho[0].requires_grad and not state.previous[2].requires_grad
     _assert_states_equal(state, expected)
 
 
@@ -162,6 +171,9 @@ def test_reset_zeroes_exactly_the_masked_rows():
     assert state.reset_(torch.tensor([0, 1, 0])) is state  # any dtype: read as a bool mask
     assert state.position.tolist() == [2, 0, 12]
     assert state.rho[1] is None and state.summary[1] is None
+    assert state.previous[0] is None and state.previous[1] is None
+    assert torch.equal(state.previous[2][1], torch.zeros(1, 1, 4))
+    assert torch.equal(state.previous[2][[0, 2]], original.previous[2][[0, 2]])
     for layer in (0, 2):
         assert state.rho[layer].dtype == original.rho[layer].dtype
         assert torch.equal(state.rho[layer][1], torch.zeros_like(original.rho[layer][1]))
@@ -175,6 +187,7 @@ def test_reset_zeroes_exactly_the_masked_rows():
     assert state.position.tolist() == [0, 0, 0]
     assert not state.rho[0].any() and not state.rho[2].any()
     assert not any(t.any() for t in [*state.summary[0], *state.summary[2]])
+    assert not state.previous[2].any()
 
     meta = ModelState(1, 2, device="meta")
     meta.rho[0] = torch.ones(2, 1, 1, 1, device="meta")
@@ -192,8 +205,8 @@ def test_to_moves_every_tensor():
     state = _filled_state(2)
     assert state.to("meta") is state
     tensors = [state.position, state.rho[0], state.rho[2], *state.summary[0], *state.summary[2]]
-    assert all(t.device.type == "meta" for t in tensors)
-    assert state.rho[1] is None and state.summary[1] is None
+    assert all(t.device.type == "meta" for t in [*tensors, state.previous[2]])
+    assert state.rho[1] is None and state.summary[1] is None and state.previous[0] is None
 
 
 def test_clone_is_equal_and_independent():
@@ -205,6 +218,7 @@ def test_clone_is_equal_and_independent():
     copy.rho[2].add_(1)
     for t in copy.summary[0]:
         t.add_(1)
+    copy.previous[2].add_(1)
     copy.position.add_(1)
     _assert_states_equal(state, _filled_state(2))
     meta = _filled_state(2).to("meta").clone()
@@ -228,6 +242,7 @@ def test_state_dict_keys_values_and_round_trip():
             "summary_memory.2",
             "summary_chunk_sum.2",
             "summary_chunk_hits.2",
+            "previous.2",
         ]
     )
     assert not any(t.requires_grad for t in sd.values())
@@ -300,6 +315,18 @@ def _position(batch: int = 2) -> dict[str, torch.Tensor]:
         (
             {**_position(), "rho.2": torch.zeros(3, 1, 1, 1)},
             "model state 'rho.2' must be [B, H, N, D] with B=2, got (3, 1, 1, 1)",
+        ),
+        (
+            {**_position(), "previous.3": torch.zeros(2, 1, 1, 4)},
+            "unexpected model state entry 'previous.3' for a 3-layer model",
+        ),
+        (
+            {**_position(), "previous.0": torch.zeros(2, 1, 2, 4)},
+            "model state 'previous.0' must be [B, 1, 1, D] with B=2, got (2, 1, 2, 4)",
+        ),
+        (
+            {**_position(), "previous.1": torch.zeros(3, 1, 1, 4)},
+            "model state 'previous.1' must be [B, 1, 1, D] with B=2, got (3, 1, 1, 4)",
         ),
         (
             {**_position(), "summary_chunk_hits.1": torch.zeros(2, dtype=torch.int32)},

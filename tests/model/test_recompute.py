@@ -29,8 +29,10 @@ MODELS = {
     },
     "alibi-learned-chunked": {"position": "alibi_learned", "executor": "chunked"},
     "resets": {},
+    "token-shift-dropout-resets": {"token_shift": True, "dropout": 0.3},
 }
-"""Tiny fp64 model variants (tiny_config overrides); 'resets' adds a document-reset mask."""
+"""Tiny fp64 model variants (tiny_config overrides); a case named with 'resets' adds a
+document-reset mask."""
 
 
 def _carried_state_gradients(mode: str, case: str):
@@ -45,7 +47,7 @@ def _carried_state_gradients(mode: str, case: str):
     idx = torch.randint(0, 32, (2, 10), generator=g)
     targets = torch.randint(0, 32, (2, 10), generator=g)
     resets = None
-    if case == "resets":  # row 0 inside the first call, row 1 at the second call's start
+    if "resets" in case:  # row 0 inside the first call, row 1 at the second call's start
         resets = torch.zeros(2, 10, dtype=torch.bool)
         resets[0, 3] = resets[1, 6] = True
     c = model.config

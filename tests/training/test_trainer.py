@@ -163,13 +163,15 @@ def _with_documents(monkeypatch) -> None:
 def test_corpus_document_streaming_resume_mid_document_is_bit_exact(tmp_path, monkeypatch):
     """training.stream_documents = 'corpus': stopped mid-window at step 2 (rows mid-document,
     the carried state holding only each row's current document) and resumed, the run ends
-    bit-identical to the uninterrupted one."""
+    bit-identical to the uninterrupted one. With model.token_shift, whose carried input
+    (ModelState.previous) is saved with the rows' state and dropped where documents start."""
     _with_documents(monkeypatch)
     monkeypatch.setattr(Trainer, "sample", lambda self, *args, **kwargs: None)  # not under test
     overrides = [
         *STREAMING_TBPTT,
         "training.min_logical_block_size=0",
         "training.stream_documents='corpus'",
+        "model.token_shift=true",
         "training.max_steps=4",
         "training.eval_every=2",
         "training.checkpoint_every=2",

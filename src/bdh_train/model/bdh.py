@@ -3,7 +3,8 @@
 u = norm(embed[idx])
 repeat n_layer times with THE SAME weights:
     (u = u + summary memory of past chunks, in the layers that have one: summary.py)
-    x  = relu(u @ encoder)                 neurons, sparse and non-negative
+    x  = relu((u + shift(u)) @ encoder)    neurons, sparse and non-negative (the shift,
+                                           u at the token before, only under token_shift)
     a  = norm(mixer(q = x, v = u, rho_l))  linear attention over the carried state
     y  = dropout(x * relu(a @ encoder_v))
     u  = norm(u + norm(y @ decoder))
@@ -341,9 +342,20 @@ class BDH(nn.Module):
                 state.summary[layer_index] = carry
         if self.recorder is not None:
             self.recorder.layer = layer_index
+        shifted = None
+        if self.config.token_shift:
+            shifted = previous_tokens(u, state.previous[layer_index], reset_mask)
+            if need_state and u.shape[2]:
+                state.previous[layer_index] = u[:, :, -1:].clone()
         layer_fn, rho = self._layer_fn_for(u, state.rho[layer_index], need_state, reset_mask)
         u, new_rho = layer_fn(
-            u, rho, position_terms, executor or self.config.executor, need_state, reset_mask
+            u,
+            rho,
+            position_terms,
+            executor or self.config.executor,
+            need_state,
+            reset_mask,
+            shifted,
         )
         if need_state:
             state.rho[layer_index] = new_rho
@@ -357,9 +369,10 @@ class BDH(nn.Module):
         executor: str,
         need_state: bool,
         reset_mask: torch.Tensor | None = None,
+        shifted: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`layer_step`, under activation checkpointing when recompute is 'layer'."""
-        args = (u, rho, position_terms, executor, need_state, reset_mask)
+        args = (u, rho, position_terms, executor, need_state, reset_mask, shifted)
         if self._recomputing("layer"):
             return checkpoint(self.layer_step, *args, use_reentrant=False, preserve_rng_state=True)
         return self.layer_step(*args)
@@ -372,9 +385,13 @@ class BDH(nn.Module):
         executor: str,
         need_state: bool,
         reset_mask: torch.Tensor | None = None,
+        shifted: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layer as a pure function (u, rho) -> (new u, new rho), for compile_layers."""
-        x = F.relu(self._project("encoder", u, self.encoder))  # [B, H, T, N]
+        """The layer as a pure function (u, rho) -> (new u, new rho), for compile_layers.
+        `shifted` [B, 1, T, D]: the token shift's u at each token's previous token
+        (`previous_tokens`), added to u where the encoder reads it; None without the shift."""
+        read = u if shifted is None else u + shifted
+        x = F.relu(self._project("encoder", read, self.encoder))  # [B, H, T, N]
         mix_args = (x, u, rho, position_terms, executor, need_state, reset_mask)
         if self._recomputing("mixer"):
             a, new_rho = checkpoint(
@@ -583,6 +600,21 @@ def _default_rope_freqs(module: BDH, state_dict, prefix: str, *args) -> None:
     key = prefix + ROPE_FREQS
     if key not in state_dict:
         state_dict[key] = rope_frequencies(module.config.n_neurons)
+
+
+def previous_tokens(
+    u: torch.Tensor, last: torch.Tensor | None, reset_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The token shift's input: for a layer's input u [B, 1, T, D], u at each token's previous
+    token, [B, 1, T, D]. The call's first token takes `last` (the layer's input at the last
+    token the state read [B, 1, 1, D]; None: zeros, a fresh state), and a token where
+    `reset_mask` [B, T] is True starts a document, so it takes zeros."""
+    before = u.new_zeros(u.shape[0], 1, 1, u.shape[3]) if last is None else last
+    shifted = torch.cat([before.to(u.dtype), u[:, :, :-1]], dim=2)
+    if reset_mask is None:
+        return shifted
+    starts = reset_mask.to(device=u.device, dtype=torch.bool).view(u.shape[0], 1, -1, 1)
+    return shifted.masked_fill(starts, 0.0)
 
 
 def token_positions(

@@ -216,6 +216,12 @@ class BDHConfig:
     2^(-h/H): memories of one or two tokens), 'alibi_learned' (the same decay, each head's rate
     a parameter starting at alibi's) or 'alibi_spread' (fixed decay at ALiBi's own rates
     2^(-8(h+1)/H): for 4 heads, memories of 4, 16, 64 and 256 tokens)."""
+    token_shift: bool = False
+    """The encoder reads each token's layer input plus the previous token's (u_t + u_{t-1};
+    zero before a document's first token), so a neuron can fire for a token pair: what
+    associative recall needs to store "key -> value" at the value (a short causal convolution
+    of width 2 without weights, as RWKV's token shift and the short convolutions of H3 and
+    Based). No parameters; off in the official model."""
     norm: str = "layernorm"
     """'layernorm' (no learned scale or bias, as the official model) or 'layernorm_affine'."""
     executor: str = "auto"
@@ -288,6 +294,7 @@ class BDHConfig:
             )
         checks.number(f"{prefix}.dropout", self.dropout, low=0.0, high=1.0)
         checks.choice(f"{prefix}.position", self.position, POSITIONS)
+        checks.boolean(f"{prefix}.token_shift", self.token_shift)
         checks.choice(f"{prefix}.norm", self.norm, NORMS)
         checks.choice(f"{prefix}.executor", self.executor, EXECUTORS)
         self.quant.validate(f"{prefix}.quant")

@@ -89,6 +89,8 @@ def fast_decoder_unsupported(model: BDH) -> str | None:
     c = model.config
     if c.summary_memory.enabled:
         return "the summary memory"
+    if c.token_shift:
+        return "the token shift"
     if model.quantizer is not None:
         return "a quantized model"
     if model.training and c.dropout > 0:

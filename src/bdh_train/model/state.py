@@ -1,7 +1,8 @@
 """ModelState: what a BDH carries from one call to the next.
 
 One `rho` per layer ([B, H, N, D], None until first written), one summary-memory carry per
-layer that has one (`SummaryCarry`, None until first written or for layers without) and a
+layer that has one (`SummaryCarry`, None until first written or for layers without), under
+`model.token_shift` each layer's input at the last token read (`previous`, [B, 1, 1, D]) and a
 per-row absolute position ([B] long), so rows of one batch may be at different points of their
 documents. Operations rebind tensors rather than writing into them, so a state can sit inside
 an autograd graph.
@@ -31,12 +32,15 @@ def _written(rho: torch.Tensor | None) -> torch.Tensor:
 class ModelState:
     """What a BDH carries from one call to the next, for a batch of rows: `rho` (one per
     layer, None until first written), `summary` (one summary-memory carry per layer, None
-    until written or for layers without one) and `position` (each row's absolute position,
-    [B] long). `state_dict` and `load_state_dict` save and restore it as flat tensors."""
+    until written or for layers without one), `previous` (one per layer: its input u at the
+    last token read [B, 1, 1, D], which the token shift adds to the next token's; None until
+    written or without the shift) and `position` (each row's absolute position, [B] long).
+    `state_dict` and `load_state_dict` save and restore it as flat tensors."""
 
     def __init__(self, n_layer: int, batch_size: int, device: torch.device | str = "cpu"):
         self.rho: list[torch.Tensor | None] = [None] * n_layer
         self.summary: list[SummaryCarry | None] = [None] * n_layer
+        self.previous: list[torch.Tensor | None] = [None] * n_layer
         self.position = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     @property
@@ -51,6 +55,7 @@ class ModelState:
         """Cut the autograd graph, keep the values: how TBPTT truncates."""
         self.rho = [None if r is None else r.detach() for r in self.rho]
         self.summary = [_map_carry(c, torch.Tensor.detach) for c in self.summary]
+        self.previous = [None if p is None else p.detach() for p in self.previous]
         return self
 
     def reset_(self, rows: torch.Tensor | None = None) -> ModelState:
@@ -69,12 +74,14 @@ class ModelState:
             return torch.where(rows.view(-1, *[1] * (t.dim() - 1)), torch.zeros_like(t), t)
 
         self.summary = [_map_carry(c, zero_rows) for c in self.summary]
+        self.previous = [None if p is None else zero_rows(p) for p in self.previous]
         self.position = self.position.masked_fill(rows, 0)
         return self
 
     def to(self, device: torch.device | str) -> ModelState:
         self.rho = [None if r is None else r.to(device) for r in self.rho]
         self.summary = [_map_carry(c, lambda t: t.to(device)) for c in self.summary]
+        self.previous = [None if p is None else p.to(device) for p in self.previous]
         self.position = self.position.to(device)
         return self
 
@@ -82,6 +89,7 @@ class ModelState:
         other = ModelState(self.n_layer, self.batch_size, self.position.device)
         other.rho = [None if r is None else r.clone() for r in self.rho]
         other.summary = [_map_carry(c, torch.Tensor.clone) for c in self.summary]
+        other.previous = [None if p is None else p.clone() for p in self.previous]
         other.position = self.position.clone()
         return other
 
@@ -99,6 +107,10 @@ class ModelState:
             if carry is not None:
                 fields = zip(*(s.summary[i] for s in states), strict=True)
                 out.summary[i] = SummaryCarry(*(torch.cat(parts) for parts in fields))
+        out.previous = [
+            None if p is None else torch.cat([_written(s.previous[i]) for s in states])
+            for i, p in enumerate(first.previous)
+        ]
         out.position = torch.cat([s.position for s in states])
         return out
 
@@ -106,17 +118,21 @@ class ModelState:
         """Keep only the rows at the indices `rows` (long [B'], in that order)."""
         self.rho = [None if r is None else r.index_select(0, rows) for r in self.rho]
         self.summary = [_map_carry(c, lambda t: t.index_select(0, rows)) for c in self.summary]
+        self.previous = [None if p is None else p.index_select(0, rows) for p in self.previous]
         self.position = self.position.index_select(0, rows)
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Flat tensor dict (safetensors-friendly): 'position', 'rho.<layer>' and, for layers
-        with a summary memory, 'summary_memory.<layer>', 'summary_chunk_sum.<layer>' and
-        'summary_chunk_hits.<layer>'."""
+        """Flat tensor dict (safetensors-friendly): 'position', 'rho.<layer>', under the token
+        shift 'previous.<layer>' and, for layers with a summary memory,
+        'summary_memory.<layer>', 'summary_chunk_sum.<layer>' and 'summary_chunk_hits.<layer>'."""
         out = {"position": self.position.detach().clone()}
         for layer, r in enumerate(self.rho):
             if r is not None:
                 out[f"rho.{layer}"] = r.detach().clone()
+        for layer, p in enumerate(self.previous):
+            if p is not None:
+                out[f"previous.{layer}"] = p.detach().clone()
         for layer, carry in enumerate(self.summary):
             if carry is not None:
                 for name, t in carry._asdict().items():
@@ -134,6 +150,7 @@ class ModelState:
                 f"{position.dtype}"
             )
         rho: list[torch.Tensor | None] = [None] * self.n_layer
+        previous: list[torch.Tensor | None] = [None] * self.n_layer
         summary: list[dict[str, torch.Tensor]] = [{} for _ in range(self.n_layer)]
         summary_fields = {key: name for name, key in SUMMARY_KEYS.items()}
         for key, value in sd.items():
@@ -141,7 +158,7 @@ class ModelState:
                 continue
             prefix, _, index = key.partition(".")
             if (
-                prefix not in ("rho", *summary_fields)
+                prefix not in ("rho", "previous", *summary_fields)
                 or not index.isdigit()
                 or int(index) >= self.n_layer
             ):
@@ -152,6 +169,14 @@ class ModelState:
                 summary[int(index)][summary_fields[prefix]] = _checked_summary_entry(
                     key, summary_fields[prefix], value, int(position.shape[0])
                 )
+                continue
+            if prefix == "previous":
+                if value.dim() != 4 or value.shape[:3] != (position.shape[0], 1, 1):
+                    raise CheckpointError(
+                        f"model state {key!r} must be [B, 1, 1, D] with B={position.shape[0]}, "
+                        f"got {tuple(value.shape)}"
+                    )
+                previous[int(index)] = value.to(self.position.device)
                 continue
             if value.dim() != 4 or value.shape[0] != position.shape[0]:
                 raise CheckpointError(
@@ -174,6 +199,7 @@ class ModelState:
             )
         self.rho = rho
         self.summary = carries
+        self.previous = previous
         self.position = position.to(self.position.device).clone()
         return self
 

@@ -16,7 +16,8 @@ class BDHConfig(PretrainedConfig):
     queries, frequencies stored with the weights) or alibi (a per-head state decay), layer
     norms without or with (one shared) affine scale and bias. The projections named in
     quant_targets were trained quantized (BitNet b1.58): the weights file holds their
-    quantized values, and their inputs are rounded to int8, one scale per token."""
+    quantized values, and their inputs are rounded to int8, one scale per token. Under
+    token_shift each layer's encoder reads the token's input plus its previous real token's."""
 
     model_type = "bdh"
     attribute_map = {
@@ -37,6 +38,7 @@ class BDHConfig(PretrainedConfig):
         norm_eps: float = 1e-5,
         prefill_chunk: int = 256,
         quant_targets: list[str] | None = None,
+        token_shift: bool = False,
         **kwargs,
     ) -> None:
         if position not in POSITIONS:
@@ -60,5 +62,8 @@ class BDHConfig(PretrainedConfig):
         """Tokens read per block of a long input: the state carries one block to the next,
         so memory grows with this, not with the input."""
         self.quant_targets = quant_targets
+        self.token_shift = bool(token_shift)
+        """Each layer's encoder reads u_t + u_(t-1), the previous real token's input (zeros
+        before a fresh cache's first token); no parameters."""
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)

@@ -5,6 +5,8 @@ transformers.
 u = norm(embed[ids])
 repeat n_layer times with THE SAME weights:
     x  = relu(u @ encoder)                 neurons [B, H, T, N], sparse and non-negative
+                                           (under config.token_shift relu((u + shift(u)) @
+                                           encoder): shift(u) is u at the token before)
     a  = norm(attention(q = x, v = u, rho_l))  linear attention over layer l's carried state
     y  = x * relu(a @ encoder_v)
     u  = norm(u + norm(y @ decoder))
@@ -19,12 +21,18 @@ token's position, which counts the real tokens a row has read. A padded token (m
 neither writes into the state nor decays it nor advances the position, so a left-padded row
 gives its real tokens the logits the row gives unpadded.
 
+Under `config.token_shift` the encoder of every layer application reads u_t + u_p, where p is
+the last real token of the row before t (its layer input carried in the cache from the call
+before, zeros for a fresh cache): a pad is never a token's previous one. Only the encoder's
+input changes; the attention's values and the residual stay u.
+
 Projections named in `config.quant_targets` were trained quantized (BitNet b1.58): the
 weights file holds their quantized values, and their inputs are rounded to int8 steps with
 one scale per token, as in training.
 
-The whole past of a sequence is `BDHCache`: one rho [B, H, N, D] per layer and each row's
-position, a fixed size however long the text. A generated token costs one step on it. A long
+The whole past of a sequence is `BDHCache`: one rho [B, H, N, D] per layer (and, under the
+token shift, the layer's input at the last real token, [B, 1, 1, D]) and each row's position, a
+fixed size however long the text. A generated token costs one step on it. A long
 input is read `config.prefill_chunk` tokens at a time, the state carrying one block to the next.
 """
 
@@ -49,9 +57,11 @@ _OUTPUT_CACHE = (
 
 class BDHCache(Cache):
     """BDH's recurrent state: rho [B, H, N, D] for each layer (None before the first token),
-    each row's position (the real tokens it has read) and the columns read so far (what
-    `get_seq_length` reports to `generate`, pads included). Its size does not grow with the
-    text; beam search reorders its rows (`reorder_cache`)."""
+    under the token shift `previous` [B, 1, 1, D] for each layer (its input u at the row's
+    last real token; None before the first block), each row's position (the real tokens it
+    has read) and the columns read so far (what `get_seq_length` reports to `generate`, pads
+    included). Its size does not grow with the text; beam search reorders its rows
+    (`reorder_cache`)."""
 
     is_compileable = False
 
@@ -61,6 +71,7 @@ class BDHCache(Cache):
         except TypeError:  # transformers before 4.54: a Cache takes no layers
             super().__init__()
         self.rho: list[torch.Tensor | None] = [None] * n_layer
+        self.previous: list[torch.Tensor | None] = [None] * n_layer
         self.position: torch.Tensor | None = None
         self.columns = 0
 
@@ -83,6 +94,7 @@ class BDHCache(Cache):
 
     def _map_rows(self, fn) -> None:
         self.rho = [None if r is None else fn(r) for r in self.rho]
+        self.previous = [None if p is None else fn(p) for p in self.previous]
         if self.position is not None:
             self.position = fn(self.position)
 
@@ -98,6 +110,7 @@ class BDHCache(Cache):
 
     def reset(self) -> None:
         self.rho = [None] * len(self.rho)
+        self.previous = [None] * len(self.previous)
         self.position = None
         self.columns = 0
 
@@ -150,6 +163,27 @@ def linear_attention(
     write = powers((total[:, None] - before)[:, None, :, None])  # d^(R - r_s), [B, H, T, 1]
     new_rho = rho * powers(total.view(-1, 1, 1, 1)) + (q_write * write).transpose(-1, -2) @ v
     return out, new_rho
+
+
+def previous_real(
+    u: torch.Tensor, carried: torch.Tensor | None, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token shift's input and carry: (u at each token's previous real token [B, 1, T, D],
+    u at each row's last real token [B, 1, 1, D]) for a block u [B, 1, T, D] whose real tokens
+    are where `mask` [B, T] is True. A token's previous real token is the last one before it in
+    its row: in this block, else `carried` (the last real token's u of the blocks before
+    [B, 1, 1, D]; None: zeros, a fresh cache). A row with no real token keeps `carried`."""
+    batch, _, seq_len, dim = u.shape
+    if carried is None:
+        carried = u.new_zeros(batch, 1, 1, dim)
+    read = torch.cat([carried.to(u.dtype), u], dim=2)  # index 0: carried, t + 1: token t
+    steps = torch.arange(1, seq_len + 1, device=u.device)
+    last = (steps * mask.to(device=u.device, dtype=torch.long)).cummax(dim=1).values  # [B, T]
+    before = torch.cat([last.new_zeros(batch, 1), last[:, :-1]], dim=1)  # strictly before t
+    shifted = read.gather(2, before[:, None, :, None].expand(batch, 1, seq_len, dim))
+    final = last[:, -1:] if seq_len else last.new_zeros(batch, 1)
+    kept = read.gather(2, final[:, None, :, None].expand(batch, 1, 1, dim))
+    return shifted, kept
 
 
 class BDHModel(nn.Module):
@@ -226,7 +260,11 @@ class BDHModel(nn.Module):
             rho = cache.rho[layer]
             if rho is None:
                 rho = u.new_zeros(batch, c.n_head, c.n_neurons, c.n_embd)
-            x = F.relu(self._project("encoder", u, self.encoder))  # [B, H, T, N]
+            read = u
+            if c.token_shift:
+                shifted, cache.previous[layer] = previous_real(u, cache.previous[layer], mask)
+                read = u + shifted
+            x = F.relu(self._project("encoder", read, self.encoder))  # [B, H, T, N]
             q = x if rope is None else x * rope[0] + _rotate_pairs(x) * rope[1]
             a, cache.rho[layer] = linear_attention(q, u, rho, mask, log_decay)
             y = x * F.relu(self._project("encoder_v", self._norm(a), self.encoder_v))

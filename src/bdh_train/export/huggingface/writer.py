@@ -164,6 +164,7 @@ def hf_config(model: BDH, eos: int | None, pad: int) -> dict:
         "norm": c.norm,
         "norm_eps": model.norm_eps,
         "quant_targets": quantized_projections(model),
+        "token_shift": c.token_shift,
         "tie_word_embeddings": False,
         "eos_token_id": eos,
         "pad_token_id": pad,
@@ -296,7 +297,8 @@ def model_card(model: BDH, tok: Tokenizer, p: Provenance, name: str) -> str:
         "## Model",
         f"- {model.config.parameter_count():,} parameters: {c.n_layer} layers sharing one "
         f"set of weights, n_embd {c.n_embd}, {c.n_head} heads of {c.n_neurons} neurons",
-        f"- positions: {c.position}; norm: {c.norm}; tokenizer: {tokenizer}",
+        f"- positions: {c.position}; norm: {c.norm}; token shift: "
+        f"{'yes' if c.token_shift else 'no'}; tokenizer: {tokenizer}",
         "- quantized (BitNet b1.58) projections: "
         + (", ".join(quantized) if quantized else "none"),
         "",

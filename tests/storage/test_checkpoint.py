@@ -508,6 +508,26 @@ def test_io_advice_and_the_write_error_name_the_way_back(tmp_path: Path) -> None
     assert str(error) == f"cannot write {tmp_path / 'f'} ([Errno 28] No space left); {advice}"
 
 
+def test_a_short_write_on_a_full_disk_is_named_a_full_disk(tmp_path: Path, monkeypatch) -> None:
+    """torch's zip writer reports ENOSPC as 'unexpected pos A vs B', without an errno: with
+    less than FULL_DISK_BYTES free the reason says the disk is full; with more, or for an
+    OSError that names its own cause, the error's first line stands alone."""
+    short = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1920 vs 1812")
+    usage = shutil.disk_usage(tmp_path)
+    free = {"bytes": ckpt.FULL_DISK_BYTES - 1}
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage._replace(free=free["bytes"]))
+    assert ckpt.write_failure(tmp_path, short) == (
+        f"No space left on device: {ckpt.FULL_DISK_BYTES - 1:,} bytes free; "
+        "unexpected pos 1920 vs 1812"
+    )
+    limit = OSError(27, "File too large")
+    assert ckpt.write_failure(tmp_path, limit) == "[Errno 27] File too large"
+    free["bytes"] = ckpt.FULL_DISK_BYTES
+    assert ckpt.write_failure(tmp_path, short) == "unexpected pos 1920 vs 1812"
+    error = ckpt.CheckpointWriteError(tmp_path, tmp_path / "f", short, "full")
+    assert str(error).startswith(f"cannot write {tmp_path / 'f'} (full); ")
+
+
 # ---------------------------------------------------------------- the Checkpointer
 class _Part:
     def __init__(self, state: Any = None, error: BaseException | None = None) -> None:

@@ -365,12 +365,37 @@ def torch_load(path: Path) -> Any:
         ) from exc
 
 
+FULL_DISK_BYTES = 1 << 16
+"""Free bytes below which a failed write whose error names no OS error is reported as a full
+disk: torch's zip writer reports a short write as 'unexpected pos A vs B'."""
+
+
+def write_failure(directory: Path, exc: BaseException) -> str:
+    """Why writing into `directory` failed, for one error line: the error's first line, led by
+    'No space left on device' when it carries no OS error number and the disk holding
+    `directory` has less than FULL_DISK_BYTES free."""
+    reason = first_line(exc)
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return reason
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return reason
+    if free >= FULL_DISK_BYTES:
+        return reason
+    return f"No space left on device: {free:,} bytes free; {reason}"
+
+
 class CheckpointWriteError(BDHTrainError):
     """A checkpoint file could not be written (disk full, file size limit, read-only
-    directory); the half-written checkpoint is removed and the previous one is intact."""
+    directory); the half-written checkpoint is removed and the previous one is intact.
+    `reason` replaces the error's first line (`write_failure`'s)."""
 
-    def __init__(self, run_dir: Path, path: Path, exc: BaseException) -> None:
-        super().__init__(f"cannot write {path} ({first_line(exc)}); {io_advice(run_dir)}")
+    def __init__(
+        self, run_dir: Path, path: Path, exc: BaseException, reason: str | None = None
+    ) -> None:
+        why = first_line(exc) if reason is None else reason
+        super().__init__(f"cannot write {path} ({why}); {io_advice(run_dir)}")
 
 
 def io_advice(run_dir: Path) -> str:
@@ -426,7 +451,8 @@ def _write_part(path: Path, state: Any) -> None:
     elif path.suffix == ".json":
         write_json(path, state)
     elif path.suffix == ".pt":
-        torch.save(state, path)
+        with path.open("wb") as f:  # closed when the write fails, not when the error is freed
+            torch.save(state, f)
     elif path.suffix == ".safetensors":
         tensors, metadata = state
         save_file(tensors, str(path), metadata=metadata)  # its mode: `rename_into_place`
@@ -491,7 +517,8 @@ class Checkpointer:
                     _write_part(directory / file, state)
                 except Exception as exc:  # torch and safetensors wrap the OSError they meet
                     where = self.run_dir / CHECKPOINTS / name / file
-                    raise CheckpointWriteError(self.run_dir, where, exc) from exc
+                    why = write_failure(directory, exc)
+                    raise CheckpointWriteError(self.run_dir, where, exc, why) from exc
 
         return save_checkpoint(
             self.run_dir, name, write, self.keep, before_rename, tmp, self.intact

@@ -126,7 +126,7 @@ def test_extends_chain_and_order(tmp_path: Path) -> None:
     )
     cfg = load_config([top])
     # preset:tiny listed after mid.toml overrides it; top's own values win over both
-    assert cfg.training.max_steps == 1000
+    assert cfg.training.max_steps == 900
     assert cfg.model.n_layer == 4
     assert cfg.training.eval_steps == 2
     assert cfg.training.log_every == 50

@@ -40,7 +40,8 @@ from bdh_train.train.reduce import accumulate_sharded
 from bdh_train.train.step import LanguageTrainModel
 from bdh_train.training.trainer import Trainer
 
-BASE = [*DISTRIBUTED_RUN, "optimizer.grad_clip_norm=0.5"]
+# AdamW: Muon (the preset's optimizer) needs whole matrices, and these runs meet sharded ones
+BASE = [*DISTRIBUTED_RUN, "optimizer.grad_clip_norm=0.5", "optimizer.name=adamw"]
 MODES = {
     "random-windows": BASE,
     "streaming-tbptt": [*BASE, *STREAMING_TBPTT_SETTINGS],

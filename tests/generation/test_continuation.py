@@ -4,6 +4,8 @@ are not decided by rounding."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import io
 import json
 
@@ -19,6 +21,7 @@ from bdh_train.generation.chat import chat
 from bdh_train.generation.continuation import Continuation
 from bdh_train.model import sampling
 from bdh_train.model.config import SummaryMemoryConfig
+from bdh_train.shared.loading import LATER_FIELDS, config_hash
 
 GATED = SummaryMemoryConfig(enabled=True, chunk_tokens=4, write_gate=True, residual_scale=1.0)
 TRIGGER = SummaryEventTrigger(sequence=(2, 3, 0))
@@ -395,3 +398,13 @@ def test_chat_jsonl_is_one_object_a_turn():
         {"turn": 2, "input": "more", "reply": "ok.\nbye", "tokens": 7, "stop": "!", "cut": False},
         {"turn": 3, "input": "end", "reply": "the en", "tokens": 6, "stop": None, "cut": False},
     ]
+
+
+def test_a_field_added_at_its_earlier_value_leaves_the_config_hash_as_it_was():
+    """States saved before model.token_shift existed hold the hash of a config without it:
+    at its default the field is left out, so they still load; turned on, it changes the hash."""
+    config = tiny_model().config
+    before = {k: v for k, v in config.to_dict().items() if k not in LATER_FIELDS}
+    text = json.dumps(before, sort_keys=True)
+    assert config_hash(config) == hashlib.sha256(text.encode()).hexdigest()
+    assert config_hash(dataclasses.replace(config, token_shift=True)) != config_hash(config)

@@ -180,6 +180,7 @@ def test_a_merge_keeps_each_sources_frequencies_and_averages_the_dense_parts():
         (dict(n_layer=3), "n_layer"),
         (dict(vocab_size=64), "vocab_size"),
         (dict(position="alibi"), "position"),
+        (dict(token_shift=True), "token_shift"),
     ],
 )
 def test_a_merge_of_different_shapes_is_refused(change, key):

@@ -73,7 +73,8 @@ def test_documents_starting_inside_a_call_equal_separate_calls(executor):
     the call's first token. Each document equals the model reading it alone, fresh."""
     model = _model(torch.float64, "alibi", executor=executor)
     gen = torch.Generator().manual_seed(5)
-    prefix, idx = torch.randint(0, 32, (2, 4), generator=gen), torch.randint(0, 32, (2, 12))
+    prefix = torch.randint(0, 32, (2, 4), generator=gen)
+    idx = torch.randint(0, 32, (2, 12), generator=gen)
     resets = torch.zeros(2, 12, dtype=torch.bool)
     resets[0, 5] = resets[1, 0] = True
     with torch.no_grad():
@@ -117,12 +118,40 @@ def test_generation_carries_the_shift_through_the_generic_decoder():
 
 
 def test_gradients_reach_the_carried_input_until_detached():
-    """TBPTT: the next call's loss depends on the carried u (a gradient flows into the
-    previous call) until `detach_` cuts it, as it does rho."""
+    """TBPTT: a second call's output depends on the first call's tokens through the carried
+    u (rho zeroed, so the shift is the only path), until `detach_` cuts it, as it does rho."""
     model = tiny_model(torch.float64, token_shift=True).train()
     idx = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(7))
-    state = model.init_state(1)
-    model.forward_hidden(idx[:, :4], state)
-    assert all(p is not None and p.requires_grad for p in state.previous)
-    state.detach_()
-    assert not any(p.requires_grad for p in state.previous if p is not None)
+
+    def second_call_gradient(detach: bool) -> torch.Tensor | None:
+        u = model.embed_tokens(idx[:, :4]).detach().requires_grad_()
+        state = model.init_state(1)
+        model.forward_hidden(idx[:, :4], state, u=u)
+        state.rho = [torch.zeros_like(r).detach() for r in state.rho]
+        if detach:
+            state.detach_()
+        # two tokens: x reaches the output only through the next token's read of the state
+        hidden = model.forward_hidden(idx[:, 4:6], state)  # normed: its square sums to D
+        out = (hidden * torch.linspace(-1, 1, hidden.shape[-1], dtype=hidden.dtype)).sum()
+        return torch.autograd.grad(out, u, allow_unused=True)[0]
+
+    carried = second_call_gradient(detach=False)
+    assert carried is not None and carried[:, -1].abs().sum() > 0  # layer 0 reads u at token 3
+    assert second_call_gradient(detach=True) is None
+
+
+def test_a_document_starting_at_the_calls_first_token_drops_the_carried_input():
+    """Every row starting a document at the call's first token (the path where the state is
+    reset before the layers run, not masked inside them): the call equals reading it fresh."""
+    model = _model(torch.float64, "rope")
+    gen = torch.Generator().manual_seed(8)
+    prefix = torch.randint(0, 32, (2, 5), generator=gen)
+    idx = torch.randint(0, 32, (2, 6), generator=gen)
+    resets = torch.zeros(2, 6, dtype=torch.bool)
+    resets[:, 0] = True
+    with torch.no_grad():
+        state = model.init_state(2)
+        model.forward_hidden(prefix, state)
+        got = model.forward_hidden(idx, state, reset_mask=resets)
+        want = model.forward_hidden(idx)
+    assert_close(got, want, rtol=1e-10)

@@ -52,6 +52,7 @@ _SAME = (
     "n_head",
     "vocab_size",
     "position",
+    "token_shift",
     "norm",
     "language_head",
     "summary_memory",

@@ -175,9 +175,20 @@ def tokenizer_for(config: BDHConfig) -> ByteTokenizer | None:
     return None
 
 
+LATER_FIELDS = {"token_shift": False}
+"""Model config fields added after saved states began to carry `config_hash`, with the value
+every earlier model had: at that value they are left out of the hash, so a state saved
+before the field existed still matches its model."""
+
+
 def config_hash(config: BDHConfig) -> str:
     """SHA-256 of the model config (canonical JSON): what a saved state must match."""
-    text = json.dumps(config.to_dict(), sort_keys=True)
+    fields = {
+        key: value
+        for key, value in config.to_dict().items()
+        if key not in LATER_FIELDS or value != LATER_FIELDS[key]
+    }
+    text = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -7,7 +7,7 @@ import torch
 from helpers import assert_close, tiny_model
 
 from bdh_train.errors import CheckpointError
-from bdh_train.model.state import SUMMARY_KEYS, ModelState, _checked_summary_entry
+from bdh_train.model.state import SUMMARY_KEYS, ModelState, _checked_carry_entry
 from bdh_train.model.summary import SummaryCarry
 
 
@@ -322,11 +322,11 @@ def _position(batch: int = 2) -> dict[str, torch.Tensor]:
         ),
         (
             {**_position(), "previous.0": torch.zeros(2, 1, 2, 4)},
-            "model state 'previous.0' must be [B, 1, 1, D] with B=2, got (2, 1, 2, 4)",
+            "model state 'previous.0' must be [2, 1, 1, D], got (2, 1, 2, 4) torch.float32",
         ),
         (
             {**_position(), "previous.1": torch.zeros(3, 1, 1, 4)},
-            "model state 'previous.1' must be [B, 1, 1, D] with B=2, got (3, 1, 1, 4)",
+            "model state 'previous.1' must be [2, 1, 1, D], got (3, 1, 1, 4) torch.float32",
         ),
         (
             {**_position(), "summary_chunk_hits.1": torch.zeros(2, dtype=torch.int32)},
@@ -372,12 +372,12 @@ def test_load_state_dict_refusals_change_nothing(entries, message):
     _assert_states_equal(state, _filled_state(2))
 
 
-def test_checked_summary_entry_accepts_its_shapes():
+def test_checked_carry_entry_accepts_its_shapes():
     hits = torch.tensor([1, 2], dtype=torch.long)
-    assert _checked_summary_entry("k", "chunk_hits", hits, 2) is hits
+    assert _checked_carry_entry("k", "chunk_hits", hits, 2) is hits
     memory = torch.zeros(2, 1, 1, 5)
-    assert _checked_summary_entry("k", "memory", memory, 2) is memory
-    assert _checked_summary_entry("k", "chunk_sum", memory, 2) is memory
+    assert _checked_carry_entry("k", "memory", memory, 2) is memory
+    assert _checked_carry_entry("k", "chunk_sum", memory, 2) is memory
     assert SUMMARY_KEYS == {
         "memory": "summary_memory",
         "chunk_sum": "summary_chunk_sum",

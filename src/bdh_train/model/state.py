@@ -53,10 +53,15 @@ class ModelState:
 
     def detach_(self) -> ModelState:
         """Cut the autograd graph, keep the values: how TBPTT truncates."""
-        self.rho = [None if r is None else r.detach() for r in self.rho]
-        self.summary = [_map_carry(c, torch.Tensor.detach) for c in self.summary]
-        self.previous = [None if p is None else p.detach() for p in self.previous]
+        self._map_into(self, torch.Tensor.detach)
         return self
+
+    def _map_into(self, target: ModelState, fn) -> None:
+        """Set `target`'s per-layer tensors (rho, summary carries, previous) to `fn` of this
+        state's, keeping the Nones (detach_, to, clone and select_rows_)."""
+        target.rho = [None if r is None else fn(r) for r in self.rho]
+        target.summary = [_map_carry(c, fn) for c in self.summary]
+        target.previous = [None if p is None else fn(p) for p in self.previous]
 
     def reset_(self, rows: torch.Tensor | None = None) -> ModelState:
         """Zero the state of the rows in the boolean mask `rows` (all rows when None)."""
@@ -79,17 +84,13 @@ class ModelState:
         return self
 
     def to(self, device: torch.device | str) -> ModelState:
-        self.rho = [None if r is None else r.to(device) for r in self.rho]
-        self.summary = [_map_carry(c, lambda t: t.to(device)) for c in self.summary]
-        self.previous = [None if p is None else p.to(device) for p in self.previous]
+        self._map_into(self, lambda t: t.to(device))
         self.position = self.position.to(device)
         return self
 
     def clone(self) -> ModelState:
         other = ModelState(self.n_layer, self.batch_size, self.position.device)
-        other.rho = [None if r is None else r.clone() for r in self.rho]
-        other.summary = [_map_carry(c, torch.Tensor.clone) for c in self.summary]
-        other.previous = [None if p is None else p.clone() for p in self.previous]
+        self._map_into(other, torch.Tensor.clone)
         other.position = self.position.clone()
         return other
 
@@ -116,9 +117,7 @@ class ModelState:
 
     def select_rows_(self, rows: torch.Tensor) -> ModelState:
         """Keep only the rows at the indices `rows` (long [B'], in that order)."""
-        self.rho = [None if r is None else r.index_select(0, rows) for r in self.rho]
-        self.summary = [_map_carry(c, lambda t: t.index_select(0, rows)) for c in self.summary]
-        self.previous = [None if p is None else p.index_select(0, rows) for p in self.previous]
+        self._map_into(self, lambda t: t.index_select(0, rows))
         self.position = self.position.index_select(0, rows)
         return self
 
@@ -166,17 +165,13 @@ class ModelState:
                     f"unexpected model state entry {key!r} for a {self.n_layer}-layer model"
                 )
             if prefix in summary_fields:
-                summary[int(index)][summary_fields[prefix]] = _checked_summary_entry(
+                summary[int(index)][summary_fields[prefix]] = _checked_carry_entry(
                     key, summary_fields[prefix], value, int(position.shape[0])
                 )
                 continue
             if prefix == "previous":
-                if value.dim() != 4 or value.shape[:3] != (position.shape[0], 1, 1):
-                    raise CheckpointError(
-                        f"model state {key!r} must be [B, 1, 1, D] with B={position.shape[0]}, "
-                        f"got {tuple(value.shape)}"
-                    )
-                previous[int(index)] = value.to(self.position.device)
+                checked = _checked_carry_entry(key, prefix, value, int(position.shape[0]))
+                previous[int(index)] = checked.to(self.position.device)
                 continue
             if value.dim() != 4 or value.shape[0] != position.shape[0]:
                 raise CheckpointError(
@@ -204,8 +199,9 @@ class ModelState:
         return self
 
 
-def _checked_summary_entry(key: str, name: str, value: torch.Tensor, batch: int) -> torch.Tensor:
-    """A summary carry tensor of the shape its field has ([B, 1, 1, D] or [B] long)."""
+def _checked_carry_entry(key: str, name: str, value: torch.Tensor, batch: int) -> torch.Tensor:
+    """A per-row carry of the shape its field `name` has: a summary carry's ([B, 1, 1, D], or
+    [B] long for chunk_hits) or the token shift's 'previous' ([B, 1, 1, D])."""
     if name == "chunk_hits":
         ok, shape = value.shape == (batch,) and value.dtype == torch.long, f"[{batch}] long"
     else:

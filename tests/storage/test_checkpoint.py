@@ -524,8 +524,12 @@ def test_a_short_write_on_a_full_disk_is_named_a_full_disk(tmp_path: Path, monke
     assert ckpt.write_failure(tmp_path, limit) == "[Errno 27] File too large"
     free["bytes"] = ckpt.FULL_DISK_BYTES
     assert ckpt.write_failure(tmp_path, short) == "unexpected pos 1920 vs 1812"
-    error = ckpt.CheckpointWriteError(tmp_path, tmp_path / "f", short, "full")
-    assert str(error).startswith(f"cannot write {tmp_path / 'f'} (full); ")
+    free["bytes"] = 0
+    error = ckpt.CheckpointWriteError(tmp_path, tmp_path / "f", short)
+    assert str(error).startswith(
+        f"cannot write {tmp_path / 'f'} (No space left on device: 0 bytes free; "
+        "unexpected pos 1920 vs 1812); "
+    )
 
 
 # ---------------------------------------------------------------- the Checkpointer

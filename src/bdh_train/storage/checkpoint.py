@@ -371,9 +371,9 @@ disk: torch's zip writer reports a short write as 'unexpected pos A vs B'."""
 
 
 def write_failure(directory: Path, exc: BaseException) -> str:
-    """Why writing into `directory` failed, for one error line: the error's first line, led by
-    'No space left on device' when it carries no OS error number and the disk holding
-    `directory` has less than FULL_DISK_BYTES free."""
+    """Why a write on the disk holding `directory` failed, for one error line: the error's
+    first line, led by 'No space left on device' when it carries no OS error number and that
+    disk has less than FULL_DISK_BYTES free."""
     reason = first_line(exc)
     if isinstance(exc, OSError) and exc.errno is not None:
         return reason
@@ -388,13 +388,11 @@ def write_failure(directory: Path, exc: BaseException) -> str:
 
 class CheckpointWriteError(BDHTrainError):
     """A checkpoint file could not be written (disk full, file size limit, read-only
-    directory); the half-written checkpoint is removed and the previous one is intact.
-    `reason` replaces the error's first line (`write_failure`'s)."""
+    directory); the half-written checkpoint is removed and the previous one is intact. The
+    reason is `write_failure`'s, on the disk holding the run directory."""
 
-    def __init__(
-        self, run_dir: Path, path: Path, exc: BaseException, reason: str | None = None
-    ) -> None:
-        why = first_line(exc) if reason is None else reason
+    def __init__(self, run_dir: Path, path: Path, exc: BaseException) -> None:
+        why = write_failure(run_dir, exc)
         super().__init__(f"cannot write {path} ({why}); {io_advice(run_dir)}")
 
 
@@ -517,8 +515,7 @@ class Checkpointer:
                     _write_part(directory / file, state)
                 except Exception as exc:  # torch and safetensors wrap the OSError they meet
                     where = self.run_dir / CHECKPOINTS / name / file
-                    why = write_failure(directory, exc)
-                    raise CheckpointWriteError(self.run_dir, where, exc, why) from exc
+                    raise CheckpointWriteError(self.run_dir, where, exc) from exc
 
         return save_checkpoint(
             self.run_dir, name, write, self.keep, before_rename, tmp, self.intact

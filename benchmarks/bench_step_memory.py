@@ -3,8 +3,9 @@ against measured peaks, for a grid of configs (executors, recompute modes, TBPTT
 autocast, a wide vocabulary, a model whose peak is the optimizer step).
 
 Each row runs the trainer's own components (`build_model`, `build_executor`, the
-accumulator, `StepWindow` with AdamW) for two optimizer steps, the first on a 16-token slice
-(so AdamW's moments exist during the second one's backward), in two fresh processes:
+accumulator, `StepWindow` with AdamW, or Muon in the rows named so) for two optimizer steps,
+the first on a 16-token slice (so the optimizer's state exists during the second one's
+backward), in two fresh processes:
 
 * **tensors**: under torch's profiler with profile_memory=True, started before the model is
   built; the CPU allocator's allocation and free events, summed in time order, peak at the
@@ -67,8 +68,12 @@ GRID: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "(b) B4 T512": (B, dict(batch_size=4, block_size=512)),
     "(b) B2 T2048": (B, dict(batch_size=2, block_size=2048)),
     "(b) B1 T64": (B, dict(batch_size=1, block_size=64)),
+    "(a) B8 T512 muon": (A, dict(batch_size=8, block_size=512)),
+    "(b) B1 T64 muon": (B, dict(batch_size=1, block_size=64)),
 }
 """Row name -> (BDHConfig fields, TrainingConfig fields)."""
+MUON_ROWS = frozenset(row for row in GRID if row.endswith(" muon"))
+"""The rows that train with optimizer.name = 'muon' (the others with AdamW)."""
 
 
 def worker(spec: dict[str, Any]) -> None:
@@ -85,7 +90,8 @@ def worker(spec: dict[str, Any]) -> None:
     model_fields, training_fields = GRID[spec["row"]]
     model = BDHConfig(**{"vocab_size": 256, "dropout": 0.0, **model_fields})
     training = TrainingConfig(max_steps=2, device=spec["device"], **training_fields).validate()
-    estimate = estimate_step_memory(model, training, device.type)
+    optimizer = "muon" if spec["row"] in MUON_ROWS else "adamw"
+    estimate = estimate_step_memory(model, training, device.type, optimizer=optimizer)
     g = torch.Generator().manual_seed(0)
     shape = (training.batch_size, training.block_size + 1)
     tokens = torch.randint(0, model.vocab_size, shape, generator=g).to(device)
@@ -101,27 +107,30 @@ def worker(spec: dict[str, Any]) -> None:
         result["allocator"] = configure_host_allocator(
             spec["host_allocator"], device, saving_memory=training.recompute != "none"
         )
-        two_steps(model, training, device, batch.rows(0, 1).time_slice(0, PRIMER_TOKENS))
+        primer = batch.rows(0, 1).time_slice(0, PRIMER_TOKENS)
+        two_steps(model, training, device, primer, optimizer)
         base = settle_baseline()  # code paged in, pools made above
-        two_steps(model, training, device, batch)
+        two_steps(model, training, device, batch, optimizer)
         result["rss_delta"] = (peak_rss_mib() - base) * MIB
     elif device.type == "cuda":
         torch.cuda.synchronize()
         start = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        two_steps(model, training, device, batch)
+        two_steps(model, training, device, batch, optimizer)
         torch.cuda.synchronize()
         result["tensors"] = torch.cuda.max_memory_allocated(device) - start
     else:
-        result["tensors"] = profiled_peak(lambda: two_steps(model, training, device, batch))
+        result["tensors"] = profiled_peak(
+            lambda: two_steps(model, training, device, batch, optimizer)
+        )
     emit(result)
 
 
-def two_steps(model: Any, training: Any, device: Any, batch: Any) -> None:
+def two_steps(model: Any, training: Any, device: Any, batch: Any, optimizer: str = "adamw") -> None:
     """Two optimizer steps of the trainer's own components (`build_model`, `build_executor`,
-    the accumulator, `StepWindow` with AdamW) on `batch`, the first on its first
-    PRIMER_TOKENS tokens, so AdamW's moments exist during the second step's backward
-    (tests/train/test_memory.py measures the same)."""
+    the accumulator, `StepWindow` with the optimizer named `optimizer`) on `batch`, the first
+    on its first PRIMER_TOKENS tokens, so the optimizer's state exists during the second
+    step's backward (tests/train/test_memory.py measures the same)."""
     import torch
 
     from bdh_train.distributed.config import ParallelConfig
@@ -133,13 +142,13 @@ def two_steps(model: Any, training: Any, device: Any, batch: Any) -> None:
     from bdh_train.train.state import TrainerState
     from bdh_train.train.window import StepWindow, reduction_for
 
-    bdh = build_model(model, training, device)
+    bdh = build_model(model, training, device, optimizer=optimizer)
     scales = GradientScaleSchedule(bdh)
     executor, group = build_executor(
         bdh, training, ParallelConfig(), DistContext(), device, scales, None
     )
     accumulator = WeightedGradientAccumulator(bdh, torch.float32)
-    optim = OptimizerConfig()
+    optim = OptimizerConfig(name=optimizer)
     window = StepWindow(
         bdh,
         reduction_for(executor, accumulator, bdh, group),

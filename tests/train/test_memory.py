@@ -2,9 +2,10 @@
 before anything is allocated, what is available, and `bdh-train plan --memory`.
 
 How the peak is measured: the trainer's own components (`build_model`, `build_executor`,
-the accumulator, `StepWindow` with AdamW) run two optimizer steps (the first on a 16-token
-slice, so that AdamW's moments exist during the second one's backward, as in every later
-step) under torch's profiler with `profile_memory=True`, started before the model is built.
+the accumulator, `StepWindow` with AdamW, or Muon) run two optimizer steps (the first on a
+16-token slice, so that the optimizer's state exists during the second one's backward, as in
+every later step) under torch's profiler with `profile_memory=True`, started before the
+model is built.
 The CPU allocator reports every allocation and free with its size; their running sum in
 time order peaks at the most bytes torch's tensors held at once (parameters, gradients,
 AdamW's moments, the accumulator's sums, activations and every temporary), the same to the
@@ -42,7 +43,7 @@ SMALL = dict(n_layer=2, n_embd=64, n_head=4, mlp_internal_dim_multiplier=16, dro
 """N = 256 neurons a head: dense up to T = 402 on the CPU, chunked/128 beyond."""
 
 
-def measured_step_peak(model: BDHConfig, training: TrainingConfig) -> int:
+def measured_step_peak(model: BDHConfig, training: TrainingConfig, optimizer: str) -> int:
     """Bytes torch held at the peak of a train step (the module docstring says how): the
     benchmark's two optimizer steps under torch's profiler."""
     g = torch.Generator().manual_seed(0)
@@ -50,7 +51,7 @@ def measured_step_peak(model: BDHConfig, training: TrainingConfig) -> int:
     tokens = torch.randint(0, model.vocab_size, shape, generator=g)
     batch = SequenceBatch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     return bench_step_memory.profiled_peak(
-        lambda: bench_step_memory.two_steps(model, training, CPU, batch)
+        lambda: bench_step_memory.two_steps(model, training, CPU, batch, optimizer)
     )
 
 
@@ -72,15 +73,21 @@ CASES = {
         dict(SMALL, n_embd=256, mlp_internal_dim_multiplier=32),
         dict(batch_size=1, block_size=64),
     ),
+    "wide model, short block, muon": (
+        dict(SMALL, n_embd=256, mlp_internal_dim_multiplier=32),
+        dict(batch_size=1, block_size=64),
+    ),
 }
-"""Measured (fp32, torch 2.13 on the CPU): 57.8, 75.2, 18.3 and 154.8 MiB; estimated 59.8,
-77.4, 18.9 and 155.0. The last one's peak is the optimizer step's (its parameters, gradients,
-sums and moments outweigh its activations)."""
+"""Measured (fp32, torch 2.13 on the CPU): 57.8, 75.2, 18.3, 154.8 and 130.8 MiB; estimated
+59.8, 77.4, 18.9, 155.0 and 131.0. The last two peak at the optimizer step (their parameters,
+gradients, sums and the optimizer's state outweigh their activations); Muon keeps one buffer
+for the encoders and the decoder where AdamW keeps two moments."""
 EXPECTED = {
     "dense": ("dense", "backward"),
     "chunked, recompute mixer": ("chunked/128", "backward"),
     "tbptt, recompute layer, accumulation": ("dense", "backward"),
     "wide model, short block": ("dense", "the optimizer step"),
+    "wide model, short block, muon": ("dense", "the optimizer step"),
 }
 
 
@@ -90,10 +97,11 @@ def test_the_estimate_is_within_a_quarter_of_the_measured_step(case):
     and temporaries at the peak), estimated before the model exists, against the measured
     peak of the trainer's components."""
     model_fields, training_fields = CASES[case]
+    optimizer = "muon" if case.endswith("muon") else "adamw"
     model = BDHConfig(**model_fields)
     training = TrainingConfig(max_steps=2, **training_fields).validate()
-    estimate = estimate_step_memory(model, training, "cpu")
-    measured = measured_step_peak(model, training)
+    estimate = estimate_step_memory(model, training, "cpu", optimizer=optimizer)
+    measured = measured_step_peak(model, training, optimizer)
     assert (estimate.executor, estimate.at) == EXPECTED[case]
     assert measured > 10 * MIB
     assert abs(estimate.total - measured) / measured <= 0.25, (estimate, measured / MIB)
@@ -115,6 +123,22 @@ def test_the_estimate_adds_up_and_follows_the_settings():
     assert plain.activations > saving[0].activations > saving[1].activations
     accumulating = dataclasses.replace(training, gradient_accumulation_steps=2)
     assert estimate_step_memory(model, accumulating, "cpu").gradients == 2 * plain.gradients
+    # Muon: one buffer for the encoders and the decoder (3 x 4 x 64 x 256 = 196,608 floats),
+    # AdamW's two moments for the rest; its update holds 5 of the largest matrix (65,536)
+    muon = estimate_step_memory(model, training, "cpu", optimizer="muon")
+    assert muon.optimizer == 4 * (196_608 + 2 * (count - 196_608))
+    assert (muon.parameters, muon.activations) == (plain.parameters, plain.activations)
+    weights_only = BDHConfig(**dict(SMALL, n_embd=256, mlp_internal_dim_multiplier=32))
+    largest = 4 * 256 * 2048  # encoder [H, D, N], the size of decoder [H N, D]
+    assert memory.optimizer_memory(weights_only, "muon", 4)[1] == 6 * 4 * largest
+    assert memory.optimizer_memory(weights_only, "adamw", 4)[1] == 4 * largest
+    short = TrainingConfig(batch_size=1, block_size=64).validate()
+    adamw_step = estimate_step_memory(weights_only, short, "cpu")
+    muon_step = estimate_step_memory(weights_only, short, "cpu", optimizer="muon")
+    assert adamw_step.at == muon_step.at == "the optimizer step"
+    # at the step, the accumulator's two float32 sums (2 x 4 x 6,422,528 bytes) and a float32
+    # temporary outweigh Muon's 6 matrices: the gradients' part is the same
+    assert muon_step.gradients == adamw_step.gradients == 4 * (3 * 6_422_528 + largest)
 
 
 def huge() -> tuple[BDHConfig, TrainingConfig]:
@@ -154,8 +178,8 @@ def test_weights_that_alone_do_not_fit_name_the_model_key():
     assert str(refused.value) == (
         "model.mlp_internal_dim_multiplier=32 (with model.n_embd=2048, model.n_head=4) makes a "
         "model of 4.04e+08 parameters, more than this process's 5.0 GiB available (a limit) "
-        "holds for training (the parameters, their gradients and AdamW's moments need 6.0 GiB); "
-        "lower model.mlp_internal_dim_multiplier"
+        "holds for training (the parameters, their gradients and AdamW's two moments need "
+        "6.0 GiB); lower model.mlp_internal_dim_multiplier"
     )
 
 
@@ -171,24 +195,16 @@ def test_train_refuses_before_the_model_is_allocated(tmp_path, capsys, monkeypat
     )
     monkeypatch.setattr(build, "BDH", no_model)
     run_dir = tmp_path / "run"
-    code = main(
-        [
-            "train",
-            "--run-dir",
-            str(run_dir),
-            "--set",
-            "model.n_embd=2048",
-            "--set",
-            "model.mlp_internal_dim_multiplier=32",
-            "--set",
-            "training.batch_size=16",
-            "--set",
-            "training.device='cpu'",
-        ]
-    )
+    args = ["train", "--run-dir", str(run_dir), "--set", "model.n_embd=2048"]
+    args += ["--set", "model.mlp_internal_dim_multiplier=32", "--set", "training.batch_size=16"]
+    code = main([*args, "--set", "training.device='cpu'"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith("error: a train step needs about ")
+    from bdh_train.config import load_config
+
+    cfg = load_config([], [*args[4::2], "training.device='cpu'"]).resolved()
+    muon = estimate_step_memory(cfg.model, cfg.training, "cpu", optimizer="muon")  # the preset's
+    assert err.startswith(f"error: a train step needs {muon.summary()}, at its peak in ")
     assert "this process has 12.0 GiB available (a test's limit): lower training.batch_size" in err
     assert sorted(p.name for p in run_dir.iterdir()) == ["error.log"]
 
@@ -203,8 +219,11 @@ def test_plan_prints_the_estimate_and_the_verdict(capsys, monkeypatch):
     from bdh_train.config import load_config
 
     cfg = load_config([], sets[1::2]).resolved()
-    estimate = estimate_step_memory(cfg.model, cfg.training, "cpu")
+    assert cfg.optimizer.name == "muon"  # the tiny preset's: the plan counts Muon's state
+    estimate = estimate_step_memory(cfg.model, cfg.training, "cpu", optimizer="muon")
     assert out.splitlines()[0] == "a train step's peak memory, estimated (one process, cpu):"
+    optimizer = memory.format_bytes(estimate.optimizer)
+    assert f"  optimizer   {optimizer:>11}   Muon's momentum (encoders, decoder) and AdamW's" in out
     assert (
         f"  parameters  {memory.format_bytes(estimate.parameters):>11}   458,752 parameters" in out
     )
@@ -215,7 +234,9 @@ def test_plan_prints_the_estimate_and_the_verdict(capsys, monkeypatch):
     assert main(["plan", "--memory", *sets, *wide]) == 0
     cfg = load_config([], [*sets[1::2], *wide[1::2]]).resolved()
     with pytest.raises(ConfigError) as refused:
-        check_step_memory(cfg.model, cfg.training, CPU, available=AvailableMemory(5 * GIB, "x"))
+        check_step_memory(
+            cfg.model, cfg.training, CPU, available=AvailableMemory(5 * GIB, "x"), optimizer="muon"
+        )
     verdict = f"it does not fit: `bdh-train train` would refuse it ({refused.value})\n"
     assert verdict.replace("(x)", "(a test's limit)") in capsys.readouterr().out
 

@@ -152,7 +152,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from bdh_train.train.memory_check import plan_memory
 
         cfg = load_config(args.config, args.overrides, args.preset).resolved()
-        print("\n".join(plan_memory(cfg.model, cfg.training)))
+        print("\n".join(plan_memory(cfg.model, cfg.training, cfg.optimizer.name)))
         return 0
     if args.config or args.overrides or args.preset:
         raise ConfigError("--config, --set and --preset go with plan --memory")

@@ -50,13 +50,15 @@ def build_model(
     device: torch.device,
     parallel: ParallelConfig | None = None,
     world_size: int = 1,
+    optimizer: str = "adamw",
 ) -> BDH:
     """A freshly initialised model from the run's seed, with its recompute and compile
     settings. Refused before anything is allocated when one train step of this process (of
-    `world_size` on the `parallel` mesh) would not fit in its memory (`check_step_memory`)."""
+    `world_size` on the `parallel` mesh, with the optimizer named `optimizer`) would not fit
+    in its memory (`check_step_memory`)."""
     check_compiler(training.compile, device)
     share = process_share(model, training, parallel or ParallelConfig(), world_size)
-    check_step_memory(model, training, device, share)
+    check_step_memory(model, training, device, share, optimizer=optimizer)
     torch.manual_seed(training.seed)
     bdh = BDH(model).to(device)
     bdh.set_recompute(training.recompute)

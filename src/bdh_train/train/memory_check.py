@@ -15,7 +15,13 @@ from bdh_train.model.config import BDHConfig
 from bdh_train.train.allocator import resolve_host_allocator
 from bdh_train.train.config import TrainingConfig
 from bdh_train.train.machine_memory import AvailableMemory, available_memory
-from bdh_train.train.memory_estimate import FLOAT32, StepMemory, estimate_step_memory, format_bytes
+from bdh_train.train.memory_estimate import (
+    FLOAT32,
+    OPTIMIZER_STATE,
+    StepMemory,
+    estimate_step_memory,
+    format_bytes,
+)
 
 
 def process_share(
@@ -46,7 +52,7 @@ def render_step_memory(
             if accumulating
             else ".grad",
         ),
-        ("optimizer", estimate.optimizer, "AdamW's two moments"),
+        ("optimizer", estimate.optimizer, OPTIMIZER_STATE[estimate.optimizer_name]),
         (
             "activations",
             estimate.activations,
@@ -66,7 +72,12 @@ def render_step_memory(
 
 # --------------------------------------------------------------------- the check
 def _advice(
-    model: BDHConfig, training: TrainingConfig, device_type: str, share: tuple[int, int], room: int
+    model: BDHConfig,
+    training: TrainingConfig,
+    device_type: str,
+    share: tuple[int, int],
+    room: int,
+    optimizer: str,
 ) -> list[str]:
     """Settings that bring the step within `room` bytes, each changed alone: the largest
     batch that fits (a whole share of target_tokens_per_step where that is set), the
@@ -75,7 +86,8 @@ def _advice(
     t = training
 
     def fits(changed: TrainingConfig, rows: int = rows) -> bool:
-        return estimate_step_memory(model, changed, device_type, rows, layers).total <= room
+        estimate = estimate_step_memory(model, changed, device_type, rows, layers, optimizer)
+        return estimate.total <= room
 
     ways = []
     low, high = 0, rows  # low rows fit (0 trivially), high rows do not: grow low, shrink high
@@ -106,23 +118,24 @@ def check_step_memory(
     device: torch.device,
     share: tuple[int, int] | None = None,
     available: AvailableMemory | None = None,
+    optimizer: str = "adamw",
 ) -> StepMemory:
     """The step's estimate (`estimate_step_memory` for a process training `share` = (rows,
-    layers), default the whole batch and model); a ConfigError, before anything is
+    layers), default the whole batch and model, with `optimizer`); a ConfigError, before anything is
     allocated, when it exceeds what `available_memory` (or `available`) gives, with the
     figure and the settings that would fit."""
     rows, layers = share or (training.batch_size, model.n_layer)
-    estimate = estimate_step_memory(model, training, device.type, rows, layers)
+    estimate = estimate_step_memory(model, training, device.type, rows, layers, optimizer)
     room = available or available_memory(device)
     if room.bytes < 0 or estimate.total <= room.bytes:
         return estimate
     where = f"{format_bytes(max(room.bytes, 0))} available ({room.source})"
-    ways = _advice(model, training, device.type, (rows, layers), room.bytes)
+    ways = _advice(model, training, device.type, (rows, layers), room.bytes, optimizer)
     if not ways:  # not even one row of one token: the weights' side alone
         alone = estimate.parameters + estimate.optimizer + model.parameter_count() * FLOAT32
         raise model.size_error(
             f"this process's {where} holds for training (the parameters, their gradients "
-            f"and AdamW's moments need {format_bytes(alone)})"
+            f"and {OPTIMIZER_STATE[optimizer]} need {format_bytes(alone)})"
         )
     raise ConfigError(
         f"a train step needs {estimate.summary()}, at its peak in {estimate.at}; this process "
@@ -130,18 +143,18 @@ def check_step_memory(
     )
 
 
-def plan_memory(model: BDHConfig, training: TrainingConfig) -> list[str]:
+def plan_memory(model: BDHConfig, training: TrainingConfig, optimizer: str) -> list[str]:
     """`bdh-train plan --memory`'s lines: the estimate on training.device, what this process
     may use, whether the step fits (`train`'s check) and whether the heap keeps freed memory."""
     device = resolve_device(training.device)
-    estimate = estimate_step_memory(model, training, device.type)
+    estimate = estimate_step_memory(model, training, device.type, optimizer=optimizer)
     lines = [render_step_memory(estimate, model, training, device.type)]
     room = available_memory(device)
     if room.bytes < 0:
         return [*lines, "this process's available memory is unknown here"]
     lines.append(f"this process has {format_bytes(room.bytes)} available ({room.source})")
     try:
-        check_step_memory(model, training, device, available=room)
+        check_step_memory(model, training, device, available=room, optimizer=optimizer)
         lines.append("it fits")
     except ConfigError as exc:
         lines.append(f"it does not fit: `bdh-train train` would refuse it ({exc})")

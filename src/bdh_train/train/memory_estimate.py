@@ -5,14 +5,18 @@ the check that refuses a run whose step would not fit in what this process may u
 The estimate is the larger of two moments of one optimizer step (bytes; `StepMemory`):
 
 * **backward**, at the last layer of the largest backward window (everything autograd keeps
-  for that window is still held there): the parameters, AdamW's two moments, the gradients
+  for that window is still held there): the parameters, the optimizer's state, the gradients
   (counted whole), the accumulator's pending sum when a window has several micro-batches,
   and the activations: what autograd keeps for the window (`_Piece.kept`, tensor by tensor
   from the layer's code) plus the largest workspace one layer's backward or the head's
   allocates on top (`_Piece.workspace`);
-* **the optimizer step**: the parameters, the moments, the gradients, the accumulator's sum
-  and its normalised copy (`WeightedGradientAccumulator.finish_mean`, then `write_to_params`),
-  and one parameter's temporary.
+* **the optimizer step**: the parameters, the optimizer's state and the gradients, with the
+  larger of what the accumulator holds as it writes them (its sum and normalised copy,
+  `WeightedGradientAccumulator.finish_mean`, then `write_to_params`, and one parameter's
+  temporary) and what the optimizer's update holds (`optimizer_memory`).
+
+The optimizer's state is AdamW's two moments per parameter, or, with Muon, one momentum buffer
+per matrix Muon updates (the encoders and the decoder) and AdamW's two moments for the rest.
 
 The activations follow what the run will execute: the executor `executor = 'auto'` picks for
 each forward piece's length on the device (`mixer.resolve_executor`, with the row panels the
@@ -32,10 +36,11 @@ from dataclasses import dataclass
 
 import torch
 
-from bdh_train.model.bdh import compile_mode_for
+from bdh_train.model.bdh import compile_mode_for, state_shapes
 from bdh_train.model.config import BDHConfig, head_parameter_shapes
 from bdh_train.model.mixer import calibration_for, resolve_executor
 from bdh_train.train.config import TrainingConfig
+from bdh_train.train.muon import MUON_PARAMETERS
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -45,6 +50,20 @@ stream's norms, rope's tables, and every activation outside bfloat16 autocast.""
 BFLOAT16 = 2
 MOMENTS = 2
 """AdamW keeps two moments per parameter (exp_avg, exp_avg_sq), each the parameter's size."""
+MUON_BUFFERS = 1
+"""Muon keeps one momentum buffer per matrix it updates, the matrix's size."""
+OPTIMIZER_STATE = {
+    "adamw": "AdamW's two moments",
+    "muon": "Muon's momentum (encoders, decoder) and AdamW's two moments (the rest)",
+}
+"""What `optimizer_memory` counts as the state of each optimizer.name, in words."""
+MUON_TEMPORARIES = 6
+"""Tensors of one matrix's size that Muon's update of that matrix holds at its peak
+(train/muon.py): 6.0 matrices measured on [4, 256, 2048] and [8192, 256] (the allocator's
+events under torch's profiler, torch 2.13 on the CPU), one more than the five the code names
+(the Nesterov look-ahead, the iterate, and inside a Newton-Schulz step a X, (b G + c G^2) X
+and their sum, the next iterate; the Gram matrices G are [A, A], small beside them). With
+BDH's three matrices of equal size this stays below the accumulator's two float32 sums."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +84,8 @@ class StepMemory:
     executor: str
     """What the mixer runs for the largest forward piece: 'dense', 'chunked/C', 'recurrent'."""
     at: str
+    optimizer_name: str = "adamw"
+    """The optimizer whose state `optimizer` counts: 'adamw' or 'muon'."""
 
     @property
     def total(self) -> int:
@@ -422,15 +443,34 @@ def activation_peak(
 
 
 # --------------------------------------------------------------------- the whole step
+def optimizer_memory(model: BDHConfig, name: str, element: int) -> tuple[int, int]:
+    """(the state `name`'s optimizer keeps between steps, the temporaries its update holds at
+    once) in bytes, for parameters of `element` bytes. AdamW: two moments per parameter, one
+    parameter's temporary (of the largest). Muon: one buffer for each matrix it updates
+    (MUON_PARAMETERS), AdamW's two moments for the rest, MUON_TEMPORARIES of its largest
+    matrix (it updates one matrix at a time, and holds more than AdamW's part)."""
+    count = model.parameter_count()
+    largest = max(math.prod(shape) for shape in _parameter_shapes(model))
+    if name != "muon":
+        return MOMENTS * count * element, largest * element
+    shapes = state_shapes(model)
+    matrices = [math.prod(shapes[key]) for key in MUON_PARAMETERS]
+    rest = count - sum(matrices)
+    state = (MUON_BUFFERS * sum(matrices) + MOMENTS * rest) * element
+    return state, MUON_TEMPORARIES * max(matrices) * element
+
+
 def estimate_step_memory(
     model: BDHConfig,
     training: TrainingConfig,
     device_type: str = "cpu",
     rows: int | None = None,
     layers: int | None = None,
+    optimizer: str = "adamw",
 ) -> StepMemory:
     """The peak of one optimizer step of a process training `rows` rows (default the whole
-    training.batch_size) through `layers` layers (default all), on `device_type`."""
+    training.batch_size) through `layers` layers (default all), on `device_type`, with the
+    optimizer named `optimizer` ('adamw' or 'muon': optimizer.name)."""
     rows = training.batch_size if rows is None else rows
     layers = model.n_layer if layers is None else layers
     element = torch.finfo(torch.get_default_dtype()).bits // 8  # the parameters' dtype
@@ -438,10 +478,11 @@ def estimate_step_memory(
     parameters = count * element
     grads = count * element
     sums = count * FLOAT32  # the accumulator adds in float32
-    optimizer = MOMENTS * count * element
+    state, temporaries = optimizer_memory(model, optimizer, element)
     activations, executor = activation_peak(model, training, device_type, rows, layers)
     largest = max(math.prod(shape) for shape in _parameter_shapes(model)) * FLOAT32
-    at_step = grads + 2 * sums + largest  # .grad, the sum and its normalised copy
+    writing = 2 * sums + largest  # the accumulator's sum, its normalised copy, a temporary
+    at_step = grads + max(writing, temporaries)
     at_backward = grads + (sums if training.accumulation_steps > 1 else 0)
     if at_step > at_backward + activations:
         gradients, activations, at = at_step, 0, "the optimizer step"
@@ -450,12 +491,13 @@ def estimate_step_memory(
     return StepMemory(
         parameters,
         gradients,
-        optimizer,
+        state,
         activations,
         rows=rows,
         block_size=training.block_size,
         executor=executor,
         at=at,
+        optimizer_name=optimizer,
     )
 
 

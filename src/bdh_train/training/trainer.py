@@ -155,7 +155,9 @@ class Trainer:
         )
         self.accumulation_steps = t.accumulation_steps
         self.train_data, self.val_data = cfg.data.load_splits(cfg.model.vocab_size, t.block_size)
-        self.model = build_model(cfg.model, t, self.device, cfg.parallel, self.dist.world_size)
+        self.model = build_model(
+            cfg.model, t, self.device, cfg.parallel, self.dist.world_size, cfg.optimizer.name
+        )
         init = cfg.checkpoint.init_from if not resume and checkpoint is None else ""
         # the parameters init_from left freshly initialised (none without init_from)
         self.fresh_params = init_weights_from(self.model, t.init_transfer, init) if init else []

@@ -42,6 +42,7 @@ from bdh_train.data.mqar import chance_accuracy, mqar_examples
 from bdh_train.evals.recall import model_scorer, recall_accuracy
 from bdh_train.model.bdh import BDH
 from bdh_train.train.allocator import configure_host_allocator
+from bdh_train.train.optim import OPTIMIZERS
 
 EVAL_SEED = 1 << 20
 """Held-out examples are drawn with this seed (training batch k uses seed [seed, k])."""
@@ -212,7 +213,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="for the BDH arm"
     )
-    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        help="both arms' optimizer (default: the BDH config's optimizer.name, e.g. the tiny "
+        "preset's muon)",
+    )
     parser.add_argument("--no-gpt", action="store_true", help="train the BDH arm only")
     parser.add_argument("--every", type=float, default=60, help="seconds between scorings")
     parser.add_argument("--eval-examples", type=int, default=64)
@@ -243,10 +249,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         (*args.set, f"model.vocab_size={args.vocab}", f"training.batch_size={args.batch}"),
         (args.config,) if args.config else (),
     )
-    bdh = bdh_arm(recipe, args.optimizer, [], args.budget, args.preset, streamed=False)
+    optimizer = args.optimizer or recipe.config().optimizer.name
+    bdh = bdh_arm(recipe, optimizer, [], args.budget, args.preset, streamed=False)
     arms = [RecallArm.of(bdh)]
     if not args.no_gpt:
-        arms.append(RecallArm.of(gpt_arm(recipe, args.optimizer, arms[0].params, args.budget)))
+        arms.append(RecallArm.of(gpt_arm(recipe, optimizer, arms[0].params, args.budget)))
     for arm in arms:
         arm.total_steps = args.steps
     print(f"machine: {machine_line()}")

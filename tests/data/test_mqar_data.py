@@ -9,7 +9,14 @@ import pytest
 
 from bdh_train.batch import IGNORE_INDEX
 from bdh_train.config import load_config
-from bdh_train.data.mqar import MqarConfig, gap_weights, mqar_examples, mqar_layout, mqar_source
+from bdh_train.data.mqar import (
+    MqarConfig,
+    gap_weights,
+    mqar_corpus,
+    mqar_examples,
+    mqar_layout,
+    mqar_source,
+)
 from bdh_train.errors import ConfigError
 
 X = IGNORE_INDEX
@@ -77,9 +84,34 @@ def test_the_mqar_source_is_the_examples_as_documents():
         mqar_source(options, 16)
 
 
+def test_min_pairs_mixes_counts_and_each_example_is_its_counts_own():
+    """With min_pairs, every example holds its drawn count of pairs, checked by an oracle
+    (its scored targets are that count, each the value after its key in the pairs region),
+    every count of [min_pairs, pairs] appears, and the examples of count p are exactly
+    `mqar_examples(p, ..., seed=[seed, p])` in their places."""
+    options = MqarConfig(pairs=5, min_pairs=2, length=24, vocab_size=32, seed=3, examples=400)
+    tokens, targets, counts = mqar_corpus(options.validate(), 32)
+    assert tokens.shape == targets.shape == (400, 24)
+    assert sorted(set(counts.tolist())) == [2, 3, 4, 5]
+    assert min(np.bincount(counts)[2:]) > 60  # uniform: about 100 each
+    for row, target, p in zip(tokens, targets, counts, strict=True):
+        asked = np.flatnonzero(target != X)
+        answer = dict(zip(row[0 : 2 * p : 2], row[1 : 2 * p : 2], strict=True))
+        assert len(asked) == p and len(answer) == p
+        assert [target[i] for i in asked] == [answer[row[i]] for i in asked]
+    for p in (2, 5):
+        rows = np.flatnonzero(counts == p)
+        alone, _ = mqar_examples(p, 24, 32, len(rows), [3, p])
+        assert np.array_equal(tokens[rows], alone)
+    without = MqarConfig(pairs=5, length=24, vocab_size=32, seed=3, examples=400).validate()
+    plain, _, fixed = mqar_corpus(without, 32)
+    assert np.array_equal(plain, mqar_examples(5, 24, 32, 400, 3)[0]) and set(fixed) == {5}
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
+        ("data.mqar.min_pairs=4", r"data.mqar.min_pairs \(4\) must be at most data.mqar.pairs"),
         ("data.mqar.pairs=9", "9 pairs need at least 36 tokens per example"),
         ("data.mqar.vocab_size=7", "3 pairs need 8 ids or more"),
         ("data.mqar.power_a=0", "data.mqar.power_a must be"),

@@ -153,7 +153,6 @@ class Trainer:
         self.host_allocator = configure_host_allocator(
             t.host_allocator, self.device, saving_memory=t.recompute != "none"
         )
-        self.accumulation_steps = t.accumulation_steps
         self.train_data, self.val_data = cfg.data.load_splits(cfg.model.vocab_size, t.block_size)
         self.model = build_model(
             cfg.model, t, self.device, cfg.parallel, self.dist.world_size, cfg.optimizer.name
@@ -273,7 +272,7 @@ class Trainer:
                 return self._stop(last_val, budget_line(t.max_time, s.elapsed) if spent else None)
             self.window.micro_step(lambda: self.loader.next_batch().to(self.device))
             micro_done += 1
-            if s.micro < self.accumulation_steps:
+            if s.micro < t.accumulation_steps:
                 continue
             row = self.window.optimizer_step()
             s.elapsed = self.clock() - started
@@ -310,9 +309,8 @@ class Trainer:
         lines = [*self.banner().lines(), *self.cfg.notes()]
         if self.resumed_from is not None:
             torn = self.metrics.path if self.metrics.dropped_torn_line else None
-            lines += resume_lines(
-                self.resumed_from, s.step, s.micro, self.accumulation_steps, self.resume_notes, torn
-            )
+            k = self.training.accumulation_steps
+            lines += resume_lines(self.resumed_from, s.step, s.micro, k, self.resume_notes, torn)
         for line in lines:
             self.progress.log(line)
         if self.profiler is not None:

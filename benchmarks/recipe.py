@@ -346,22 +346,28 @@ def bdh_arm(
     return Arm(*made, *shape)
 
 
-def gpt_model(recipe: Recipe, target_params: int) -> GPT:
-    """The GPT of `recipe`'s layers, heads and dropout nearest `target_params`."""
+def gpt_model(recipe: Recipe, target_params: int, layers: int = 0) -> GPT:
+    """The GPT of `recipe`'s heads and dropout, and its layers (or `layers`), whose width
+    gives the parameter count nearest `target_params`."""
     m = recipe.config().model
-    dim = gpt_width(m.vocab_size, m.n_layer, m.n_head, target_params)
-    return GPT(m.vocab_size, m.n_layer, dim, m.n_head, m.dropout)
+    layers = layers or m.n_layer
+    dim = gpt_width(m.vocab_size, layers, m.n_head, target_params)
+    return GPT(m.vocab_size, layers, dim, m.n_head, m.dropout)
 
 
-def gpt_arm(recipe: Recipe, optimizer: str, target_params: int, budget: float) -> Arm:
-    """GPT with `recipe`'s optimizer settings; 'muon' orthogonalises its block matrices."""
+def gpt_arm(
+    recipe: Recipe, optimizer: str, target_params: int, budget: float, layers: int = 0
+) -> Arm:
+    """GPT with `recipe`'s optimizer settings; 'muon' orthogonalises its block matrices.
+    `layers` (0: the recipe's n_layer) sets its depth, the width following for equal size."""
     cfg = recipe.config(f"optimizer.name='{optimizer}'")
     torch.manual_seed(cfg.training.seed)
-    model = gpt_model(recipe, target_params)
+    model = gpt_model(recipe, target_params, layers)
     hidden = [n for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
     opt = cfg.optimizer.build(model, muon_names=hidden)
     t = cfg.training
-    label = f"{recipe.preset}'s ({optimizer})"
+    depth = f", {layers} layer{'s' if layers > 1 else ''}" if layers else ""
+    label = f"{recipe.preset}'s ({optimizer}){depth}"
     return Arm("GPT", label, model, opt, cfg.optimizer, t.block_size, t.batch_size, budget, t.seed)
 
 
@@ -558,6 +564,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--no-preset-bdh", action="store_true", help="only the --bdh arms of BDH (and the GPTs)"
     )
+    parser.add_argument(
+        "--gpt-layers",
+        default="",
+        help="the GPT arms' depths, comma-separated (each as wide as equal parameters allow); "
+        "default: the preset's n_layer",
+    )
     parser.add_argument("--eval-bytes", type=int, default=65536)
     parser.add_argument("--sweep", action="store_true", help="vary the BDH recipe (SWEEP)")
     parser.add_argument(
@@ -600,7 +612,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 parser.error("no BDH arm: --no-preset-bdh needs at least one --bdh")
             target = arms[0].params
             baselines = optimizers[:1] if args.sweep else optimizers
-            arms += [gpt_arm(recipe, o, target, budget) for o in baselines]
+            depths = [int(n) for n in args.gpt_layers.split(",") if n] or [0]
+            arms += [gpt_arm(recipe, o, target, budget, n) for o in baselines for n in depths]
             load = os.getloadavg()[0]
             others = race(arms, train)
             report(

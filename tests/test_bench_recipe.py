@@ -163,7 +163,7 @@ def test_recipe_runs_one_step_per_arm_and_prints_the_table(text_for_main, capsys
     streamed = "streamed:training.tbptt_persist_across_steps=true,"
     streamed += "training.min_logical_block_size=32,optimizer.name=muon"
     argv = ["--data", str(data), "--budgets", "0.001", "--eval-bytes", "200", "--bdh", streamed]
-    recipe.main(argv + sets)
+    recipe.main([*argv, *sets, "--gpt-layers", "1,2"])
     out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| BDH")]
     rows += [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| GPT")]
@@ -171,12 +171,16 @@ def test_recipe_runs_one_step_per_arm_and_prints_the_table(text_for_main, capsys
         ("BDH", "tiny's (adamw)"),
         ("BDH", "tiny's (muon)"),
         ("BDH", "streamed"),
-        ("GPT", "tiny's (adamw)"),
-        ("GPT", "tiny's (muon)"),
+        ("GPT", "tiny's (adamw), 1 layer"),
+        ("GPT", "tiny's (adamw), 2 layers"),
+        ("GPT", "tiny's (muon), 1 layer"),
+        ("GPT", "tiny's (muon), 2 layers"),
     ]
     bdh_params = 3 * 2 * 16 * 32 + 2 * 256 * 16  # N = 4 * 16 / 2
-    gpt_params = recipe.gpt_parameter_count(256, 1, recipe.gpt_width(256, 1, 2, bdh_params))
-    assert [int(r[3].replace(",", "")) for r in rows] == [bdh_params] * 3 + [gpt_params] * 2
+    widths = [recipe.gpt_width(256, n, 2, bdh_params) for n in (1, 2)]
+    gpt = [recipe.gpt_parameter_count(256, n, w) for n, w in zip((1, 2), widths, strict=True)]
+    assert gpt[0] != gpt[1]  # two depths, each as wide as equal parameters allow
+    assert [int(r[3].replace(",", "")) for r in rows] == [bdh_params] * 3 + gpt * 2
     assert all(int(r[4]) == 1 and int(r[5].replace(",", "")) == 32 for r in rows)
     for r in rows:  # an untrained byte model: near ln 256 nats, bits = nats / ln 2
         windows, sliding, stream, bits = (r[i].strip() for i in (8, 9, 10, 11))

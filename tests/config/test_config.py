@@ -41,7 +41,7 @@ def test_default_is_tiny_when_no_files() -> None:
     assert DEFAULT_PRESET == "tiny"
     assert load_config() == load_config(preset="tiny")
     # overrides alone still start from the default preset
-    assert load_config(overrides=["training.max_steps=7"]).model.n_layer == 4
+    assert load_config(overrides=["training.max_steps=7"]).model.n_layer == 2
 
 
 def test_a_file_without_extends_layers_on_the_default_preset(tmp_path: Path) -> None:
@@ -54,8 +54,8 @@ def test_a_file_without_extends_layers_on_the_default_preset(tmp_path: Path) -> 
     assert cfg.model == tiny.model and cfg.optimizer == tiny.optimizer
     assert cfg.layered_on == "preset tiny (the default: no config file extends a preset)"
     # A file extending only another file still gets the default under the whole chain.
-    g = write(tmp_path / "b.toml", 'extends = "a.toml"\n[model]\nn_layer = 2\n')
-    assert load_config([g]).model == tiny.model.__class__(**{**vars(tiny.model), "n_layer": 2})
+    g = write(tmp_path / "b.toml", 'extends = "a.toml"\n[model]\nn_layer = 3\n')
+    assert load_config([g]).model == tiny.model.__class__(**{**vars(tiny.model), "n_layer": 3})
     # A chain that names a preset, or --preset, is layered on that one and no other.
     h = write(tmp_path / "c.toml", 'extends = "preset:small"\n')
     assert load_config([h]).model == load_config(preset="small").model
@@ -69,7 +69,7 @@ def test_a_file_without_extends_layers_on_the_default_preset(tmp_path: Path) -> 
 
 def test_preset_contents() -> None:
     tiny = load_config(preset="tiny")
-    assert (tiny.model.n_layer, tiny.model.n_embd, tiny.model.n_head) == (4, 128, 4)
+    assert (tiny.model.n_layer, tiny.model.n_embd, tiny.model.n_head) == (2, 128, 4)
     assert tiny.model.mlp_internal_dim_multiplier == 8 and tiny.model.dropout == 0.0
     assert (tiny.training.block_size, tiny.training.batch_size) == (128, 8)
     assert tiny.data.source == "builtin:shakespeare" and tiny.training.device == "auto"
@@ -129,8 +129,8 @@ def test_extends_chain_and_order(tmp_path: Path) -> None:
     )
     cfg = load_config([top])
     # preset:tiny listed after mid.toml overrides it; top's own values win over both
-    assert cfg.training.max_steps == 900
-    assert cfg.model.n_layer == 4
+    assert cfg.training.max_steps == 1300
+    assert cfg.model.n_layer == 2
     assert cfg.training.eval_steps == 2
     assert cfg.training.log_every == 50
 
@@ -601,6 +601,7 @@ def test_valid_cross_field_combinations() -> None:
     cfg = load_config(
         overrides=[
             *FRESH_BLOCKS,
+            "model.n_layer=4",  # a layer for each of the 2 x 2 virtual stages
             "parallel.pipeline_stages=2",
             "parallel.virtual_stages_per_rank=2",
             "parallel.schedule=interleaved_1f1b",

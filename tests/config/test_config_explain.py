@@ -75,9 +75,9 @@ def _explained(capsys, *args: str) -> dict[str, str]:
 
 
 def test_explain_shows_the_value_under_the_chosen_preset(capsys):
-    """tiny (the default preset) trains 900 steps, small 2000; the dataclass says 3000. A key
+    """tiny (the default preset) trains 1300 steps, small 2000; the dataclass says 3000. A key
     whose value is the dataclass default shows no second value."""
-    tiny = (RunConfig().training.max_steps, 900)
+    tiny = (RunConfig().training.max_steps, 1300)
     assert _explained(capsys, "training.max_steps") == {
         "training.max_steps": f"{tiny[1]}  (a positive integer; dataclass default {tiny[0]})"
     }

@@ -208,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--config",
         help="the BDH arm's config file (instead of --preset); the task's pairs, length, "
-        "vocabulary, batch and, without --steps and --budget, steps come from it",
+        "vocabulary, batch and, without --steps and --budget, steps come from it (not "
+        "data.mqar.min_pairs: every example holds the pairs; --curriculum mixes in fewer)",
     )
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="for the BDH arm"

@@ -32,8 +32,10 @@ are not taken: the latter is refused.)
 
 The GPT baseline: pre-norm decoder blocks (LayerNorm, causal multi-head attention with
 rotary positions, LayerNorm, 4x GELU MLP, no biases), a final LayerNorm and an untied head;
-as many layers and heads as the BDH preset, its width the one whose parameter count
-(`gpt_parameter_count`) is nearest BDH's.
+as many layers and heads as the BDH preset (or the layers of each of `--gpt-layers`), its
+width the one whose parameter count (`gpt_parameter_count`) is nearest BDH's. BDH's layers
+share their weights, so its depth is compute and not size; the GPT's are each its own, so a
+GPT of fewer layers is wider at equal size.
 
     python benchmarks/recipe.py --budgets 180,600 --presets tiny --optimizers adamw,muon
     python benchmarks/recipe.py --sweep --budgets 40 --presets tiny
@@ -587,6 +589,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"threads {args.threads}; held-out: {args.eval_bytes} bytes in {args.context}-byte windows"
     )
     optimizers = args.optimizers.split(",")
+    try:
+        gpt_depths = [int(n) for n in args.gpt_layers.split(",") if n]
+    except ValueError:
+        gpt_depths = [0]  # not a number: refused below with the counts under 1
+    if any(n < 1 for n in gpt_depths):
+        parser.error(
+            f"--gpt-layers: layer counts of 1 or more, comma-separated, not {args.gpt_layers!r}"
+        )
     for budget in (float(b) for b in args.budgets.split(",")):
         for preset in args.presets.split(","):
             recipe = Recipe(preset, tuple(args.set))
@@ -612,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 parser.error("no BDH arm: --no-preset-bdh needs at least one --bdh")
             target = arms[0].params
             baselines = optimizers[:1] if args.sweep else optimizers
-            depths = [int(n) for n in args.gpt_layers.split(",") if n] or [0]
+            depths = gpt_depths or [0]
             arms += [gpt_arm(recipe, o, target, budget, n) for o in baselines for n in depths]
             load = os.getloadavg()[0]
             others = race(arms, train)

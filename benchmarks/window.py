@@ -91,6 +91,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="the arms: BLOCKSxBATCH, a window of BLOCKS blocks at that batch, comma-separated",
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="the GPT's layers, each as wide as equal parameters allow (0: the preset's n_layer)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     configure_host_allocator("auto", torch.device("cpu"))
@@ -104,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             (f"training.block_size={blocks * args.block}", f"training.batch_size={batch}"),
         )
         label = f"window {blocks * args.block}, batch {batch}"
-        arm = gpt_arm(recipe, "adamw", target, 1.0)
+        arm = gpt_arm(recipe, "adamw", target, 1.0, args.layers)
         arm.recipe, arm.total_steps = label, args.steps
         arms.append(arm)
     print(f"machine: {machine_line()}")

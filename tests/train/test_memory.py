@@ -8,7 +8,7 @@ every later step) under torch's profiler with `profile_memory=True`, started bef
 model is built.
 The CPU allocator reports every allocation and free with its size; their running sum in
 time order peaks at the most bytes torch's tensors held at once (parameters, gradients,
-AdamW's moments, the accumulator's sums, activations and every temporary), the same to the
+the optimizer's state, the accumulator's sums, activations and every temporary), the same to the
 byte on every run. The resident set would add the host allocator's slack (glibc's heap keeps
 freed blocks, more or less by allocation order and `training.host_allocator`), which the
 estimate does not count: benchmarks/bench_step_memory.py prints both.
@@ -93,7 +93,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_estimate_is_within_a_quarter_of_the_measured_step(case):
-    """The whole step (parameters, gradients, the accumulator, AdamW's moments, activations
+    """The whole step (parameters, gradients, the accumulator, the optimizer's state, activations
     and temporaries at the peak), estimated before the model exists, against the measured
     peak of the trainer's components."""
     model_fields, training_fields = CASES[case]
@@ -124,7 +124,7 @@ def test_the_estimate_adds_up_and_follows_the_settings():
     accumulating = dataclasses.replace(training, gradient_accumulation_steps=2)
     assert estimate_step_memory(model, accumulating, "cpu").gradients == 2 * plain.gradients
     # Muon: one buffer for the encoders and the decoder (3 x 4 x 64 x 256 = 196,608 floats),
-    # AdamW's two moments for the rest; its update holds 5 of the largest matrix (65,536)
+    # AdamW's two moments for the rest
     muon = estimate_step_memory(model, training, "cpu", optimizer="muon")
     assert muon.optimizer == 4 * (196_608 + 2 * (count - 196_608))
     assert (muon.parameters, muon.activations) == (plain.parameters, plain.activations)
@@ -178,8 +178,8 @@ def test_weights_that_alone_do_not_fit_name_the_model_key():
     assert str(refused.value) == (
         "model.mlp_internal_dim_multiplier=32 (with model.n_embd=2048, model.n_head=4) makes a "
         "model of 4.04e+08 parameters, more than this process's 5.0 GiB available (a limit) "
-        "holds for training (the parameters, their gradients and AdamW's two moments need "
-        "6.0 GiB); lower model.mlp_internal_dim_multiplier"
+        "holds for training (the parameters, their gradients, AdamW's two moments: 6.0 GiB); "
+        "lower model.mlp_internal_dim_multiplier"
     )
 
 

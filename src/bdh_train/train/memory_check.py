@@ -46,7 +46,8 @@ def render_step_memory(
         (
             "gradients",
             estimate.gradients,
-            ".grad, the accumulator's sum and, at the optimizer step, its normalised copy"
+            ".grad, the accumulator's sum and, at the optimizer step, its normalised copy "
+            "(or the optimizer update's temporaries, the larger)"
             if estimate.activations == 0
             else ".grad and the accumulator's sum"
             if accumulating
@@ -134,8 +135,8 @@ def check_step_memory(
     if not ways:  # not even one row of one token: the weights' side alone
         alone = estimate.parameters + estimate.optimizer + model.parameter_count() * FLOAT32
         raise model.size_error(
-            f"this process's {where} holds for training (the parameters, their gradients "
-            f"and {OPTIMIZER_STATE[optimizer]} need {format_bytes(alone)})"
+            f"this process's {where} holds for training (the parameters, their gradients, "
+            f"{OPTIMIZER_STATE[optimizer]}: {format_bytes(alone)})"
         )
     raise ConfigError(
         f"a train step needs {estimate.summary()}, at its peak in {estimate.at}; this process "

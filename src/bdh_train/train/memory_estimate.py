@@ -73,8 +73,8 @@ class StepMemory:
 
     parameters: int
     gradients: int
-    """`.grad`, with the accumulator's sum (and at the optimizer step its normalised copy and
-    a parameter's temporary)."""
+    """`.grad`, with the accumulator's sum (and at the optimizer step the larger of its
+    normalised copy with a parameter's temporary and the optimizer update's temporaries)."""
     optimizer: int
     activations: int
     """What autograd keeps for the backward window plus the workspace of the backward

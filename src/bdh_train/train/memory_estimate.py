@@ -450,9 +450,8 @@ def optimizer_memory(model: BDHConfig, name: str, element: int) -> tuple[int, in
     (MUON_PARAMETERS), AdamW's two moments for the rest, MUON_TEMPORARIES of its largest
     matrix (it updates one matrix at a time, and holds more than AdamW's part)."""
     count = model.parameter_count()
-    largest = max(math.prod(shape) for shape in _parameter_shapes(model))
     if name != "muon":
-        return MOMENTS * count * element, largest * element
+        return MOMENTS * count * element, _largest_parameter(model) * element
     shapes = state_shapes(model)
     matrices = [math.prod(shapes[key]) for key in MUON_PARAMETERS]
     rest = count - sum(matrices)
@@ -480,7 +479,7 @@ def estimate_step_memory(
     sums = count * FLOAT32  # the accumulator adds in float32
     state, temporaries = optimizer_memory(model, optimizer, element)
     activations, executor = activation_peak(model, training, device_type, rows, layers)
-    largest = max(math.prod(shape) for shape in _parameter_shapes(model)) * FLOAT32
+    largest = _largest_parameter(model) * FLOAT32
     writing = 2 * sums + largest  # the accumulator's sum, its normalised copy, a temporary
     at_step = grads + max(writing, temporaries)
     at_backward = grads + (sums if training.accumulation_steps > 1 else 0)
@@ -501,6 +500,9 @@ def estimate_step_memory(
     )
 
 
-def _parameter_shapes(model: BDHConfig) -> list[tuple[int, ...]]:
+def _largest_parameter(model: BDHConfig) -> int:
+    """Elements of the model's largest parameter: the embedding, an encoder (the decoder's
+    size) or a head's."""
     h, d, n = model.n_head, model.n_embd, model.n_neurons
-    return [(model.vocab_size, d), (h, d, n), (h * n, d), *head_parameter_shapes(model).values()]
+    shapes = [(model.vocab_size, d), (h, d, n), *head_parameter_shapes(model).values()]
+    return max(math.prod(shape) for shape in shapes)

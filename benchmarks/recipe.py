@@ -539,6 +539,18 @@ def load_bytes(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:cut], data[cut:]
 
 
+def layer_counts(text: str) -> list[int]:
+    """`--gpt-layers`' value: layer counts of 1 or more, comma-separated."""
+    refused = argparse.ArgumentTypeError(f"counts of 1 or more, comma-separated, not {text!r}")
+    try:
+        counts = [int(n) for n in text.split(",") if n]
+    except ValueError:
+        raise refused from None
+    if any(n < 1 for n in counts):
+        raise refused
+    return counts
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a text file (bytes)")
@@ -568,7 +580,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument(
         "--gpt-layers",
-        default="",
+        type=layer_counts,
+        default=[],
         help="the GPT arms' depths, comma-separated (each as wide as equal parameters allow); "
         "default: the preset's n_layer",
     )
@@ -589,14 +602,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"threads {args.threads}; held-out: {args.eval_bytes} bytes in {args.context}-byte windows"
     )
     optimizers = args.optimizers.split(",")
-    try:
-        gpt_depths = [int(n) for n in args.gpt_layers.split(",") if n]
-    except ValueError:
-        gpt_depths = [0]  # not a number: refused below with the counts under 1
-    if any(n < 1 for n in gpt_depths):
-        parser.error(
-            f"--gpt-layers: layer counts of 1 or more, comma-separated, not {args.gpt_layers!r}"
-        )
     for budget in (float(b) for b in args.budgets.split(",")):
         for preset in args.presets.split(","):
             recipe = Recipe(preset, tuple(args.set))
@@ -622,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 parser.error("no BDH arm: --no-preset-bdh needs at least one --bdh")
             target = arms[0].params
             baselines = optimizers[:1] if args.sweep else optimizers
-            depths = gpt_depths or [0]
+            depths = args.gpt_layers or [0]
             arms += [gpt_arm(recipe, o, target, budget, n) for o in baselines for n in depths]
             load = os.getloadavg()[0]
             others = race(arms, train)

@@ -17,6 +17,7 @@ from bdh_train.data import builtin_corpus, load_tokens
 from bdh_train.data.loaders import StreamingDocumentLoader
 from bdh_train.errors import ConfigError
 from bdh_train.evals import context as memory
+from bdh_train.evals import recall
 from bdh_train.storage.run_dir import RunDir
 from bdh_train.train.console import eval_line, sample_lines
 from bdh_train.train.evaluate import SAMPLE_TEMPERATURES, SAMPLE_TOKENS, sample_continuation
@@ -161,6 +162,26 @@ def test_make_demo_trains_into_the_run_directory_the_readme_names(tmp_path):
     (run / "config.toml").write_text("")
     with pytest.raises(ConfigError, match="already holds a run"):
         RunDir(run).check_fresh(overwrite=args.overwrite)
+
+
+@pytest.mark.run_end
+def test_a_run_on_mqar_ends_with_its_recall_not_a_context_curve(tmp_path):
+    """MQAR's validation split is independent examples back to back: the run's last line is
+    the recall of its trained pairs at 1, 2 and 4 times its trained length (examples of
+    seed data.mqar.seed + 1, the same grid `eval --recall` computes), not the state gain."""
+    stream = io.StringIO()
+    mqar = ["data.source='mqar'", "data.mqar.pairs=4", "data.mqar.length=32"]
+    steps = ["training.max_steps=1", "training.eval_every=0", "training.checkpoint_every=0"]
+    cfg = load_config(overrides=[*MICRO_RUN, *mqar, *steps, "data.mqar.examples=64"])
+    trainer = Trainer(cfg, tmp_path / "run", stream=stream)
+    trainer.run()
+    trainer.model.eval()
+    scorer = recall.model_scorer(trainer.model, cfg.training.batch_size)
+    grid = recall.recall_grid(scorer, [4], [32, 64, 128], 256, 64, cfg.data.mqar.seed + 1)
+    line = trainer.state_gain()
+    assert line is not None and line.startswith(f"recall         {grid.accuracy[0][0]:.3f} of 4")
+    assert line == grid.run_end_line() and line in stream.getvalue()
+    assert "state gain" not in stream.getvalue()
 
 
 @pytest.mark.run_end

@@ -66,6 +66,21 @@ def test_grids_of_an_oracle_and_of_a_memory_of_one_pair():
         recall.recall_grid(_oracle(), [8], [16, 64], 64, examples=5, seed=0)
 
 
+def test_the_run_end_line_reads_the_first_row_by_hand():
+    rows = [[1.0, 0.93212, 0.7951], [0.5, 0.5, 0.5]]  # the second row (8 pairs) is not read
+    grid = recall.RecallGrid([16, 8], [64, 128, 256], 64, 64, 64, rows, 1 / 32)
+    assert grid.run_end_line() == (
+        "recall         1.000 of 16 pairs answered in 64-token examples (the trained length); "
+        "with the state carried 0.932 at 128 tokens, 0.795 at 256 tokens (chance 0.031, 64 "
+        "examples each)"
+    )
+    one = recall.RecallGrid([4], [32], 8, 64, 32, [[0.25]], 1 / 32)
+    assert one.run_end_line() == (
+        "recall         0.250 of 4 pairs answered in 32-token examples (the trained length) "
+        "(chance 0.031, 8 examples each)"
+    )
+
+
 def test_a_bdh_scorer_is_one_calls_greedy_tokens(monkeypatch):
     monkeypatch.setattr(scoring, "LOGIT_BUDGET", 32 * 3 * 7)  # 7 tokens a call: chunks carry
     model = tiny_model(torch.float64, seed=3)  # vocab 32

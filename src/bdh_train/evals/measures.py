@@ -14,6 +14,7 @@ import torch
 
 from bdh_train.config import RunConfig
 from bdh_train.data.tokenizer import Tokenizer
+from bdh_train.data.tokens import TokenData
 from bdh_train.errors import ConfigError
 from bdh_train.evals import context as memory
 from bdh_train.evals import passkey, recall
@@ -198,21 +199,58 @@ def run_memory_evals(
         files["passkey"] = grid
         lines.append(grid.table())
     if options.recall:
-        trained = mqar.length if cfg.data.source == "mqar" else None
-        found = recall.recall_grid(
-            recall.model_scorer(model, batch, events),
-            recall_pairs,
-            recall_lengths,
-            vocab,
-            options.recall_examples,
-            mqar.seed + 1,  # not the training examples' seed
-            mqar.power_a,
-            trained,
-        )
+        found = _recall_grid(model, cfg, recall_pairs, recall_lengths, options.recall_examples)
         files["recall"] = found
         lines.append(found.table())
     lines.extend(f"wrote {path}" for path in _write(files, options.out, options.force))
     return lines
+
+
+def _recall_grid(
+    model: BDH, cfg: RunConfig, pairs: list[int], lengths: list[int], examples: int
+) -> recall.RecallGrid:
+    """The model's recall grid on fresh MQAR examples of the run's generator settings (not
+    its training examples: seed data.mqar.seed + 1), the trained length marked when the run
+    trained on MQAR."""
+    mqar = cfg.data.mqar
+    events = cfg.data.summary_trigger() if model.config.summary_memory.write_gate else None
+    return recall.recall_grid(
+        recall.model_scorer(model, cfg.training.batch_size, events),
+        pairs,
+        lengths,
+        model.config.vocab_size if mqar.vocab_size is None else mqar.vocab_size,
+        examples,
+        mqar.seed + 1,
+        mqar.power_a,
+        mqar.length if cfg.data.source == "mqar" else None,
+    )
+
+
+RUN_END_RECALL_EXAMPLES = 64
+"""Examples per length of the recall line that ends a run trained on MQAR."""
+
+
+def run_end_line(model: BDH, val: TokenData | None, cfg: RunConfig) -> str | None:
+    """The line that ends `bdh-train train` on what the model's state does: for a run on
+    MQAR (data.source = "mqar") the recall of its trained number of pairs at the trained
+    length and at RECALL_LENGTHS times it, the state carried; for any other run the state
+    gain on its validation split (`context.state_gain_line`). The validation split of MQAR is
+    independent examples back to back, which a context curve would read as one text."""
+    if cfg.data.source != "mqar":
+        return memory.state_gain_line(model, val, cfg.training, cfg.data)
+    if model.config.language_head.type != "token":
+        return None
+    mqar = cfg.data.mqar
+    lengths = [mqar.length * m for m in RECALL_LENGTHS]
+    cap = steps_cap()
+    examples = RUN_END_RECALL_EXAMPLES if cap is None else min(cap, RUN_END_RECALL_EXAMPLES)
+    training_mode = model.training
+    model.eval()
+    try:
+        grid = _recall_grid(model, cfg, [mqar.pairs], lengths, examples)
+    finally:
+        model.train(training_mode)
+    return grid.run_end_line()
 
 
 def _write(results: dict[str, object], out: Path, force: bool = False) -> list[Path]:

@@ -59,6 +59,18 @@ class RecallGrid:
             lines.append(f"{pairs:>7}" + "".join(f"{a:>10.3f}" for a in row))
         return "\n".join(lines)
 
+    def run_end_line(self) -> str:
+        """One line on the first row (a number of pairs): its accuracy at the first length
+        (the trained one) and, with the state carried, at each longer one."""
+        first, *longer = zip(self.lengths, self.accuracy[0], strict=True)
+        beyond = ", ".join(f"{a:.3f} at {n:,} tokens" for n, a in longer)
+        carried = f"; with the state carried {beyond}" if beyond else ""
+        return (
+            f"recall         {first[1]:.3f} of {self.pairs[0]} pairs answered in "
+            f"{first[0]:,}-token examples (the trained length){carried} (chance "
+            f"{self.chance:.3f}, {self.examples} examples each)"
+        )
+
 
 def check_cells(pairs: Sequence[int], lengths: Sequence[int], vocab_size: int) -> None:
     """ConfigError, before anything is built, for a cell whose pairs do not fit its length or

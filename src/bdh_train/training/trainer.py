@@ -24,7 +24,7 @@ from bdh_train.config import RunConfig, dump_toml, save_config
 from bdh_train.data.tokenizer import HFTokenizer
 from bdh_train.distributed import fsdp
 from bdh_train.distributed.env import DistContext, resolve_device
-from bdh_train.evals.context import state_gain_line
+from bdh_train.evals.measures import run_end_line
 from bdh_train.shared.threads import set_threads
 from bdh_train.storage import checkpoint as ckpt
 from bdh_train.storage.run_dir import RunDir
@@ -387,9 +387,9 @@ class Trainer:
         return None if out is None else out[1][0][1]
 
     def state_gain(self) -> str | None:
-        """The end-of-run line on what the carried state gained on the validation split
-        (`state_gain_line`); None without one, or for a model without a token head."""
-        return state_gain_line(self.model, self.val_data, self.training, self.cfg.data)
+        """The end-of-run line on what the model's state does (`run_end_line`: recall on
+        MQAR, else the state gain on the validation split); None without one."""
+        return run_end_line(self.model, self.val_data, self.cfg)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, before_rename: Callable[[Path], None] | None = None) -> Path:

@@ -167,21 +167,27 @@ def test_make_demo_trains_into_the_run_directory_the_readme_names(tmp_path):
 @pytest.mark.run_end
 def test_a_run_on_mqar_ends_with_its_recall_not_a_context_curve(tmp_path):
     """MQAR's validation split is independent examples back to back: the run's last line is
-    the recall of its trained pairs at 1, 2 and 4 times its trained length (examples of
-    seed data.mqar.seed + 1, the same grid `eval --recall` computes), not the state gain."""
+    the recall of its trained pairs at 1, 2 and 4 times its trained length (64 examples of
+    seed data.mqar.seed + 1 with the generator's settings, as `eval --recall` reads them),
+    read in eval mode (dropout off) and the model left in training mode; not the state
+    gain."""
     stream = io.StringIO()
     mqar = ["data.source='mqar'", "data.mqar.pairs=4", "data.mqar.length=32"]
+    generator = ["data.mqar.examples=64", "data.mqar.power_a=0.5", "data.mqar.random_fill=false"]
     steps = ["training.max_steps=1", "training.eval_every=0", "training.checkpoint_every=0"]
-    cfg = load_config(overrides=[*MICRO_RUN, *mqar, *steps, "data.mqar.examples=64"])
-    trainer = Trainer(cfg, tmp_path / "run", stream=stream)
+    overrides = [*MICRO_RUN, *mqar, *generator, *steps, "model.dropout=0.5"]
+    trainer = Trainer(load_config(overrides=overrides), tmp_path / "run", stream=stream)
     trainer.run()
-    trainer.model.eval()
-    scorer = recall.model_scorer(trainer.model, cfg.training.batch_size)
-    grid = recall.recall_grid(scorer, [4], [32, 64, 128], 256, 64, cfg.data.mqar.seed + 1)
+    assert trainer.model.training
     line = trainer.state_gain()
+    assert trainer.model.training
+    trainer.model.eval()
+    scorer = recall.model_scorer(trainer.model, trainer.cfg.training.batch_size)
+    seed = trainer.cfg.data.mqar.seed + 1
+    grid = recall.recall_grid(scorer, [4], [32, 64, 128], 256, 64, seed, 0.5, 32, False)
     assert line is not None and line.startswith(f"recall         {grid.accuracy[0][0]:.3f} of 4")
     assert line == grid.run_end_line() and line in stream.getvalue()
-    assert "state gain" not in stream.getvalue()
+    assert "(the trained length)" in line and "state gain" not in stream.getvalue()
 
 
 @pytest.mark.run_end

@@ -11,7 +11,7 @@ import torch
 from helpers import tiny_model
 
 from bdh_train.batch import IGNORE_INDEX
-from bdh_train.data.mqar import mqar_layout
+from bdh_train.data.mqar import mqar_examples, mqar_layout
 from bdh_train.errors import ConfigError
 from bdh_train.evals import recall, scoring
 
@@ -66,6 +66,18 @@ def test_grids_of_an_oracle_and_of_a_memory_of_one_pair():
         recall.recall_grid(_oracle(), [8], [16, 64], 64, examples=5, seed=0)
 
 
+def test_the_grid_reads_the_examples_of_its_generator_settings():
+    seen = []
+
+    def scorer(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        seen.append(inputs.clone())
+        return torch.zeros_like(targets, dtype=torch.bool)
+
+    recall.recall_grid(scorer, [2], [32], 64, 3, seed=5, power_a=1.0, random_fill=False)
+    tokens, _ = mqar_examples(2, 32, 64, 3, [5, 2, 32], 1.0, False)
+    assert len(seen) == 1 and torch.equal(seen[0], torch.from_numpy(tokens))
+
+
 def test_the_run_end_line_reads_the_first_row_by_hand():
     rows = [[1.0, 0.93212, 0.7951], [0.5, 0.5, 0.5]]  # the second row (8 pairs) is not read
     grid = recall.RecallGrid([16, 8], [64, 128, 256], 64, 64, 64, rows, 1 / 32)
@@ -74,10 +86,10 @@ def test_the_run_end_line_reads_the_first_row_by_hand():
         "with the state carried 0.932 at 128 tokens, 0.795 at 256 tokens (chance 0.031, 64 "
         "examples each)"
     )
-    one = recall.RecallGrid([4], [32], 8, 64, 32, [[0.25]], 1 / 32)
+    one = recall.RecallGrid([4], [32], 8, 64, None, [[0.25]], 1 / 32)  # no trained length
     assert one.run_end_line() == (
-        "recall         0.250 of 4 pairs answered in 32-token examples (the trained length) "
-        "(chance 0.031, 8 examples each)"
+        "recall         0.250 of 4 pairs answered in 32-token examples (chance 0.031, 8 "
+        "examples each)"
     )
 
 

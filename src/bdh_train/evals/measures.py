@@ -223,6 +223,7 @@ def _recall_grid(
         mqar.seed + 1,
         mqar.power_a,
         mqar.length if cfg.data.source == "mqar" else None,
+        mqar.random_fill,
     )
 
 
@@ -232,8 +233,8 @@ RUN_END_RECALL_EXAMPLES = 64
 
 def run_end_line(model: BDH, val: TokenData | None, cfg: RunConfig) -> str | None:
     """The line that ends `bdh-train train` on what the model's state does: for a run on
-    MQAR (data.source = "mqar") the recall of its trained number of pairs at the trained
-    length and at RECALL_LENGTHS times it, the state carried; for any other run the state
+    MQAR (data.source = "mqar") the recall of its trained number of pairs at RECALL_LENGTHS
+    (1, 2, 4) times the trained length, the state carried; for any other run the state
     gain on its validation split (`context.state_gain_line`). The validation split of MQAR is
     independent examples back to back, which a context curve would read as one text."""
     if cfg.data.source != "mqar":

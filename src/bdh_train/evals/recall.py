@@ -61,13 +61,15 @@ class RecallGrid:
 
     def run_end_line(self) -> str:
         """One line on the first row (a number of pairs): its accuracy at the first length
-        (the trained one) and, with the state carried, at each longer one."""
+        (marked when it is the trained one) and, with the state carried, at each longer
+        one."""
         first, *longer = zip(self.lengths, self.accuracy[0], strict=True)
         beyond = ", ".join(f"{a:.3f} at {n:,} tokens" for n, a in longer)
         carried = f"; with the state carried {beyond}" if beyond else ""
+        trained = " (the trained length)" if first[0] == self.trained_length else ""
         return (
             f"recall         {first[1]:.3f} of {self.pairs[0]} pairs answered in "
-            f"{first[0]:,}-token examples (the trained length){carried} (chance "
+            f"{first[0]:,}-token examples{trained}{carried} (chance "
             f"{self.chance:.3f}, {self.examples} examples each)"
         )
 
@@ -99,9 +101,11 @@ def recall_grid(
     seed: int,
     power_a: float = 0.01,
     trained_length: int | None = None,
+    random_fill: bool = True,
 ) -> RecallGrid:
-    """The accuracy of `scorer` on `examples` examples (seeded by `seed`, the cell's pairs
-    and length) per pairs x length."""
+    """The accuracy of `scorer` on `examples` examples (`mqar_examples` seeded by `seed`, the
+    cell's pairs and length, with the generator's `power_a` and `random_fill`) per pairs x
+    length."""
     check_cells(pairs, lengths, vocab_size)
     if examples < 1:
         raise ConfigError(f"--recall-examples must be at least 1, got {examples}")
@@ -109,7 +113,9 @@ def recall_grid(
     for p in pairs:
         row = []
         for length in lengths:
-            tokens, targets = mqar_examples(p, length, vocab_size, examples, [seed, p, length])
+            tokens, targets = mqar_examples(
+                p, length, vocab_size, examples, [seed, p, length], power_a, random_fill
+            )
             row.append(recall_accuracy(scorer, torch.from_numpy(tokens), torch.from_numpy(targets)))
         accuracy.append(row)
     return RecallGrid(

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 
-from bdh_train.data.config import DataConfig
 from bdh_train.data.tokens import TokenData
 from bdh_train.errors import ConfigError, DataError
 from bdh_train.evals.scoring import score_sequences
@@ -140,29 +139,32 @@ def context_curve(
 
 
 def state_gain_line(
-    model: BDH, val: TokenData | None, training: TrainingConfig, data: DataConfig
+    model: BDH,
+    val: TokenData | None,
+    training: TrainingConfig,
+    summary_events: SummaryEvents | None = None,
 ) -> str | None:
     """The end-of-run line of `bdh-train train` on what the carried state gained on held-out
-    text: the context curve over the validation split `val` (`STATE_GAIN_BLOCKS` training
-    blocks, up to `STATE_GAIN_SEQUENCES` stretches, in batches of the run's), its last bucket
-    read with the state carried against in fresh blocks. None for a model without a token
-    head, or a validation split shorter than one stretch."""
-    if val is None or model.config.language_head.type != "token":
+    text (the model in eval mode, with a token head): the context curve over the validation
+    split `val` (`STATE_GAIN_BLOCKS` training blocks, up to `STATE_GAIN_SEQUENCES`
+    stretches, in batches of the run's), its last bucket read with the state carried against
+    in fresh blocks. None for a validation split shorter than one stretch."""
+    if val is None:
         return None
     length = STATE_GAIN_BLOCKS * training.block_size
     most = 1 if steps_cap() is not None else STATE_GAIN_SEQUENCES
     sequences = min(most, (len(val) - 1) // length)
     if sequences < 1:
         return None
-    events = data.summary_trigger() if model.config.summary_memory.write_gate else None
-    training_mode = model.training
-    model.eval()
-    try:
-        curve = context_curve(
-            model, val.tokens, training.block_size, length, sequences, training.batch_size, events
-        )
-    finally:
-        model.train(training_mode)
+    curve = context_curve(
+        model,
+        val.tokens,
+        training.block_size,
+        length,
+        sequences,
+        training.batch_size,
+        summary_events,
+    )
     return curve.last_bucket_line()
 
 

@@ -20,6 +20,8 @@ from bdh_train.evals import context as memory
 from bdh_train.evals import passkey, recall
 from bdh_train.evals.scoring import score_continuations, text_model
 from bdh_train.model.bdh import BDH
+from bdh_train.model.summary import SummaryEvents
+from bdh_train.shared.loading import summary_events
 from bdh_train.storage.output import check_output, write_file
 from bdh_train.train.machine_memory import available_memory
 from bdh_train.utils import steps_cap
@@ -149,13 +151,13 @@ def run_memory_evals(
         )
     block = cfg.training.block_size
     batch = cfg.training.batch_size
-    events = cfg.data.summary_trigger() if model.config.summary_memory.write_gate else None
+    events = summary_events(model, cfg)
     lengths = options.passkey_lengths or [block * m for m in PASSKEY_BLOCKS]
     if options.passkey:
         room = available_memory(torch.device("cpu"))
         passkey.check_fits(lengths, options.passkey_trials, room.bytes, room.source)
     mqar = cfg.data.mqar
-    vocab = model.config.vocab_size if mqar.vocab_size is None else mqar.vocab_size
+    vocab = _recall_vocab(model, cfg)
     recall_pairs = options.recall_pairs or sorted({max(1, mqar.pairs // d) for d in RECALL_PAIRS})
     recall_lengths = options.recall_lengths or [mqar.length * m for m in RECALL_LENGTHS]
     if options.recall:
@@ -199,26 +201,37 @@ def run_memory_evals(
         files["passkey"] = grid
         lines.append(grid.table())
     if options.recall:
-        found = _recall_grid(model, cfg, recall_pairs, recall_lengths, options.recall_examples)
+        examples = options.recall_examples
+        found = _recall_grid(model, cfg, events, recall_pairs, recall_lengths, examples)
         files["recall"] = found
         lines.append(found.table())
     lines.extend(f"wrote {path}" for path in _write(files, options.out, options.force))
     return lines
 
 
+def _recall_vocab(model: BDH, cfg: RunConfig) -> int:
+    """The ids MQAR examples are drawn from: data.mqar.vocab_size, else the model's."""
+    mqar = cfg.data.mqar
+    return model.config.vocab_size if mqar.vocab_size is None else mqar.vocab_size
+
+
 def _recall_grid(
-    model: BDH, cfg: RunConfig, pairs: list[int], lengths: list[int], examples: int
+    model: BDH,
+    cfg: RunConfig,
+    events: SummaryEvents | None,
+    pairs: list[int],
+    lengths: list[int],
+    examples: int,
 ) -> recall.RecallGrid:
     """The model's recall grid on fresh MQAR examples of the run's generator settings (not
     its training examples: seed data.mqar.seed + 1), the trained length marked when the run
     trained on MQAR."""
     mqar = cfg.data.mqar
-    events = cfg.data.summary_trigger() if model.config.summary_memory.write_gate else None
     return recall.recall_grid(
         recall.model_scorer(model, cfg.training.batch_size, events),
         pairs,
         lengths,
-        model.config.vocab_size if mqar.vocab_size is None else mqar.vocab_size,
+        _recall_vocab(model, cfg),
         examples,
         mqar.seed + 1,
         mqar.power_a,
@@ -236,22 +249,22 @@ def run_end_line(model: BDH, val: TokenData | None, cfg: RunConfig) -> str | Non
     MQAR (data.source = "mqar") the recall of its trained number of pairs at RECALL_LENGTHS
     (1, 2, 4) times the trained length, the state carried; for any other run the state
     gain on its validation split (`context.state_gain_line`). The validation split of MQAR is
-    independent examples back to back, which a context curve would read as one text."""
-    if cfg.data.source != "mqar":
-        return memory.state_gain_line(model, val, cfg.training, cfg.data)
+    independent examples back to back, which a context curve would read as one text. Read
+    in eval mode, the model's mode restored after; None for a model without a token head."""
     if model.config.language_head.type != "token":
         return None
-    mqar = cfg.data.mqar
-    lengths = [mqar.length * m for m in RECALL_LENGTHS]
-    cap = steps_cap()
-    examples = RUN_END_RECALL_EXAMPLES if cap is None else min(cap, RUN_END_RECALL_EXAMPLES)
+    events = summary_events(model, cfg)
     training_mode = model.training
     model.eval()
     try:
-        grid = _recall_grid(model, cfg, [mqar.pairs], lengths, examples)
+        if cfg.data.source != "mqar":
+            return memory.state_gain_line(model, val, cfg.training, events)
+        mqar, cap = cfg.data.mqar, steps_cap()
+        lengths = [mqar.length * m for m in RECALL_LENGTHS]
+        examples = RUN_END_RECALL_EXAMPLES if cap is None else min(cap, RUN_END_RECALL_EXAMPLES)
+        return _recall_grid(model, cfg, events, [mqar.pairs], lengths, examples).run_end_line()
     finally:
         model.train(training_mode)
-    return grid.run_end_line()
 
 
 def _write(results: dict[str, object], out: Path, force: bool = False) -> list[Path]:

@@ -23,8 +23,7 @@ from bdh_train.generation.chat import chat, stop_token_ids, stream_text, until_s
 from bdh_train.generation.completions import complete, read_prompts
 from bdh_train.generation.continuation import Continuation
 from bdh_train.model import BDH, sampling
-from bdh_train.model.summary import SummaryEvents
-from bdh_train.shared.loading import encode_text
+from bdh_train.shared.loading import encode_text, summary_events
 
 
 @dataclass(frozen=True)
@@ -48,11 +47,6 @@ class StateFiles:
     load: str | None = None
     save: str | None = None
     force: bool = False
-
-
-def summary_events(model: BDH, config: RunConfig) -> SummaryEvents | None:
-    """The run's summary trigger when the model's summary memory has a write gate."""
-    return config.data.summary_trigger() if model.config.summary_memory.write_gate else None
 
 
 def _generator(model: BDH, seed: int) -> torch.Generator:

@@ -26,6 +26,7 @@ from bdh_train.errors import BDHTrainError, CheckpointError, DataError
 from bdh_train.model import BDH, BDHConfig
 from bdh_train.model.bdh import shape_mismatch, state_shapes
 from bdh_train.model.sampling import check_finite_weights
+from bdh_train.model.summary import SummaryEvents
 from bdh_train.storage import checkpoint as ckpt
 from bdh_train.storage.run_dir import config_path, run_of_checkpoint
 from bdh_train.storage.ternary import export_tokenizer_json, export_training_json, load_ternary
@@ -190,6 +191,11 @@ def config_hash(config: BDHConfig) -> str:
     }
     text = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def summary_events(model: BDH, config: RunConfig) -> SummaryEvents | None:
+    """The run's summary trigger when the model's summary memory has a write gate."""
+    return config.data.summary_trigger() if model.config.summary_memory.write_gate else None
 
 
 def encode_text(tokenizer: Tokenizer, text: str, where: str) -> list[int]:

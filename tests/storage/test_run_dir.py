@@ -15,7 +15,7 @@ from helpers import MICRO_RUN, set_args
 
 from bdh_train.cli import main
 from bdh_train.errors import ConfigError
-from bdh_train.storage.run_dir import ERROR_LOG, LOCK_FILE, RunDirLock
+from bdh_train.storage.run_dir import ERROR_LOG, LOCK_FILE, RunDirLock, lost_line
 from bdh_train.training.launch import plan_train
 
 MICRO = [
@@ -171,3 +171,16 @@ def test_reading_a_finished_run_imports_nothing_of_training():
     ]
     assert unwanted == []
     assert "bdh_train.shared.loading" in out
+
+
+def test_the_lost_run_line_says_where_the_run_went_or_that_the_system_does_not_say(tmp_path):
+    run = tmp_path / "run"
+    lines = [lost_line(run, w) for w in (None, f"{tmp_path}/r2/.lock", f"{run}/.lock (deleted)")]
+    went = [line.split("): ")[1].split("; stopped")[0] for line in lines]
+    assert went == [
+        "it was moved, removed or replaced",
+        f"it was moved to {tmp_path}/r2: continue it there with bdh-train train --resume "
+        f"{tmp_path}/r2",
+        "it was deleted, its checkpoints with it",
+    ]
+    assert lines[0].startswith(f"run directory {run} is no longer this trainer's ({run}/.lock ")

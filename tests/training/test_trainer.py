@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,10 +40,13 @@ from bdh_train.data import DataConfig, StreamingCorpusLoader
 from bdh_train.errors import ConfigError
 from bdh_train.model.groups import interface_surface_params, transferred_backbone_params
 from bdh_train.storage import checkpoint as ckpt
-from bdh_train.train.metrics import read_metrics
+from bdh_train.storage.run_dir import RunDirLock, RunDirLost
+from bdh_train.train.evaluate import Evaluator
+from bdh_train.train.metrics import MetricsReporter, read_metrics
 from bdh_train.train.profile import PROBES
+from bdh_train.train.state import TrainingCheckpoints
 from bdh_train.train.step import LanguageTrainModel
-from bdh_train.train.window import TrainingDiverged
+from bdh_train.train.window import StepWindow, TrainingDiverged
 from bdh_train.training.trainer import Trainer
 
 MICRO = [
@@ -936,3 +940,94 @@ def test_the_trainer_module_only_assembles_and_loops():
 
     lines = Path(trainer.__file__).read_text(encoding="utf-8").count("\n")
     assert lines < 400, f"training/trainer.py has {lines} lines"
+
+
+# Where a run directory is replaced while its trainer runs: after which call of which
+# method (a 4-step run, a checkpoint every step), and what the trainer would write next.
+REPLACED_DURING = {
+    "a step": (StepWindow, "optimizer_step", 2),  # next: step 2's metrics row
+    "an evaluation": (Evaluator, "run", 1),  # next: its row (evaluating every 2 steps)
+    "a step's row": (MetricsReporter, "log_step", 2),  # next: step 2's checkpoint
+    "the last checkpoint": (TrainingCheckpoints, "save", 4),  # next: the loss plot
+}
+
+
+@pytest.mark.parametrize(
+    ("how", "during"),
+    [
+        ("moved", "a step"),
+        ("deleted", "an evaluation"),
+        ("moved", "a step's row"),
+        ("deleted", "the last checkpoint"),
+    ],
+)
+def test_a_trainer_whose_run_directory_was_replaced_stops_without_writing_into_the_new_run(
+    tmp_path, monkeypatch, capsys, how, during
+):
+    """The run directory of a running trainer is moved away (or deleted) and another run is
+    started at its path: after step 2 (or its evaluation, or its metrics row, or the last
+    checkpoint). The first trainer then stops before its next write, with one error line
+    saying where its run went, and leaves the new run byte for byte as it was (no metrics
+    row, checkpoint, `latest`, plot or error log of its own there). A moved run resumes from
+    where it now lies."""
+    run, moved = tmp_path / "run", tmp_path / "moved"
+    overrides = [*MICRO, "training.max_steps=4", "training.checkpoint_every=1"]
+    evaluate = "training.eval_every=" + ("2" if during == "an evaluation" else "0")
+    sets = [f"--set={o}" for o in [*overrides, evaluate]]
+    owner, name, nth = REPLACED_DURING[during]
+    original = getattr(owner, name)
+    held: list[RunDirLock] = []
+    calls: list[int] = []
+
+    def then_replace(self, *args):
+        out = original(self, *args)
+        calls.append(1)
+        if len(calls) == nth:
+            if how == "moved":
+                run.rename(moved)
+            else:
+                shutil.rmtree(run)
+            held.append(RunDirLock(run).acquire())  # another trainer owns the path now
+            (run / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+        return out
+
+    monkeypatch.setattr(owner, name, then_replace)
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(run), *sets]) == 2
+    new_run = {p.name: p.read_bytes() for p in run.iterdir()}
+    assert sorted(new_run) == [".lock", "metrics.jsonl"]
+    assert new_run["metrics.jsonl"] == b'{"step": 1, "loss": 9.0}\n'
+    went = (
+        f"it was moved to {moved}: continue it there with bdh-train train --resume {moved}"
+        if how == "moved"
+        else "it was deleted, its checkpoints with it"
+    )
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: run directory {run} is no longer this trainer's ({run / '.lock'} is not the "
+        f"lock it holds): {went}; stopped without writing to {run} again, so what is there "
+        "now is left as it is"
+    ]
+    held[0].release()
+    if how == "moved":  # the moved run resumes from its last checkpoint, before step 2's
+        monkeypatch.setattr(owner, name, original)
+        assert ckpt.resolve_checkpoint(moved).name == "step-0000001"
+        rows = [r["step"] for r in read_metrics(moved / "metrics.jsonl") if "loss" in r]
+        assert rows == [1, 2] if during == "a step's row" else [1]
+        assert main(["train", "--resume", str(moved)]) == 0
+        steps = [r["step"] for r in read_metrics(moved / "metrics.jsonl") if "loss" in r]
+        assert steps == [1, 2, 3, 4]
+
+
+def test_a_trainer_built_on_a_directory_that_was_replaced_before_it_ran_writes_nothing(tmp_path):
+    """Between building a trainer (which takes the lock) and running it, its directory is
+    deleted and another run takes the path: `run` stops before its first write (the config,
+    the metrics) and the new run keeps only what it had."""
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(overrides=MICRO), run, stream=io.StringIO())
+    shutil.rmtree(run)
+    other = RunDirLock(run).acquire()
+    deleted = "it was deleted, its checkpoints with it; stopped without writing"
+    with pytest.raises(RunDirLost, match=deleted):
+        trainer.run()
+    assert [p.name for p in run.iterdir()] == [".lock"]
+    other.release()

@@ -30,7 +30,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from bdh_train.errors import CheckpointError, ConfigError
+from bdh_train.errors import BDHTrainError, CheckpointError, ConfigError
 from bdh_train.storage.places import (
     BYTES,
     CHECKPOINTS,
@@ -91,6 +91,30 @@ class RunDirLock:
             os.pwrite(self._fd, data, 0)
             os.utime(self._fd, ns=(atime_ns, mtime_ns))
 
+    def held(self) -> bool:
+        """Whether `run_dir/.lock` is still the file this lock holds. It is not once the
+        directory was moved, removed or replaced: the kernel's lock stays on the old file,
+        and the path then names another file or none."""
+        if self._fd is None:
+            return False
+        try:
+            now = os.lstat(self.path)
+        except OSError:
+            return False
+        mine = os.fstat(self._fd)
+        return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def whereabouts(self) -> str | None:
+        """Where the held lock file is now, as the system names its open file (Linux's
+        /proc/self/fd: a path, with " (deleted)" after a removed one); None where the system
+        does not say."""
+        if self._fd is None:
+            return None
+        try:
+            return os.readlink(f"/proc/self/fd/{self._fd}")
+        except OSError:
+            return None
+
     def release(self) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -136,6 +160,29 @@ def refuse_a_file(run_dir: Path) -> None:
         raise ConfigError(
             f"run directory {run_dir} is a file, not a directory; choose another --run-dir"
         )
+
+
+class RunDirLost(BDHTrainError):
+    """The run directory was moved, removed or replaced while its trainer ran: the trainer
+    stops before it writes to that path again, so it never writes into a run that another
+    command started there."""
+
+
+def lost_line(path: Path, whereabouts: str | None) -> str:
+    """The error of a trainer whose run directory `path` is no longer the one it locked:
+    where its run went (`RunDirLock.whereabouts`) and how to go on."""
+    if whereabouts is None:
+        went = "it was moved, removed or replaced"
+    elif whereabouts.endswith(" (deleted)"):
+        went = "it was deleted, its checkpoints with it"
+    else:
+        moved = Path(whereabouts).parent
+        went = f"it was moved to {moved}: continue it there with bdh-train train --resume {moved}"
+    return (
+        f"run directory {path} is no longer this trainer's ({path / LOCK_FILE} is not the lock "
+        f"it holds): {went}; stopped without writing to {path} again, so what is there now "
+        "is left as it is"
+    )
 
 
 class RunDir:
@@ -201,7 +248,9 @@ class RunDir:
 
     # ------------------------------------------------------------------ ownership
     def lock(self) -> None:
-        """Take the run's lock (once); refused when another trainer holds it."""
+        """Take the run's lock; refused when another trainer holds it. A lock this command
+        holds already is checked to be the directory's still (`check_owned`)."""
+        self.check_owned()
         if self._lock is None:
             lock_file = self.path / LOCK_FILE
             self._lock_file = None
@@ -233,6 +282,16 @@ class RunDir:
             if not self._existed:
                 with contextlib.suppress(OSError):
                     self.path.rmdir()
+
+    def check_owned(self) -> None:
+        """Raise `RunDirLost` when the directory at this path is no longer the one whose lock
+        this command holds (moved, removed or replaced since), which every writer of a
+        running trainer calls before it writes; a command holding no lock (a rank other than
+        the main one) checks nothing. The error log is then no longer this command's."""
+        if self._lock is None or self._lock.held():
+            return
+        self.owned = False
+        raise RunDirLost(lost_line(self.path, self._lock.whereabouts()))
 
     def log_error(self, message: str) -> None:
         """Append `message` to the error log of a directory this command owns (else nothing:

@@ -15,7 +15,13 @@ from typing import Any, Literal, Protocol, cast
 
 from bdh_train import checks
 from bdh_train.errors import ConfigError, DataError
-from bdh_train.storage.run_dir import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, append_line
+from bdh_train.storage.run_dir import (
+    METRICS_FILE,
+    PLOT_FILE,
+    TENSORBOARD_DIR,
+    RunDir,
+    append_line,
+)
 from bdh_train.train.config import every_and_last
 from bdh_train.utils import atomic_write, json_kind, open_regular, read_lines
 
@@ -152,7 +158,7 @@ class MetricsReporter:
 
     def __init__(
         self,
-        run_dir: Path,
+        run: RunDir,
         cfg: MetricsConfig,
         resume_step: int | None = None,
         enabled: bool = True,
@@ -161,7 +167,9 @@ class MetricsReporter:
         log_every: int = 0,
         last_step: int = 0,
     ) -> None:
-        """`log_every` and `last_step` set which optimizer steps `log_step` writes."""
+        """`log_every` and `last_step` set which optimizer steps `log_step` writes. Every row
+        and the plot are written only while `run` is still this run's (`RunDir.check_owned`)."""
+        self.run, run_dir = run, run.path
         self.log_every, self.last_step = log_every, last_step
         self._clock = (time.perf_counter(), 0)
         self.mfu: Callable[[float], float] | None = None
@@ -184,8 +192,15 @@ class MetricsReporter:
         return self.jsonl.dropped_torn_line
 
     def write(self, row: dict[str, Any]) -> None:
+        self.run.check_owned()
         for sink in self.sinks:
             sink.write(row)
+
+    def plot(self) -> None:
+        """The run's loss curves (`plot_losses`), on the main process only."""
+        if self.jsonl.enabled:
+            self.run.check_owned()
+            plot_losses(self.run.path)
 
     def should_log(self, step: int) -> bool:
         """Every `log_every` optimizer steps and the last one; never with log_every = 0."""

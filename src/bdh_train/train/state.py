@@ -252,7 +252,8 @@ class TrainingCheckpoints:
         self, step: int, micro: int, before_rename: Callable[[Path], None] | None = None
     ) -> Path | None:
         """Write checkpoint step-N[-mM] (every process takes part; the main one returns its
-        path)."""
+        path), after checking the run directory is still this run's."""
+        self.run.check_owned()
         return self.checkpointer.save(
             ckpt.checkpoint_name(step, micro),
             self._parts(loading=False, dcp=self.dcp),

@@ -53,7 +53,7 @@ from bdh_train.train.console import (
 )
 from bdh_train.train.evaluate import SAMPLE_TOKENS, Evaluator, end_of_run_samples, writes_text
 from bdh_train.train.init_from import init_weights_from
-from bdh_train.train.metrics import MetricsReporter, plot_losses
+from bdh_train.train.metrics import MetricsReporter
 from bdh_train.train.profile import ProfileSettings, StepProfiler
 from bdh_train.train.schedules import GradientScaleSchedule
 from bdh_train.train.state import (
@@ -290,7 +290,7 @@ class Trainer:
         tokenizer copy and config, print the banner."""
         t, s, cfg = self.training, self.state, self.saved_cfg
         resumed_at = s.step if self.resumed_from is not None else None
-        metrics = partial(MetricsReporter, self.run_dir, self.cfg.metrics, resumed_at)
+        metrics = partial(MetricsReporter, self.run_files, self.cfg.metrics, resumed_at)
         metrics = partial(metrics, config=cfg.to_dict(), config_text=dump_toml(cfg))
         self.metrics = metrics(enabled=False, log_every=t.log_every, last_step=t.max_steps)
 
@@ -330,8 +330,8 @@ class Trainer:
         self.progress.close()
         if self.profiler is not None:
             self.progress.log(self.profiler.summary())
-        if self.dist.is_main and t.log_every:
-            plot_losses(self.run_dir)
+        if t.log_every and self.metrics is not None:
+            self.metrics.plot()
         with fsdp.gathered(self.model):  # every rank gathers a sharded model's weights
             sample = self.sample() if self.dist.is_main else None
             gain = self.state_gain() if self.dist.is_main else None

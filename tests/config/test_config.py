@@ -334,7 +334,7 @@ BAD_VALUES = [
     ("training.threads=-1", "training.threads must be a non-negative integer, got -1"),
     ("training.threads=100000", "training.threads = 100000 is more than this machine's"),
     ("training.device=gpu", "training.device must be one of 'auto', 'cpu', 'cuda', got 'gpu'"),
-    ("training.dtype=float16", "training.dtype must be one of 'float32', 'bfloat16'"),
+    ("training.dtype=float16", "training.dtype must be one of 'float32', 'bfloat16', 'auto'"),
     (
         'training.compile="yes"',
         "training.compile must be one of 'off', 'layer', 'pointwise', 'auto', got 'yes'",

@@ -310,3 +310,28 @@ def test_the_cgroup_headroom_counts_inactive_file_cache_as_free(tmp_path, monkey
     assert machine_memory._cgroup_headroom() == 3 * GIB + 100 * MIB
     (root / "memory.stat").unlink()  # no counters: the usage as it is
     assert machine_memory._cgroup_headroom() == 100 * MIB
+
+
+@pytest.mark.parametrize("bf16_gpu", [True, False], ids=["cuda-with-bf16", "cuda-without"])
+def test_dtype_auto_is_bfloat16_autocast_only_on_a_cuda_device_with_bfloat16(monkeypatch, bf16_gpu):
+    """training.dtype = 'auto' resolves by device: bfloat16 autocast on CUDA with bfloat16
+    arithmetic, float32 on the CPU and on CUDA without it; the memory estimate and its
+    lines follow the resolved dtype."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_gpu)
+    model = BDHConfig(**SMALL)
+    auto, bf16, fp32 = (
+        TrainingConfig(block_size=64, batch_size=4, dtype=d)
+        for d in ("auto", "bfloat16", "float32")
+    )
+    assert [t.bfloat16_autocast("cuda") for t in (auto, bf16, fp32)] == [bf16_gpu, True, False]
+    assert [t.bfloat16_autocast("cpu") for t in (auto, bf16, fp32)] == [False, True, False]
+    same = bf16 if bf16_gpu else fp32
+    for device in ("cuda", "cpu"):
+        like = same if device == "cuda" else fp32
+        got = estimate_step_memory(model, auto, device)
+        assert got == estimate_step_memory(model, like, device)
+        lines = memory_check.render_step_memory(got, model, auto, device)
+        assert lines == memory_check.render_step_memory(got, model, like, device)
+    bf16_step, fp32_step = (estimate_step_memory(model, t, "cuda") for t in (bf16, fp32))
+    assert bf16_step != fp32_step

@@ -41,6 +41,7 @@ from bdh_train.errors import ConfigError
 from bdh_train.model.groups import interface_surface_params, transferred_backbone_params
 from bdh_train.storage import checkpoint as ckpt
 from bdh_train.storage.run_dir import RunDirLock, RunDirLost
+from bdh_train.train.config import TrainingConfig
 from bdh_train.train.evaluate import Evaluator
 from bdh_train.train.metrics import MetricsReporter, read_metrics
 from bdh_train.train.profile import PROBES
@@ -510,12 +511,20 @@ def test_layer_recompute_trains_like_keeping_everything(tmp_path):
     assert rows["layer"] == [pytest.approx(row, rel=1e-6) for row in rows["none"]]
 
 
-def test_bfloat16_autocast_trains_with_float32_master_weights(tmp_path):
+def test_bfloat16_autocast_trains_with_float32_master_weights(tmp_path, monkeypatch):
     rows, params = _first_loss_and_params(tmp_path, ["training.dtype='bfloat16'"])
-    fp32_rows, _ = _first_loss_and_params(tmp_path / "fp32", [])
+    fp32_rows, fp32 = _first_loss_and_params(tmp_path / "fp32", [])
     assert all(p.dtype == torch.float32 for p in params.values())
     assert abs(rows[0]["loss"] - fp32_rows[0]["loss"]) < 0.05 * fp32_rows[0]["loss"]
     assert rows[0]["loss"] != fp32_rows[0]["loss"]  # autocast really ran in bfloat16
+    # 'auto' on a CPU is float32, bit for bit
+    auto_rows, auto_params = _first_loss_and_params(tmp_path / "auto", ["training.dtype='auto'"])
+    assert [r["loss"] for r in auto_rows] == [r["loss"] for r in fp32_rows]
+    assert all(torch.equal(auto_params[name], fp32[name]) for name in fp32)
+    # where 'auto' resolves to bfloat16 (CUDA with bfloat16 arithmetic), the step autocasts
+    monkeypatch.setattr(TrainingConfig, "bfloat16_autocast", lambda self, device: True)
+    cast_rows, _ = _first_loss_and_params(tmp_path / "cast", ["training.dtype='auto'"])
+    assert [r["loss"] for r in cast_rows] == [r["loss"] for r in rows]
 
 
 def test_profile_numbers_go_to_the_metrics_stream(tmp_path, monkeypatch):

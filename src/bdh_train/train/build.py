@@ -97,7 +97,7 @@ def build_executor(
         return PipelineRunner(model, plan, mesh.stage, mesh.stage_group), mesh.data
     autocast = (
         partial(torch.autocast, device.type, dtype=torch.bfloat16)
-        if t.dtype == "bfloat16"
+        if t.bfloat16_autocast(device.type)
         else contextlib.nullcontext
     )
     step = LanguageTrainModel(

@@ -60,7 +60,7 @@ def render_step_memory(
             f"batch {estimate.rows} x block {estimate.block_size}, {estimate.executor}, "
             f"recompute '{t.recompute}'"
             + (f", TBPTT chunks of {t.tbptt_chunk_size}" if t.tbptt_chunk_size else "")
-            + (", bfloat16 autocast" if t.dtype == "bfloat16" else ""),
+            + (", bfloat16 autocast" if t.bfloat16_autocast(device_type) else ""),
         ),
     ]
     lines = [f"a train step's peak memory, estimated (one process, {device_type}):"]

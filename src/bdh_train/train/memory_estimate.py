@@ -372,7 +372,7 @@ class _Piece:
 def _shape(
     model: BDHConfig, training: TrainingConfig, device_type: str, rows: int, layers: int
 ) -> _Shape:
-    autocast = training.dtype == "bfloat16"
+    autocast = training.bfloat16_autocast(device_type)
     compiled = compile_mode_for(training.compile, torch.device(device_type)) == "layer"
     learned_decay = model.position == "alibi_learned"
     decay = model.position != "rope"

@@ -124,7 +124,7 @@ def run_throughput(
     if t.peak_flops:
         peak, source = t.peak_flops, "training.peak_flops"
     else:
-        dtype = torch.bfloat16 if t.dtype == "bfloat16" else torch.float32
+        dtype = torch.bfloat16 if t.bfloat16_autocast(device.type) else torch.float32
         size = PEAK_MATMUL_SIZE.get(device.type, 1024)
         peak = measure_peak_flops(device, dtype)
         source = f"a {size}-square {str(dtype).removeprefix('torch.')} product measured at start"

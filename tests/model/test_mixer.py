@@ -19,13 +19,15 @@ import re
 import pytest
 import torch
 from helpers import IN_PLACE_PRODUCTS, assert_close
+from torch import Tensor
 
-from bdh_train.model import mixer
+from bdh_train.model import mixer, positions
 from bdh_train.model.matmul import is_heads_major
 from bdh_train.model.mixer import (
     EXECUTOR_FUNCTIONS,
     EXECUTORS,
     choose_executor,
+    dense_attention,
     linear_attention,
 )
 
@@ -1121,3 +1123,116 @@ def test_the_chunk_states_follow_the_device_choice(monkeypatch, by_product):
     check_against_definition("chunked", 4, 13, False, True, torch.float64, rtol=1e-10)
     ran = "carry_sums" if by_product else "running_sums"
     assert calls == {**{name: 0 for name in calls}, ran: 2}
+
+
+# ------------------------------------------------------------------ the decay horizon
+STEEP = torch.tensor([-12.0, -10.0], dtype=torch.float64)
+"""Two heads whose state forgets within a few tokens: a decay horizon of 6 tokens in float32
+and 37 in float64 (`decay_horizon`), both shorter than EDGE_T."""
+EDGE_T = 48
+
+
+def test_the_decay_horizon_is_where_decay_powers_turn_zero():
+    """By hand: float32's threshold is sqrt(tiny) = 1.0842e-19, ln(1 / it) = 43.668; alibi's
+    slowest head (H = 4) decays at 2^(-3/4) = 0.59460 a token, so its powers fall below the
+    threshold past 43.668 / 0.59460 = 73.44 tokens: floor + 2 = 75. Float64's threshold
+    1.4917e-154 gives 354.16 / 0.59460 = 595.6, so 597."""
+    alibi = positions.alibi_log_decay(4)
+    assert positions.decay_horizon(alibi, torch.float32) == 75
+    assert positions.decay_horizon(alibi, torch.float64) == 597
+    assert positions.decay_horizon(alibi, torch.bfloat16) == 75  # powers taken as float32's
+    assert positions.decay_horizon(torch.tensor([-1.0, 0.0]), torch.float32) is None
+    for log_decay in (alibi, STEEP, LOG_DECAY):
+        for dtype in (torch.float32, torch.float64):
+            w = positions.decay_horizon(log_decay, dtype)
+            assert w is not None
+            powers = positions.decay_powers(
+                log_decay, torch.arange(w + 40), torch.ones(1, dtype=dtype)
+            )
+            assert not powers[:, w:].any()  # from the horizon on, every power is 0
+            assert powers[:, w - 2].any()  # and it is no more than 2 past the last kept one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("resets", ["none", "documents", "inside"])
+@pytest.mark.parametrize(("with_state", "final"), [(True, True), (True, False), (False, True)])
+def test_reading_and_writing_the_state_at_its_edges_equals_the_whole_call(
+    monkeypatch, dtype, resets, with_state, final
+):
+    """A call past the decay horizon reads its incoming state with its first tokens only and
+    writes its final state from its last ones only (`linear_attention`'s shortcut for dense
+    calls); outputs, final states and every gradient equal the whole call (the slow twin:
+    `dense_attention` called directly), in float32 to 1e-6 and in float64 to 1e-12. Resets at the
+    start of rows (streamed documents) and inside them are applied to both edges."""
+    torch.manual_seed(7)
+    q = torch.randn(B, 2, EDGE_T, N, dtype=dtype).relu().requires_grad_()
+    v = torch.randn(B, 1, EDGE_T, D, dtype=dtype, requires_grad=True)
+    rho0 = torch.randn(B, 2, N, D, dtype=dtype, requires_grad=True) if with_state else None
+    mask = None
+    if resets != "none":
+        mask = torch.zeros(B, EDGE_T, dtype=torch.bool)
+        mask[0, 0] = True  # row 0 starts a document; row 1 continues its state
+        if resets == "inside":
+            mask[1, EDGE_T - 3] = True  # row 1's last document begins 3 tokens from the end
+            mask[0, 2] = True  # and row 0's a second one within the state's read
+    seen: list[Tensor | None] = []
+    whole = EXECUTOR_FUNCTIONS["dense"]
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["initial_state"])
+        return whole(*args, **kwargs)
+
+    monkeypatch.setitem(EXECUTOR_FUNCTIONS, "dense", spy)
+    kwargs = dict(initial_state=rho0, log_decay=STEEP, output_final_state=final, reset_mask=mask)
+    fast = linear_attention(q, v, executor="dense", **kwargs)
+    slow = whole(q, v, **kwargs)
+    assert seen == [None]  # the executor ran the call's own tokens only
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    inputs = [t for t in (q, v, rho0) if t is not None]
+    up_out = torch.randn_like(slow[0])
+    up_state = None if slow[1] is None else torch.randn_like(slow[1])
+    results = []
+    for out, state in (fast, slow):
+        assert (state is None) == (not final)
+        loss = (out * up_out).sum() + (0 if state is None else (state * up_state).sum())
+        results.append([out, *([] if state is None else [state])])
+        results[-1] += torch.autograd.grad(loss, inputs)
+    for got, want in zip(*results, strict=True):
+        assert_close(got, want, rtol=tol)
+
+
+def test_the_shortcut_is_taken_only_for_a_fixed_decay_past_its_horizon():
+    q = torch.zeros(1, 2, EDGE_T, N)
+    rho0 = torch.zeros(1, 2, N, D)
+    learned = STEEP.clone().requires_grad_()
+    assert mixer.state_horizon(q, STEEP, "dense", rho0, True) == 6
+    assert mixer.state_horizon(q, STEEP, "dense", None, True) == 6
+    assert mixer.state_horizon(q, STEEP, "chunked", rho0, True) is None  # its chunks' states
+    assert mixer.state_horizon(q, STEEP, "dense", None, False) is None  # no state to read or write
+    assert mixer.state_horizon(q, STEEP, "recurrent", rho0, True) is None
+    assert mixer.state_horizon(q, None, "dense", rho0, True) is None  # rope: no decay
+    assert mixer.state_horizon(q, learned, "dense", rho0, True) is None  # a learned decay
+    assert mixer.state_horizon(q[:, :, :6], STEEP, "dense", rho0, True) is None  # within it
+    assert mixer.state_horizon(q[:, :, :7], STEEP, "dense", rho0, True) == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_the_edges_keep_every_power_the_whole_call_keeps(dtype):
+    """Element by element (no absolute tolerance): without values, the output is the
+    incoming state's read alone, down to the slowest head's last power above the threshold
+    (e^-40 of the first in float32, two tokens before the horizon); with one value, at that
+    power's distance from the end, the final state is that token's write alone."""
+    w = positions.decay_horizon(STEEP, dtype)
+    assert w is not None
+    q = torch.rand(B, 2, EDGE_T, N, dtype=dtype) + 0.5
+    rho0 = torch.rand(B, 2, N, D, dtype=dtype) + 0.5
+    v = torch.zeros(B, 1, EDGE_T, D, dtype=dtype)
+    kwargs = dict(initial_state=rho0, log_decay=STEEP)
+    fast, slow = linear_attention(q, v, executor="dense", **kwargs), dense_attention(q, v, **kwargs)
+    assert slow[0][:, 1, w - 2].abs().min() > 0 and not slow[0][:, :, w:].any()
+    assert torch.allclose(fast[0], slow[0], rtol=1e-6, atol=0.0)
+    v[:, :, EDGE_T - (w - 2)] = 1.0  # written with the power d^(w - 2)
+    fast, slow = linear_attention(q, v, executor="dense", **kwargs), dense_attention(q, v, **kwargs)
+    assert fast[1] is not None and slow[1] is not None
+    assert slow[1][:, 1].abs().min() > 0
+    assert torch.allclose(fast[1], slow[1], rtol=1e-6, atol=0.0)

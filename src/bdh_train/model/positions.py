@@ -142,8 +142,25 @@ def decay_powers(
     times slower (measured 2-5x on the whole mixer)."""
     log_decay = log_decay.to(like.device).view(-1, *([1] * exponents.dim()))
     powers = torch.exp(log_decay * exponents.to(device=like.device, dtype=torch.float64))
-    negligible = torch.finfo(torch.promote_types(like.dtype, torch.float32)).tiny ** 0.5
-    return torch.where(powers >= negligible, powers, 0.0).to(like.dtype)
+    return torch.where(powers >= negligible_power(like.dtype), powers, 0.0).to(like.dtype)
+
+
+def negligible_power(dtype: torch.dtype) -> float:
+    """The smallest decay power `decay_powers` keeps for a tensor of `dtype`: sqrt(tiny) of
+    it (float32's for a narrower one)."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).tiny ** 0.5
+
+
+def decay_horizon(log_decay: torch.Tensor, dtype: torch.dtype) -> int | None:
+    """The exponent W from which `decay_powers` gives 0 for every head of `log_decay` [H]
+    (a tensor of `dtype`): a token W or more positions back weighs nothing, and neither does
+    an incoming state W or more tokens into a call. None when some head does not decay.
+    Past floor(ln(1 / negligible) / r) + 1 the slowest head's rate r falls below the
+    threshold; one more exponent keeps the float64 rounding of the powers off that edge."""
+    rate = -float(log_decay.max())
+    if rate <= 0:
+        return None
+    return math.floor(math.log(1.0 / negligible_power(dtype)) / rate) + 2
 
 
 def alibi_log_decay(n_head: int) -> torch.Tensor:

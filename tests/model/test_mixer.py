@@ -1173,7 +1173,7 @@ def test_reading_and_writing_the_state_at_its_edges_equals_the_whole_call(
         mask = torch.zeros(B, EDGE_T, dtype=torch.bool)
         mask[0, 0] = True  # row 0 starts a document; row 1 continues its state
         if resets == "inside":
-            mask[1, EDGE_T - 3] = True  # row 1's last document begins 3 tokens from the end
+            mask[1, EDGE_T - 1] = True  # row 1's last document is its last token
             mask[0, 2] = True  # and row 0's a second one within the state's read
     seen: list[Tensor | None] = []
     whole = EXECUTOR_FUNCTIONS["dense"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,14 @@ from helpers import MICRO_RUN, set_args
 
 from bdh_train.cli import main
 from bdh_train.errors import ConfigError
-from bdh_train.storage.run_dir import ERROR_LOG, LOCK_FILE, RunDirLock, lost_line
+from bdh_train.storage.run_dir import (
+    ERROR_LOG,
+    LOCK_FILE,
+    RunDir,
+    RunDirLock,
+    RunDirLost,
+    lost_line,
+)
 from bdh_train.training.launch import plan_train
 
 MICRO = [
@@ -175,12 +183,38 @@ def test_reading_a_finished_run_imports_nothing_of_training():
 
 def test_the_lost_run_line_says_where_the_run_went_or_that_the_system_does_not_say(tmp_path):
     run = tmp_path / "run"
-    lines = [lost_line(run, w) for w in (None, f"{tmp_path}/r2/.lock", f"{run}/.lock (deleted)")]
+    places = (None, f"{tmp_path}/r2/.lock", f"{run}/.lock (deleted)", f"{run}/.nfs0001")
+    lines = [lost_line(run, where) for where in places]
     went = [line.split("): ")[1].split("; stopped")[0] for line in lines]
     assert went == [
         "it was moved, removed or replaced",
         f"it was moved to {tmp_path}/r2: continue it there with bdh-train train --resume "
         f"{tmp_path}/r2",
-        "it was deleted, its checkpoints with it",
+        "its lock file was deleted, with the directory or alone",
+        "it was moved, removed or replaced",  # NFS keeps a removed open file as .nfsXXXX
     ]
     assert lines[0].startswith(f"run directory {run} is no longer this trainer's ({run}/.lock ")
+
+
+def test_a_process_without_the_lock_tells_a_replaced_directory_by_the_lock_file_it_claimed(
+    tmp_path,
+):
+    """A rank other than the main one holds no lock: it remembers the lock file it found
+    when it claimed the directory, so once the directory is replaced by another run it
+    refuses to write there too (`check_owned`) and logs no error into it."""
+    run = tmp_path / "run"
+    main_rank = RunDir(run)
+    main_rank.lock()
+    other_rank = RunDir(run, fresh=False)
+    other_rank.claim()
+    main_rank.claim()
+    other_rank.check_owned()  # still the same directory: nothing raised
+    shutil.rmtree(run)  # while the main rank runs, holding its lock file open
+    newcomer = RunDirLock(run).acquire()
+    assert other_rank.lost() and main_rank.lost()
+    main_rank.unlock()
+    other_rank.log_error("error: a line that must not land in the new run")
+    with pytest.raises(RunDirLost, match="it was moved, removed or replaced; stopped without"):
+        other_rank.check_owned()
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE]
+    newcomer.release()

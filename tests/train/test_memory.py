@@ -315,10 +315,15 @@ def test_the_cgroup_headroom_counts_inactive_file_cache_as_free(tmp_path, monkey
 @pytest.mark.parametrize("bf16_gpu", [True, False], ids=["cuda-with-bf16", "cuda-without"])
 def test_dtype_auto_is_bfloat16_autocast_only_on_a_cuda_device_with_bfloat16(monkeypatch, bf16_gpu):
     """training.dtype = 'auto' resolves by device: bfloat16 autocast on CUDA with bfloat16
-    arithmetic, float32 on the CPU and on CUDA without it; the memory estimate and its
-    lines follow the resolved dtype."""
+    arithmetic, float32 on the CPU and on CUDA without it (a GPU that only emulates it); the
+    memory estimate and its lines follow the resolved dtype."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_gpu)
+    # every CUDA device emulates bfloat16 (V100, T4); only bf16_gpu ones have its arithmetic
+    monkeypatch.setattr(
+        torch.cuda,
+        "is_bf16_supported",
+        lambda including_emulation=True: including_emulation or bf16_gpu,
+    )
     model = BDHConfig(**SMALL)
     auto, bf16, fp32 = (
         TrainingConfig(block_size=64, batch_size=4, dtype=d)

@@ -41,6 +41,7 @@ from bdh_train.errors import ConfigError
 from bdh_train.model.groups import interface_surface_params, transferred_backbone_params
 from bdh_train.storage import checkpoint as ckpt
 from bdh_train.storage.run_dir import RunDirLock, RunDirLost
+from bdh_train.train import throughput
 from bdh_train.train.config import TrainingConfig
 from bdh_train.train.evaluate import Evaluator
 from bdh_train.train.metrics import MetricsReporter, read_metrics
@@ -522,9 +523,15 @@ def test_bfloat16_autocast_trains_with_float32_master_weights(tmp_path, monkeypa
     assert [r["loss"] for r in auto_rows] == [r["loss"] for r in fp32_rows]
     assert all(torch.equal(auto_params[name], fp32[name]) for name in fp32)
     # where 'auto' resolves to bfloat16 (CUDA with bfloat16 arithmetic), the step autocasts
+    # and the banner's peak is measured in bfloat16
     monkeypatch.setattr(TrainingConfig, "bfloat16_autocast", lambda self, device: True)
+    peaks: list[torch.dtype] = []
+    monkeypatch.setattr(
+        throughput, "measure_peak_flops", lambda d, dtype: peaks.append(dtype) or 1e9
+    )
     cast_rows, _ = _first_loss_and_params(tmp_path / "cast", ["training.dtype='auto'"])
     assert [r["loss"] for r in cast_rows] == [r["loss"] for r in rows]
+    assert peaks == [torch.bfloat16]
 
 
 def test_profile_numbers_go_to_the_metrics_stream(tmp_path, monkeypatch):
@@ -1009,7 +1016,7 @@ def test_a_trainer_whose_run_directory_was_replaced_stops_without_writing_into_t
     went = (
         f"it was moved to {moved}: continue it there with bdh-train train --resume {moved}"
         if how == "moved"
-        else "it was deleted, its checkpoints with it"
+        else "its lock file was deleted, with the directory or alone"
     )
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: run directory {run} is no longer this trainer's ({run / '.lock'} is not the "
@@ -1021,7 +1028,7 @@ def test_a_trainer_whose_run_directory_was_replaced_stops_without_writing_into_t
         monkeypatch.setattr(owner, name, original)
         assert ckpt.resolve_checkpoint(moved).name == "step-0000001"
         rows = [r["step"] for r in read_metrics(moved / "metrics.jsonl") if "loss" in r]
-        assert rows == [1, 2] if during == "a step's row" else [1]
+        assert rows == ([1, 2] if during == "a step's row" else [1])
         assert main(["train", "--resume", str(moved)]) == 0
         steps = [r["step"] for r in read_metrics(moved / "metrics.jsonl") if "loss" in r]
         assert steps == [1, 2, 3, 4]
@@ -1035,8 +1042,9 @@ def test_a_trainer_built_on_a_directory_that_was_replaced_before_it_ran_writes_n
     trainer = Trainer(load_config(overrides=MICRO), run, stream=io.StringIO())
     shutil.rmtree(run)
     other = RunDirLock(run).acquire()
-    deleted = "it was deleted, its checkpoints with it; stopped without writing"
+    deleted = "its lock file was deleted, with the directory or alone; stopped without writing"
     with pytest.raises(RunDirLost, match=deleted):
         trainer.run()
+    assert trainer.run_files.lost()  # also once the lock is let go: by the lock file it claimed
     assert [p.name for p in run.iterdir()] == [".lock"]
     other.release()

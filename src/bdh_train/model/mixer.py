@@ -517,8 +517,9 @@ def state_horizon(
     """The decay horizon (`decay_horizon`) where a dense call may read and write its state
     at the edges only (`_with_state_edges`): a fixed decay whose powers are all 0 within the
     call's length, a state to read or write, outside torch.compile; else None. A chunked
-    call computes every chunk's state anyway, and the edges made the tiny preset's streamed
-    step at block 512 0.93x as fast (`bench_state_edges.py`)."""
+    call computes every chunk's state anyway: with its calls given the edges too, the tiny
+    preset's streamed step at block 512 ran 0.93x as fast (the first run of
+    `bench_state_edges.py`, docs/benchmarks.md)."""
     if log_decay is None or log_decay.requires_grad or executor != "dense":
         return None
     if (initial_state is None and not output_final_state) or torch.compiler.is_compiling():
@@ -541,8 +542,9 @@ def _with_state_edges(
     """`fn` over the call's own tokens (no incoming state, no final state), then the incoming
     state read by the first `horizon` tokens only and the final state written from the last
     `horizon` only: `decay_powers` weighs every other read, every other write and the carried
-    d^T rho0 by exactly 0, so the whole call adds nothing more, and skipping them saves
-    2 N D multiply-adds a token and head on all but 2 * horizon tokens. Resets as in the
+    d^T rho0 by exactly 0, so the whole call adds nothing more; skipping them saves N D
+    multiply-adds a token and head for the read and N D for the write on all but `horizon`
+    of the call's tokens. Resets as in the
     executors: only tokens before a row's first reset read rho0, and the final state holds
     the row's last document."""
     seq_len, w = q.shape[2], horizon

@@ -171,13 +171,17 @@ class RunDirLost(BDHTrainError):
 def lost_line(path: Path, whereabouts: str | None) -> str:
     """The error of a trainer whose run directory `path` is no longer the one it locked:
     where its run went (`RunDirLock.whereabouts`) and how to go on."""
-    if whereabouts is None:
-        went = "it was moved, removed or replaced"
-    elif whereabouts.endswith(" (deleted)"):
-        went = "it was deleted, its checkpoints with it"
+    deleted = whereabouts is not None and whereabouts.endswith(" (deleted)")
+    moved = None if whereabouts is None or deleted else Path(whereabouts)
+    if deleted:
+        went = "its lock file was deleted, with the directory or alone"
+    elif moved is None or moved.name != LOCK_FILE or moved.parent == path.resolve():
+        went = "it was moved, removed or replaced"  # unknown, or a file NFS kept of it
     else:
-        moved = Path(whereabouts).parent
-        went = f"it was moved to {moved}: continue it there with bdh-train train --resume {moved}"
+        went = (
+            f"it was moved to {moved.parent}: continue it there with bdh-train train "
+            f"--resume {moved.parent}"
+        )
     return (
         f"run directory {path} is no longer this trainer's ({path / LOCK_FILE} is not the lock "
         f"it holds): {went}; stopped without writing to {path} again, so what is there now "
@@ -212,6 +216,8 @@ class RunDir:
         self.owned = fresh and not self._existed
         """Whether the command may write its error log here."""
         self._lock_file: tuple[bytes, int, int] | None = None
+        self._claimed_lock: tuple[int, int] | None = None
+        """(device, inode) of the lock file when the command claimed the directory."""
 
     def __str__(self) -> str:
         return str(self.path)
@@ -283,21 +289,45 @@ class RunDir:
                 with contextlib.suppress(OSError):
                     self.path.rmdir()
 
+    def claim(self) -> None:
+        """The directory is this command's now (a trainer was built on it, on every process):
+        its error log is written, and the lock file it has is remembered, so that a process
+        holding no lock (a rank other than the main one) can tell the directory was replaced
+        too (`check_owned`)."""
+        self.owned = True
+        with contextlib.suppress(OSError):
+            found = os.lstat(self.path / LOCK_FILE)
+            self._claimed_lock = (found.st_dev, found.st_ino)
+
+    def lost(self) -> bool:
+        """Whether the directory at this path is no longer the one this command locked (the
+        main process: its held lock, `RunDirLock.held`) or claimed (the others: the lock file
+        it found then): moved, removed or replaced since."""
+        if self._lock is not None:
+            return not self._lock.held()
+        if self._claimed_lock is None:
+            return False
+        try:
+            found = os.lstat(self.path / LOCK_FILE)
+        except OSError:
+            return True
+        return (found.st_dev, found.st_ino) != self._claimed_lock
+
     def check_owned(self) -> None:
-        """Raise `RunDirLost` when the directory at this path is no longer the one whose lock
-        this command holds (moved, removed or replaced since), which every writer of a
-        running trainer calls before it writes; a command holding no lock (a rank other than
-        the main one) checks nothing. The error log is then no longer this command's."""
-        if self._lock is None or self._lock.held():
+        """Raise `RunDirLost` when the directory is `lost`, which every writer of a running
+        trainer calls before it writes, on every process; the error log is then no longer
+        this command's."""
+        if not self.lost():
             return
         self.owned = False
-        raise RunDirLost(lost_line(self.path, self._lock.whereabouts()))
+        where = None if self._lock is None else self._lock.whereabouts()
+        raise RunDirLost(lost_line(self.path, where))
 
     def log_error(self, message: str) -> None:
         """Append `message` to the error log of a directory this command owns (else nothing:
         the error is on stderr). A directory the command named but never created gets only
         the log."""
-        if not self.owned:
+        if not self.owned or self.lost():
             return
         if self.stamped and not used_entries(self.path):
             self._remove_unused()

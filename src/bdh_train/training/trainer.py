@@ -117,7 +117,7 @@ class Trainer:
         except BaseException:
             self.run_files.unlock(refused=True)
             raise
-        self.run_files.owned = True
+        self.run_files.claim()
 
     def close(self) -> None:
         """Let the run directory go without running (`run` does this when it ends)."""
@@ -243,10 +243,10 @@ class Trainer:
         """Train to `max_steps` (or until a stop is requested); the main process holds the
         run directory's lock throughout (taken when the trainer was built; again here for a
         second `run`), and releases it at the end."""
-        if self.dist.is_main:
-            self.run_files.lock()
         failed = True
         try:
+            if self.dist.is_main:
+                self.run_files.lock()
             result = self._run(stop_after_micro_steps)
             failed = False
             return result

@@ -246,25 +246,10 @@ def dense_attention(
         scores = scores.masked_fill_(hidden.unsqueeze(1), 0)
     out = scores @ v
     if rho is not None:
-        q_read = q
-        if log_decay is not None:
-            t = torch.arange(seq_len, device=q.device)
-            q_read = q * decay_powers(log_decay, t, q).unsqueeze(-1)  # d^t, [H, T, 1]
-        from_rho = q_read @ rho
-        if segment is not None:  # only the tokens before the row's first reset read rho0
-            from_rho = from_rho.masked_fill((segment != 0).view(-1, 1, seq_len, 1), 0)
-        out = out + from_rho
+        out = out + _state_read(q, rho, log_decay, segment)
     if not output_final_state:
         return out, None
-    q_write = q
-    if log_decay is not None:
-        s = torch.arange(seq_len, device=q.device)
-        q_write = q * decay_powers(log_decay, seq_len - s, q).unsqueeze(-1)
-    v_write = v
-    if segment is not None:  # the final state holds the last document only
-        earlier = segment != segment[:, -1:]
-        v_write = v.masked_fill(earlier.view(-1, 1, seq_len, 1), 0)  # [B, 1, T, D]: cheaper than q
-    new_rho = q_write.transpose(-1, -2) @ v_write
+    new_rho = _state_written(q, v, log_decay, segment)
     if rho is not None:
         carried = rho
         if log_decay is not None:
@@ -274,6 +259,38 @@ def dense_attention(
             carried = carried.masked_fill((segment[:, -1] != 0).view(-1, 1, 1, 1), 0)
         new_rho = carried + new_rho
     return out, new_rho
+
+
+def _state_read(q: Tensor, rho: Tensor, log_decay: Tensor | None, segment: Tensor | None) -> Tensor:
+    """What a call's first n = q.shape[2] tokens read from its incoming state: d^t q_t.rho0
+    for t < n, 0 from a row's first reset on (`segment`: the call's `reset_segments`)."""
+    n = q.shape[2]
+    q_read = q
+    if log_decay is not None:
+        t = torch.arange(n, device=q.device)
+        q_read = q * decay_powers(log_decay, t, q).unsqueeze(-1)  # d^t, [H, n, 1]
+    from_rho = q_read @ rho
+    if segment is not None:  # only the tokens before the row's first reset read rho0
+        from_rho = from_rho.masked_fill((segment[:, :n] != 0).view(-1, 1, n, 1), 0)
+    return from_rho
+
+
+def _state_written(
+    q: Tensor, v: Tensor, log_decay: Tensor | None, segment: Tensor | None
+) -> Tensor:
+    """What a call's last n = q.shape[2] tokens (q, v: those tokens) write into its final
+    state: sum_s d^(T - s) q_s^T v_s, the row's last document only (`segment`: the call's
+    `reset_segments`)."""
+    n = q.shape[2]
+    q_write = q
+    if log_decay is not None:
+        remaining = n - torch.arange(n, device=q.device)  # T - s
+        q_write = q * decay_powers(log_decay, remaining, q).unsqueeze(-1)
+    v_write = v
+    if segment is not None:  # the final state holds the last document only
+        earlier = segment[:, segment.shape[1] - n :] != segment[:, -1:]
+        v_write = v.masked_fill(earlier.view(-1, 1, n, 1), 0)  # [B, 1, n, D]: cheaper than q
+    return q_write.transpose(-1, -2) @ v_write
 
 
 def chunked_attention(
@@ -559,17 +576,9 @@ def _with_state_edges(
     )
     segment = None if reset_mask is None else reset_segments(reset_mask.to(q.device))
     if initial_state is not None:
-        t = torch.arange(w, device=q.device)
-        read = (q[:, :, :w] * decay_powers(log_decay, t, q).unsqueeze(-1)) @ initial_state
-        if segment is not None:
-            read = read.masked_fill((segment[:, :w] != 0).view(-1, 1, w, 1), 0)
+        read = _state_read(q[:, :, :w], initial_state, log_decay, segment)
         out = torch.cat([out[:, :, :w] + read, out[:, :, w:]], dim=2)
     if not output_final_state:
         return out, None
-    s = torch.arange(seq_len - w, seq_len, device=q.device)
-    q_write = q[:, :, seq_len - w :] * decay_powers(log_decay, seq_len - s, q).unsqueeze(-1)
-    v_write = v[:, :, seq_len - w :]
-    if segment is not None:  # the final state holds the last document only
-        earlier = segment[:, seq_len - w :] != segment[:, -1:]
-        v_write = v_write.masked_fill(earlier.view(-1, 1, w, 1), 0)
-    return out, q_write.transpose(-1, -2) @ v_write
+    tail = slice(seq_len - w, seq_len)
+    return out, _state_written(q[:, :, tail], v[:, :, tail], log_decay, segment)

@@ -37,11 +37,25 @@ TEST_SAMPLE_TOKENS = 8
 """How many tokens an end-of-run sample continues by in a test's run (`short_run_end`)."""
 
 
+TEST_PEAK_FLOPS = 1e11
+"""The peak every test's run divides by for its MFU (`constant_peak`)."""
+
+
 def _as_a_test_process() -> None:
     """In a process forked for a test (a rank, a command of its own): one torch thread, and
-    runs that end as the test's own process ends them."""
+    runs that end and count their MFU as the test's own process's runs do."""
     torch.set_num_threads(1)
     short_run_end(setattr)
+    constant_peak(setattr)
+
+
+def constant_peak(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Through `setattr_`: a run's peak is TEST_PEAK_FLOPS, a constant, not a measurement (four
+    1024-square products: 0.13 s of one core, more under load, in each run; 260 runs of the
+    suite); tests/train/test_throughput.py measures."""
+    from bdh_train.train import throughput
+
+    setattr_(throughput, "measure_peak_flops", lambda device, dtype: TEST_PEAK_FLOPS)
 
 
 def short_run_end(setattr_: Callable[[Any, str, Any], None]) -> None:

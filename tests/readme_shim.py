@@ -10,9 +10,10 @@ start with a torch import (1-3 s each on 2 cores).
 A client sends its working directory, its environment, its argv and its standard input,
 output and error (the descriptors themselves) and exits with the command's status; the forked
 child takes all of them over before it runs `bdh_train.cli.main(argv)` (or the script), so a
-command sees what it would see as its own process. A run ends as the suite's in-process runs
-do (`helpers.short_run_end`: 8-token samples, no state-gain line). The client imports only
-the standard library and runs without `site` (-S): it starts in tens of milliseconds.
+command sees what it would see as its own process. A run ends and counts its MFU as the
+suite's in-process runs do (`helpers.short_run_end`: 8-token samples, no state-gain line;
+`helpers.constant_peak`). The client imports only the standard library and runs without
+`site` (-S): it starts in tens of milliseconds.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def serve(path: str) -> None:
     import tokenizers  # noqa: F401
     import torch  # noqa: F401  (what the children share; no torch op runs before a fork)
     import torch._dynamo  # noqa: F401  (2 s of CPU in each train's first optimizer)
-    from helpers import short_run_end  # this script's directory, tests/, is sys.path[0]
+    from helpers import constant_peak, short_run_end  # tests/, this script's, is sys.path[0]
 
     import bdh_train.cli as cli
     import bdh_train.data.prepared  # noqa: F401
@@ -41,6 +42,7 @@ def serve(path: str) -> None:
     import bdh_train.training.launch  # noqa: F401
 
     short_run_end(setattr)  # as the suite's in-process runs end: 8-token samples, no state gain
+    constant_peak(setattr)  # and count their MFU: a constant peak, not four products a run
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path)

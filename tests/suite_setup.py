@@ -21,7 +21,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch
 import torch.distributed as dist
-from helpers import TEST_THREADS, short_run_end
+from helpers import TEST_THREADS, constant_peak, short_run_end
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # the processes a worker's tests start (bdh-train commands, the README's fork server) run
@@ -31,7 +31,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
 
 from bdh_train.shared import threads
-from bdh_train.train import throughput
 from bdh_train.training.trainer import Trainer
 
 
@@ -45,14 +44,10 @@ def _deterministic_threads(monkeypatch):
     yield
 
 
-TEST_PEAK_FLOPS = 1e11
-"""The peak every test's run divides by for its MFU: a constant, not a measurement (which
-takes a second of matrix products and varies); tests/train/test_throughput.py measures."""
-
-
 @pytest.fixture(autouse=True)
 def _constant_peak(monkeypatch):
-    monkeypatch.setattr(throughput, "measure_peak_flops", lambda device, dtype: TEST_PEAK_FLOPS)
+    """Every run's peak is the constant `helpers.TEST_PEAK_FLOPS`."""
+    constant_peak(monkeypatch.setattr)
 
 
 USER_RUN_END = {"state_gain": Trainer.state_gain, "end_sample_tokens": Trainer.end_sample_tokens}

@@ -90,7 +90,7 @@ def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypat
         "per step       2 x 8 tokens = 16 tokens",
         "length         3 steps (48 tokens in all)",
         # tests/train/test_throughput.py's hand count for 1 layer, D 16, 1 head, N 32, V 256,
-        # T 8, dense: 2 * (3 * 6,016 - 256) = 35,584; the tests' constant peak (suite_setup.py)
+        # T 8, dense: 2 * (3 * 6,016 - 256) = 35,584; the tests' constant peak (helpers)
         "throughput     35.6 kFLOP per token (a training step's, counted); peak 100 GFLOP/s "
         "(a 1024-square float32 product measured at start)",
         "config         layered on preset tiny (the default: no config file given)",

@@ -63,7 +63,7 @@ def test_mfu_is_the_rate_times_the_flops_over_the_peak():
 
 
 def test_the_peak_is_measured_by_a_product(monkeypatch):
-    """The real measurement (suite_setup.py replaces it for the other tests), on a 64-square
+    """The real measurement (helpers.constant_peak replaces it for the other tests), on a 64-square
     product: a positive rate."""
     monkeypatch.undo()  # the autouse constant peak
     monkeypatch.setitem(throughput.PEAK_MATMUL_SIZE, "cpu", 64)
@@ -82,7 +82,7 @@ def test_a_runs_peak_is_given_or_measured_and_counts_every_device(peak):
     data = TokenData(np.arange(40) % V, V, "ids")
     got = throughput.run_throughput(step, data, cfg.training, cfg.data, torch.device("cpu"), 2)
     assert got is not None and got.flops_per_token == 47104
-    assert got.peak_flops == 2 * (peak or 1e11)  # the tests' measured peak: suite_setup.py
+    assert got.peak_flops == 2 * (peak or 1e11)  # the tests' measured peak: helpers.constant_peak
     assert got.peak_source.endswith(", x 2 devices")
 
 

@@ -10,8 +10,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -262,42 +260,6 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
     assert ckpt.read_json(good / "trainer.json")["skips"] == 0
 
 
-def train_one_and_two_processes(tmp_path: Path, overrides: list[str], two_only: list[str]):
-    """`torchrun --nproc-per-node 2 -m bdh_train train` and, while its launcher imports torch
-    on one core, `bdh-train train` in this process on the same config (`two_only` added to
-    the first); returns both run directories (one process, two processes)."""
-    sets = [a for o in overrides for a in ("--set", o)]
-    extra = [a for o in two_only for a in ("--set", o)]
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    two = subprocess.Popen(
-        [
-            torchrun,
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "bdh_train",
-            "train",
-            "--run-dir",
-            str(tmp_path / "two"),
-            *sets,
-            *extra,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            assert main(["train", "--run-dir", str(tmp_path / "one"), *sets]) == 0
-        _, err = two.communicate(timeout=200)
-    finally:
-        two.kill()
-    assert two.returncode == 0, f"two: {err[-3000:]}"
-    return tmp_path / "one", tmp_path / "two"
-
-
 def assert_same_parameters(one: Path, two: Path) -> None:
     a, b = checkpoint_weights(one), checkpoint_weights(two)
     for name in a:
@@ -333,11 +295,12 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", ["1f1b"])
-def test_torchrun_pipeline_training_equals_one_process(tmp_path, schedule):
-    """`torchrun --nproc-per-node 2 -m bdh_train train --set parallel.pipeline_stages=2`.
-    One schedule end to end (each torchrun costs ~11 s); every schedule is compared with one
-    process in tests/distributed/test_pipeline_mp.py."""
+def test_pipeline_training_of_two_processes_equals_one_process(tmp_path):
+    """`bdh-train train --set parallel.pipeline_stages=2` (1F1B, accumulation 2) as the two
+    ranks of a group, and the same run in one process without the pipeline: the same weights
+    and validation loss (fp32 1e-5). Every schedule is compared with one process in
+    tests/distributed/test_pipeline_mp.py; a launch through torchrun itself, of a data x
+    pipeline mesh, in tests/training/test_failures.py."""
     overrides = [
         *MICRO,
         *FRESH_BLOCKS,
@@ -348,12 +311,12 @@ def test_torchrun_pipeline_training_equals_one_process(tmp_path, schedule):
         "training.checkpoint_every=3",
         "training.eval_every=3",
     ]
-    pipe = [
-        "parallel.pipeline_stages=2",
-        "parallel.microbatches=2",
-        f"parallel.schedule='{schedule}'",
-    ]
-    one, two = train_one_and_two_processes(tmp_path, overrides, pipe)
+    pipe = ["parallel.pipeline_stages=2", "parallel.microbatches=2", "parallel.schedule='1f1b'"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    argv = ["train", "--run-dir", str(two), *set_args([*overrides, *pipe])]
+    assert run_multiprocess(cli_as_rank, tmp_path / "group", argv, timeout=150) == [0, 0]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", "--run-dir", str(one), *set_args(overrides)]) == 0
     assert_same_parameters(one, two)
     val_one = [r["val_loss"] for r in metric_rows(one) if "val_loss" in r]
     val_two = [r["val_loss"] for r in metric_rows(two) if "val_loss" in r]

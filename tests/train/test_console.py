@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import FRESH_BLOCKS, TEST_THREADS
 
 from bdh_train.cli import main
@@ -78,7 +79,7 @@ def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypat
     train_tokens, val_tokens = len(train_split), len(val_split)
     banner = [
         f"run directory  {run}",
-        "device         cpu",
+        "device         cpu, float32",
         f"threads        {TEST_THREADS} (auto: {usable_cpus()} CPUs, 0.0 busy with other work; "
         f"torch's count {TEST_THREADS})",
         f"model          {params / 1e6:.2f} M parameters ({params:,})",
@@ -377,6 +378,19 @@ def test_the_banner_says_when_tbptt_or_streaming_is_on(tmp_path, overrides, line
         trainer.close()
     found = [text for text in lines if text.startswith("recurrence")]
     assert found == ([] if line is None else [line])
+
+
+def test_the_device_line_names_the_processes_mesh_sharding_and_precision():
+    t, bf16 = TrainingConfig(), TrainingConfig(dtype="bfloat16")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert console.device_line(cpu, 1, (1, 1), False, t) == "cpu, float32"
+    assert console.device_line(cuda, 4, (2, 2), False, bf16) == (
+        "cuda x 4 processes (2 data-parallel x 2 pipeline stages), bfloat16 autocast"
+    )
+    assert console.device_line(cuda, 2, (2, 1), True, bf16) == (
+        "cuda x 2 processes (FSDP: parameters, gradients and optimizer state sharded), "
+        "bfloat16 autocast"
+    )
 
 
 def test_the_banner_says_how_much_of_the_split_an_evaluation_covers():

@@ -331,6 +331,13 @@ def test_dtype_auto_is_bfloat16_autocast_only_on_a_cuda_device_with_bfloat16(mon
     )
     assert [t.bfloat16_autocast("cuda") for t in (auto, bf16, fp32)] == [bf16_gpu, True, False]
     assert [t.bfloat16_autocast("cpu") for t in (auto, bf16, fp32)] == [False, True, False]
+    chosen = "bfloat16 autocast" if bf16_gpu else "float32"  # the banner's words
+    assert [t.precision("cuda") for t in (auto, bf16, fp32)] == [
+        f"{chosen} (dtype 'auto')",
+        "bfloat16 autocast",
+        "float32",
+    ]
+    assert auto.precision("cpu") == "float32 (dtype 'auto')"
     same = bf16 if bf16_gpu else fp32
     for device in ("cuda", "cpu"):
         like = same if device == "cuda" else fp32

@@ -108,7 +108,7 @@ class TrainingConfig:
     dtype: str = "float32"
     """'float32'; 'bfloat16' autocast (products in bfloat16, float32 master weights); or
     'auto': bfloat16 autocast on a CUDA device with bfloat16 arithmetic, float32 everywhere
-    else (`bfloat16_autocast`)."""
+    else (`bfloat16_autocast`). The start banner's device line says which it is."""
     compile: str = "off"
     """What torch.compile builds for training: 'off'; 'layer': the whole shared layer, one
     graph; 'pointwise': only the layer's gate y = x * relu(pre), as two fused kernels with
@@ -202,6 +202,12 @@ class TrainingConfig:
             return self.dtype == "bfloat16"
         cuda = device_type == "cuda" and torch.cuda.is_available()
         return cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+
+    def precision(self, device_type: str) -> str:
+        """What training's products run in on `device_type`, in words ('float32', 'bfloat16
+        autocast'), with "(dtype 'auto')" where 'auto' chose it."""
+        chosen = "bfloat16 autocast" if self.bfloat16_autocast(device_type) else "float32"
+        return f"{chosen} (dtype 'auto')" if self.dtype == "auto" else chosen
 
     def validate(self, prefix: str = "training") -> TrainingConfig:
         p = prefix

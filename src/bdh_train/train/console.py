@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -21,6 +21,9 @@ from bdh_train.data.tokens import TokenData
 from bdh_train.train.config import TrainingConfig
 from bdh_train.train.evaluate import Evaluator
 from bdh_train.train.state import TrainerState
+
+if TYPE_CHECKING:
+    import torch
 
 
 def format_duration(seconds: float) -> str:
@@ -144,17 +147,24 @@ class Progress:
             self.lost = True
 
 
-def device_line(device: str, world_size: int, mesh: tuple[int, int], sharded: bool) -> str:
-    """The device, and under torchrun the process count, mesh and sharding."""
-    if world_size <= 1:
-        return device
-    replicas, stages = mesh
-    line = f"{device} x {world_size} processes"
-    if stages > 1:
-        line += f" ({replicas} data-parallel x {stages} pipeline stages)"
-    if sharded:
-        line += " (FSDP: parameters, gradients and optimizer state sharded)"
-    return line
+def device_line(
+    device: torch.device,
+    world_size: int,
+    mesh: tuple[int, int],
+    sharded: bool,
+    training: TrainingConfig,
+) -> str:
+    """The device, under torchrun the process count, mesh and sharding, and what training's
+    products run in (`TrainingConfig.precision`)."""
+    line = str(device)
+    if world_size > 1:
+        replicas, stages = mesh
+        line += f" x {world_size} processes"
+        if stages > 1:
+            line += f" ({replicas} data-parallel x {stages} pipeline stages)"
+        if sharded:
+            line += " (FSDP: parameters, gradients and optimizer state sharded)"
+    return f"{line}, {training.precision(device.type)}"
 
 
 @dataclass
@@ -211,7 +221,7 @@ class Banner:
 
     run_dir: Path
     device: str
-    """The device, and under torchrun the processes (`device_line`)."""
+    """The device, under torchrun the processes, and the precision (`device_line`)."""
     parameters: int
     training: TrainingConfig
     """The run's [training]: its batch, block, accumulation, length and recurrence."""

@@ -351,7 +351,7 @@ class Trainer:
         saved, init = self.run_files.config.name, cfg.checkpoint.init_from if fresh else None
         return Banner(
             self.run_dir,
-            device_line(str(self.device), world, mesh, self.sharded),
+            device_line(self.device, world, mesh, self.sharded, self.training),
             sum(p.numel() for p in self.model.parameters()),
             self.training,
             RunData.of(cfg.data, self.tokenizer, splits, self.evaluator),

@@ -51,8 +51,8 @@ def _as_a_test_process() -> None:
 
 def constant_peak(setattr_: Callable[[Any, str, Any], None]) -> None:
     """Through `setattr_`: a run's peak is TEST_PEAK_FLOPS, a constant, not a measurement (four
-    1024-square products: 0.13 s of one core, more under load, in each run; 260 runs of the
-    suite); tests/train/test_throughput.py measures."""
+    1024-square products: 0.13 s of one core in every run, up to 0.7 s under the load of a
+    multi-process test); tests/train/test_throughput.py measures."""
     from bdh_train.train import throughput
 
     setattr_(throughput, "measure_peak_flops", lambda device, dtype: TEST_PEAK_FLOPS)

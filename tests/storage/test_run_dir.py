@@ -16,6 +16,7 @@ from helpers import MICRO_RUN, set_args
 
 from bdh_train.cli import main
 from bdh_train.errors import ConfigError
+from bdh_train.storage.checkpoint import MODEL_FILE, resolve_checkpoint
 from bdh_train.storage.run_dir import (
     ERROR_LOG,
     LOCK_FILE,
@@ -116,7 +117,8 @@ def test_a_fresh_run_after_a_failed_start_drops_the_stale_error_log(tmp_path, ca
 
 def test_the_plan_of_train_and_resume(tmp_path):
     """--run-dir names a fresh run's directory (default runs/<date>-<time>); --resume DIR
-    names the run to continue, a bare --resume the --run-dir."""
+    names the run to continue, a bare --resume the --run-dir (a --run-dir of another name
+    than DIR: `test_resume_into_a_run_dir_of_its_own_branches_and_leaves_the_run`)."""
     fresh = plan_train("a", None)
     assert (str(fresh.run.path), fresh.resume, fresh.checkpoint, fresh.continued) == (
         "a",
@@ -124,7 +126,7 @@ def test_the_plan_of_train_and_resume(tmp_path):
         None,
         None,
     )
-    for run_dir, resume, want in [("a", "", "a"), (None, "b", "b"), ("a", "b", "b")]:
+    for run_dir, resume, want in [("a", "", "a"), (None, "b", "b"), ("b/", "b", "b")]:
         plan = plan_train(run_dir, resume)
         assert (str(plan.run.path), plan.resume, plan.checkpoint) == (want, True, None)
         assert plan.continued is not None and str(plan.continued.path) == want
@@ -132,6 +134,25 @@ def test_the_plan_of_train_and_resume(tmp_path):
     assert not stamped.resume and re.fullmatch(r"runs/\d{8}-\d{6}", str(stamped.run.path))
     with pytest.raises(ConfigError, match="--resume needs a run directory"):
         plan_train(None, "")
+
+
+def test_resume_into_a_run_dir_of_its_own_branches_and_leaves_the_run(finished_run, tmp_path):
+    """--resume RUN --run-dir NEW: a new run in NEW continues RUN's latest checkpoint, as
+    --resume RUN/checkpoints/step-N --run-dir NEW does (the same weights, byte for byte); RUN
+    is left as it was, where it used to be continued in place with --run-dir ignored."""
+    before = tree_digest(finished_run)
+    latest = resolve_checkpoint(finished_run)
+    branch, by_checkpoint = tmp_path / "branch", tmp_path / "by-checkpoint"
+    plan = plan_train(str(branch), str(finished_run))
+    assert (plan.run.path, plan.resume, plan.checkpoint) == (branch, False, latest)
+    assert plan.continued is not None and plan.continued.path == latest
+    on = ["--set", "training.max_steps=4"]
+    assert main(["train", "--resume", str(finished_run), "--run-dir", str(branch), *on]) == 0
+    assert main(["train", "--resume", str(latest), "--run-dir", str(by_checkpoint), *on]) == 0
+    assert tree_digest(finished_run) == before
+    weights = [resolve_checkpoint(run) / MODEL_FILE for run in (branch, by_checkpoint)]
+    assert weights[0].parent.name == "step-0000004"
+    assert weights[0].read_bytes() == weights[1].read_bytes()
 
 
 def test_each_run_file_name_has_one_home():

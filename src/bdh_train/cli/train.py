@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         const="",
         default=None,
         metavar="DIR",
-        help="continue a run exactly from its latest checkpoint (default: --run-dir)",
+        help="continue a run exactly from its latest checkpoint (default: --run-dir); with "
+        "a --run-dir of another name, a new run there continues it and DIR is left as it is",
     )
     p.add_argument(
         "--overwrite",

@@ -46,7 +46,9 @@ def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
     RESUME (a bare --resume: RUN_DIR), RESUME is a run directory, continued from its latest
     checkpoint, or a checkpoint directory. A checkpoint continues the run it belongs to when
     it is that run's newest checkpoint; otherwise, or given a --run-dir of its own, it
-    continues in that new run directory. Nothing is ever written inside a checkpoint."""
+    continues in that new run directory. So does a run directory's latest checkpoint given a
+    --run-dir other than RESUME: RESUME is left as it is. Nothing is ever written inside a
+    checkpoint."""
     if resume is None:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         run = RunDir(run_dir) if run_dir else RunDir(Path(RUNS_ROOT) / stamp, stamped=True)
@@ -55,7 +57,10 @@ def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
     if str(path) in ("", "."):
         raise ConfigError("--resume needs a run directory: --resume DIR or --run-dir DIR")
     if not ckpt.is_checkpoint_dir(path):
-        return TrainPlan(RunDir(path, fresh=False), True, None, RunDir(path, fresh=False))
+        if run_dir is None or Path(run_dir).resolve() == path.resolve():
+            return TrainPlan(RunDir(path, fresh=False), True, None, RunDir(path, fresh=False))
+        latest = ckpt.resolve_checkpoint(path)  # a branch: RESUME's checkpoints stay
+        return TrainPlan(RunDir(run_dir), False, latest, RunDir(latest, fresh=False))
     owner = run_of_checkpoint(path)
     if run_dir is not None and (owner is None or Path(run_dir).resolve() != owner.path.resolve()):
         return TrainPlan(RunDir(run_dir), False, path, RunDir(path, fresh=False))

@@ -233,6 +233,22 @@ def test_directory_is_recursive_sorted_and_skips_other_files(tmp_path: Path) -> 
     assert list(iter_documents([tmp_path])) == expected
 
 
+def test_a_txt_file_in_a_directory_that_is_not_utf8_is_refused_not_skipped(tmp_path: Path):
+    """A .txt is corpus by its name: Latin-1 or UTF-16 text in one is one DataError naming
+    it (as for the file given alone), where it used to leave the corpus without a word; the
+    same bytes under a name of no format are still skipped as not text (also where the byte
+    that is not UTF-8 ends the file, which the sniff once took for a cut character)."""
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "notes.dat").write_bytes("café".encode("latin-1"))
+    (tmp_path / "more.dat").write_bytes("café au lait".encode("latin-1"))
+    assert list(iter_documents([tmp_path])) == ["a"]
+    for name, data in [("b.txt", "café".encode("latin-1")), ("c.txt", "hi".encode("utf-16"))]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DataError, match=rf"{name}' is not UTF-8 text"):
+            list(iter_documents([tmp_path]))
+        (tmp_path / name).unlink()
+
+
 def test_a_folder_reached_again_through_links_is_read_once(tmp_path: Path) -> None:
     """A link to the folder itself (a loop; it read the file ~40 times) and a second link to
     a folder: each file is one document."""

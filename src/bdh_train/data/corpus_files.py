@@ -3,8 +3,8 @@
 
 A file is named by its format suffix under an optional compression suffix (`.gz`, `.zst`,
 decompressed on the fly: `open_binary`). A directory's corpus files (`list_files`,
-`is_corpus_file`, the one rule for a file found in a directory) are its JSON lines and
-parquet files, the compressed files of a `DIRECTORY_SUFFIXES` format and any other file
+`is_corpus_file`, the one rule for a file found in a directory) are its .txt, JSON lines
+and parquet files, the compressed files of a `DIRECTORY_SUFFIXES` format and any other file
 whose first `SNIFF_BYTES` are UTF-8 without NUL bytes, recursively in sorted order of their
 relative paths (hidden names skipped); a subdirectory that is a saved Hugging Face dataset is
 one entry, and one written by `bdh-train prepare` (`layout.is_prepared`: tokens, not text) is
@@ -83,14 +83,16 @@ def format_suffix(path: Path) -> str:
 
 
 def is_corpus_file(path: Path) -> bool:
-    """Whether a file found in a data directory is part of the corpus: JSON lines or parquet
-    by its name, a compressed file of a `DIRECTORY_SUFFIXES` format, or (any other name but a
-    .bin token file) text: its first `SNIFF_BYTES` are UTF-8 without NUL bytes, the check
-    every text file passes as it is read (`iter_utf8`)."""
+    """Whether a file found in a data directory is part of the corpus: .txt, JSON lines or
+    parquet by its name (a .txt that is not UTF-8 is then refused as it is read, as one given
+    alone is, instead of leaving the corpus unsaid), a compressed file of a
+    `DIRECTORY_SUFFIXES` format, or (any other name but a .bin token file) text: its first
+    `SNIFF_BYTES` are UTF-8 without NUL bytes, the check every text file passes as it is read
+    (`iter_utf8`)."""
     suffix = format_suffix(path)
     if compression_of(path):
         return suffix in DIRECTORY_SUFFIXES
-    if suffix in JSON_LINES_SUFFIXES + PARQUET_SUFFIXES:
+    if suffix in DIRECTORY_SUFFIXES:
         return True
     if suffix == ".bin":
         return False
@@ -100,7 +102,9 @@ def is_corpus_file(path: Path) -> bool:
     except OSError as exc:
         raise DataError(f"cannot read data file '{path}': {exc.strerror or exc}") from exc
     try:
-        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        # a cut multi-byte character may end the sniff, not a file read to its end
+        final = len(head) < SNIFF_BYTES
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=final)
     except UnicodeDecodeError:
         return False
     return "\x00" not in text

@@ -155,6 +155,28 @@ def test_resume_into_a_run_dir_of_its_own_branches_and_leaves_the_run(finished_r
     assert weights[0].read_bytes() == weights[1].read_bytes()
 
 
+def test_resume_names_what_is_missing_and_takes_the_checkpoints_folder(
+    finished_run, tmp_path, capsys
+):
+    """--resume of a path that does not exist says so (not that its config.toml is missing)
+    and creates nothing; of a directory without a run's config, that; RUN/checkpoints
+    continues RUN, as generate and eval read it."""
+    missing, empty = tmp_path / "missing", tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train", "--resume", str(missing)]) == 2
+    assert f"error: cannot resume: {missing} does not exist; give a run directory" in (
+        capsys.readouterr().err
+    )
+    assert main(["train", "--resume", str(empty)]) == 2
+    assert f"{empty / 'config.toml'} does not exist (is {empty} a run" in capsys.readouterr().err
+    assert sorted(tmp_path.iterdir()) == [empty] and not any(empty.iterdir())
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    argv = ["train", "--resume", str(run / "checkpoints"), "--set", "training.max_steps=3"]
+    assert main(argv) == 0
+    assert resolve_checkpoint(run).name == "step-0000003"
+
+
 def test_each_run_file_name_has_one_home():
     """The names of a run's files are spelt only in storage/places.py."""
     names = ['"metrics.jsonl"', '"config.toml"', '"checkpoints"', '"loss.png"', '"error.log"']

@@ -395,6 +395,11 @@ class RunDir:
 
     def check_resumable(self) -> None:
         """A resume needs the run's saved config."""
+        if not self.path.exists():
+            raise CheckpointError(
+                f"cannot resume: {self.path} does not exist; give a run directory written by "
+                "bdh-train train, or one of its checkpoints (RUN/checkpoints/step-N)"
+            )
         if not self.config.is_file():
             raise CheckpointError(
                 f"cannot resume: {self.config} does not exist (is {self.path} a run "

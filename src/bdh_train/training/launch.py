@@ -43,8 +43,8 @@ def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
     """`bdh-train train [--run-dir RUN_DIR] [--resume [RESUME]]`.
 
     Without --resume, a fresh run in RUN_DIR (default runs/<date>-<time>). With --resume
-    RESUME (a bare --resume: RUN_DIR), RESUME is a run directory, continued from its latest
-    checkpoint, or a checkpoint directory. A checkpoint continues the run it belongs to when
+    RESUME (a bare --resume: RUN_DIR), RESUME is a run directory (or its checkpoints/),
+    continued from its latest checkpoint, or a checkpoint directory. A checkpoint continues the run it belongs to when
     it is that run's newest checkpoint; otherwise, or given a --run-dir of its own, it
     continues in that new run directory. So does a run directory's latest checkpoint given a
     --run-dir other than RESUME: RESUME is left as it is. Nothing is ever written inside a
@@ -56,6 +56,8 @@ def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
     path = Path(resume or run_dir or "")
     if str(path) in ("", "."):
         raise ConfigError("--resume needs a run directory: --resume DIR or --run-dir DIR")
+    if path.name == ckpt.CHECKPOINTS and RunDir(path.parent, fresh=False).config.is_file():
+        path = path.parent  # RUN/checkpoints: the run, as generate and eval read it
     if not ckpt.is_checkpoint_dir(path):
         if run_dir is None or Path(run_dir).resolve() == path.resolve():
             return TrainPlan(RunDir(path, fresh=False), True, None, RunDir(path, fresh=False))

@@ -3,6 +3,7 @@ file name of a run has one home, and reading a finished run imports nothing of t
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -16,7 +17,7 @@ from helpers import MICRO_RUN, set_args
 
 from bdh_train.cli import main
 from bdh_train.errors import ConfigError
-from bdh_train.storage.checkpoint import MODEL_FILE, resolve_checkpoint
+from bdh_train.storage.checkpoint import MODEL_FILE, io_advice, resolve_checkpoint
 from bdh_train.storage.run_dir import (
     ERROR_LOG,
     LOCK_FILE,
@@ -175,6 +176,20 @@ def test_resume_names_what_is_missing_and_takes_the_checkpoints_folder(
     argv = ["train", "--resume", str(run / "checkpoints"), "--set", "training.max_steps=3"]
     assert main(argv) == 0
     assert resolve_checkpoint(run).name == "step-0000003"
+
+
+def test_a_run_dir_under_a_file_is_answered_with_its_path_not_with_free_space(tmp_path, capsys):
+    """A --run-dir whose parent is a file fails with ENOTDIR, which no free space fixes: the
+    line says the path cannot be used; a full disk (ENOSPC) keeps the advice to free space."""
+    parent = tmp_path / "notes.txt"
+    parent.write_text("mine")
+    assert main(["train", "--run-dir", str(parent / "run"), *SETS]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Not a directory") and "free space" not in err
+    assert f"the run directory {parent / 'run'} cannot be made or written there" in err
+    assert parent.read_text() == "mine" and sorted(tmp_path.iterdir()) == [parent]
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert "no checkpoint was written: free space" in io_advice(tmp_path, full)
 
 
 def test_each_run_file_name_has_one_home():

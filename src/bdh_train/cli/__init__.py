@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.run is not None:
             from bdh_train.storage.checkpoint import io_advice
 
-            message += f"; {io_advice(args.run.path)}"
+            message += f"; {io_advice(args.run.path, exc)}"
         _report(args, message)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:

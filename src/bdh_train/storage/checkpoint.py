@@ -16,6 +16,7 @@ reshards on load, so any number of processes (sharded or not) resumes it.
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import re
@@ -396,9 +397,22 @@ class CheckpointWriteError(BDHTrainError):
         super().__init__(f"cannot write {path} ({why}); {io_advice(run_dir)}")
 
 
-def io_advice(run_dir: Path) -> str:
-    """What to do after a write failed in `run_dir`: where the last good checkpoint is and how
-    to continue from it."""
+ROOM_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+)
+"""OS errors of a write that more room, a higher file size limit or a writable directory
+fixes (`io_advice`): not a path that cannot be a directory (ENOTDIR, ENOENT, ...)."""
+
+
+def io_advice(run_dir: Path, exc: BaseException | None = None) -> str:
+    """What to do after a write failed in `run_dir` (with `exc`, the OSError, when known):
+    where the last good checkpoint is and how to continue from it; for an error that room
+    does not fix, that the run directory's path cannot be used."""
+    if isinstance(exc, OSError) and exc.errno is not None and exc.errno not in ROOM_ERRNOS:
+        return (
+            f"the run directory {run_dir} cannot be made or written there: give --run-dir a "
+            "path inside a directory you can write"
+        )
     fix = "free space (or raise the file size limit, or make the directory writable)"
     try:
         last = resolve_checkpoint(run_dir)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from bdh_train.errors import ConfigError
 from bdh_train.evals import context as memory
 from bdh_train.evals import passkey, scoring
 from bdh_train.evals.measures import MemoryEvals
+from bdh_train.shared import loading
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +240,22 @@ def test_refusals_are_one_line_and_write_nothing(
     # 10^14 tokens: refused before a prompt is built (building it would exhaust memory)
     _refused(capsys, [*argv, "--passkey", "--passkey-lengths", "100000000000000"], "GiB for")
     monkeypatch.setattr("bdh_train.shared.loading.tokenizer_for", lambda config: None)
-    _refused(capsys, [*argv, "--passkey"], "needs a token-head model with a tokenizer")
+    no_text = (
+        "error: --context-curve and --retention read text, --passkey writes it: it needs a "
+        "token-head model with a tokenizer (a byte-level model, vocab_size 256, or a run that "
+        "carries its tokenizer.json)"
+    )
+    _refused(capsys, [*argv, "--passkey"], no_text + "\n")
+    # a run on MQAR data (no tokenizer) is pointed at the measure made for it
+    real = loading.load_run
+
+    def as_mqar(*args, **kwargs):
+        model, tok, cfg = real(*args, **kwargs)
+        return model, tok, replace(cfg, data=replace(cfg.data, source="mqar"))
+
+    monkeypatch.setattr(loading, "load_run", as_mqar)
+    measured = no_text + "; an MQAR run's memory is measured with eval --recall\n"
+    _refused(capsys, [*argv, "--context-curve"], measured)
     assert not out.exists()
 
 

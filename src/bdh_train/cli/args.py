@@ -160,9 +160,13 @@ def _sampling(args: argparse.Namespace) -> Sampling:
     return Sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed, tuple(args.stop))
 
 
-def _load_for_inference(args: argparse.Namespace, need_text: bool, finite: bool = False):
+def _load_for_inference(
+    args: argparse.Namespace, need_text: bool, finite: bool = False, reads: str | None = None
+):
     """(model, tokenizer, config) of --checkpoint on --device with --threads set; with
-    `finite` (commands that sample), weights holding NaN or infinity are refused."""
+    `finite` (commands that sample), weights holding NaN or infinity are refused. `reads`:
+    what needs the text, for the refusal of a model without a tokenizer (default: the
+    command prints text)."""
     _check_inference_args(args)
 
     from bdh_train.shared.loading import load_run
@@ -171,8 +175,10 @@ def _load_for_inference(args: argparse.Namespace, need_text: bool, finite: bool 
     set_threads(args.threads)
     model, tok, cfg = load_run(args.checkpoint, device=args.device, finite=finite)
     if need_text and tok is None:
+        mqar = "; an MQAR run's memory is measured with eval --recall" * (cfg.data.source == "mqar")
         raise BDHTrainError(
-            f"{args.command} prints text: it needs a token-head model with a tokenizer (a "
-            "byte-level model, vocab_size 256, or a run that carries its tokenizer.json)"
+            f"{reads or args.command + ' prints text'}: it needs a token-head model with a "
+            "tokenizer (a byte-level model, vocab_size 256, or a run that carries its "
+            f"tokenizer.json){mqar}"
         )
     return model, tok, cfg

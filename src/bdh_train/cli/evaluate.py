@@ -163,7 +163,8 @@ def _memory_evals(args: argparse.Namespace) -> int:
             "--data SOURCE"
         )
     need_text = options.passkey or options.reads_data
-    model, tok, cfg = _load_for_inference(args, need_text=need_text, finite=True)
+    reads = "--context-curve and --retention read text, --passkey writes it"
+    model, tok, cfg = _load_for_inference(args, need_text=need_text, finite=True, reads=reads)
     for line in run_memory_evals(model, tok, cfg, args.data, options):
         print(line)
     return 0

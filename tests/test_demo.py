@@ -9,7 +9,8 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import MICRO_RUN
+import torch
+from helpers import MICRO_RUN, checkpoint_weights
 
 from bdh_train.cli import main
 from bdh_train.config import load_config
@@ -18,10 +19,12 @@ from bdh_train.data.loaders import StreamingDocumentLoader
 from bdh_train.errors import ConfigError
 from bdh_train.evals import context as memory
 from bdh_train.evals import recall
+from bdh_train.storage.checkpoint import resolve_checkpoint
 from bdh_train.storage.run_dir import RunDir
-from bdh_train.train.console import eval_line, sample_lines
+from bdh_train.train.console import command_name, eval_line, sample_lines
 from bdh_train.train.evaluate import SAMPLE_TEMPERATURES, SAMPLE_TOKENS, sample_continuation
-from bdh_train.training.launch import capped_steps
+from bdh_train.train.metrics import read_metrics
+from bdh_train.training.launch import steps_cap_note
 from bdh_train.training.trainer import Trainer
 from bdh_train.utils import STEPS_CAP_ENV, steps_cap
 
@@ -117,18 +120,49 @@ def test_steps_cap_refuses_anything_else(value):
         steps_cap({STEPS_CAP_ENV: value})
 
 
-def test_capped_steps_shortens_a_fresh_run_and_its_evaluation(tmp_path, monkeypatch):
-    cfg = load_config(overrides=["training.max_steps=300", "training.eval_steps=4"])
-    run = RunDir(tmp_path / "run")
+def test_the_steps_cap_ends_the_command_and_the_run_keeps_its_length(tmp_path, monkeypatch, capsys):
+    """BDH_TRAIN_MAX_STEPS=2 ends each command 2 steps past its start, checkpointed and
+    evaluated (2 batches) as a run's end, on the run's own schedule; the run keeps
+    training.max_steps = 6, so a plain --resume trains on to it: 2 + 2 capped steps and 2
+    uncapped end with the weights and rows of the 6 steps trained at once (where the cap
+    used to save max_steps = 2 and re-stretch the learning rate over it)."""
+    sets = [
+        *MICRO_RUN,
+        "training.max_steps=6",
+        "training.eval_every=100",  # only a command's last step
+        "training.eval_steps=4",
+        "training.log_every=1",
+        "training.checkpoint_every=0",
+    ]
+    argv = [arg for s in sets for arg in ("--set", s)]
     monkeypatch.delenv(STEPS_CAP_ENV, raising=False)
-    assert capped_steps(cfg, run) == (cfg, None)
+    assert steps_cap_note(load_config(overrides=sets)) is None
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    assert main(["train", "--run-dir", str(whole), *argv]) == 0
     monkeypatch.setenv(STEPS_CAP_ENV, "2")
-    capped, note = capped_steps(cfg, run)
-    assert (capped.training.max_steps, capped.training.eval_steps) == (2, 2)
-    assert capped.layered_on == cfg.layered_on and capped.model == cfg.model
-    assert note is not None and "training.max_steps 300 -> 2" in note
-    monkeypatch.setenv(STEPS_CAP_ENV, "500")
-    assert capped_steps(cfg, run) == (cfg, None)  # nothing to shorten
+    assert main(["train", "--run-dir", str(run), *argv]) == 0
+    out, err = capsys.readouterr()
+    assert "this command ends at most 2 steps past where it starts and evaluates at most 2" in err
+    assert "the run keeps training.max_steps = 6 and its schedule" in err
+    assert "validation     2 batches," in out and "step 2/2 |" in out
+    assert f"train on       bdh-train train --resume {run}\n" in out.replace(
+        command_name(), "bdh-train"
+    )
+    assert "max_steps = 6" in (run / "config.toml").read_text()
+    assert [c.name for c in (run / "checkpoints").glob("step-*")] == ["step-0000002"]
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert [r["step"] for r in rows if "val_loss" in r] == [2]  # the command's end, evaluated
+    assert main(["train", "--resume", str(run)]) == 0
+    assert "max_steps changed" not in capsys.readouterr().err
+    monkeypatch.delenv(STEPS_CAP_ENV)
+    assert main(["train", "--resume", str(run)]) == 0
+    assert resolve_checkpoint(run).name == "step-0000006"
+    weights = [checkpoint_weights(r) for r in (whole, run)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    lr = [[r["lr"] for r in read_metrics(r / "metrics.jsonl") if "loss" in r] for r in (whole, run)]
+    assert lr[0] == lr[1] and len(lr[0]) == 6
 
 
 def test_make_demo_trains_into_the_run_directory_the_readme_names(tmp_path):

@@ -284,11 +284,6 @@ def test_resume_into_an_incompatible_model_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
 
 
-def test_resume_of_a_directory_that_is_not_a_run(tmp_path, capsys):
-    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
-    assert "config.toml does not exist" in capsys.readouterr().err
-
-
 def test_generate_from_missing_checkpoint(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path / "none")]) == 2
     assert "does not exist" in capsys.readouterr().err

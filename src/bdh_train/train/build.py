@@ -168,12 +168,15 @@ def build_evaluator(
 ) -> Evaluator:
     """The evaluation recipe of `bdh-train train` and `bdh-train eval` alike: the run's block
     and batch sizes, summary trigger and head on `data` (of `source`, default the run's
-    validation source), at most `max_batches` batches (None: all), in bits per byte too when
-    it is text of the run's tokenizer. Under torchrun (`dp`), data-parallel ranks split the
+    validation source), at most `max_batches` batches (None: all; at most `steps_cap()` when
+    the environment sets it, a smoke test's bound), in bits per byte too when it is text of
+    the run's tokenizer. Under torchrun (`dp`), data-parallel ranks split the
     batches and add their sums (pipeline ranks evaluate every batch together). With
     `record_activity` and `training.eval_activity` the same forwards record the neurons'
     activity (not under a multi-process pipeline, whose ranks hold some layers each)."""
     t, dp = recipe.training, dp or DistContext()
+    if (cap := steps_cap()) is not None:
+        max_batches = cap if max_batches is None else min(max_batches, cap)
     records = record_activity and t.eval_activity
     recorded = executor if isinstance(executor, LanguageTrainModel) and records else None
     source = validation_source(recipe.data) if source is None else source
@@ -207,14 +210,11 @@ def evaluate_model(
     """`bdh-train eval`: the run's evaluation recipe (`build_evaluator`) on
     `DataConfig.evaluation_data` (`source`, else the run's validation split), with the model
     where it is. A model without a tokenizer of
-    its own reads bytes. At most `steps_cap()` batches when the environment sets it. With
+    its own reads bytes. With
     `report` (stderr), what is evaluated and how it relates to the figure `train` printed
     (`eval_scope`) is written there first, then a progress bar. Its row is the loss alone:
     `inspect` reports the activity."""
     t = training
-    cap = steps_cap()
-    if cap is not None:
-        max_batches = cap if max_batches is None else min(max_batches, cap)
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
     data = data_config.evaluation_data(source, model.config.vocab_size, t.block_size, tok)
     step = LanguageTrainModel(model, tbptt_chunk_size=t.tbptt_chunk_size)

@@ -306,7 +306,8 @@ def summary_lines(
     max_steps: int,
     writes_text: bool,
 ) -> list[str]:
-    """Where the run's results are and the commands that use them."""
+    """Where the run's results are and the commands that use them (a run that ended before
+    its `max_steps`, under a smoke test's cap, trains on to them with a plain --resume)."""
     steps, tokens, elapsed = state.step, state.tokens, state.elapsed
     quoted = shlex.quote(str(run_dir.resolve()))
     rate = tokens / max(elapsed, 1e-9)
@@ -320,9 +321,8 @@ def summary_lines(
     if loss_plot.is_file():
         lines.append(f"loss plot      {loss_plot.resolve()}")
     command = command_name()
-    lines.append(
-        f"train on       {command} train --resume {quoted} --set training.max_steps={2 * max_steps}"
-    )
+    longer = f" --set training.max_steps={2 * max_steps}" if steps >= max_steps else ""
+    lines.append(f"train on       {command} train --resume {quoted}{longer}")
     if writes_text:
         lines.append(f"generate       {command} generate --checkpoint {quoted} --prompt 'The '")
     lines.append(f"evaluate       {command} eval --checkpoint {quoted}")

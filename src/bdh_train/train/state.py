@@ -262,16 +262,25 @@ class TrainingCheckpoints:
         )
 
     def resume(
-        self, checkpoint: Path, tokenizer: Tokenizer, named: str, optimizer: OptimizerConfig
-    ) -> list[str]:
-        """Load `checkpoint` for a resume, after checking it was trained with `tokenizer`
-        (data.tokenizer `named`); refused when nothing is left to train; the resume's
-        warnings."""
+        self,
+        where: Path,
+        fallback: bool,
+        tokenizer: Tokenizer,
+        named: str,
+        optimizer: OptimizerConfig,
+    ) -> tuple[Path, list[str]]:
+        """Load the checkpoint `where` names (a run directory's latest, or a checkpoint;
+        `ckpt.resolve_checkpoint` with `fallback`) for a resume, after checking it was trained
+        with `tokenizer` (data.tokenizer `named`); refused when nothing is left to train. The
+        checkpoint and the resume's warnings."""
+        checkpoint = ckpt.resolve_checkpoint(where, fallback=fallback)
         check_resumed_tokenizer(checkpoint, tokenizer, named)
         check_resumed_optimizer(checkpoint, optimizer)
         self.load(checkpoint)
         s = self.state
-        return check_resumed_length(checkpoint, self.training, optimizer, s.step, s.elapsed)
+        return checkpoint, check_resumed_length(
+            checkpoint, self.training, optimizer, s.step, s.elapsed
+        )
 
     def load(self, checkpoint: Path) -> None:
         """A checkpoint with a sharded/ directory loads through DCP on any number of

@@ -11,7 +11,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from bdh_train.config import RunConfig
@@ -99,7 +99,7 @@ def train(
     """Train `cfg` in `run` (a fresh run, or with `resume` the run continued; from
     `checkpoint` when given) on the process group torchrun describes in the environment, or
     alone."""
-    cfg, note = capped_steps(cfg, run, resume, resume_fallback, checkpoint)
+    note = steps_cap_note(cfg)
     device_type = resolve_device(cfg.training.device).type
     dist_ctx = DistContext.from_env(device_type, cfg.parallel.collective_timeout_s)
     if note and dist_ctx.is_main:
@@ -145,35 +145,18 @@ def train(
         dist_ctx.close()
 
 
-def capped_steps(
-    cfg: RunConfig,
-    run: RunDir,
-    resume: bool = False,
-    resume_fallback: bool = False,
-    checkpoint: Path | None = None,
-) -> tuple[RunConfig, str | None]:
-    """`cfg` shortened by `steps_cap()`: training.max_steps to at most that many steps past
-    where the run starts (0, or a resume's checkpoint step) and training.eval_steps to at
-    most that many batches, with the line that says so; `cfg` and None when the cap is unset
-    or shortens nothing."""
+def steps_cap_note(cfg: RunConfig) -> str | None:
+    """The line that says `steps_cap()` shortens this command (`Trainer`: it ends that many
+    steps past where it starts, its evaluations read at most that many batches, and the run
+    keeps its configured length); None when the cap is unset."""
     cap = steps_cap()
     if cap is None:
-        return cfg, None
-    start = 0
-    if resume or checkpoint is not None:
-        found = ckpt.resolve_checkpoint(checkpoint or run.path, fallback=resume_fallback)
-        start = (ckpt.checkpoint_position(found.name) or (0, 0))[0]
-    t = cfg.training
-    steps, evals = min(t.max_steps, start + cap), min(t.eval_steps, cap)
-    if (steps, evals) == (t.max_steps, t.eval_steps):
-        return cfg, None
-    capped = replace(cfg, training=replace(t, max_steps=steps, eval_steps=evals))
-    # layered_on is a ClassVar only so that it is no dataclass field; it is set per instance
-    capped.layered_on = cfg.layered_on  # type: ignore[misc]
-    return capped, (
-        f"note: {STEPS_CAP_ENV}={cap} in the environment: training.max_steps {t.max_steps} -> "
-        f"{steps}, training.eval_steps {t.eval_steps} -> {evals} (a shortened run; unset it "
-        "to train the configured length)"
+        return None
+    return (
+        f"note: {STEPS_CAP_ENV}={cap} in the environment: this command ends at most {cap} "
+        f"steps past where it starts and evaluates at most {cap} batches (a smoke test); the "
+        f"run keeps training.max_steps = {cfg.training.max_steps} and its schedule: resume it "
+        "without the variable to train on"
     )
 
 

@@ -1,12 +1,12 @@
 """The trainer: builds each component from its config section, then runs the loop.
 
-The unit of work is the micro-step (one block through the step executor);
-`accumulation_steps` of them make one optimizer step (`train/window.py`). Everything that
-decides the next micro-step (weights, optimizer, loader cursor, carried state, the open
-accumulation window, RNGs, counters) is in the checkpoint (`train/state.py`), so a run stopped
-anywhere, even mid-window, resumes bit for bit. The components decide their own cadence
-(`metrics.should_log`, `evaluator.should_evaluate`, `checkpoints.should_save`); what is printed
-is `train/console.py`'s.
+The unit of work is the micro-step (one block through the step executor); `accumulation_steps`
+of them make one optimizer step (`train/window.py`). Everything that decides the next
+micro-step (weights, optimizer, loader cursor, carried state, the open accumulation window,
+RNGs, counters) is in the checkpoint (`train/state.py`), so a run stopped anywhere, even
+mid-window, resumes bit for bit. The components decide their own cadence (`metrics.should_log`,
+`evaluator.should_evaluate`, `checkpoints.should_save`) up to the loop's end; what is printed is
+`train/console.py`'s.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from bdh_train.distributed import fsdp
 from bdh_train.distributed.env import DistContext, resolve_device
 from bdh_train.evals.measures import run_end_line
 from bdh_train.shared.threads import set_threads
-from bdh_train.storage import checkpoint as ckpt
 from bdh_train.storage.run_dir import RunDir
 from bdh_train.train.accumulate import WeightedGradientAccumulator
 from bdh_train.train.allocator import configure_host_allocator
@@ -67,6 +66,7 @@ from bdh_train.train.state import (
 )
 from bdh_train.train.throughput import run_throughput
 from bdh_train.train.window import StepWindow, TrainingDiverged, reduction_for
+from bdh_train.utils import steps_cap
 
 __all__ = ["RunResult", "Trainer", "TrainingDiverged"]
 
@@ -86,7 +86,7 @@ class RunResult:
 class Trainer:
     """One training run: every component built from its config section (data, model,
     step executor, window, optimizer, checkpoints, metrics, evaluation), then `run` loops
-    micro-steps to `training.max_steps`, or until a stop is requested."""
+    micro-steps to `training.max_steps` (`end`), or until a stop is requested."""
 
     end_sample_tokens = SAMPLE_TOKENS  # how many tokens each end-of-run sample continues by
 
@@ -101,11 +101,10 @@ class Trainer:
         resume_fallback: bool = False,
         checkpoint: Path | None = None,
     ):
-        """The main process takes the run directory's lock before building touches it
-        (finishing interrupted checkpoint saves, reading the checkpoint); a fresh run (which
-        may start from `checkpoint`'s exact state) then needs a directory that holds no other
-        run. The lock is held until `run` ends or `close`; a refused build gives the lock
-        file back as it was."""
+        """The main process locks the run directory before building touches it (finishing
+        interrupted saves, reading the checkpoint); a fresh run (which may start from
+        `checkpoint`'s exact state) needs a directory that holds no other run. The lock is held
+        until `run` ends or `close`; a refused build gives the lock file back as it was."""
         self.dist = dist_ctx or DistContext()
         self.run_files = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
         self.run_dir = self.run_files.path
@@ -133,9 +132,8 @@ class Trainer:
         resume_fallback: bool,
         checkpoint: Path | None,
     ) -> None:
-        """Validate everything (config, data, checkpoint) before anything is written; a
-        resume whose latest checkpoint is damaged continues from the newest intact one only
-        with `resume_fallback`."""
+        """Validate everything (config, data, checkpoint) before anything is written; a damaged
+        latest checkpoint is passed over for the newest intact one only with `resume_fallback`."""
         cfg = cfg.validate().resolved()
         t = self.training = cfg.training
         self.cfg = self.saved_cfg = cfg
@@ -222,16 +220,20 @@ class Trainer:
             self.executor, self.train_data, t, cfg.data, self.device, self.data_parallel.world_size
         )
         self.metrics: MetricsReporter | None = None
-        self.resumed_from, self.resume_notes = None, []
+        self.resumed_from, self.resume_notes = None, list[str]()
         if resume or checkpoint is not None:
-            self.resumed_from = ckpt.resolve_checkpoint(
-                checkpoint or self.run_dir, fallback=resume_fallback
-            )
-            self.resume_notes = self.checkpoints.resume(
-                self.resumed_from, self.tokenizer, cfg.data.tokenizer, cfg.optimizer
+            where, named = checkpoint or self.run_dir, cfg.data.tokenizer
+            self.resumed_from, self.resume_notes = self.checkpoints.resume(
+                where, resume_fallback, self.tokenizer, named, cfg.optimizer
             )
         s, main = self.state, self.dist.is_main
-        self.progress = Progress(t.max_steps, s.step, stream, main, t.log_every, s.tokens)
+        # where `run` ends, checkpointed and evaluated as a run's end: max_steps, or a smoke
+        # test's cap on (the run keeps its length, schedule and saved config)
+        self.end = t.max_steps if (cap := steps_cap()) is None else min(t.max_steps, s.step + cap)
+        self.checkpoints.last_step = self.end
+        if self.evaluator is not None:
+            self.evaluator.last_step = self.end
+        self.progress = Progress(self.end, s.step, stream, main, t.log_every, s.tokens)
         self.progress.fallback = self.run_files.log_error  # kept lines, once the console is gone
 
     def request_stop(self) -> None:
@@ -240,15 +242,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self, stop_after_micro_steps: int | None = None) -> RunResult:
-        """Train to `max_steps` (or until a stop is requested); the main process holds the
+        """Train to `end` (or until a stop is requested); the main process holds the
         run directory's lock throughout (taken when the trainer was built; again here for a
         second `run`), and releases it at the end."""
         failed = True
         try:
             if self.dist.is_main:
                 self.run_files.lock()
-            result = self._run(stop_after_micro_steps)
-            failed = False
+            result, failed = self._run(stop_after_micro_steps), False
             return result
         finally:
             if self.metrics is not None:
@@ -260,9 +261,9 @@ class Trainer:
         metrics = self._start()
         micro_done, last_val, checkpoint = 0, None, None
         started, budget = self.clock() - s.elapsed, t.time_budget_s
-        compile_notice = CompileNotice(t.compile, s.step < t.max_steps, self.progress.log)
+        compile_notice = CompileNotice(t.compile, s.step < self.end, self.progress.log)
         self.progress.restart_clock()
-        while s.step < t.max_steps:
+        while s.step < self.end:
             # Any process asking to stop (a signal to one rank, a spent time budget) stops
             # them all at this micro-step with one checkpoint.
             asked = stop_after is not None and micro_done >= stop_after
@@ -292,14 +293,14 @@ class Trainer:
         resumed_at = s.step if self.resumed_from is not None else None
         metrics = partial(MetricsReporter, self.run_files, self.cfg.metrics, resumed_at)
         metrics = partial(metrics, config=cfg.to_dict(), config_text=dump_toml(cfg))
-        self.metrics = metrics(enabled=False, log_every=t.log_every, last_step=t.max_steps)
+        self.metrics = metrics(enabled=False, log_every=t.log_every, last_step=self.end)
 
         def write() -> None:  # the main process's part; a refusal in it is every process's
             if self.overwrite:
                 self.run_files.clear()
             if self.resumed_from is None:
                 self.run_files.forget_failed_starts()
-            self.metrics = metrics(log_every=t.log_every, last_step=t.max_steps)
+            self.metrics = metrics(log_every=t.log_every, last_step=self.end)
             self.tokenizer.save(self.run_dir)  # before the config that names this copy
             save_config(cfg, self.run_files.config)
 
@@ -365,8 +366,7 @@ class Trainer:
         """Mean validation loss over counted tokens (and bits per byte for text data)."""
         if self.evaluator is None:
             return None
-        # The quantization warm-up's lambda of this step, as a checkpoint of it loads.
-        self.model.set_quant_step(self.state.step)
+        self.model.set_quant_step(self.state.step)  # the warm-up lambda its checkpoint loads
         with fsdp.gathered(self.model):
             result = self.evaluator.run()
         if self.metrics is not None:

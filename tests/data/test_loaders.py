@@ -99,8 +99,14 @@ def test_random_errors() -> None:
     with pytest.raises(DataError, match=r"has 8 tokens, fewer than block_size \+ 1 = 9"):
         RandomWindowLoader(np.arange(8), 8, 2, seed=0)
     loader = RandomWindowLoader(TOKENS, 8, 4, seed=0)
-    with pytest.raises(DataError, match=r"settings or data changed.*seed: saved 0, now 1"):
+    changed = r"settings or data changed.*seed: saved 0, now 1\); resume with the original"
+    with pytest.raises(DataError, match=changed):
         RandomWindowLoader(TOKENS, 8, 4, seed=1).load_state_dict(loader.state_dict())
+    other = r"num_starts: saved \d+, now 42\): data.source names other text .*checkpoint.init_from"
+    with pytest.raises(DataError, match=other):
+        RandomWindowLoader(TOKENS[:50], 8, 4, seed=0).load_state_dict(loader.state_dict())
+    with pytest.raises(DataError, match=r"block_size: saved 8, now 16.*\); resume with the"):
+        RandomWindowLoader(TOKENS, 16, 4, seed=0).load_state_dict(loader.state_dict())
     with pytest.raises(DataError, match=r"loader state is for 'streaming_document'"):
         loader.load_state_dict({"kind": "streaming_document"})
 

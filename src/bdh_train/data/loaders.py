@@ -570,7 +570,18 @@ def _check_state(state: dict[str, Any], kind: str, expected: dict[str, int]) -> 
         f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in expected.items() if state.get(k) != v
     ]
     if diffs:
+        sizes = ("num_tokens", "num_docs", "num_starts")  # of the data (starts: and the block)
+        other_data = state.get("block_size") == expected.get("block_size") and any(
+            state.get(k) != expected[k] for k in sizes if k in expected
+        )
+        hint = (
+            ": data.source names other text than the run trained on (a resume may only name "
+            "where its corpus moved); give the run's data, or train on this data from these "
+            "weights in a new run (checkpoint.init_from)"
+            if other_data
+            else "; resume with the original settings or start a fresh run"
+        )
         raise DataError(
             f"cannot resume the {kind} loader: its settings or data changed since the checkpoint "
-            f"({'; '.join(diffs)}); resume with the original settings or start a fresh run"
+            f"({'; '.join(diffs)}){hint}"
         )

@@ -17,6 +17,7 @@ import torch
 from helpers import MICRO_RUN, checkpoint_weights, set_args
 
 from bdh_train.cli import main
+from bdh_train.data import builtin_corpus
 from bdh_train.errors import ConfigError
 from bdh_train.storage.checkpoint import io_advice, resolve_checkpoint
 from bdh_train.storage.run_dir import (
@@ -192,6 +193,26 @@ def test_a_run_dir_under_a_file_is_answered_with_its_path_not_with_free_space(tm
     assert parent.read_text() == "mine" and sorted(tmp_path.iterdir()) == [parent]
     full = OSError(errno.ENOSPC, "No space left on device")
     assert "no checkpoint was written: free space" in io_advice(tmp_path, full)
+
+
+def test_a_resume_whose_corpus_moved_says_how_to_name_where(tmp_path, capsys):
+    """The run's corpus file was moved: --resume says data.source is gone and to name where
+    it is (the run left as it was); --set data.source=NEW then resumes."""
+    corpus, run = tmp_path / "corpus.txt", tmp_path / "run"
+    corpus.write_text(builtin_corpus("shakespeare")[:20_000])
+    assert main(["train", "--run-dir", str(run), *SETS, "--set", f"data.source={corpus}"]) == 0
+    moved = corpus.rename(tmp_path / "moved.txt")
+    before = tree_digest(run)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--set", "training.max_steps=3"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: data.source '{corpus}' of the run's config ({run / 'config.toml'}) does not "
+        "exist: if the run's corpus moved, resume with --set data.source=WHERE_IT_IS_NOW (the "
+        "same data; the checkpoint's loader checks it is)\n"
+    )
+    assert tree_digest(run) == before
+    again = ["--set", "training.max_steps=3", "--set", f"data.source={moved}"]
+    assert main(["train", "--resume", str(run), *again]) == 0
 
 
 def test_each_run_file_name_has_one_home():

@@ -318,7 +318,22 @@ def load_train_config(
     saved = load_config([continued.config], moved, default_preset=False)
     cfg = load_config([continued.config, *configs], [*moved, *overrides], default_preset=False)
     _refuse_redefinition(saved, cfg, continued.config)
+    _refuse_a_moved_corpus(saved, cfg, continued.config)
     return cfg
+
+
+def _refuse_a_moved_corpus(saved: RunConfig, cfg: RunConfig, where: Path) -> None:
+    """ConfigError when the corpus the run's config names (and the resume does not rename)
+    is no longer there: it says how to name where it went."""
+    source = saved.data.source
+    if source != cfg.data.source or saved.data.is_generated or source.startswith(BUILTIN_PREFIX):
+        return
+    if not Path(source).exists():
+        raise ConfigError(
+            f"data.source '{source}' of the run's config ({where}) does not exist: if the "
+            "run's corpus moved, resume with --set data.source=WHERE_IT_IS_NOW (the same "
+            "data; the checkpoint's loader checks it is)"
+        )
 
 
 RESUME_FIXED = ("model", "data")

@@ -296,6 +296,71 @@ def test_plot_redraws_loss_png(tmp_path, capsys):
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def _metrics_run(path: Path, rows: list[dict]) -> Path:
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_plot_of_several_runs_draws_them_on_one_chart(tmp_path, capsys, monkeypatch):
+    """Two runs of 100 and 200 tokens a step: their train losses as lines and validation
+    losses as dots, against steps or tokens; a validation row (no token count) at a step the
+    train rows skip sits at the tokens read off its neighbours (step 3 of the first: between
+    200 at step 2 and 400 at step 4, 300). Same-named runs are labelled by their paths."""
+    from matplotlib.axes import Axes
+
+    a = _metrics_run(
+        tmp_path / "a" / "run",
+        [
+            {"step": 1, "tokens": 100, "loss": 5.0},
+            {"step": 2, "tokens": 200, "loss": 4.0},
+            {"step": 3, "val_loss": 3.9},
+            {"step": 4, "tokens": 400, "loss": 3.0},
+        ],
+    )
+    b = _metrics_run(
+        tmp_path / "b" / "run",
+        [{"step": 1, "tokens": 200, "loss": 4.5}, {"step": 2, "tokens": 400, "loss": 3.5}],
+    )
+    drawn = []
+    real_plot = Axes.plot
+
+    def record(self, xs, ys, *rest, label=None, **kwargs):
+        drawn.append((label, list(xs), list(ys)))
+        return real_plot(self, xs, ys, *rest, label=label, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", record)
+    png = tmp_path / "both.png"
+    assert main(["plot", str(a), str(b), "--png", str(png), "--x", "tokens"]) == 0
+    assert capsys.readouterr().out == f"{png}\n" and png.read_bytes()[:4] == b"\x89PNG"
+    assert drawn == [
+        (str(a), [100.0, 200.0, 400.0], [5.0, 4.0, 3.0]),
+        (f"{a} (validation)", [300.0], [3.9]),
+        (str(b), [200.0, 400.0], [4.5, 3.5]),
+    ]
+    drawn.clear()
+    renamed = b.rename(tmp_path / "b" / "other")
+    assert main(["plot", str(a), str(renamed), "--png", str(png), "--force"]) == 0
+    assert [(label, xs) for label, xs, _ in drawn] == [
+        ("run", [1.0, 2.0, 4.0]),
+        ("run (validation)", [3.0]),
+        ("other", [1.0, 2.0]),
+    ]
+    capsys.readouterr()
+    refusals = [
+        ([str(a), str(renamed)], "plot of 2 runs draws one chart of its own: give --png PATH"),
+        ([str(a), "--x", "tokens"], "plot of --x tokens draws one chart of its own"),
+        ([str(a), "--png", str(png)], "already exists; pass --force"),
+        ([str(a), "--png", str(png), "--x", "token", "--force"], "--x must be one of"),
+        ([str(a), str(tmp_path), "--png", str(tmp_path / "c.png")], "a run directory?"),
+    ]
+    for argv, message in refusals:
+        assert main(["plot", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "c.png").exists()
+
+
 def test_export_ternary_of_a_bitnet_run(tmp_path, capsys):
     import torch
 

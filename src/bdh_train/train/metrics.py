@@ -8,7 +8,7 @@ import importlib.util
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
@@ -341,3 +341,62 @@ def plot_losses(run_dir: Path) -> Path:
     with atomic_write(out, "wb") as handle:
         fig.savefig(handle, format="png", dpi=110)
     return out
+
+
+COMPARE_X = ("step", "tokens")
+"""What `plot_runs` may put on its x axis: optimizer steps, or training tokens (runs of
+different batches or blocks compared at equal data)."""
+
+
+def plot_runs(runs: Sequence[tuple[str, Path]], x: str = "step") -> bytes:
+    """One chart of several runs, each (label, run directory): its train loss as a line and
+    its validation losses as dots of the same colour, against `x` (COMPARE_X). A validation
+    row, which holds no token count, is placed at its step's tokens, read off the train rows
+    (linear between the logged ones). PNG bytes."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for (label, run_dir), color in zip(runs, _colors(len(runs)), strict=True):
+        rows = read_metrics(Path(run_dir) / METRICS_FILE)
+        train = [(r["step"], r["tokens"], r["loss"]) for r in rows if "loss" in r]
+        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        scale = ([t[0] for t in train], [t[1] for t in train])  # tokens at the logged steps
+        if train:
+            xs = _on_axis([t[0] for t in train], x, scale)
+            ax.plot(xs, [t[2] for t in train], color=color, label=label)
+        if val and (x == "step" or train):
+            xs, shown = _on_axis([v[0] for v in val], x, scale), f"{label} (validation)"
+            ax.plot(xs, [v[1] for v in val], "o--", color=color, label=shown)
+    ax.set_xlabel("step" if x == "step" else "training tokens")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.subplots_adjust(left=0.1, right=0.98, top=0.95, bottom=0.12)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    return buffer.getvalue()
+
+
+def _on_axis(steps: list[int], x: str, scale: tuple[list[int], list[int]]) -> list[float]:
+    """`steps` on `plot_runs`'s x axis: themselves, or the training tokens at them, read off
+    the train rows' (step, tokens) `scale` (linear between them, held past its ends)."""
+    import numpy as np
+
+    if x == "step":
+        return [float(step) for step in steps]
+    return [float(v) for v in np.interp(steps, *scale)]
+
+
+def _colors(n: int) -> list[Any]:
+    """`n` distinct colours: matplotlib's ten, then a colormap's."""
+    from matplotlib import colormaps
+
+    if n <= 10:
+        return [f"C{i}" for i in range(n)]
+    cmap = colormaps["viridis"]
+    return [cmap(i / (n - 1)) for i in range(n)]

@@ -124,8 +124,7 @@ def test_the_steps_cap_ends_the_command_and_the_run_keeps_its_length(tmp_path, m
     """BDH_TRAIN_MAX_STEPS=2 ends each command 2 steps past its start, checkpointed and
     evaluated (2 batches) as a run's end, on the run's own schedule; the run keeps
     training.max_steps = 6, so a plain --resume trains on to it: 2 + 2 capped steps and 2
-    uncapped end with the weights and rows of the 6 steps trained at once (where the cap
-    used to save max_steps = 2 and re-stretch the learning rate over it)."""
+    uncapped end with the weights and rows of the 6 steps trained at once."""
     sets = [
         *MICRO_RUN,
         "training.max_steps=6",

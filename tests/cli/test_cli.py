@@ -354,11 +354,19 @@ def test_plot_of_several_runs_draws_them_on_one_chart(tmp_path, capsys, monkeypa
         ([str(a), "--png", str(png), "--x", "token", "--force"], "--x must be one of"),
         ([str(a), str(tmp_path), "--png", str(tmp_path / "c.png")], "a run directory?"),
     ]
+    merged = _metrics_run(tmp_path / "merged", [{"step": 1, "loss": 4.0}])  # no tokens
+    empty = _metrics_run(tmp_path / "empty", [{"step": 1, "tokens_per_s": 9.0}])
+    c = str(tmp_path / "c.png")
+    refusals += [
+        ([str(a), str(merged), "--png", c, "--x", "tokens"], "hold no training tokens"),
+        ([str(a), str(empty), "--png", c], f"{empty}: its metrics.jsonl holds no loss to draw"),
+    ]
     for argv, message in refusals:
         assert main(["plot", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "c.png").exists()
+    assert main(["plot", str(a), str(merged), "--png", c]) == 0  # by step, rows without tokens
 
 
 def test_export_ternary_of_a_bitnet_run(tmp_path, capsys):

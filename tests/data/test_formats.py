@@ -16,6 +16,7 @@ import pytest
 import zstandard
 
 from bdh_train.data import corpus_files, formats, load_tokens
+from bdh_train.data.corpus_files import SNIFF_BYTES
 from bdh_train.data.encode import encode_texts
 from bdh_train.data.formats import iter_documents, split_text
 from bdh_train.data.tokenizer import ByteTokenizer, piece_cuts, train_bpe
@@ -235,12 +236,12 @@ def test_directory_is_recursive_sorted_and_skips_other_files(tmp_path: Path) -> 
 
 def test_a_txt_file_in_a_directory_that_is_not_utf8_is_refused_not_skipped(tmp_path: Path):
     """A .txt is corpus by its name: Latin-1 or UTF-16 text in one is one DataError naming
-    it (as for the file given alone), where it used to leave the corpus without a word; the
-    same bytes under a name of no format are still skipped as not text (also where the byte
-    that is not UTF-8 ends the file, which the sniff once took for a cut character)."""
+    it, as for the file given alone; the same bytes under a name of no format are skipped as
+    not text, also where the byte that is not UTF-8 ends the file."""
     (tmp_path / "a.txt").write_text("a")
     (tmp_path / "notes.dat").write_bytes("café".encode("latin-1"))
     (tmp_path / "more.dat").write_bytes("café au lait".encode("latin-1"))
+    (tmp_path / "edge.dat").write_bytes(b"a" * (SNIFF_BYTES - 1) + b"\xe9")  # the sniff's size
     assert list(iter_documents([tmp_path])) == ["a"]
     for name, data in [("b.txt", "café".encode("latin-1")), ("c.txt", "hi".encode("utf-16"))]:
         (tmp_path / name).write_bytes(data)

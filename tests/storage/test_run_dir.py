@@ -19,7 +19,7 @@ from helpers import MICRO_RUN, checkpoint_weights, set_args
 from bdh_train.cli import main
 from bdh_train.data import builtin_corpus
 from bdh_train.errors import ConfigError
-from bdh_train.storage.checkpoint import io_advice, resolve_checkpoint
+from bdh_train.storage.checkpoint import MODEL_FILE, io_advice, resolve_checkpoint
 from bdh_train.storage.run_dir import (
     ERROR_LOG,
     LOCK_FILE,
@@ -142,13 +142,13 @@ def test_the_plan_of_train_and_resume(tmp_path):
 def test_resume_into_a_run_dir_of_its_own_branches_and_leaves_the_run(finished_run, tmp_path):
     """--resume RUN --run-dir NEW: a new run in NEW continues RUN's latest checkpoint, as
     --resume RUN/checkpoints/step-N --run-dir NEW does (the same weights, bit for bit); RUN
-    is left as it was, where it used to be continued in place with --run-dir ignored."""
+    is left as it was."""
     before = tree_digest(finished_run)
     latest = resolve_checkpoint(finished_run)
     branch, by_checkpoint = tmp_path / "branch", tmp_path / "by-checkpoint"
     plan = plan_train(str(branch), str(finished_run))
-    assert (plan.run.path, plan.resume, plan.checkpoint) == (branch, False, latest)
-    assert plan.continued is not None and plan.continued.path == latest
+    assert (plan.run.path, plan.resume, plan.checkpoint) == (branch, False, finished_run)
+    assert plan.continued is not None and plan.continued.path == finished_run
     on = ["--set", "training.max_steps=4"]
     assert main(["train", "--resume", str(finished_run), "--run-dir", str(branch), *on]) == 0
     assert main(["train", "--resume", str(latest), "--run-dir", str(by_checkpoint), *on]) == 0
@@ -157,6 +157,16 @@ def test_resume_into_a_run_dir_of_its_own_branches_and_leaves_the_run(finished_r
     weights = [checkpoint_weights(run) for run in (branch, by_checkpoint)]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    # RUN's latest damaged: the branch refuses it, or takes the newest intact with the flag
+    run = tmp_path / "run"
+    shutil.copytree(branch, run)
+    assert main(["train", "--resume", str(run), "--set", "training.max_steps=6"]) == 0  # 4 and 6
+    (resolve_checkpoint(run) / MODEL_FILE).write_bytes(b"damaged")
+    before, fallback = tree_digest(run), ["--set", "training.max_steps=6", "--resume-fallback"]
+    assert main(["train", "--resume", str(run), "--run-dir", str(tmp_path / "refused")]) == 2
+    assert main(["train", "--resume", str(run), "--run-dir", str(tmp_path / "f"), *fallback]) == 0
+    assert resolve_checkpoint(tmp_path / "f").name == "step-0000006"
+    assert tree_digest(run) == before
 
 
 def test_resume_names_what_is_missing_and_takes_the_checkpoints_folder(
@@ -179,6 +189,9 @@ def test_resume_names_what_is_missing_and_takes_the_checkpoints_folder(
     argv = ["train", "--resume", str(run / "checkpoints"), "--set", "training.max_steps=3"]
     assert main(argv) == 0
     assert resolve_checkpoint(run).name == "step-0000003"
+    bare = ["train", "--run-dir", str(run / "checkpoints"), "--resume"]  # --resume: --run-dir's
+    assert main([*bare, "--set", "training.max_steps=4"]) == 0
+    assert resolve_checkpoint(run).name == "step-0000004"
 
 
 def test_a_run_dir_under_a_file_is_answered_with_its_path_not_with_free_space(tmp_path, capsys):

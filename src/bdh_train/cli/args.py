@@ -175,7 +175,8 @@ def _load_for_inference(
     set_threads(args.threads)
     model, tok, cfg = load_run(args.checkpoint, device=args.device, finite=finite)
     if need_text and tok is None:
-        mqar = "; an MQAR run's memory is measured with eval --recall" * (cfg.data.source == "mqar")
+        on_mqar = reads is not None and cfg.data.source == "mqar"
+        mqar = "; an MQAR run's memory is measured with eval --recall" if on_mqar else ""
         raise BDHTrainError(
             f"{reads or args.command + ' prints text'}: it needs a token-head model with a "
             "tokenizer (a byte-level model, vocab_size 256, or a run that carries its "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-from bdh_train import checks
 from bdh_train.cli.args import _add_config_args, check_output_option
 from bdh_train.errors import BDHTrainError, ConfigError
 
@@ -18,13 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(--png PATH)",
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
-    p.add_argument(
-        "--png",
-        default=None,
-        metavar="PATH",
-        help="draw the runs' train and validation losses on one chart at PATH (needed for "
-        "more than one run, and for --x tokens)",
-    )
+    png = "one chart of the runs' train and validation losses (several runs, --x tokens)"
+    p.add_argument("--png", default=None, metavar="PATH", help=png)
     p.add_argument(
         "--x", default="step", metavar="step|tokens", help="the chart's x axis (default: step)"
     )
@@ -128,12 +122,11 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from bdh_train.storage.output import write_file
     from bdh_train.storage.run_dir import RunDir
-    from bdh_train.train.metrics import COMPARE_X, plot_losses, plot_runs
+    from bdh_train.train.metrics import plot_losses, plot_runs
 
-    checks.choice("--x", args.x, COMPARE_X)
     if args.png is None and (len(args.run_dirs) > 1 or args.x != "step"):
-        several = f"{len(args.run_dirs)} runs" if len(args.run_dirs) > 1 else "--x tokens"
-        raise ConfigError(f"plot of {several} draws one chart of its own: give --png PATH")
+        what = f"{len(args.run_dirs)} runs" if len(args.run_dirs) > 1 else f"--x {args.x}"
+        raise ConfigError(f"plot of {what} draws one chart of its own: give --png PATH")
     check_output_option(args.png, "--png", args.force)
     runs = [RunDir(path) for path in args.run_dirs]
     for run in runs:
@@ -141,9 +134,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if args.png is None:
         print(plot_losses(runs[0].path))
         return 0
-    names = [run.path.name for run in runs]  # a run's label: its name, or its path if shared
-    labels = [n if names.count(n) == 1 else str(r.path) for n, r in zip(names, runs, strict=True)]
-    chart = plot_runs(list(zip(labels, [run.path for run in runs], strict=True)), args.x)
+    chart = plot_runs([run.path for run in runs], args.x)
     print(write_file(args.png, chart, "--png", force=args.force))
     return 0
 

@@ -35,8 +35,8 @@ PARQUET_SUFFIXES = (".parquet",)
 TEXT_SUFFIXES = (".txt",)
 COMPRESSED_SUFFIXES = (".gz", ".zst")
 DIRECTORY_SUFFIXES = TEXT_SUFFIXES + JSON_LINES_SUFFIXES + PARQUET_SUFFIXES
-"""The formats a directory's compressed files are read in (other compressed files in a
-directory are ignored)."""
+"""The formats a directory's files are corpus by, plain or compressed (other compressed files
+in a directory are ignored)."""
 SNIFF_BYTES = 1 << 13
 """How much of a file found in a directory `is_corpus_file` reads to tell text from binary."""
 HF_DATASET_MARKERS = (("dataset_info.json", "state.json"), ("dataset_dict.json",))
@@ -85,7 +85,7 @@ def format_suffix(path: Path) -> str:
 def is_corpus_file(path: Path) -> bool:
     """Whether a file found in a data directory is part of the corpus: .txt, JSON lines or
     parquet by its name (a .txt that is not UTF-8 is then refused as it is read, as one given
-    alone is, instead of leaving the corpus unsaid), a compressed file of a
+    alone is, not skipped), a compressed file of a
     `DIRECTORY_SUFFIXES` format, or (any other name but a .bin token file) text: its first
     `SNIFF_BYTES` are UTF-8 without NUL bytes, the check every text file passes as it is read
     (`iter_utf8`)."""
@@ -98,13 +98,13 @@ def is_corpus_file(path: Path) -> bool:
         return False
     try:
         with open(path, "rb") as handle:
-            head = handle.read(SNIFF_BYTES)
+            head = handle.read(SNIFF_BYTES + 1)
     except OSError as exc:
         raise DataError(f"cannot read data file '{path}': {exc.strerror or exc}") from exc
     try:
         # a cut multi-byte character may end the sniff, not a file read to its end
-        final = len(head) < SNIFF_BYTES
-        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=final)
+        final = len(head) <= SNIFF_BYTES
+        text = codecs.getincrementaldecoder("utf-8")().decode(head[:SNIFF_BYTES], final=final)
     except UnicodeDecodeError:
         return False
     return "\x00" not in text

@@ -570,10 +570,10 @@ def _check_state(state: dict[str, Any], kind: str, expected: dict[str, int]) -> 
         f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in expected.items() if state.get(k) != v
     ]
     if diffs:
-        sizes = ("num_tokens", "num_docs", "num_starts")  # of the data (starts: and the block)
-        other_data = state.get("block_size") == expected.get("block_size") and any(
-            state.get(k) != expected[k] for k in sizes if k in expected
-        )
+        # only the data's sizes differ (starts depend on the block, documents on the logical
+        # length: a change of those is a settings change)
+        changed = {k for k, v in expected.items() if state.get(k) != v}
+        other_data = changed <= {"num_tokens", "num_docs", "num_starts"}
         hint = (
             ": data.source names other text than the run trained on (a resume may only name "
             "where its corpus moved); give the run's data, or train on this data from these "

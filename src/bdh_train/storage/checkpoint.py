@@ -397,18 +397,16 @@ class CheckpointWriteError(BDHTrainError):
         super().__init__(f"cannot write {path} ({why}); {io_advice(run_dir)}")
 
 
-ROOM_ERRNOS = frozenset(
-    {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
-)
-"""OS errors of a write that more room, a higher file size limit or a writable directory
-fixes (`io_advice`): not a path that cannot be a directory (ENOTDIR, ENOENT, ...)."""
+PATH_ERRNOS = frozenset({errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP})
+"""OS errors of a path that cannot be the run directory (a part of it is a file, a name too
+long, links in a loop), which no room fixes (`io_advice`)."""
 
 
 def io_advice(run_dir: Path, exc: BaseException | None = None) -> str:
     """What to do after a write failed in `run_dir` (with `exc`, the OSError, when known):
-    where the last good checkpoint is and how to continue from it; for an error that room
-    does not fix, that the run directory's path cannot be used."""
-    if isinstance(exc, OSError) and exc.errno is not None and exc.errno not in ROOM_ERRNOS:
+    where the last good checkpoint is and how to continue from it; for a PATH_ERRNOS error,
+    that the run directory's path cannot be used."""
+    if isinstance(exc, OSError) and exc.errno in PATH_ERRNOS:
         return (
             f"the run directory {run_dir} cannot be made or written there: give --run-dir a "
             "path inside a directory you can write"

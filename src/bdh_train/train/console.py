@@ -307,7 +307,7 @@ def summary_lines(
     writes_text: bool,
 ) -> list[str]:
     """Where the run's results are and the commands that use them (a run that ended before
-    its `max_steps`, under a smoke test's cap, trains on to them with a plain --resume)."""
+    its `max_steps`, under a smoke test's cap, trains on to it with a plain --resume)."""
     steps, tokens, elapsed = state.step, state.tokens, state.elapsed
     quoted = shlex.quote(str(run_dir.resolve()))
     rate = tokens / max(elapsed, 1e-9)

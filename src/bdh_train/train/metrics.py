@@ -348,28 +348,39 @@ COMPARE_X = ("step", "tokens")
 different batches or blocks compared at equal data)."""
 
 
-def plot_runs(runs: Sequence[tuple[str, Path]], x: str = "step") -> bytes:
-    """One chart of several runs, each (label, run directory): its train loss as a line and
-    its validation losses as dots of the same colour, against `x` (COMPARE_X). A validation
-    row, which holds no token count, is placed at its step's tokens, read off the train rows
-    (linear between the logged ones). PNG bytes."""
+def plot_runs(runs: Sequence[Path], x: str = "step") -> bytes:
+    """One chart of several run directories, each labelled by its name (by its path where
+    two share a name): its train loss as a line and its validation losses as dots of the same
+    colour, against `x` (COMPARE_X). A validation row, which holds no token count, is placed
+    at its step's tokens, read off the train rows (linear between the logged ones). A run
+    with nothing to draw on that axis is a ConfigError naming it. PNG bytes."""
     import io
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    checks.choice("--x", x, COMPARE_X)
+    names = [Path(run).resolve().name for run in runs]
+    labels = [n if names.count(n) == 1 else str(r) for n, r in zip(names, runs, strict=True)]
     fig = Figure(figsize=(7, 4.2))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    for (label, run_dir), color in zip(runs, _colors(len(runs)), strict=True):
+    for run_dir, label, color in zip(runs, labels, _colors(len(runs)), strict=True):
         rows = read_metrics(Path(run_dir) / METRICS_FILE)
-        train = [(r["step"], r["tokens"], r["loss"]) for r in rows if "loss" in r]
+        train = [(r["step"], r.get("tokens"), r["loss"]) for r in rows if "loss" in r]
         val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        if x == "tokens" and (not train or any(t[1] is None for t in train)):
+            raise ConfigError(
+                f"{run_dir}: its metrics rows hold no training tokens to draw against "
+                "(a merge's fine-tune rows hold none): plot it with --x step"
+            )
+        if not train and not val:
+            raise ConfigError(f"{run_dir}: its metrics.jsonl holds no loss to draw")
         scale = ([t[0] for t in train], [t[1] for t in train])  # tokens at the logged steps
         if train:
             xs = _on_axis([t[0] for t in train], x, scale)
             ax.plot(xs, [t[2] for t in train], color=color, label=label)
-        if val and (x == "step" or train):
+        if val:
             xs, shown = _on_axis([v[0] for v in val], x, scale), f"{label} (validation)"
             ax.plot(xs, [v[1] for v in val], "o--", color=color, label=shown)
     ax.set_xlabel("step" if x == "step" else "training tokens")
@@ -382,7 +393,7 @@ def plot_runs(runs: Sequence[tuple[str, Path]], x: str = "step") -> bytes:
     return buffer.getvalue()
 
 
-def _on_axis(steps: list[int], x: str, scale: tuple[list[int], list[int]]) -> list[float]:
+def _on_axis(steps: list[int], x: str, scale: tuple[list[int], list[Any]]) -> list[float]:
     """`steps` on `plot_runs`'s x axis: themselves, or the training tokens at them, read off
     the train rows' (step, tokens) `scale` (linear between them, held past its ends)."""
     import numpy as np

@@ -30,7 +30,8 @@ StopHandler = Callable[[Callable[[], None]], AbstractContextManager[None]]
 @dataclass
 class TrainPlan:
     """What `bdh-train train` does: a fresh run in `run`, or with `resume` the run continued,
-    from `checkpoint` (None: a resumed run's latest) whose saved config is `continued`'s."""
+    from `checkpoint` (a checkpoint, or a run directory: its latest; None: a resumed run's
+    latest) whose saved config is `continued`'s."""
 
     run: RunDir
     resume: bool
@@ -59,10 +60,11 @@ def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
     if path.name == ckpt.CHECKPOINTS and RunDir(path.parent, fresh=False).config.is_file():
         path = path.parent  # RUN/checkpoints: the run, as generate and eval read it
     if not ckpt.is_checkpoint_dir(path):
-        if run_dir is None or Path(run_dir).resolve() == path.resolve():
+        if not resume or run_dir is None or Path(run_dir).resolve() == path.resolve():
             return TrainPlan(RunDir(path, fresh=False), True, None, RunDir(path, fresh=False))
-        latest = ckpt.resolve_checkpoint(path)  # a branch: RESUME's checkpoints stay
-        return TrainPlan(RunDir(run_dir), False, latest, RunDir(latest, fresh=False))
+        # a branch: the Trainer resolves RESUME's latest (--resume-fallback applies); RESUME's
+        # checkpoints stay
+        return TrainPlan(RunDir(run_dir), False, path, RunDir(path, fresh=False))
     owner = run_of_checkpoint(path)
     if run_dir is not None and (owner is None or Path(run_dir).resolve() != owner.path.resolve()):
         return TrainPlan(RunDir(run_dir), False, path, RunDir(path, fresh=False))

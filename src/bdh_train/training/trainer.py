@@ -227,8 +227,8 @@ class Trainer:
                 where, resume_fallback, self.tokenizer, named, cfg.optimizer
             )
         s, main = self.state, self.dist.is_main
-        # where `run` ends, checkpointed and evaluated as a run's end: max_steps, or a smoke
-        # test's cap on (the run keeps its length, schedule and saved config)
+        # where `run` ends, checkpointed and evaluated as a run's end: max_steps, or the start
+        # plus `steps_cap()` (the run keeps its length, schedule and saved config)
         self.end = t.max_steps if (cap := steps_cap()) is None else min(t.max_steps, s.step + cap)
         self.checkpoints.last_step = self.end
         if self.evaluator is not None:

@@ -117,3 +117,20 @@ def test_a_metrics_file_that_is_dev_zero_is_refused_at_once(tmp_path: Path, caps
         f"{tmp_path / 'metrics.jsonl'} is a character device, not a regular file; give the "
         "path of a file"
     )
+
+
+def test_rows_are_written_at_the_first_step_every_log_every_and_the_last(tmp_path: Path) -> None:
+    """log_every 3 of 7 steps: rows at 1 (where the console's first line is), 3, 6 and 7; none
+    with log_every 0."""
+    from bdh_train.storage.run_dir import RunDir
+    from bdh_train.train.metrics import MetricsConfig, MetricsReporter
+
+    def logged(every: int) -> list[int]:
+        reporter = MetricsReporter(
+            RunDir(tmp_path), MetricsConfig(), enabled=False, log_every=every, last_step=7
+        )
+        return [step for step in range(1, 8) if reporter.should_log(step)]
+
+    assert logged(3) == [1, 3, 6, 7]
+    assert logged(1) == [1, 2, 3, 4, 5, 6, 7]
+    assert logged(0) == []

@@ -78,7 +78,8 @@ class TrainingConfig:
     seed: int = 1337
     """Seed of the initial weights and the batch order."""
     log_every: int = 100
-    """Print and record the train loss every this many optimizer steps."""
+    """Print and record the train loss every this many optimizer steps, at the first and at
+    the last."""
     eval_every: int = 500
     """Evaluate on the validation split every this many optimizer steps."""
     eval_steps: int = 20

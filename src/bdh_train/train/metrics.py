@@ -203,8 +203,11 @@ class MetricsReporter:
             plot_losses(self.run.path)
 
     def should_log(self, step: int) -> bool:
-        """Every `log_every` optimizer steps and the last one; never with log_every = 0."""
-        return every_and_last(step, self.log_every, self.last_step)
+        """The run's first optimizer step (so its curve starts where the console's first line
+        does), every `log_every` steps and the last one; never with log_every = 0."""
+        return every_and_last(step, self.log_every, self.last_step) or (
+            bool(self.log_every) and step == 1
+        )
 
     def restart_clock(self, tokens: int) -> None:
         """Time tokens_per_s from now, with `tokens` counted so far."""

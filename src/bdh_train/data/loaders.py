@@ -566,14 +566,12 @@ def _check_state(state: dict[str, Any], kind: str, expected: dict[str, int]) -> 
     if not isinstance(state, dict) or state.get("kind") != kind:
         got = state.get("kind") if isinstance(state, dict) else type(state).__name__
         raise DataError(f"loader state is for {got!r}, not {kind!r}; was data.loader changed?")
-    diffs = [
-        f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in expected.items() if state.get(k) != v
-    ]
-    if diffs:
+    changed = [k for k, v in expected.items() if state.get(k) != v]
+    if changed:
+        diffs = [f"{k}: saved {state.get(k)!r}, now {expected[k]!r}" for k in changed]
         # only the data's sizes differ (starts depend on the block, documents on the logical
         # length: a change of those is a settings change)
-        changed = {k for k, v in expected.items() if state.get(k) != v}
-        other_data = changed <= {"num_tokens", "num_docs", "num_starts"}
+        other_data = set(changed) <= {"num_tokens", "num_docs", "num_starts"}
         hint = (
             ": data.source names other text than the run trained on (a resume may only name "
             "where its corpus moved); give the run's data, or train on this data from these "

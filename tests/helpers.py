@@ -278,13 +278,18 @@ def metric_column(run_dir: Path, key: str) -> list[float]:
     return [r[key] for r in read_metrics(run_dir / "metrics.jsonl") if key in r]
 
 
-def assert_same_run(whole: Path, split: Path) -> None:
-    """The two runs' latest checkpoints hold bit-identical weights, and their metric rows
-    are equal (an uninterrupted run and a resumed one)."""
-    a, b = checkpoint_weights(whole), checkpoint_weights(split)
+def assert_same_weights(one: Path, other: Path) -> None:
+    """The two runs' latest checkpoints hold the same tensors, bit for bit."""
+    a, b = checkpoint_weights(one), checkpoint_weights(other)
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def assert_same_run(whole: Path, split: Path) -> None:
+    """The two runs' latest checkpoints hold bit-identical weights, and their metric rows
+    are equal (an uninterrupted run and a resumed one)."""
+    assert_same_weights(whole, split)
     assert metric_rows(whole) == metric_rows(split)
 
 

@@ -9,8 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import MICRO_RUN, checkpoint_weights
+from helpers import MICRO_RUN, assert_same_weights
 
 from bdh_train.cli import main
 from bdh_train.config import load_config
@@ -157,9 +156,7 @@ def test_the_steps_cap_ends_the_command_and_the_run_keeps_its_length(tmp_path, m
     monkeypatch.delenv(STEPS_CAP_ENV)
     assert main(["train", "--resume", str(run)]) == 0
     assert resolve_checkpoint(run).name == "step-0000006"
-    weights = [checkpoint_weights(r) for r in (whole, run)]
-    assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    assert_same_weights(whole, run)
     lr = [[r["lr"] for r in read_metrics(r / "metrics.jsonl") if "loss" in r] for r in (whole, run)]
     assert lr[0] == lr[1] and len(lr[0]) == 6
 

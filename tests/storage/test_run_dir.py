@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import MICRO_RUN, checkpoint_weights, set_args
+from helpers import MICRO_RUN, assert_same_weights, set_args
 
 from bdh_train.cli import main
 from bdh_train.data import builtin_corpus
@@ -154,9 +153,7 @@ def test_resume_into_a_run_dir_of_its_own_branches_and_leaves_the_run(finished_r
     assert main(["train", "--resume", str(latest), "--run-dir", str(by_checkpoint), *on]) == 0
     assert tree_digest(finished_run) == before
     assert resolve_checkpoint(branch).name == "step-0000004"
-    weights = [checkpoint_weights(run) for run in (branch, by_checkpoint)]
-    assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    assert_same_weights(branch, by_checkpoint)
     # RUN's latest damaged: the branch refuses it, or takes the newest intact with the flag
     run = tmp_path / "run"
     shutil.copytree(branch, run)

@@ -26,10 +26,9 @@ from helpers import (
     FRESH_BLOCKS,
     MICRO_RUN,
     STREAMING_TBPTT_SETTINGS,
-    checkpoint_weights,
+    assert_same_run,
     cli_as_rank,
     cli_main,
-    metric_rows,
     run_multiprocess,
     set_args,
     start_process,
@@ -54,14 +53,6 @@ MICRO = [
     "training.max_steps=4",
 ]
 SETS = set_args(MICRO)
-
-
-def assert_same_run(a: Path, b: Path) -> None:
-    wa, wb = checkpoint_weights(a), checkpoint_weights(b)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
-    assert metric_rows(a) == metric_rows(b)
 
 
 def one_error_line(capsys) -> str:

@@ -190,9 +190,7 @@ def test_corpus_document_streaming_resume_mid_document_is_bit_exact(tmp_path, mo
     rows = first.loader.state_dict()["rows"]
     assert any(offset > 0 for _, offset in rows)  # some row stopped inside a document
     Trainer(load_config(overrides=overrides), split, resume=True, stream=io.StringIO()).run()
-    a, b = checkpoint_weights(whole), checkpoint_weights(split)
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
-    assert metric_rows(whole) == metric_rows(split)
+    assert_same_run(whole, split)
 
 
 def _train_then_die_saving(run_dir: Path) -> None:

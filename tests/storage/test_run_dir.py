@@ -138,6 +138,19 @@ def test_the_plan_of_train_and_resume(tmp_path):
         plan_train(None, "")
 
 
+def test_a_launch_of_several_processes_needs_a_run_dir(tmp_path, monkeypatch, capsys):
+    """Each torchrun process plans on its own clock, so two could stamp different
+    runs/<date>-<time> directories: refused with one error line, nothing made."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="a launch of 2 processes needs --run-dir"):
+        plan_train(None, None)
+    assert main(["train", *SETS]) == 2
+    assert capsys.readouterr().err.startswith("error: a launch of 2 processes needs --run-dir")
+    assert list(tmp_path.iterdir()) == []
+    assert str(plan_train("a", None).run.path) == "a"  # named: planned as before
+
+
 def test_resume_into_a_run_dir_of_its_own_branches_and_leaves_the_run(finished_run, tmp_path):
     """--resume RUN --run-dir NEW: a new run in NEW continues RUN's latest checkpoint, as
     --resume RUN/checkpoints/step-N --run-dir NEW does (the same weights, bit for bit); RUN

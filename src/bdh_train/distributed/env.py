@@ -25,6 +25,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def launch_world_size() -> int:
+    """The processes of the torchrun launch this process belongs to (WORLD_SIZE); 1 alone."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 @dataclass
 class DistContext:
     """A process's place in a group: the whole torchrun launch, or one dimension of the
@@ -49,7 +54,7 @@ class DistContext:
     def from_env(cls, device_type: str, timeout_s: float = 300.0) -> DistContext:
         """Join the group torchrun describes in the environment (gloo on CPU, nccl on GPU);
         a collective waits `timeout_s` seconds for the others before failing."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = launch_world_size()
         if world <= 1:
             return cls()
         rank = int(os.environ["RANK"])

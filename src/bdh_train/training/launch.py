@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bdh_train.config import RunConfig
-from bdh_train.distributed.env import DistContext, resolve_device
+from bdh_train.distributed.env import DistContext, launch_world_size, resolve_device
 from bdh_train.errors import BDHTrainError, ConfigError
 from bdh_train.storage import checkpoint as ckpt
 from bdh_train.storage.run_dir import RUNS_ROOT, RunDir, run_of_checkpoint
@@ -51,6 +51,12 @@ def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
     latest checkpoint given a --run-dir other than RESUME: RESUME is left as it is. Nothing
     is ever written inside a checkpoint."""
     if resume is None:
+        if run_dir is None and launch_world_size() > 1:
+            raise ConfigError(
+                f"a launch of {launch_world_size()} processes needs --run-dir: each process "
+                "would name its own runs/<date>-<time> directory from its own clock; give "
+                "every process the same --run-dir DIR"
+            )
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         run = RunDir(run_dir) if run_dir else RunDir(Path(RUNS_ROOT) / stamp, stamped=True)
         return TrainPlan(run, False, None, None)

@@ -129,3 +129,20 @@ def test_an_unknown_key_names_the_nearest_key_in_any_section(tmp_path, capsys, g
     assert main(["config", "--explain", given]) == 2
     whole = meant if "." in meant else f"{section}.{meant}"
     assert f"(did you mean {whole!r}?)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("given", "meant"), [("max_steps", "training.max_steps"), ("lr", "optimizer.lr")]
+)
+def test_a_key_without_its_section_names_the_section_s_key(tmp_path, capsys, given, meant):
+    """A top-level key that some section holds: in --set and in a config file."""
+    hint = f"(did you mean {meant!r}?)"
+    assert main(["config", "--set", f"{given}=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --set ") and err.rstrip().endswith(hint), err
+    config = tmp_path / "c.toml"
+    config.write_text(f"{given} = 1\n")
+    assert main(["config", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {config.resolve()}: unknown section {given!r}")
+    assert err.rstrip().endswith(hint), err

@@ -56,6 +56,9 @@ def nearest_key(table: str, name: str) -> str | None:
     path; None when nothing is near."""
     keys = config_keys()
     if not table:
+        named = [k for k in keys if "." not in name and _leaf(k) == name]
+        if named:  # a section's key given without its section: max_steps -> training.max_steps
+            return min(named, key=lambda k: k.count("."))
         dotted = [k for k in keys if "." in name and k.count(".") == name.count(".")]
         close = difflib.get_close_matches(name, dotted, n=1, cutoff=_ELSEWHERE_CUTOFF)
         if close:

@@ -201,7 +201,8 @@ def parse_override(item: str) -> dict[str, Any]:
     keys = [k.strip() for k in path.strip().split(".")]
     if len(keys) < 2 or not all(keys):
         raise ConfigError(
-            f"--set {item!r}: the key must be a dotted path like section.key, got {path.strip()!r}"
+            f"--set {item!r}: the key must be a dotted path like section.key, got "
+            f"{path.strip()!r}{key_hint('', path.strip())}"
         )
     _check_override_path(keys, item)
     value: Any = _parse_value(raw)

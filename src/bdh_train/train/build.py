@@ -132,6 +132,7 @@ def build_loader(
             t.logical_block_size,
             *rows,
             summary_trigger=trigger,
+            shift=t.stream_documents == "shifted",
         )
     return RandomWindowLoader(
         train_data,

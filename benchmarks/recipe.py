@@ -257,7 +257,6 @@ class StreamedArm(Arm):
     the config's TBPTT chunks), both made by `prime`, off the clock."""
 
     logical_length: int = 0
-    shift: bool = False
     tbptt_chunk_size: int = 0
     tbptt_backprop_chunks: int = 1
     loader: StreamingDocumentLoader | None = None
@@ -266,12 +265,7 @@ class StreamedArm(Arm):
     def prime(self, train: torch.Tensor) -> None:
         """The loader and the step, then `Arm.prime`'s untimed forward and backward."""
         self.loader = StreamingDocumentLoader(
-            train.numpy(),
-            self.block,
-            self.batch,
-            self.logical_length,
-            self.seed,
-            shift=self.shift,
+            train.numpy(), self.block, self.batch, self.logical_length, self.seed
         )
         assert isinstance(self.model, BDH)
         self.executor = LanguageTrainModel(
@@ -348,7 +342,6 @@ def bdh_arm(
             *made,
             *shape,
             logical_length=t.logical_block_size,
-            shift=t.stream_documents == "shifted",
             tbptt_chunk_size=t.tbptt_chunk_size,
             tbptt_backprop_chunks=t.tbptt_backprop_chunks,
         )

@@ -506,15 +506,6 @@ def test_each_invalid_field_is_named(item: str, message: str) -> None:
             "training.stream_documents='fixed'",
         ),
         (
-            [
-                "training.stream_documents='shifted'",
-                "training.tbptt_persist_across_steps=false",
-                "training.min_logical_block_size=0",
-            ],
-            "training.stream_documents = 'shifted' moves where streamed documents are cut, but "
-            "this run does not stream",
-        ),
-        (
             ["training.stream_documents='corpus'", "training.min_logical_block_size=1024"],
             "training.min_logical_block_size = 1024 cuts the stream into fixed-length documents",
         ),

@@ -210,68 +210,6 @@ def test_streaming_errors() -> None:
         loader.load_state_dict(other.state_dict())
 
 
-def test_shifted_streaming_cuts_each_epoch_at_its_own_offset() -> None:
-    stream = np.arange(9 * L + 1, dtype=np.int64)  # 9 documents fixed; 8 with L - 1 spare
-    loader = StreamingDocumentLoader(stream, T, B, L, seed=3, shift=True)
-    assert loader.num_docs == 8
-    windows_left = [0] * B
-    started: list[int] = []  # document starts in the order rows took them
-    for _ in range(3 * 12):  # 12 documents per row: six epochs of 8
-        batch = loader.next_batch()
-        assert batch.reset is not None and torch.equal(batch.targets, batch.inputs + 1)
-        for b in range(B):
-            assert bool(batch.reset[b]) == (windows_left[b] == 0)
-            if batch.reset[b]:
-                started.append(int(batch.inputs[b, 0]))
-                windows_left[b] = 3
-            windows_left[b] -= 1
-    offsets = [loader.epoch_offset(e) for e in range(6)]
-    assert offsets[0] == 0 and all(0 <= o < L for o in offsets)
-    assert len(set(offsets[1:])) > 1  # the cut moves from epoch to epoch
-    for e in range(6):  # epoch e deals its permutation of documents, cut at its offset
-        expected = [offsets[e] + d * L for d in loader.epoch_order(e).tolist()]
-        assert started[8 * e : 8 * e + 8] == expected
-    # seeded: the same seed cuts the same way, another seed differently
-    again = StreamingDocumentLoader(stream, T, B, L, seed=3, shift=True)
-    other = StreamingDocumentLoader(stream, T, B, L, seed=4, shift=True)
-    assert [again.epoch_offset(e) for e in range(6)] == offsets
-    assert [other.epoch_offset(e) for e in range(6)] != offsets
-    # without shift every epoch is cut at 0, as before
-    fixed = StreamingDocumentLoader(stream, T, B, L, seed=3)
-    assert fixed.num_docs == 9 and {fixed.epoch_offset(e) for e in range(6)} == {0}
-
-
-@pytest.mark.parametrize("stop", [1, 6, 7, 8, 13, 20])
-def test_shifted_streaming_resume_continues_identically(stop: int) -> None:
-    stream = np.arange(9 * L + 1, dtype=np.int64)  # 8 documents for 3 rows
-    ref = StreamingDocumentLoader(stream, T, 3, L, seed=9, shift=True)
-    for _ in range(stop):  # from batch 7 to 9 two rows read epoch 0's cuts and one epoch 1's
-        ref.next_batch()
-    state = json.loads(json.dumps(ref.state_dict()))
-    assert state["offsets"] == ref.row_offset and state["shift"] == 1
-    if stop in (7, 8):
-        assert ref.row_offset == [0, 0, ref.epoch_offset(1)] and ref.epoch_offset(1) != 0
-    resumed = StreamingDocumentLoader(stream, T, 3, L, seed=9, shift=True)
-    resumed.load_state_dict(state)
-    for _ in range(24):
-        assert _same(ref.next_batch(), resumed.next_batch())
-
-
-def test_shifted_and_fixed_states_do_not_resume_each_other() -> None:
-    stream = np.arange(9 * L + 1, dtype=np.int64)
-    shifted = StreamingDocumentLoader(stream, T, B, L, seed=9, shift=True)
-    fixed = StreamingDocumentLoader(stream, T, B, L, seed=9)
-    with pytest.raises(DataError, match=r"stream_documents = 'shifted'\); resume with the orig"):
-        fixed.load_state_dict(shifted.state_dict())
-    with pytest.raises(DataError, match=r"shift: saved None, now 1"):
-        shifted.load_state_dict(fixed.state_dict())
-    bad = {**shifted.state_dict(), "offsets": [0, 0, 0, L]}
-    with pytest.raises(DataError, match=r"inconsistent with this loader's data"):
-        StreamingDocumentLoader(stream, T, B, L, seed=9, shift=True).load_state_dict(bad)
-    with pytest.raises(DataError, match=r"fewer than logical_length \+ 1 = 13 .* and 11 more"):
-        StreamingDocumentLoader(np.arange(2 * L - 1), T, B, L, seed=0, shift=True)
-
-
 # ---------------------------------------------------------------- evaluation
 
 

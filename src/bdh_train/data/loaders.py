@@ -33,8 +33,6 @@ TokenSource = TokenData | np.ndarray | torch.Tensor
 _U64 = (1 << 64) - 1
 _STREAM_PERM_TAG = 0x5D0C
 """Mixed into the epoch-permutation seed so it never coincides with a random-window seed."""
-_STREAM_SHIFT_TAG = 0x5D0D
-"""Mixed into the seed of an epoch's document offset (`StreamingDocumentLoader.shift`)."""
 _SCAN_CHUNK = 1 << 22
 """Tokens scanned per chunk for end-of-document ids, so a memmap is never read whole."""
 _MIX_TAG = 0x313C
@@ -342,18 +340,14 @@ class StreamingDocumentLoader(_EpochQueueLoader):
 
     The stream is cut into documents of `logical_length` L tokens (rounded up to a multiple of
     block_size T by `logical_length_for`):
-    doc i covers tokens [o + i*L, o + i*L + L + 1) and yields L/T windows of T + 1 tokens,
-    window k covering [o + i*L + k*T, o + i*L + k*T + T + 1), so consecutive windows share one
-    token and every target is the next window's first input. The offset o is 0, or with
-    `shift` a seeded draw from [0, L) for every epoch after the first (the first is 0), so a
-    later epoch reads each token at another place in its block and document instead of
-    repeating the first epoch's cuts; `shift` keeps L - 1 tokens spare for it, one document
-    fewer at most. Each epoch visits documents in a permutation seeded by (seed, epoch). Global
-    row b reads its document's windows in order; a row that finishes takes the next document
-    from the shared epoch queue (rows in order, so the assignment is deterministic), and the
-    batch's `reset[b]` is True exactly on a document's first window. Each call advances every
-    row by one window: a trainer that accumulates k micro-batches per step calls it k times and
-    the rows' stored state carries across them.
+    doc i covers tokens [i*L, i*L + L + 1) and yields L/T windows of T + 1 tokens, window k
+    covering [i*L + k*T, i*L + k*T + T + 1), so consecutive windows share one token and every
+    target is the next window's first input. Each epoch visits documents in a permutation
+    seeded by (seed, epoch). Global row b reads its document's windows in order; a row that
+    finishes takes the next document from the shared epoch queue (rows in order, so the
+    assignment is deterministic), and the batch's `reset[b]` is True exactly on a document's
+    first window. Each call advances every row by one window: a trainer that accumulates k
+    micro-batches per step calls it k times and the rows' stored state carries across them.
     """
 
     kind = "streaming_document"
@@ -368,64 +362,51 @@ class StreamingDocumentLoader(_EpochQueueLoader):
         rank: int = 0,
         world_size: int = 1,
         summary_trigger: SummaryEventTrigger | None = None,
-        shift: bool = False,
     ) -> None:
         super().__init__(tokens, block_size, batch_size, seed, rank, world_size, summary_trigger)
         self.logical_length = logical_length_for(
             checks.positive_int("logical_length", logical_length), self.block_size
         )
         self.windows_per_doc = self.logical_length // self.block_size
-        self.shift = shift
         n = int(self.tokens.shape[0])
-        spare = self.logical_length - 1 if shift else 0
-        self.num_docs = (n - 1 - spare) // self.logical_length
+        self.num_docs = (n - 1) // self.logical_length
         if self.num_docs < 1:
             raise DataError(
                 f"{self.source} has {n} tokens, fewer than logical_length + 1 = "
-                f"{self.logical_length + 1} needed for one document"
-                + (f" and {spare} more to shift its cut" if spare else "")
-                + ": use a longer source or a smaller logical_length"
+                f"{self.logical_length + 1} needed for one document: use a longer source or a "
+                f"smaller logical_length"
             )
         self._start_queue()
         self.row_doc = [-1] * self.batch_size  # -1: the row has no document yet
         self.row_next = [0] * self.batch_size  # next window index to read in row_doc
-        self.row_offset = [0] * self.batch_size  # o of the epoch row_doc was dealt from
-
-    def epoch_offset(self, epoch: int) -> int:
-        """Where `epoch`'s documents start: 0, or with `shift` and epoch > 0 a draw from
-        [0, L) seeded by (seed, epoch)."""
-        if not self.shift or epoch == 0:
-            return 0
-        gen = torch.Generator().manual_seed(_seed_from(self.seed, int(epoch), _STREAM_SHIFT_TAG))
-        return int(torch.randint(self.logical_length, (1,), generator=gen))
 
     def next_batch(self) -> SequenceBatch:
         """This rank's rows of the next global batch; reset marks rows starting a document."""
         starts: list[int] = []
-        doc_starts: list[int] = []
         reset: list[bool] = []
         for b in range(self.batch_size):  # every rank replays all rows: the queue is shared
             if self.row_doc[b] < 0 or self.row_next[b] == self.windows_per_doc:
                 self.row_doc[b], self.row_next[b] = self._next_doc(), 0
-                self.row_offset[b] = self.epoch_offset(self.epoch)  # the dealt doc's epoch
-            doc_starts.append(self.row_offset[b] + self.row_doc[b] * self.logical_length)
-            starts.append(doc_starts[-1] + self.row_next[b] * self.block_size)
+            starts.append(
+                self.row_doc[b] * self.logical_length + self.row_next[b] * self.block_size
+            )
             reset.append(self.row_next[b] == 0)
             self.row_next[b] += 1
         lo, hi = self.rank * self.rows_per_rank, (self.rank + 1) * self.rows_per_rank
         windows = gather_windows(self.tokens, starts[lo:hi], self.block_size + 1)
-        history = self._history(starts[lo:hi], doc_starts[lo:hi])
+        history = self._history(starts[lo:hi])
         reset_rows = torch.tensor(reset[lo:hi], dtype=torch.bool)
         return windows_to_batch(windows, reset_rows, self.summary_trigger, history)
 
-    def _history(self, starts: list[int], doc_starts: list[int]) -> torch.Tensor | None:
+    def _history(self, starts: list[int]) -> torch.Tensor | None:
         """The document's tokens just before each window (NO_TOKEN before the document's
         start), so a trigger that spans two windows of a document is still found."""
         k = 0 if self.summary_trigger is None else self.summary_trigger.history_len
         if k == 0:
             return None
         history = torch.full((len(starts), k), NO_TOKEN, dtype=torch.long)
-        for row, (start, doc_start) in enumerate(zip(starts, doc_starts, strict=True)):
+        for row, start in enumerate(starts):
+            doc_start = start - start % self.logical_length  # documents start at i * L
             lo = max(start - k, doc_start)
             if lo < start:
                 history[row, k - (start - lo) :] = torch.from_numpy(
@@ -437,40 +418,13 @@ class StreamingDocumentLoader(_EpochQueueLoader):
         return -1 <= doc < self.num_docs and 0 <= window <= self.windows_per_doc
 
     def _fingerprint(self) -> dict[str, int]:
-        shift = {"shift": 1} if self.shift else {}  # a fixed-cut state keeps its old keys
         return {
             "seed": self.seed,
             "block_size": self.block_size,
             "batch_size": self.batch_size,
             "logical_length": self.logical_length,
             "num_docs": self.num_docs,
-            **shift,
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        """The queue's cursor, plus with `shift` each row's document offset (the offset of
-        the epoch its document was dealt from, which a row may still read after the queue has
-        moved to the next epoch)."""
-        offsets = {"offsets": list(self.row_offset)} if self.shift else {}
-        return {**super().state_dict(), **offsets}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if isinstance(state, dict) and "shift" in state and not self.shift:
-            raise DataError(
-                f"cannot resume the {self.kind} loader: its settings changed since the "
-                "checkpoint (its documents were cut at a new offset each epoch: "
-                "training.stream_documents = 'shifted'); resume with the original settings or "
-                "start a fresh run"
-            )
-        super().load_state_dict(state)
-        if not self.shift:
-            return
-        offsets = [int(o) for o in state.get("offsets", [])]
-        if len(offsets) != self.batch_size or not all(
-            0 <= o < self.logical_length for o in offsets
-        ):
-            raise DataError(f"{self.kind} loader state is inconsistent with this loader's data")
-        self.row_offset = offsets
 
 
 def document_starts(data: TokenData) -> np.ndarray:

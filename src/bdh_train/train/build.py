@@ -132,7 +132,6 @@ def build_loader(
             t.logical_block_size,
             *rows,
             summary_trigger=trigger,
-            shift=t.stream_documents == "shifted",
         )
     return RandomWindowLoader(
         train_data,

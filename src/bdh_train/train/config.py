@@ -20,7 +20,7 @@ from bdh_train.train.schedules import GradientScale, validate_gradient_scales
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "auto")
-STREAM_DOCUMENTS = ("fixed", "shifted", "corpus")
+STREAM_DOCUMENTS = ("fixed", "corpus")
 
 
 @dataclass
@@ -47,16 +47,13 @@ class TrainingConfig:
     stream_documents = 'fixed'."""
     stream_documents: str = "fixed"
     """What a streamed document is. 'fixed': consecutive slices of min_logical_block_size
-    tokens, each starting at a block's first token. 'shifted': the same slices, cut from a
-    seeded offset of 0 to min_logical_block_size - 1 tokens that changes every epoch after the
-    first, so a token seen again in a later epoch is read at another place in its block and
-    document (as a random window would read it) rather than with the same context. 'corpus':
-    the data's own documents (its document starts, or the tokens after each end-of-document
-    id; an error when it has neither): rows read them in a seeded order, one after another,
-    and a row's state is reset exactly at the token where its next document begins, mid-block
-    included, with the target that would predict that token from the previous document
-    ignored. 'corpus' streams (it implies carrying the state) and needs min_logical_block_size
-    = 0, no summary memory and no pipeline."""
+    tokens, each starting at a block's first token. 'corpus': the data's own documents (its
+    document starts, or the tokens after each end-of-document id; an error when it has
+    neither): rows read them in a seeded order, one after another, and a row's state is reset
+    exactly at the token where its next document begins, mid-block included, with the target
+    that would predict that token from the previous document ignored. 'corpus' streams
+    (it implies carrying the state) and needs min_logical_block_size = 0, no summary memory and
+    no pipeline."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step (unless target_tokens_per_step derives it)."""
     target_tokens_per_step: int = 0
@@ -228,12 +225,6 @@ class TrainingConfig:
                 f"into fixed-length documents, but {p}.stream_documents = 'corpus' streams the "
                 f"corpus's own documents; set {p}.min_logical_block_size = 0 or "
                 f"{p}.stream_documents = 'fixed'"
-            )
-        if self.stream_documents == "shifted" and not self.streaming:
-            raise ConfigError(
-                f"{p}.stream_documents = 'shifted' moves where streamed documents are cut, but "
-                f"this run does not stream (every block starts from a fresh state); set "
-                f"{p}.tbptt_persist_across_steps = true, or {p}.stream_documents = 'fixed'"
             )
         checks.positive_int(f"{p}.gradient_accumulation_steps", self.gradient_accumulation_steps)
         checks.nonneg_int(f"{p}.target_tokens_per_step", self.target_tokens_per_step)

@@ -393,6 +393,14 @@ def test_export_ternary_of_a_bitnet_run(tmp_path, capsys):
     )
     out = tmp_path / "model.safetensors"
     assert main(["export", "--ternary", str(run_dir), str(out)]) == 0
+    again = tmp_path / "again.safetensors"  # RUN given as generate and eval take it
+    assert main(["export", "--ternary", "--checkpoint", str(run_dir), str(again)]) == 0
+    from safetensors.torch import load_file
+
+    packed_again, packed_first = load_file(again), load_file(out)
+    assert packed_again.keys() == packed_first.keys()
+    assert all(torch.equal(packed_again[k], packed_first[k]) for k in packed_first)
+    again.unlink()
     capsys.readouterr()
     from bdh_train import load_run
 

@@ -25,14 +25,35 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="write a new directory DIR that AutoModelForCausalLM.from_pretrained(DIR, "
         "trust_remote_code=True) and AutoTokenizer load with no bdh-train installed",
     )
-    p.add_argument("run_dir", help="a run directory, a checkpoint, or a ternary export file")
+    p.add_argument(
+        "run_dir", nargs="?", help="a run directory, a checkpoint, or a ternary export file"
+    )
     p.add_argument("out", nargs="?", help="the file --ternary writes")
+    p.add_argument(
+        "--checkpoint",
+        metavar="RUN_DIR",
+        help="RUN given as generate, eval and inspect take it (instead of the positional RUN)",
+    )
     p.add_argument(
         "--force", action="store_true", help="--ternary: replace an existing OUT (a regular file)"
     )
 
 
+def _run(args: argparse.Namespace) -> None:
+    """RUN from the positional or from --checkpoint (then a lone positional is OUT)."""
+    if args.checkpoint is None:
+        if args.run_dir is None:
+            raise ConfigError("export needs RUN: a run directory, a checkpoint or a ternary file")
+        return
+    if args.out is not None:
+        raise ConfigError(
+            f"export got RUN twice: --checkpoint {args.checkpoint} and {args.run_dir}; give one"
+        )
+    args.run_dir, args.out = args.checkpoint, args.run_dir
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    _run(args)
     if args.hf is not None:
         if args.out is not None:
             raise ConfigError(f"export --hf DIR takes one RUN; drop {args.out}")

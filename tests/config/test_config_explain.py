@@ -132,11 +132,16 @@ def test_an_unknown_key_names_the_nearest_key_in_any_section(tmp_path, capsys, g
 
 
 @pytest.mark.parametrize(
-    ("given", "meant"), [("max_steps", "training.max_steps"), ("lr", "optimizer.lr")]
+    ("given", "meant"),
+    [
+        ("max_steps", "'training.max_steps'"),
+        ("lr", "'optimizer.lr'"),
+        ("schedule", "'optimizer.schedule' or 'parallel.schedule'"),  # every section's
+    ],
 )
 def test_a_key_without_its_section_names_the_section_s_key(tmp_path, capsys, given, meant):
     """A top-level key that some section holds: in --set and in a config file."""
-    hint = f"(did you mean {meant!r}?)"
+    hint = f"(did you mean {meant}?)"
     assert main(["config", "--set", f"{given}=1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --set ") and err.rstrip().endswith(hint), err
@@ -146,3 +151,12 @@ def test_a_key_without_its_section_names_the_section_s_key(tmp_path, capsys, giv
     err = capsys.readouterr().err
     assert err.startswith(f"error: {config.resolve()}: unknown section {given!r}")
     assert err.rstrip().endswith(hint), err
+
+
+@pytest.mark.parametrize("given", ["path", "trainng", "target"])
+def test_a_sectionless_set_names_only_keys_it_can_reach(capsys, given):
+    """No hint for a name no --set key ends in: a section's name, a near miss, a key inside a
+    list (training.gradient_scales[].target)."""
+    assert main(["config", "--set", f"{given}=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(f"got {given!r}"), err

@@ -499,7 +499,7 @@ def test_bad_input_is_one_line_and_writes_nothing(exported, tmp_path, capsys):
     assert "takes one RUN" in _refusal(capsys, ["export", "--hf", str(out), run, "x"])
     assert "needs RUN and OUT" in _refusal(capsys, ["export", "--ternary", run])
     assert "needs RUN and OUT" in _refusal(capsys, ["export", "--ternary", "--checkpoint", run])
-    assert "needs RUN: a run directory" in _refusal(capsys, ["export", "--hf", str(out)])
+    assert "give it as RUN or --checkpoint RUN" in _refusal(capsys, ["export", "--hf", str(out)])
     twice = ["export", "--ternary", "--checkpoint", run, run, str(tmp_path / "t.safetensors")]
     assert f"got RUN twice: --checkpoint {run} and {run}" in _refusal(capsys, twice)
     assert "takes one RUN" in _refusal(

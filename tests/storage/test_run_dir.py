@@ -148,7 +148,13 @@ def test_a_launch_of_several_processes_needs_a_run_dir(tmp_path, monkeypatch, ca
     assert main(["train", *SETS]) == 2
     assert capsys.readouterr().err.startswith("error: a launch of 2 processes needs --run-dir")
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match="a launch of 2 processes needs --run-dir"):
+        plan_train("", None)  # --run-dir "$UNSET"
     assert str(plan_train("a", None).run.path) == "a"  # named: planned as before
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    assert main(["train", *SETS]) == 2
+    assert capsys.readouterr().err.startswith("error: WORLD_SIZE='two' in the environment is not")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_resume_into_a_run_dir_of_its_own_branches_and_leaves_the_run(finished_run, tmp_path):

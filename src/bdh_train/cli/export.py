@@ -26,12 +26,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "trust_remote_code=True) and AutoTokenizer load with no bdh-train installed",
     )
     p.add_argument(
-        "run_dir", nargs="?", help="a run directory, a checkpoint, or a ternary export file"
+        "run_dir",
+        nargs="?",
+        metavar="RUN",
+        help="a run directory, a checkpoint, or a ternary export file",
     )
-    p.add_argument("out", nargs="?", help="the file --ternary writes")
+    p.add_argument("out", nargs="?", metavar="OUT", help="the file --ternary writes")
     p.add_argument(
         "--checkpoint",
-        metavar="RUN_DIR",
+        metavar="RUN",
         help="RUN given as generate, eval and inspect take it (instead of the positional RUN)",
     )
     p.add_argument(
@@ -43,7 +46,10 @@ def _run(args: argparse.Namespace) -> None:
     """RUN from the positional or from --checkpoint (then a lone positional is OUT)."""
     if args.checkpoint is None:
         if args.run_dir is None:
-            raise ConfigError("export needs RUN: a run directory, a checkpoint or a ternary file")
+            raise ConfigError(
+                "export needs RUN, a run directory, a checkpoint or a ternary file: give it "
+                "as RUN or --checkpoint RUN"
+            )
         return
     if args.out is not None:
         raise ConfigError(

@@ -56,9 +56,6 @@ def nearest_key(table: str, name: str) -> str | None:
     path; None when nothing is near."""
     keys = config_keys()
     if not table:
-        named = [k for k in keys if "." not in name and _leaf(k) == name]
-        if named:  # a section's key given without its section: max_steps -> training.max_steps
-            return min(named, key=lambda k: k.count("."))
         dotted = [k for k in keys if "." in name and k.count(".") == name.count(".")]
         close = difflib.get_close_matches(name, dotted, n=1, cutoff=_ELSEWHERE_CUTOFF)
         if close:
@@ -75,6 +72,22 @@ def nearest_key(table: str, name: str) -> str | None:
     leaves = {_leaf(k): k for k in reversed(keys)}  # a name's first key wins
     close = difflib.get_close_matches(name, leaves, n=1, cutoff=_ELSEWHERE_CUTOFF)
     return leaves[close[0]] if close else None
+
+
+def keys_named(name: str) -> list[str]:
+    """The keys whose last part is `name`, shallowest first, leaving out keys inside lists
+    (``[]``), which no --set reaches: where a key given without its section belongs
+    (``max_steps`` -> ``training.max_steps``; ``schedule`` -> ``optimizer.schedule``,
+    ``parallel.schedule``)."""
+    named = [k for k in config_keys() if "[]" not in k and _leaf(k) == name]
+    return sorted(named, key=lambda k: k.count("."))
+
+
+def sectionless_hint(name: str) -> str:
+    """' (did you mean 'training.max_steps'?)' for a key given without its section, every
+    such key named when several sections hold one of that name; '' when none does."""
+    named = keys_named(name)
+    return f" (did you mean {' or '.join(repr(k) for k in named)}?)" if named else ""
 
 
 def key_hint(table: str, name: str) -> str:
@@ -112,7 +125,8 @@ def check_keys(data: Mapping[str, Any], label: str = "") -> None:
     try:
         for section, table in data.items():
             if section not in SECTIONS:
-                raise ConfigError(f"unknown section {section!r}{key_hint('', section)}")
+                hint = sectionless_hint(section) or key_hint("", section)
+                raise ConfigError(f"unknown section {section!r}{hint}")
             if isinstance(table, Mapping):
                 _check_table(SECTIONS[section], table, section, section)
     except ConfigError as exc:

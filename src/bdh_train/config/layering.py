@@ -29,7 +29,7 @@ from typing import Any
 
 import tomli_w
 
-from bdh_train.config.keys import check_keys, key_hint
+from bdh_train.config.keys import check_keys, key_hint, sectionless_hint
 from bdh_train.config.schema import SECTIONS, RunConfig
 from bdh_train.data.layout import prepared_directory
 from bdh_train.data.prepared import corpus_tokenizer
@@ -202,7 +202,7 @@ def parse_override(item: str) -> dict[str, Any]:
     if len(keys) < 2 or not all(keys):
         raise ConfigError(
             f"--set {item!r}: the key must be a dotted path like section.key, got "
-            f"{path.strip()!r}{key_hint('', path.strip())}"
+            f"{path.strip()!r}{sectionless_hint(keys[0]) if len(keys) == 1 else ''}"
         )
     _check_override_path(keys, item)
     value: Any = _parse_value(raw)

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bdh_train.errors import BDHTrainError
+from bdh_train.errors import BDHTrainError, ConfigError
 
 
 def resolve_device(name: str) -> torch.device:
@@ -27,7 +27,13 @@ def resolve_device(name: str) -> torch.device:
 
 def launch_world_size() -> int:
     """The processes of the torchrun launch this process belongs to (WORLD_SIZE); 1 alone."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    value = os.environ.get("WORLD_SIZE", "1")
+    if not value.strip().isdigit():
+        raise ConfigError(
+            f"WORLD_SIZE={value!r} in the environment is not a process count: torchrun sets it "
+            "to a positive integer; unset it to run one process"
+        )
+    return int(value)
 
 
 @dataclass

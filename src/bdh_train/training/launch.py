@@ -51,7 +51,7 @@ def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
     latest checkpoint given a --run-dir other than RESUME: RESUME is left as it is. Nothing
     is ever written inside a checkpoint."""
     if resume is None:
-        if run_dir is None and launch_world_size() > 1:
+        if not run_dir and launch_world_size() > 1:
             raise ConfigError(
                 f"a launch of {launch_world_size()} processes needs --run-dir: each process "
                 "would name its own runs/<date>-<time> directory from its own clock; give "

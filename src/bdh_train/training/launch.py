@@ -43,7 +43,8 @@ class TrainPlan:
 def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
     """`bdh-train train [--run-dir RUN_DIR] [--resume [RESUME]]`.
 
-    Without --resume, a fresh run in RUN_DIR (default runs/<date>-<time>). With --resume
+    Without --resume, a fresh run in RUN_DIR (default runs/<date>-<time>, which each process
+    of a torchrun launch would stamp from its own clock: there RUN_DIR is required). With --resume
     RESUME (a bare --resume: RUN_DIR), RESUME is a run directory (or its checkpoints/),
     continued from its latest checkpoint, or a checkpoint directory. A checkpoint continues
     the run it belongs to when it is that run's newest checkpoint; otherwise, or given a

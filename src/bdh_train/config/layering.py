@@ -327,7 +327,7 @@ def _refuse_a_moved_corpus(saved: RunConfig, cfg: RunConfig, where: Path) -> Non
     """ConfigError when the corpus the run's config names (and the resume does not rename)
     is no longer there: it says how to name where it went."""
     source = saved.data.source
-    if source != cfg.data.source or saved.data.is_generated or source.startswith(BUILTIN_PREFIX):
+    if source != cfg.data.source or not saved.data.is_a_path:
         return
     if not Path(source).exists():
         raise ConfigError(

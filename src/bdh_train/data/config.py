@@ -172,9 +172,15 @@ class DataConfig:
         """The source as a run stores it: a filesystem path made absolute (``~`` expanded),
         so the run's config reads the same data from any working directory; builtin and
         generated names unchanged."""
-        if self.source in GENERATED_SOURCES or self.source.startswith(BUILTIN_PREFIX):
+        if not self.is_a_path:
             return self.source
         return os.path.abspath(os.path.expanduser(self.source))
+
+    @property
+    def is_a_path(self) -> bool:
+        """Whether the source names a file or directory (not a builtin corpus or a generated
+        source)."""
+        return not (self.is_generated or self.source.startswith(BUILTIN_PREFIX))
 
     @property
     def is_byte_text(self) -> bool:

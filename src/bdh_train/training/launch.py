@@ -52,9 +52,10 @@ def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
     latest checkpoint given a --run-dir other than RESUME: RESUME is left as it is. Nothing
     is ever written inside a checkpoint."""
     if resume is None:
-        if not run_dir and launch_world_size() > 1:
+        processes = launch_world_size()
+        if not run_dir and processes > 1:
             raise ConfigError(
-                f"a launch of {launch_world_size()} processes needs --run-dir: each process "
+                f"a launch of {processes} processes needs --run-dir: each process "
                 "would name its own runs/<date>-<time> directory from its own clock; give "
                 "every process the same --run-dir DIR"
             )

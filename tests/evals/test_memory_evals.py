@@ -7,9 +7,9 @@
   gives the same window, carried and reset numbers; a real one matches one call per reading;
 - passkey: prompts of exactly L tokens with the needle where the depth says; an oracle that
   reads the needle answers every cell, one that sees only the prompt's end only depth 1;
-- the command: the files it writes, and its refusals (no text tokenizer, a length that does
-  not fit in memory, a length not a multiple of the block, pairs that do not fit a recall
-  example) as one line with nothing written.
+- the command: the files it writes (without --out, into evals/<the model's name>), and its
+  refusals (no text tokenizer, a length that does not fit in memory, a length not a multiple
+  of the block, pairs that do not fit a recall example) as one line with nothing written.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import math
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ from bdh_train.evals import context as memory
 from bdh_train.evals import passkey, scoring
 from bdh_train.evals.measures import MemoryEvals
 from bdh_train.shared import loading
+from bdh_train.storage.places import results_dir
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +209,29 @@ def test_the_command_writes_each_measure(byte_run, tmp_path, capsys):
     assert grid["lengths"] == [100, 140] and grid["depths"] == [0.0, 1.0]
     assert all(0.0 <= a <= 1.0 for row in grid["accuracy"] for a in row)
     assert (out / "passkey.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_without_out_each_model_writes_into_its_own_folder(byte_run, tmp_path, capsys, monkeypatch):
+    """No --out: evals/<run> for a run, evals/<run>-<checkpoint> for one of its checkpoints,
+    evals/<stem> for a file, under the working directory; so a second model evaluated there
+    is not refused for the first one's files."""
+    monkeypatch.chdir(tmp_path)
+    step = sorted((byte_run / "checkpoints").glob("step-*"))[-1]
+    argv = ["eval", "--device", "cpu", "--context-curve", *SMALL]
+    assert main([*argv, "--checkpoint", str(byte_run)]) == 0
+    assert main([*argv, "--checkpoint", str(step)]) == 0
+    printed = capsys.readouterr().out
+    folders = [Path("evals", byte_run.name), Path("evals", f"{byte_run.name}-{step.name}")]
+    for folder in folders:
+        assert f"wrote {folder / 'context_curve.json'}" in printed, printed
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "context_curve.json",
+            "context_curve.png",
+        ]
+    assert sorted(Path("evals").iterdir()) == sorted(folders)
+    export = tmp_path / "tiny.ternary"
+    export.write_bytes(b"")
+    assert results_dir(export) == Path("evals", "tiny")
 
 
 def test_the_smoke_test_cap_bounds_each_measure(byte_run, tmp_path, capsys, monkeypatch):

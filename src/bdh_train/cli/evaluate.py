@@ -93,7 +93,12 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
         help="tokens per example (default: 1, 2, 4 x data.mqar.length)",
     )
     g.add_argument("--recall-examples", type=int, default=32, help="examples per grid cell")
-    g.add_argument("--out", default=".", metavar="DIR", help="where the JSON and PNG files go")
+    g.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="where the JSON and PNG files go (default: evals/RUN_NAME in the working directory)",
+    )
     g.add_argument("--force", action="store_true", help="replace earlier result files in --out DIR")
 
 
@@ -138,6 +143,7 @@ def _memory_evals(args: argparse.Namespace) -> int:
     """eval --context-curve / --retention / --passkey / --recall: each option checked before
     loading."""
     from bdh_train.evals.measures import MemoryEvals, run_memory_evals
+    from bdh_train.storage.places import results_dir
 
     options = MemoryEvals(
         context_curve=args.context_curve,
@@ -153,7 +159,7 @@ def _memory_evals(args: argparse.Namespace) -> int:
         recall_pairs=args.recall_pairs,
         recall_lengths=args.recall_lengths,
         recall_examples=args.recall_examples,
-        out=Path(args.out),
+        out=results_dir(args.checkpoint) if args.out is None else Path(args.out),
         force=args.force,
     )
     options.check()

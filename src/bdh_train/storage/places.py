@@ -42,6 +42,9 @@ MODEL_CONFIG_KEY = "bdh_config"
 """The key of the model's config (JSON) in model.safetensors' metadata."""
 MANIFEST = "manifest.json"
 """SHA-256 and size of every other file of a checkpoint, written last, checked on load."""
+EVALS_DIR = "evals"
+"""The folder under the working directory where `eval` writes a model's measures by default:
+one folder a model (`results_dir`)."""
 
 
 def is_run_dir(path: Path) -> bool:
@@ -75,3 +78,17 @@ def guarded_place(path: Path) -> str | None:
                 part = above / first
                 return f"{'inside ' if part != path else ''}{part}, a part of the run {above}"
     return None
+
+
+def results_dir(checkpoint: str | Path) -> Path:
+    """evals/<name>: where `eval` writes the measures of the model at `checkpoint` unless told
+    (--out). The name is the run directory's (evals/demo); for a checkpoint inside a run's
+    checkpoints/ folder, the run's and the checkpoint's (evals/demo-step_000300); for a file
+    (a ternary export), its name without the suffix. So two models evaluated from one
+    working directory never write into each other's folder."""
+    path = Path(checkpoint).resolve()
+    if path.parent.name == CHECKPOINTS:
+        name = f"{path.parent.parent.name}-{path.name}"
+    else:
+        name = path.stem if path.is_file() else path.name
+    return Path(EVALS_DIR) / name

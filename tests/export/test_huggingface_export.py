@@ -10,7 +10,7 @@ seconds) over seven exports: a trained byte run (rope), the same run grown to tw
 rope table is no longer the one computed from N), and five ternary exports built here,
 one alibi_learned with an affine norm and a BPE, one alibi and one alibi_spread quantizing the
 decoder only, and two under the token shift (`model.token_shift`), one rope quantizing the
-decoder only and one alibi quantizing the encoder only (its int8 rounding reads the shifted
+decoder only and one alibi_slow quantizing the encoder only (its int8 rounding reads the shifted
 input; the paper's names, which `quant.target_modules` takes, swap encoder and decoder)."""
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ README_TEXTS = ["ROMEO:", "To be"]
 """The texts of the README's transformers example."""
 BLOCK = 16  # training.block_size of MICRO
 WINDOWS = 3
-SHIFTED = [("shift", 4, "rope", "encoder"), ("shift_alibi", 5, "alibi", "decoder_x")]
+SHIFTED = [("shift", 4, "rope", "encoder"), ("shift_alibi", 5, "alibi_slow", "decoder_x")]
 """The token-shift exports: name, seed, position, the one quantized projection (the paper's
 name: 'encoder' is BDH's decoder, 'decoder_x' BDH's encoder)."""
 SHIFTS = [name for name, *_ in SHIFTED]

@@ -34,6 +34,7 @@ CASES = [
     (torch.float64, "alibi", {}),
     (torch.float64, "alibi_learned", {}),
     (torch.float64, "alibi_spread", {}),
+    (torch.float64, "alibi_slow", {}),
 ]
 
 

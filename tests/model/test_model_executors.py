@@ -31,7 +31,9 @@ def run(model, idx, targets, executor, chunk_size, warm_state):
     return hidden.detach(), loss.detach(), [r.detach() for r in state.rho], grads
 
 
-@pytest.mark.parametrize("position", ["rope", "alibi", "alibi_learned", "alibi_spread"])
+@pytest.mark.parametrize(
+    "position", ["rope", "alibi", "alibi_learned", "alibi_spread", "alibi_slow"]
+)
 @pytest.mark.parametrize("warm_state", [False, True])
 @pytest.mark.parametrize("chunk_size", [1, 3, 4, 11])
 def test_executors_agree_fp32(position, warm_state, chunk_size):

@@ -38,6 +38,8 @@ def spec_reference(
     rate = 2.0 ** (-torch.arange(H, dtype=torch.float64) / H)
     if position == "alibi_spread":  # ALiBi's slopes 2^(-8(h+1)/H): for H = 2, 1/16 and 1/256
         rate = torch.tensor([1 / 16, 1 / 256], dtype=torch.float64)
+    if position == "alibi_slow":  # alibi's first head, the last one's rate 1/16
+        rate = torch.tensor([1.0, 1 / 16], dtype=torch.float64)
     if position == "alibi_learned":  # each head's rate times exp(its learned gain)
         rate = rate * torch.exp(weights["decay_log_gain"].double())
     decay = torch.exp(-rate)
@@ -64,7 +66,9 @@ def spec_reference(
     return logits, rho
 
 
-@pytest.mark.parametrize("position", ["rope", "alibi", "alibi_learned", "alibi_spread"])
+@pytest.mark.parametrize(
+    "position", ["rope", "alibi", "alibi_learned", "alibi_spread", "alibi_slow"]
+)
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_model_matches_spec_reference_fp64(position, executor):
     model = tiny_model(torch.float64, position=position, executor=executor, chunk_size=3)
@@ -104,3 +108,12 @@ def test_alibi_spread_decays_at_alibis_slopes():
     assert official is not None
     assert torch.equal(official, -(2.0 ** -(torch.arange(4, dtype=torch.float64) / 4)))
     assert position_log_decay("rope", 4) is None
+
+
+def test_alibi_slow_keeps_alibis_rates_but_the_last_heads():
+    """For H = 4: alibi's 2^(-h/H) for h = 0, 1, 2, and 1/16 for the last head (1/e of a
+    token's weight left after 16 tokens), exact in float64."""
+    slow = position_log_decay("alibi_slow", 4)
+    assert slow is not None and slow.dtype == torch.float64
+    rates = [1.0, 2.0**-0.25, 2.0**-0.5, 1 / 16]
+    assert torch.equal(slow, -torch.tensor(rates, dtype=torch.float64))

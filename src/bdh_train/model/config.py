@@ -12,7 +12,7 @@ from bdh_train.errors import ConfigError
 from bdh_train.model import mixer
 from bdh_train.utils import build_dataclass
 
-POSITIONS = ("rope", "alibi", "alibi_learned", "alibi_spread")
+POSITIONS = ("rope", "alibi", "alibi_learned", "alibi_spread", "alibi_slow")
 NORMS = ("layernorm", "layernorm_affine")
 EXECUTORS = ("auto", *mixer.EXECUTORS)
 WEIGHT_FORMATS = ("ternary158", "ternary_threshold", "int8")
@@ -214,8 +214,9 @@ class BDHConfig:
     position: str = "rope"
     """'rope' (rotated queries), 'alibi' (fixed per-head state decay, burn_dragon's rates
     2^(-h/H): memories of one or two tokens), 'alibi_learned' (the same decay, each head's rate
-    a parameter starting at alibi's) or 'alibi_spread' (fixed decay at ALiBi's own rates
-    2^(-8(h+1)/H): for 4 heads, memories of 4, 16, 64 and 256 tokens)."""
+    a parameter starting at alibi's), 'alibi_spread' (fixed decay at ALiBi's own rates
+    2^(-8(h+1)/H): for 4 heads, memories of 4, 16, 64 and 256 tokens) or 'alibi_slow'
+    (alibi's rates on every head but the last, which remembers 16 tokens: rate 1/16)."""
     token_shift: bool = False
     """The encoder reads each token's layer input plus the previous token's (u_t + u_{t-1};
     zero before a document's first token), so a neuron can fire for a token pair: what

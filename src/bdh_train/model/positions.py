@@ -3,7 +3,8 @@
 rope rotates the queries (= keys) by absolute position, so the carried state must remember
 where each row is; alibi decays the state per head and per token, which needs no position;
 alibi_learned is alibi with each head's decay rate learned; alibi_spread decays it at ALiBi's
-own rates, spread from a few tokens' memory to hundreds.
+own rates, spread from a few tokens' memory to hundreds; alibi_slow keeps alibi's rates on
+every head but the last, which remembers SLOW_HEAD_TOKENS tokens.
 """
 
 from __future__ import annotations
@@ -177,6 +178,19 @@ def alibi_spread_log_decay(n_head: int) -> torch.Tensor:
     return -(2.0 ** (-8.0 * (h + 1) / n_head))
 
 
+SLOW_HEAD_TOKENS = 16
+"""alibi_slow's last head: its rate is 1 / SLOW_HEAD_TOKENS, so a token's weight in its
+state falls to 1/e after this many tokens (alibi's heads forget it within two)."""
+
+
+def alibi_slow_log_decay(n_head: int) -> torch.Tensor:
+    """alibi's log-decays -2^(-h/H) for heads 0..H-2, and -1/SLOW_HEAD_TOKENS for the last:
+    for H = 4, memories of 1, 1.2, 1.4 and 16 tokens."""
+    log_decay = alibi_log_decay(n_head)
+    log_decay[-1] = -1.0 / SLOW_HEAD_TOKENS
+    return log_decay
+
+
 def learned_alibi_log_decay(log_gain: torch.Tensor) -> torch.Tensor:
     """log d_h = -slope_h * exp(log_gain_h) in float64, for the per-head gains [H].
 
@@ -201,4 +215,6 @@ def position_log_decay(
         return learned_alibi_log_decay(log_gain)
     if position == "alibi_spread":
         return alibi_spread_log_decay(n_head)
+    if position == "alibi_slow":
+        return alibi_slow_log_decay(n_head)
     return alibi_log_decay(n_head)

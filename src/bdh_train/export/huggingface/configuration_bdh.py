@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-POSITIONS = ("rope", "alibi", "alibi_learned", "alibi_spread")
+POSITIONS = ("rope", "alibi", "alibi_learned", "alibi_spread", "alibi_slow")
 NORMS = ("layernorm", "layernorm_affine")
 PROJECTIONS = ("encoder", "encoder_v", "decoder")
 

@@ -226,8 +226,8 @@ class BDHModel(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), eps=self.config.norm_eps)
 
     def _log_decay(self) -> torch.Tensor | None:
-        """Each head's log d [H] in float64: -2^(-h/H) (alibi_spread: -2^(-8(h+1)/H)), times
-        exp(gain) when learned."""
+        """Each head's log d [H] in float64: -2^(-h/H) (alibi_spread: -2^(-8(h+1)/H);
+        alibi_slow: the last head's -1/16), times exp(gain) when learned."""
         position = self.config.position
         if position == "rope":
             return None
@@ -235,6 +235,8 @@ class BDHModel(nn.Module):
         if position == "alibi_spread":
             return -(2.0 ** (-8.0 * (h + 1) / self.config.n_head))
         log_decay = -(2.0 ** (-h / self.config.n_head))
+        if position == "alibi_slow":
+            log_decay[-1] = -1.0 / 16
         if position == "alibi_learned":
             log_decay = log_decay * torch.exp(self.decay_log_gain.to(torch.float64))
         return log_decay

@@ -89,7 +89,7 @@ def test_inspect_writes_the_report_and_its_numbers(report):
     graphml = [f"hubs_G{k}_head{h}.graphml" for k in "xy" for h in (0, 1)]
     assert names == sorted(["inspect.json", "report.html", *graphml])
     numbers = json.loads((report / "inspect.json").read_text())
-    assert numbers["tokens"] == 300 and numbers["position"] == "alibi"  # the preset's
+    assert numbers["tokens"] == 300 and numbers["position"] == "alibi_slow"  # the preset's
     sparsity = numbers["sparsity"]
     for key in ("x", "y", "xy", "dead", "always_on"):
         layers = [layer[key] for layer in sparsity["layers"]]

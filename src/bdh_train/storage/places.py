@@ -83,7 +83,7 @@ def guarded_place(path: Path) -> str | None:
 def results_dir(checkpoint: str | Path) -> Path:
     """evals/<name>: where `eval` writes the measures of the model at `checkpoint` unless told
     (--out). The name is the run directory's (evals/demo); for a checkpoint inside a run's
-    checkpoints/ folder, the run's and the checkpoint's (evals/demo-step_000300); for a file
+    checkpoints/ folder, the run's and the checkpoint's (evals/demo-step-0000300); for a file
     (a ternary export), its name without the suffix. So two models evaluated from one
     working directory never write into each other's folder."""
     path = Path(checkpoint).resolve()

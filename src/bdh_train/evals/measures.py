@@ -60,6 +60,8 @@ class MemoryEvals:
     """Tokens per example (default: data.mqar.length times RECALL_LENGTHS)."""
     recall_examples: int = 32
     out: Path = Path(".")
+    """Where the files go; `bdh-train eval` passes --out, else `storage.places.results_dir`'s
+    folder for the model (evals/<run>)."""
     force: bool = False
     """Replace result files an earlier run left in `out` (only regular files)."""
 

@@ -1127,47 +1127,68 @@ def test_the_chunk_states_follow_the_device_choice(monkeypatch, by_product):
 
 # ------------------------------------------------------------------ the decay horizon
 STEEP = torch.tensor([-12.0, -10.0], dtype=torch.float64)
-"""Two heads whose state forgets within a few tokens: a decay horizon of 6 tokens in float32
-and 37 in float64 (`decay_horizon`), both shorter than EDGE_T."""
+"""Two heads whose state forgets within a few tokens: decay horizons of 5 and 6 tokens in
+float32 and 31 and 37 in float64 (`decay_horizons`), all shorter than EDGE_T."""
+MIXED = torch.tensor([-10.0, -0.05], dtype=torch.float64)
+"""A fast head (horizon 6 in float32) beside a slow one whose horizon (875 in float32) is
+longer than EDGE_T, as alibi_slow's three fast heads beside its slow one: the fast head reads
+and writes the state at the call's edges, the slow one with every token."""
+SPREAD = torch.tensor([-12.0, -0.05, -10.0, -0.04], dtype=torch.float64)
+"""Fast and slow heads taken in turn: two horizons within EDGE_T (5 and 6 in float32), read
+and written as far as the larger, and two past it, between fast ones."""
 EDGE_T = 48
 
 
-def test_the_decay_horizon_is_where_decay_powers_turn_zero():
+def test_each_head_s_decay_horizon_is_where_its_decay_powers_turn_zero():
     """By hand: float32's threshold is sqrt(tiny) = 1.0842e-19, ln(1 / it) = 43.668; alibi's
-    slowest head (H = 4) decays at 2^(-3/4) = 0.59460 a token, so its powers fall below the
-    threshold past 43.668 / 0.59460 = 73.44 tokens: floor + 2 = 75. Float64's threshold
-    1.4917e-154 gives 354.16 / 0.59460 = 595.6, so 597."""
+    heads (H = 4) decay at rates 2^(-h/4) = 1, 0.84090, 0.70711, 0.59460 a token, so their
+    powers fall below the threshold past 43.668 / rate = 43.67, 51.93, 61.76, 73.44 tokens:
+    floor + 2 = 45, 53, 63, 75. Float64's threshold 1.4917e-154 gives 354.16 / 0.59460 =
+    595.6 for the slowest, so 597. alibi_slow's last head (rate 1/16): 698.7, so 700."""
     alibi = positions.alibi_log_decay(4)
-    assert positions.decay_horizon(alibi, torch.float32) == 75
-    assert positions.decay_horizon(alibi, torch.float64) == 597
-    assert positions.decay_horizon(alibi, torch.bfloat16) == 75  # powers taken as float32's
-    assert positions.decay_horizon(torch.tensor([-1.0, 0.0]), torch.float32) is None
-    for log_decay in (alibi, STEEP, LOG_DECAY):
+    assert positions.decay_horizons(alibi, torch.float32) == [45, 53, 63, 75]
+    assert positions.decay_horizons(alibi, torch.float64)[-1] == 597
+    assert positions.decay_horizons(alibi, torch.bfloat16) == [45, 53, 63, 75]  # as float32's
+    slow = positions.alibi_slow_log_decay(4)
+    assert positions.decay_horizons(slow, torch.float32) == [45, 53, 63, 700]
+    assert positions.decay_horizons(torch.tensor([-1.0, 0.0]), torch.float32) == [45, None]
+    for log_decay in (alibi, slow, STEEP, MIXED, LOG_DECAY):
         for dtype in (torch.float32, torch.float64):
-            w = positions.decay_horizon(log_decay, dtype)
-            assert w is not None
+            horizons = positions.decay_horizons(log_decay, dtype)
             powers = positions.decay_powers(
-                log_decay, torch.arange(w + 40), torch.ones(1, dtype=dtype)
+                log_decay,
+                torch.arange(max(h for h in horizons if h) + 40),
+                torch.ones(1, dtype=dtype),
             )
-            assert not powers[:, w:].any()  # from the horizon on, every power is 0
-            assert powers[:, w - 2].any()  # and it is no more than 2 past the last kept one
+            for head, w in enumerate(horizons):
+                assert w is not None
+                assert not powers[head, w:].any()  # from its horizon on, every power is 0
+                assert powers[head, w - 2] > 0  # and it is no more than 2 past the last kept one
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("resets", ["none", "documents", "inside"])
-@pytest.mark.parametrize(("with_state", "final"), [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    ("with_state", "final"), [("grad", True), ("grad", False), ("detached", True), (None, True)]
+)
+@pytest.mark.parametrize("log_decay", [STEEP, MIXED, SPREAD], ids=["steep", "mixed", "spread"])
 def test_reading_and_writing_the_state_at_its_edges_equals_the_whole_call(
-    monkeypatch, dtype, resets, with_state, final
+    monkeypatch, dtype, resets, with_state, final, log_decay
 ):
     """A call past the decay horizon reads its incoming state with its first tokens only and
     writes its final state from its last ones only (`linear_attention`'s shortcut for dense
     calls); outputs, final states and every gradient equal the whole call (the slow twin:
     `dense_attention` called directly), in float32 to 1e-6 and in float64 to 1e-12. Resets at the
-    start of rows (streamed documents) and inside them are applied to both edges."""
+    start of rows (streamed documents) and inside them are applied to both edges. With MIXED
+    and SPREAD, heads whose horizon reaches past the call read and write with every token.
+    The incoming state with and without a gradient (TBPTT carries it detached)."""
     torch.manual_seed(7)
-    q = torch.randn(B, 2, EDGE_T, N, dtype=dtype).relu().requires_grad_()
+    heads = log_decay.shape[0]
+    q = torch.randn(B, heads, EDGE_T, N, dtype=dtype).relu().requires_grad_()
     v = torch.randn(B, 1, EDGE_T, D, dtype=dtype, requires_grad=True)
-    rho0 = torch.randn(B, 2, N, D, dtype=dtype, requires_grad=True) if with_state else None
+    rho0 = None
+    if with_state is not None:
+        rho0 = torch.randn(B, heads, N, D, dtype=dtype, requires_grad=with_state == "grad")
     mask = None
     if resets != "none":
         mask = torch.zeros(B, EDGE_T, dtype=torch.bool)
@@ -1183,12 +1204,14 @@ def test_reading_and_writing_the_state_at_its_edges_equals_the_whole_call(
         return whole(*args, **kwargs)
 
     monkeypatch.setitem(EXECUTOR_FUNCTIONS, "dense", spy)
-    kwargs = dict(initial_state=rho0, log_decay=STEEP, output_final_state=final, reset_mask=mask)
+    kwargs = dict(
+        initial_state=rho0, log_decay=log_decay, output_final_state=final, reset_mask=mask
+    )
     fast = linear_attention(q, v, executor="dense", **kwargs)
     slow = whole(q, v, **kwargs)
     assert seen == [None]  # the executor ran the call's own tokens only
     tol = 1e-6 if dtype == torch.float32 else 1e-12
-    inputs = [t for t in (q, v, rho0) if t is not None]
+    inputs = [t for t in (q, v, rho0) if t is not None and t.requires_grad]
     up_out = torch.randn_like(slow[0])
     up_state = None if slow[1] is None else torch.randn_like(slow[1])
     results = []
@@ -1201,19 +1224,24 @@ def test_reading_and_writing_the_state_at_its_edges_equals_the_whole_call(
         assert_close(got, want, rtol=tol)
 
 
-def test_the_shortcut_is_taken_only_for_a_fixed_decay_past_its_horizon():
+def test_the_shortcut_is_taken_only_for_a_fixed_decay_past_some_head_s_horizon():
     q = torch.zeros(1, 2, EDGE_T, N)
     rho0 = torch.zeros(1, 2, N, D)
     learned = STEEP.clone().requires_grad_()
-    assert mixer.state_horizon(q, STEEP, "dense", rho0, True) == 6
-    assert mixer.state_horizon(q, STEEP, "dense", None, True) == 6
-    assert mixer.state_horizon(q, STEEP, "chunked", rho0, True) is None  # its chunks' states
-    assert mixer.state_horizon(q, STEEP, "dense", None, False) is None  # no state to read or write
-    assert mixer.state_horizon(q, STEEP, "recurrent", rho0, True) is None
-    assert mixer.state_horizon(q, None, "dense", rho0, True) is None  # rope: no decay
-    assert mixer.state_horizon(q, learned, "dense", rho0, True) is None  # a learned decay
-    assert mixer.state_horizon(q[:, :, :6], STEEP, "dense", rho0, True) is None  # within it
-    assert mixer.state_horizon(q[:, :, :7], STEEP, "dense", rho0, True) == 6
+    assert mixer.state_horizons(q, STEEP, "dense", rho0, True) == (5, 6)
+    assert mixer.state_horizons(q, STEEP, "dense", None, True) == (5, 6)
+    assert mixer.state_horizons(q, MIXED, "dense", rho0, True) == (6, EDGE_T)  # capped at T
+    no_decay = torch.tensor([-10.0, 0.0], dtype=torch.float64)
+    assert mixer.state_horizons(q, no_decay, "dense", rho0, True) == (6, EDGE_T)
+    assert mixer.state_horizons(q, STEEP, "chunked", rho0, True) is None  # its chunks' states
+    assert mixer.state_horizons(q, STEEP, "dense", None, False) is None  # no state to touch
+    assert mixer.state_horizons(q, STEEP, "recurrent", rho0, True) is None
+    assert mixer.state_horizons(q, None, "dense", rho0, True) is None  # rope: no decay
+    assert mixer.state_horizons(q, learned, "dense", rho0, True) is None  # a learned decay
+    assert mixer.state_horizons(q[:, :, :5], STEEP, "dense", rho0, True) is None  # within all
+    assert mixer.state_horizons(q[:, :, :6], STEEP, "dense", rho0, True) == (5, 6)
+    slow = positions.alibi_slow_log_decay(2)  # the slow head only past the call: nothing saved
+    assert mixer.state_horizons(q, slow[1:], "dense", rho0, True) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
@@ -1222,7 +1250,7 @@ def test_the_edges_keep_every_power_the_whole_call_keeps(dtype):
     incoming state's read alone, down to the slowest head's last power above the threshold
     (e^-40 of the first in float32, two tokens before the horizon); with one value, at that
     power's distance from the end, the final state is that token's write alone."""
-    w = positions.decay_horizon(STEEP, dtype)
+    w = positions.decay_horizons(STEEP, dtype)[1]  # the slower head's
     assert w is not None
     q = torch.rand(B, 2, EDGE_T, N, dtype=dtype) + 0.5
     rho0 = torch.rand(B, 2, N, D, dtype=dtype) + 0.5

@@ -34,9 +34,10 @@ Every executor has the same keyword signature,
 
 With output_final_state=False, dense and chunked skip the final state's computation and
 return None for it. `linear_attention` dispatches by name through EXECUTOR_FUNCTIONS; under
-a fixed decay whose powers are all 0 past a horizon shorter than the call, it runs a dense
-call over the call's own tokens and reads and writes the state at the call's edges only
-(`_with_state_edges`), which gives what the whole call gives.
+a fixed decay where some head's powers are all 0 past a horizon shorter than the call, it
+runs a dense call over the call's own tokens and reads and writes each head's state at the
+call's edges only, as far as that head's horizon (`_with_state_edges`), which gives what the
+whole call gives.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from torch import Tensor
 
 from bdh_train.model.chunked_grad import chunked_attention_function
 from bdh_train.model.matmul import is_heads_major
-from bdh_train.model.positions import decay_horizon, decay_powers
+from bdh_train.model.positions import decay_horizons, decay_powers
+from bdh_train.model.state_edges import state_carried, state_edges, state_read, state_written
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -246,51 +248,13 @@ def dense_attention(
         scores = scores.masked_fill_(hidden.unsqueeze(1), 0)
     out = scores @ v
     if rho is not None:
-        out = out + _state_read(q, rho, log_decay, segment)
+        out = out + state_read(q, rho, log_decay, segment)
     if not output_final_state:
         return out, None
-    new_rho = _state_written(q, v, log_decay, segment)
+    new_rho = state_written(q, v, log_decay, segment)
     if rho is not None:
-        carried = rho
-        if log_decay is not None:
-            total = torch.tensor([seq_len], device=q.device)
-            carried = rho * decay_powers(log_decay, total, q).view(1, -1, 1, 1)
-        if segment is not None:
-            carried = carried.masked_fill((segment[:, -1] != 0).view(-1, 1, 1, 1), 0)
-        new_rho = carried + new_rho
+        new_rho = state_carried(rho, log_decay, seq_len, segment) + new_rho
     return out, new_rho
-
-
-def _state_read(q: Tensor, rho: Tensor, log_decay: Tensor | None, segment: Tensor | None) -> Tensor:
-    """What a call's first n = q.shape[2] tokens read from its incoming state: d^t q_t.rho0
-    for t < n, 0 from a row's first reset on (`segment`: the call's `reset_segments`)."""
-    n = q.shape[2]
-    q_read = q
-    if log_decay is not None:
-        t = torch.arange(n, device=q.device)
-        q_read = q * decay_powers(log_decay, t, q).unsqueeze(-1)  # d^t, [H, n, 1]
-    from_rho = q_read @ rho
-    if segment is not None:  # only the tokens before the row's first reset read rho0
-        from_rho = from_rho.masked_fill((segment[:, :n] != 0).view(-1, 1, n, 1), 0)
-    return from_rho
-
-
-def _state_written(
-    q: Tensor, v: Tensor, log_decay: Tensor | None, segment: Tensor | None
-) -> Tensor:
-    """What a call's last n = q.shape[2] tokens (q, v: those tokens) write into its final
-    state: sum_s d^(T - s) q_s^T v_s, the row's last document only (`segment`: the call's
-    `reset_segments`)."""
-    n = q.shape[2]
-    q_write = q
-    if log_decay is not None:
-        remaining = n - torch.arange(n, device=q.device)  # T - s
-        q_write = q * decay_powers(log_decay, remaining, q).unsqueeze(-1)
-    v_write = v
-    if segment is not None:  # the final state holds the last document only
-        earlier = segment[:, segment.shape[1] - n :] != segment[:, -1:]
-        v_write = v.masked_fill(earlier.view(-1, 1, n, 1), 0)  # [B, 1, n, D]: cheaper than q
-    return q_write.transpose(-1, -2) @ v_write
 
 
 def chunked_attention(
@@ -508,10 +472,10 @@ def linear_attention(
     )
     if is_heads_major(q) and not runs_the_function:
         q = q.contiguous()  # only ChunkedAttention runs on the heads-major layout as it lies
-    horizon = state_horizon(q, log_decay, executor, initial_state, output_final_state)
-    if horizon is not None and log_decay is not None:
+    horizons = state_horizons(q, log_decay, executor, initial_state, output_final_state)
+    if horizons is not None and log_decay is not None:
         return _with_state_edges(
-            fn, q, v, initial_state, log_decay, chunk_size, output_final_state, reset_mask, horizon
+            fn, q, v, initial_state, log_decay, chunk_size, output_final_state, reset_mask, horizons
         )
     return fn(
         q,
@@ -524,25 +488,30 @@ def linear_attention(
     )
 
 
-def state_horizon(
+def state_horizons(
     q: Tensor,
     log_decay: Tensor | None,
     executor: str,
     initial_state: Tensor | None,
     output_final_state: bool,
-) -> int | None:
-    """The decay horizon (`decay_horizon`) where a dense call may read and write its state
-    at the edges only (`_with_state_edges`): a fixed decay whose powers are all 0 within the
-    call's length, a state to read or write, outside torch.compile; else None. A chunked
-    call computes every chunk's state anyway: with its calls given the edges too, the tiny
-    preset's streamed step at block 512 ran 0.93x as fast (the first run of
+) -> tuple[int, ...] | None:
+    """Each head's decay horizon (`decay_horizons`), capped at the call's length, where a
+    dense call may read and write its state at the edges only (`_with_state_edges`): a fixed
+    decay, some head's powers all 0 within the call, a state to read or write, outside
+    torch.compile; else None. A head whose horizon reaches past the call (alibi_slow's last
+    one) reads and writes with every token, the others with their first and last W_h only.
+    A chunked call computes every chunk's state anyway: with its calls given the edges too,
+    the tiny preset's streamed step at block 512 ran 0.93x as fast (the first run of
     `bench_state_edges.py`, docs/benchmarks.md)."""
     if log_decay is None or log_decay.requires_grad or executor != "dense":
         return None
     if (initial_state is None and not output_final_state) or torch.compiler.is_compiling():
         return None
-    horizon = decay_horizon(log_decay, q.dtype)
-    return horizon if horizon is not None and horizon < q.shape[2] else None
+    seq_len = q.shape[2]
+    horizons = tuple(
+        seq_len if w is None else min(w, seq_len) for w in decay_horizons(log_decay, q.dtype)
+    )
+    return horizons if min(horizons) < seq_len else None
 
 
 def _with_state_edges(
@@ -554,17 +523,14 @@ def _with_state_edges(
     chunk_size: int,
     output_final_state: bool,
     reset_mask: Tensor | None,
-    horizon: int,
+    horizons: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`fn` over the call's own tokens (no incoming state, no final state), then the incoming
-    state read by the first `horizon` tokens only and the final state written from the last
-    `horizon` only: `decay_powers` weighs every other read, every other write and the carried
-    d^T rho0 by exactly 0, so the whole call adds nothing more; skipping them saves N D
-    multiply-adds a token and head for the read and N D for the write on all but `horizon`
-    of the call's tokens. Resets as in the
-    executors: only tokens before a row's first reset read rho0, and the final state holds
-    the row's last document."""
-    seq_len, w = q.shape[2], horizon
+    """`fn` over the call's own tokens (no incoming state, no final state), then the state
+    terms at the call's edges (model/state_edges.py): `decay_powers` weighs every other read,
+    every other write and the carried d^T rho0 of a head by exactly 0 past its horizon
+    (`horizons`), so the whole call adds nothing more; skipping them saves N D multiply-adds a
+    token and head for the read and N D for the write on all but the largest horizon within
+    the call of its tokens, in the heads whose horizon falls within the call."""
     out, _ = fn(
         q,
         v,
@@ -575,10 +541,5 @@ def _with_state_edges(
         reset_mask=reset_mask,
     )
     segment = None if reset_mask is None else reset_segments(reset_mask.to(q.device))
-    if initial_state is not None:
-        read = _state_read(q[:, :, :w], initial_state, log_decay, segment)
-        out = torch.cat([out[:, :, :w] + read, out[:, :, w:]], dim=2)
-    if not output_final_state:
-        return out, None
-    tail = slice(seq_len - w, seq_len)
-    return out, _state_written(q[:, :, tail], v[:, :, tail], log_decay, segment)
+    final = output_final_state
+    return state_edges(out, q, v, initial_state, log_decay, segment, horizons, final)

@@ -152,16 +152,15 @@ def negligible_power(dtype: torch.dtype) -> float:
     return torch.finfo(torch.promote_types(dtype, torch.float32)).tiny ** 0.5
 
 
-def decay_horizon(log_decay: torch.Tensor, dtype: torch.dtype) -> int | None:
-    """The exponent W from which `decay_powers` gives 0 for every head of `log_decay` [H]
-    (a tensor of `dtype`): a token W or more positions back weighs nothing, and neither does
-    an incoming state W or more tokens into a call. None when some head does not decay.
-    Past floor(ln(1 / negligible) / r) + 1 the slowest head's rate r falls below the
-    threshold; one more exponent keeps the float64 rounding of the powers off that edge."""
-    rate = -float(log_decay.max())
-    if rate <= 0:
-        return None
-    return math.floor(math.log(1.0 / negligible_power(dtype)) / rate) + 2
+def decay_horizons(log_decay: torch.Tensor, dtype: torch.dtype) -> list[int | None]:
+    """Each head's exponent W_h from which `decay_powers` gives 0 for that head of
+    `log_decay` [H] (a tensor of `dtype`): a token W_h or more positions back weighs nothing
+    in head h, and neither does an incoming state W_h or more tokens into a call. None for a
+    head that does not decay. Past floor(ln(1 / negligible) / r) + 1 a head's rate r falls
+    below the threshold; one more exponent keeps the float64 rounding of the powers off that
+    edge."""
+    reach = math.log(1.0 / negligible_power(dtype))
+    return [math.floor(reach / -r) + 2 if r < 0 else None for r in log_decay.tolist()]
 
 
 def alibi_log_decay(n_head: int) -> torch.Tensor:

@@ -35,9 +35,8 @@ Every executor has the same keyword signature,
 With output_final_state=False, dense and chunked skip the final state's computation and
 return None for it. `linear_attention` dispatches by name through EXECUTOR_FUNCTIONS; under
 a fixed decay where some head's powers are all 0 past a horizon shorter than the call, it
-runs a dense call over the call's own tokens and reads and writes each head's state at the
-call's edges only, as far as that head's horizon (`_with_state_edges`), which gives what the
-whole call gives.
+runs a dense call over the call's own tokens and reads and writes the state of those heads at
+the call's edges only (`_with_state_edges`), which gives what the whole call gives.
 """
 
 from __future__ import annotations
@@ -499,7 +498,8 @@ def state_horizons(
     dense call may read and write its state at the edges only (`_with_state_edges`): a fixed
     decay, some head's powers all 0 within the call, a state to read or write, outside
     torch.compile; else None. A head whose horizon reaches past the call (alibi_slow's last
-    one) reads and writes with every token, the others with their first and last W_h only.
+    one) reads and writes with every token, the others with the first and last W tokens only,
+    W the largest horizon within the call.
     A chunked call computes every chunk's state anyway: with its calls given the edges too,
     the tiny preset's streamed step at block 512 ran 0.93x as fast (the first run of
     `bench_state_edges.py`, docs/benchmarks.md)."""

@@ -100,15 +100,17 @@ def state_edges(
     The heads are not split apart: every head takes the first W tokens in one read and the
     last W in one write, and the long heads alone (index_select) the rest. A head-sliced q is
     not one batch of matrices, so products on it copy it: with one read and one write a run
-    of heads (alibi_slow's three fast heads, then its slow one) the demo's step ran 1.03x the
-    whole call's speed, against 1.07x this way; a hand-written backward for these terms ran
-    at 1.00x (the same step, `bench_state_edges.py`'s model, 2026-12-07)."""
+    of heads (alibi_slow's three fast heads, then its slow one) the demo's step ran about
+    1.03x the whole call's speed, against 1.05-1.07x this way; a hand-written backward for
+    these terms ran at 1.00x (the same step, `bench_state_edges.py`'s model, 2026-12-07).
+    Without long heads (alibi) this is one read and one write of every head."""
     seq_len = q.shape[2]
     w, long_heads = edge_split(horizons, seq_len)
     rest = seq_len - w  # the tokens only the long heads read (the last) and write (the first)
-    index = torch.tensor(long_heads, dtype=torch.long, device=q.device)
-    q_long, decay_long = q.index_select(1, index), log_decay[long_heads]
-    rho_long = None if rho is None else rho.index_select(1, index)
+    if long_heads:  # taken out once: each index_select's backward fills a zeroed q-sized gradient
+        index = torch.tensor(long_heads, device=q.device)
+        q_long, decay_long = q.index_select(1, index), log_decay[long_heads]
+        rho_long = None if rho is None else rho.index_select(1, index)
     if rho is not None:
         tail = out[:, :, w:]
         if long_heads and rho_long is not None:

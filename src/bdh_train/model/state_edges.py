@@ -98,12 +98,13 @@ def state_edges(
     `final`: every head's first and last W tokens, the long heads' others (`edge_split`).
 
     The heads are not split apart: every head takes the first W tokens in one read and the
-    last W in one write, and the long heads alone (index_select) the rest. A head-sliced q is
-    not one batch of matrices, so products on it copy it: with one read and one write a run
-    of heads (alibi_slow's three fast heads, then its slow one) the demo's step ran about
-    1.03x the whole call's speed, against 1.05-1.07x this way; a hand-written backward for
-    these terms ran at 1.00x (the same step, `bench_state_edges.py`'s model, 2026-12-07).
-    Without long heads (alibi) this is one read and one write of every head."""
+    last W in one write, and the long heads alone (index_select) the rest; without long
+    heads (alibi) that is one read and one write of every head, as fast as before. A read
+    and a write for each run of heads (alibi_slow's three fast heads, then its slow one)
+    measured 1.03-1.06x the whole call's speed on the demo's step against 1.05-1.08x this
+    way, inside the runs' spread, but it splits q by heads (products over such a slice copy
+    it); the same terms as an autograd Function with a hand-written backward ran at 1.00x
+    (`bench_state_edges.py`'s model, 2026-12-07)."""
     seq_len = q.shape[2]
     w, long_heads = edge_split(horizons, seq_len)
     rest = seq_len - w  # the tokens only the long heads read (the last) and write (the first)

@@ -44,7 +44,9 @@ GPT of fewer layers is wider at equal size.
 
 `--bdh LABEL:KEY=VALUE,...` adds a BDH arm of the preset with those overrides (its optimizer
 is `optimizer.name` among them, else the first of `--optimizers`); `--no-preset-bdh` leaves
-out the preset's own BDH arms.
+out the preset's own BDH arms. `--gpt LABEL:KEY=VALUE,...` adds GPT arms of the preset's
+recipe with those overrides (model.dropout, optimizer.*), one per optimizer and depth, beside
+the plain ones: the baseline gets the tuning BDH gets.
 
 `--sweep` varies the BDH recipe one setting at a time (learning rate, warm-up, width against
 neurons at equal parameters, block, dropout, weight decay, batch) at short budgets, beside
@@ -348,28 +350,36 @@ def bdh_arm(
     return Arm(*made, *shape)
 
 
-def gpt_model(recipe: Recipe, target_params: int, layers: int = 0) -> GPT:
-    """The GPT of `recipe`'s heads and dropout, and its layers (or `layers`), whose width
-    gives the parameter count nearest `target_params`."""
-    m = recipe.config().model
+def gpt_model(recipe: Recipe, target_params: int, layers: int = 0, *changes: str) -> GPT:
+    """The GPT of `recipe`'s heads and dropout (with `changes`, overrides of the recipe), and
+    its layers (or `layers`), whose width gives the parameter count nearest `target_params`."""
+    m = recipe.config(*changes).model
     layers = layers or m.n_layer
     dim = gpt_width(m.vocab_size, layers, m.n_head, target_params)
     return GPT(m.vocab_size, layers, dim, m.n_head, m.dropout)
 
 
 def gpt_arm(
-    recipe: Recipe, optimizer: str, target_params: int, budget: float, layers: int = 0
+    recipe: Recipe,
+    optimizer: str,
+    target_params: int,
+    budget: float,
+    layers: int = 0,
+    changes: Sequence[str] = (),
+    label: str = "",
 ) -> Arm:
-    """GPT with `recipe`'s optimizer settings; 'muon' orthogonalises its block matrices.
-    `layers` (0: the recipe's n_layer) sets its depth, the width following for equal size."""
-    cfg = recipe.config(f"optimizer.name='{optimizer}'")
+    """GPT with `recipe`'s optimizer settings and `changes` (overrides such as model.dropout
+    or optimizer.lr; `label` names them); 'muon' orthogonalises its block matrices. `layers`
+    (0: the recipe's n_layer) sets its depth, the width following for equal size."""
+    sets = [*overridden(recipe, changes), f"optimizer.name='{optimizer}'"]
+    cfg = recipe.config(*sets)
     torch.manual_seed(cfg.training.seed)
-    model = gpt_model(recipe, target_params, layers)
+    model = gpt_model(recipe, target_params, layers, *sets)
     hidden = [n for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
     opt = cfg.optimizer.build(model, muon_names=hidden)
     t = cfg.training
     depth = f", {layers} layer{'s' if layers > 1 else ''}" if layers else ""
-    label = f"{recipe.preset}'s ({optimizer}){depth}"
+    label = f"{recipe.preset}'s ({optimizer}){depth}{f', {label}' if label else ''}"
     return Arm("GPT", label, model, opt, cfg.optimizer, t.block_size, t.batch_size, budget, t.seed)
 
 
@@ -576,6 +586,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="a BDH arm of the preset with these overrides (repeatable)",
     )
     parser.add_argument(
+        "--gpt",
+        action="append",
+        default=[],
+        metavar="LABEL:KEY=VALUE,...",
+        help="GPT arms with these overrides beside the plain ones, one per optimizer and depth "
+        "(repeatable)",
+    )
+    parser.add_argument(
         "--no-preset-bdh", action="store_true", help="only the --bdh arms of BDH (and the GPTs)"
     )
     parser.add_argument(
@@ -629,6 +647,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             baselines = optimizers[:1] if args.sweep else optimizers
             depths = args.gpt_layers or [0]
             arms += [gpt_arm(recipe, o, target, budget, n) for o in baselines for n in depths]
+            for spec in args.gpt:
+                label, _, sets = spec.partition(":")
+                changes = [c for c in sets.split(",") if c]
+                arms += [
+                    gpt_arm(recipe, o, target, budget, n, changes, label)
+                    for o in baselines
+                    for n in depths
+                ]
             load = os.getloadavg()[0]
             others = race(arms, train)
             report(

@@ -191,6 +191,28 @@ def test_recipe_runs_one_step_per_arm_and_prints_the_table(text_for_main, capsys
     assert "BDH streamed against GPT tiny's (muon)" in out
 
 
+def test_a_gpt_arm_takes_its_overrides_and_names_them():
+    """`--gpt LABEL:...`'s arms: the overrides reach the GPT's dropout and its optimizer
+    ('key*f' scales the recipe's value), the label follows the depth; the plain arm keeps the
+    recipe's (tiny: dropout 0, lr 3e-3)."""
+    base = recipe.Recipe("tiny", tuple(MICRO))
+    plain = recipe.gpt_arm(base, "adamw", 10_000, 1.0, 2)
+    tuned = recipe.gpt_arm(
+        base, "adamw", 10_000, 1.0, 2, ["model.dropout=0.25", "optimizer.lr*2"], "tuned"
+    )
+    assert (plain.recipe, tuned.recipe) == (
+        "tiny's (adamw), 2 layers",
+        "tiny's (adamw), 2 layers, tuned",
+    )
+    assert (plain.model.drop.p, tuned.model.drop.p) == (0.0, 0.25)
+    assert all(b.dropout == 0.25 for b in tuned.model.blocks)
+    assert (plain.optim.lr, tuned.optim.lr) == (3e-3, 6e-3)
+    assert [g["lr"] for g in tuned.optimizer.param_groups] == [6e-3] * len(
+        tuned.optimizer.param_groups
+    )
+    assert plain.params == tuned.params  # the same width: overrides do not resize it
+
+
 def test_sweep_variants_are_named_whole_and_an_unknown_one_is_refused(text_for_main, capsys):
     """Variant names hold commas ('D/2, N x2'), so --variants separates them with ';'; a name
     that is not a variant is one usage error (exit 2), not a traceback."""

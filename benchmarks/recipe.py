@@ -549,6 +549,12 @@ def load_bytes(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:cut], data[cut:]
 
 
+def arm_spec(spec: str) -> tuple[str, list[str]]:
+    """`--bdh`'s or `--gpt`'s 'LABEL:KEY=VALUE,...': the label and the overrides."""
+    label, _, sets = spec.partition(":")
+    return label, [c for c in sets.split(",") if c]
+
+
 def layer_counts(text: str) -> list[int]:
     """`--gpt-layers`' value: layer counts of 1 or more, comma-separated."""
     refused = argparse.ArgumentTypeError(f"counts of 1 or more, comma-separated, not {text!r}")
@@ -635,8 +641,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             elif not args.no_preset_bdh:
                 arms += [bdh_arm(recipe, o, [], budget, f"{preset}'s ({o})") for o in optimizers]
             for spec in args.bdh:
-                label, _, sets = spec.partition(":")
-                changes = [c for c in sets.split(",") if c]
+                label, changes = arm_spec(spec)
                 named = any(c.startswith("optimizer.name=") for c in changes)
                 arms.append(
                     bdh_arm(recipe, None if named else optimizers[0], changes, budget, label)
@@ -648,8 +653,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             depths = args.gpt_layers or [0]
             arms += [gpt_arm(recipe, o, target, budget, n) for o in baselines for n in depths]
             for spec in args.gpt:
-                label, _, sets = spec.partition(":")
-                changes = [c for c in sets.split(",") if c]
+                label, changes = arm_spec(spec)
                 arms += [
                     gpt_arm(recipe, o, target, budget, n, changes, label)
                     for o in baselines

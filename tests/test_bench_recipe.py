@@ -157,13 +157,16 @@ def text_for_main(tmp_path, monkeypatch) -> Path:
     return data
 
 
-def test_recipe_runs_one_step_per_arm_and_prints_the_table(text_for_main, capsys):
+def test_recipe_runs_one_step_per_arm_and_prints_the_table(text_for_main, capsys, monkeypatch):
     data = text_for_main
+    raced: list[recipe.Arm] = []
+    race = recipe.race
+    monkeypatch.setattr(recipe, "race", lambda arms, train: raced.extend(arms) or race(arms, train))
     sets = [arg for s in MICRO for arg in ("--set", s)]
     streamed = "streamed:training.tbptt_persist_across_steps=true,"
     streamed += "training.min_logical_block_size=32,optimizer.name=muon"
     argv = ["--data", str(data), "--budgets", "0.001", "--eval-bytes", "200", "--bdh", streamed]
-    recipe.main([*argv, *sets, "--gpt-layers", "1,2"])
+    recipe.main([*argv, *sets, "--gpt-layers", "1,2", "--gpt", "drop:model.dropout=0.5"])
     out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| BDH")]
     rows += [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| GPT")]
@@ -175,12 +178,16 @@ def test_recipe_runs_one_step_per_arm_and_prints_the_table(text_for_main, capsys
         ("GPT", "tiny's (adamw), 2 layers"),
         ("GPT", "tiny's (muon), 1 layer"),
         ("GPT", "tiny's (muon), 2 layers"),
+        ("GPT", "tiny's (adamw), 1 layer, drop"),
+        ("GPT", "tiny's (adamw), 2 layers, drop"),
+        ("GPT", "tiny's (muon), 1 layer, drop"),
+        ("GPT", "tiny's (muon), 2 layers, drop"),
     ]
     bdh_params = 3 * 2 * 16 * 32 + 2 * 256 * 16  # N = 4 * 16 / 2
     widths = [recipe.gpt_width(256, n, 2, bdh_params) for n in (1, 2)]
     gpt = [recipe.gpt_parameter_count(256, n, w) for n, w in zip((1, 2), widths, strict=True)]
     assert gpt[0] != gpt[1]  # two depths, each as wide as equal parameters allow
-    assert [int(r[3].replace(",", "")) for r in rows] == [bdh_params] * 3 + gpt * 2
+    assert [int(r[3].replace(",", "")) for r in rows] == [bdh_params] * 3 + gpt * 4
     assert all(int(r[4]) == 1 and int(r[5].replace(",", "")) == 32 for r in rows)
     for r in rows:  # an untrained byte model: near ln 256 nats, bits = nats / ln 2
         windows, sliding, stream, bits = (r[i].strip() for i in (8, 9, 10, 11))
@@ -189,6 +196,8 @@ def test_recipe_runs_one_step_per_arm_and_prints_the_table(text_for_main, capsys
         assert all(abs(float(x) - math.log(256)) < 0.2 for x in (windows, sliding, used))
         assert float(bits) == pytest.approx(used / math.log(2), abs=1e-4)
     assert "BDH streamed against GPT tiny's (muon)" in out
+    gpt_dropout = [a.model.drop.p for a in raced if a.model_name == "GPT"]
+    assert gpt_dropout == [0.0] * 4 + [0.5] * 4  # --gpt's overrides reach its arms only
 
 
 def test_a_gpt_arm_takes_its_overrides_and_names_them():

@@ -72,6 +72,7 @@ from bdh_train.config import RunConfig, load_config
 from bdh_train.data.loaders import StreamingDocumentLoader
 from bdh_train.evals.scoring import score_sequences
 from bdh_train.model.bdh import BDH
+from bdh_train.model.config import BDHConfig
 from bdh_train.train.allocator import configure_host_allocator
 from bdh_train.train.optim import OptimizerConfig
 from bdh_train.train.step import LanguageTrainModel
@@ -350,10 +351,9 @@ def bdh_arm(
     return Arm(*made, *shape)
 
 
-def gpt_model(recipe: Recipe, target_params: int, layers: int = 0, *changes: str) -> GPT:
-    """The GPT of `recipe`'s heads and dropout (with `changes`, overrides of the recipe), and
-    its layers (or `layers`), whose width gives the parameter count nearest `target_params`."""
-    m = recipe.config(*changes).model
+def gpt_model(m: BDHConfig, target_params: int, layers: int = 0) -> GPT:
+    """The GPT of the model config's vocabulary, heads and dropout, and its layers (or
+    `layers`), whose width gives the parameter count nearest `target_params`."""
     layers = layers or m.n_layer
     dim = gpt_width(m.vocab_size, layers, m.n_head, target_params)
     return GPT(m.vocab_size, layers, dim, m.n_head, m.dropout)
@@ -371,10 +371,9 @@ def gpt_arm(
     """GPT with `recipe`'s optimizer settings and `changes` (overrides such as model.dropout
     or optimizer.lr; `label` names them); 'muon' orthogonalises its block matrices. `layers`
     (0: the recipe's n_layer) sets its depth, the width following for equal size."""
-    sets = [*overridden(recipe, changes), f"optimizer.name='{optimizer}'"]
-    cfg = recipe.config(*sets)
+    cfg = recipe.config(*overridden(recipe, changes), f"optimizer.name='{optimizer}'")
     torch.manual_seed(cfg.training.seed)
-    model = gpt_model(recipe, target_params, layers, *sets)
+    model = gpt_model(cfg.model, target_params, layers)
     hidden = [n for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
     opt = cfg.optimizer.build(model, muon_names=hidden)
     t = cfg.training

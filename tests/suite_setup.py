@@ -31,6 +31,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
 
 from bdh_train.shared import threads
+from bdh_train.train.metrics import MetricsReporter
 from bdh_train.training.trainer import Trainer
 
 
@@ -50,26 +51,34 @@ def _constant_peak(monkeypatch):
     constant_peak(monkeypatch.setattr)
 
 
-USER_RUN_END = {"state_gain": Trainer.state_gain, "end_sample_tokens": Trainer.end_sample_tokens}
-"""What `helpers.short_run_end` replaces, as a user's run has it."""
+USER_RUN_END = {
+    (Trainer, "state_gain"): Trainer.state_gain,
+    (Trainer, "end_sample_tokens"): Trainer.end_sample_tokens,
+    (MetricsReporter, "plot"): MetricsReporter.plot,
+}
+"""What the in-process runs' short end replaces, as a user's run has it."""
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _short_run_ends():
-    """Every in-process run of the session ends short (`helpers.short_run_end`), also those
-    that module- and session-scoped fixtures train before any test's own fixtures exist."""
+    """Every in-process run of the session ends short (`helpers.short_run_end`) and draws no
+    loss.png (0.24 s of matplotlib in each of about 140 runs), also those that module- and
+    session-scoped fixtures train before any test's own fixtures exist. The plot is drawn
+    in tests marked `run_end`, in the commands the suite starts as processes of their own
+    and by `bdh-train plot` (tests/cli)."""
     with pytest.MonkeyPatch.context() as patch:
         short_run_end(patch.setattr)
+        patch.setattr(MetricsReporter, "plot", lambda self: None)
         yield
 
 
 @pytest.fixture(autouse=True)
 def _run_end_where_marked(request, monkeypatch):
     """In a test marked `run_end`, runs end as a user's do (full samples, the state-gain
-    line)."""
+    line, loss.png)."""
     if request.node.get_closest_marker("run_end") is not None:
-        for name, value in USER_RUN_END.items():
-            monkeypatch.setattr(Trainer, name, value)
+        for (owner, name), value in USER_RUN_END.items():
+            monkeypatch.setattr(owner, name, value)
 
 
 @pytest.fixture

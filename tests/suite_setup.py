@@ -51,10 +51,13 @@ def _constant_peak(monkeypatch):
     constant_peak(monkeypatch.setattr)
 
 
+USER_PLOT = {(MetricsReporter, "plot"): MetricsReporter.plot}
+"""The loss plot the in-process runs skip, as a user's run draws it."""
+
 USER_RUN_END = {
     (Trainer, "state_gain"): Trainer.state_gain,
     (Trainer, "end_sample_tokens"): Trainer.end_sample_tokens,
-    (MetricsReporter, "plot"): MetricsReporter.plot,
+    **USER_PLOT,
 }
 """What the in-process runs' short end replaces, as a user's run has it."""
 
@@ -64,8 +67,8 @@ def _short_run_ends():
     """Every in-process run of the session ends short (`helpers.short_run_end`) and draws no
     loss.png (0.24 s of matplotlib in each of about 140 runs), also those that module- and
     session-scoped fixtures train before any test's own fixtures exist. The plot is drawn
-    in tests marked `run_end`, in the commands the suite starts as processes of their own
-    and by `bdh-train plot` (tests/cli)."""
+    in tests marked `run_end` or `loss_plot`, in the commands the suite starts as processes
+    of their own and by `bdh-train plot` (tests/cli)."""
     with pytest.MonkeyPatch.context() as patch:
         short_run_end(patch.setattr)
         patch.setattr(MetricsReporter, "plot", lambda self: None)
@@ -75,10 +78,14 @@ def _short_run_ends():
 @pytest.fixture(autouse=True)
 def _run_end_where_marked(request, monkeypatch):
     """In a test marked `run_end`, runs end as a user's do (full samples, the state-gain
-    line, loss.png)."""
+    line, loss.png); in one marked `loss_plot`, they draw loss.png."""
+    restored = {}
+    if request.node.get_closest_marker("loss_plot") is not None:
+        restored = USER_PLOT
     if request.node.get_closest_marker("run_end") is not None:
-        for (owner, name), value in USER_RUN_END.items():
-            monkeypatch.setattr(owner, name, value)
+        restored = USER_RUN_END
+    for (owner, name), value in restored.items():
+        monkeypatch.setattr(owner, name, value)
 
 
 @pytest.fixture

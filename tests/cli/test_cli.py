@@ -289,7 +289,7 @@ def test_generate_from_missing_checkpoint(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.run_end
+@pytest.mark.loss_plot
 def test_plot_redraws_loss_png(tmp_path, capsys):
     assert main(["train", "--run-dir", str(tmp_path), *MICRO]) == 0
     (tmp_path / "loss.png").unlink()

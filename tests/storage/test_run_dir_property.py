@@ -237,6 +237,7 @@ def template(tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.loss_plot  # the plot is one of the run's writes
 @settings(
     max_examples=12,
     deadline=None,

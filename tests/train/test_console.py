@@ -47,7 +47,7 @@ SMALL = [
 ]
 
 
-@pytest.mark.run_end
+@pytest.mark.loss_plot
 def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypatch, capsys):
     """Banner, loss lines from the first step, final checkpoint with checkpoint_every = 0, the
     summary; then eval and --resume from another working directory (data.source is stored

@@ -931,7 +931,7 @@ REPLACED_DURING = {
         ("moved", "a step"),
         ("deleted", "an evaluation"),
         ("moved", "a step's row"),
-        pytest.param("deleted", "the last checkpoint", marks=pytest.mark.run_end),  # draws
+        pytest.param("deleted", "the last checkpoint", marks=pytest.mark.loss_plot),
     ],
 )
 def test_a_trainer_whose_run_directory_was_replaced_stops_without_writing_into_the_new_run(

@@ -56,6 +56,7 @@ the preset's own recipe and the GPT baseline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import time
@@ -185,6 +186,9 @@ class Arm:
     seed: int
     total_steps: int = 0
     """Steps to train (the schedule runs over them); 0: train for `budget_s` seconds."""
+    bfloat16: bool = False
+    """Forward passes under bfloat16 autocast (the config's `training.dtype`, as the trainer
+    takes it on the CPU); weights, optimizer and scoring stay float32."""
     elapsed: float = 0.0
     steps: int = 0
     losses: list[float] = field(default_factory=list)
@@ -220,11 +224,17 @@ class Arm:
         progress = self.progress()
         return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
 
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision the arm's forward passes run in (`bfloat16`)."""
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bfloat16)
+
     def prime(self, train: torch.Tensor) -> None:
         """An untimed forward and backward on the first windows of `train`, gradients dropped:
         one-time start-up (thread pools, kernel choices) is not charged to the budget."""
         windows = train[: 2 * (self.block + 1)].view(2, self.block + 1)
-        self.model(windows[:, :-1], windows[:, 1:])[1].backward()
+        with self.autocast():
+            loss = self.model(windows[:, :-1], windows[:, 1:])[1]
+        loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, train: torch.Tensor) -> None:
@@ -233,7 +243,8 @@ class Arm:
         starts = torch.randint(0, len(train) - self.block - 1, (self.batch,), generator=self.order)
         windows = torch.stack([train[s : s + self.block + 1] for s in starts.tolist()])
         self.set_lr()
-        _, loss = self.model(windows[:, :-1], windows[:, 1:])
+        with self.autocast():
+            _, loss = self.model(windows[:, :-1], windows[:, 1:])
         loss.backward()
         self.finish_step(started, loss)
 
@@ -276,6 +287,7 @@ class StreamedArm(Arm):
             tbptt_chunk_size=self.tbptt_chunk_size,
             tbptt_backprop_chunks=self.tbptt_backprop_chunks,
             streaming=True,
+            autocast=self.autocast,
         )
         super().prime(train)
 
@@ -338,17 +350,19 @@ def bdh_arm(
     t = cfg.training
     made = ("BDH", label, model, cfg.optimizer.build(model), cfg.optimizer)
     shape = (t.block_size, t.batch_size, budget, t.seed)
+    bf16 = t.bfloat16_autocast("cpu")
     if streamed and t.stream_documents == "corpus":
         raise SystemExit(f"error: {label}: training.stream_documents = 'corpus' is not raced here")
     if streamed and t.streaming:
         return StreamedArm(
             *made,
             *shape,
+            bfloat16=bf16,
             logical_length=t.logical_block_size,
             tbptt_chunk_size=t.tbptt_chunk_size,
             tbptt_backprop_chunks=t.tbptt_backprop_chunks,
         )
-    return Arm(*made, *shape)
+    return Arm(*made, *shape, bfloat16=bf16)
 
 
 def gpt_model(m: BDHConfig, target_params: int, layers: int = 0) -> GPT:
@@ -379,7 +393,8 @@ def gpt_arm(
     t = cfg.training
     depth = f", {layers} layer{'s' if layers > 1 else ''}" if layers else ""
     label = f"{recipe.preset}'s ({optimizer}){depth}{f', {label}' if label else ''}"
-    return Arm("GPT", label, model, opt, cfg.optimizer, t.block_size, t.batch_size, budget, t.seed)
+    shape = (t.block_size, t.batch_size, budget, t.seed)
+    return Arm("GPT", label, model, opt, cfg.optimizer, *shape, bfloat16=t.bfloat16_autocast("cpu"))
 
 
 @torch.no_grad()
@@ -500,6 +515,7 @@ def report(title: str, arms: list[Arm], held: torch.Tensor, args: argparse.Names
             [
                 a.model_name,
                 a.recipe,
+                "bfloat16" if a.bfloat16 else "float32",
                 fmt(a.budget_s),
                 f"{a.params:,}",
                 a.steps,
@@ -515,6 +531,7 @@ def report(title: str, arms: list[Arm], held: torch.Tensor, args: argparse.Names
     headers = [
         "model",
         "recipe",
+        "forward in",
         "budget s",
         "params",
         "steps",

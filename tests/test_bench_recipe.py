@@ -187,10 +187,11 @@ def test_recipe_runs_one_step_per_arm_and_prints_the_table(text_for_main, capsys
     widths = [recipe.gpt_width(256, n, 2, bdh_params) for n in (1, 2)]
     gpt = [recipe.gpt_parameter_count(256, n, w) for n, w in zip((1, 2), widths, strict=True)]
     assert gpt[0] != gpt[1]  # two depths, each as wide as equal parameters allow
-    assert [int(r[3].replace(",", "")) for r in rows] == [bdh_params] * 3 + gpt * 4
-    assert all(int(r[4]) == 1 and int(r[5].replace(",", "")) == 32 for r in rows)
+    assert all(r[2].strip() == "float32" for r in rows)  # the micro config's training.dtype
+    assert [int(r[4].replace(",", "")) for r in rows] == [bdh_params] * 3 + gpt * 4
+    assert all(int(r[5]) == 1 and int(r[6].replace(",", "")) == 32 for r in rows)
     for r in rows:  # an untrained byte model: near ln 256 nats, bits = nats / ln 2
-        windows, sliding, stream, bits = (r[i].strip() for i in (8, 9, 10, 11))
+        windows, sliding, stream, bits = (r[i].strip() for i in (9, 10, 11, 12))
         used = float(sliding if r[0].strip() == "GPT" else stream)
         assert (stream == "-") == (r[0].strip() == "GPT")
         assert all(abs(float(x) - math.log(256)) < 0.2 for x in (windows, sliding, used))
@@ -198,6 +199,29 @@ def test_recipe_runs_one_step_per_arm_and_prints_the_table(text_for_main, capsys
     assert "BDH streamed against GPT tiny's (muon)" in out
     gpt_dropout = [a.model.drop.p for a in raced if a.model_name == "GPT"]
     assert gpt_dropout == [0.0] * 4 + [0.5] * 4  # --gpt's overrides reach its arms only
+
+
+def test_training_dtype_bfloat16_runs_every_arms_forward_under_autocast():
+    """`--set training.dtype=bfloat16` reaches BDH's arms (a streamed one through the trainer's
+    step) and the GPT's alike: their forward passes give bfloat16 logits, float32 without."""
+    bf16 = recipe.Recipe("tiny", (*MICRO, "training.dtype=bfloat16"))
+    streamed = ["training.tbptt_persist_across_steps=true", "training.min_logical_block_size=64"]
+    arms = [
+        recipe.bdh_arm(bf16, "adamw", [], 1.0, "b"),
+        recipe.bdh_arm(bf16, "muon", streamed, 1.0, "s"),
+        recipe.gpt_arm(bf16, "adamw", 10_000, 1.0, 1),
+    ]
+    plain = recipe.gpt_arm(recipe.Recipe("tiny", tuple(MICRO)), "adamw", 10_000, 1.0, 1)
+    windows = torch.arange(34).view(2, 17) % 256
+    for arm, dtype in [*((a, torch.bfloat16) for a in arms), (plain, torch.float32)]:
+        with arm.autocast():
+            logits, _ = arm.model(windows[:, :-1], windows[:, 1:])
+        assert logits.dtype == dtype, arm.recipe
+    streamed_arm = arms[1]
+    assert isinstance(streamed_arm, recipe.StreamedArm)
+    streamed_arm.prime(torch.arange(1000) % 256)
+    assert streamed_arm.executor is not None
+    assert streamed_arm.executor.autocast == streamed_arm.autocast
 
 
 def test_a_gpt_arm_takes_its_overrides_and_names_them():

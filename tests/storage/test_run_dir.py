@@ -3,6 +3,7 @@ file name of a run has one home, and reading a finished run imports nothing of t
 
 from __future__ import annotations
 
+import datetime
 import errno
 import hashlib
 import os
@@ -27,7 +28,7 @@ from bdh_train.storage.run_dir import (
     RunDirLost,
     lost_line,
 )
-from bdh_train.training.launch import plan_train
+from bdh_train.training.launch import plan_train, stamped_run_dir
 
 MICRO = [
     *MICRO_RUN,
@@ -136,6 +137,21 @@ def test_the_plan_of_train_and_resume(tmp_path):
     assert not stamped.resume and re.fullmatch(r"runs/\d{8}-\d{6}", str(stamped.run.path))
     with pytest.raises(ConfigError, match="--resume needs a run directory"):
         plan_train(None, "")
+
+
+def test_commands_of_one_second_stamp_directories_of_their_own(tmp_path):
+    """Without --run-dir a command's directory is runs/<date>-<time>; a second command in the
+    same second (a fast run, a script) takes <date>-<time>-2, then -3, instead of being
+    refused by the first one's run; a name taken by a file or a dangling link is skipped too."""
+    now = datetime.datetime(2026, 12, 7, 21, 57, 36)
+    first = stamped_run_dir(tmp_path, now)
+    assert first == tmp_path / "20261207-215736"
+    first.mkdir()
+    assert stamped_run_dir(tmp_path, now) == tmp_path / "20261207-215736-2"
+    (tmp_path / "20261207-215736-2").write_text("")
+    (tmp_path / "20261207-215736-3").symlink_to(tmp_path / "missing")
+    assert stamped_run_dir(tmp_path, now) == tmp_path / "20261207-215736-4"
+    assert stamped_run_dir(tmp_path, now.replace(second=37)) == tmp_path / "20261207-215737"
 
 
 def test_a_launch_of_several_processes_needs_a_run_dir(tmp_path, monkeypatch, capsys):

@@ -40,11 +40,23 @@ class TrainPlan:
     """The run or checkpoint directory whose saved config a resume continues."""
 
 
+def stamped_run_dir(root: Path, now: _dt.datetime) -> Path:
+    """root/<date>-<time> of `now`, or the first of root/<date>-<time>-2, -3, ... that does not
+    exist where a command of the same second took the name."""
+    stamp = now.strftime("%Y%m%d-%H%M%S")
+    path, n = root / stamp, 1
+    while path.exists() or path.is_symlink():
+        n += 1
+        path = root / f"{stamp}-{n}"
+    return path
+
+
 def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
     """`bdh-train train [--run-dir RUN_DIR] [--resume [RESUME]]`.
 
-    Without --resume, a fresh run in RUN_DIR (default runs/<date>-<time>, which each process
-    of a torchrun launch would stamp from its own clock: there RUN_DIR is required). With --resume
+    Without --resume, a fresh run in RUN_DIR (default runs/<date>-<time>, `stamped_run_dir`,
+    which each process of a torchrun launch would stamp from its own clock: there RUN_DIR is
+    required). With --resume
     RESUME (a bare --resume: RUN_DIR), RESUME is a run directory (or its checkpoints/),
     continued from its latest checkpoint, or a checkpoint directory. A checkpoint continues
     the run it belongs to when it is that run's newest checkpoint; otherwise, or given a
@@ -59,9 +71,10 @@ def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
                 "would name its own runs/<date>-<time> directory from its own clock; give "
                 "every process the same --run-dir DIR"
             )
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        run = RunDir(run_dir) if run_dir else RunDir(Path(RUNS_ROOT) / stamp, stamped=True)
-        return TrainPlan(run, False, None, None)
+        if run_dir:
+            return TrainPlan(RunDir(run_dir), False, None, None)
+        stamped = stamped_run_dir(Path(RUNS_ROOT), _dt.datetime.now())
+        return TrainPlan(RunDir(stamped, stamped=True), False, None, None)
     path = Path(resume or run_dir or "")
     if str(path) in ("", "."):
         raise ConfigError("--resume needs a run directory: --resume DIR or --run-dir DIR")

@@ -56,13 +56,12 @@ def plan_train(run_dir: str | None, resume: str | None) -> TrainPlan:
 
     Without --resume, a fresh run in RUN_DIR (default runs/<date>-<time>, `stamped_run_dir`,
     which each process of a torchrun launch would stamp from its own clock: there RUN_DIR is
-    required). With --resume
-    RESUME (a bare --resume: RUN_DIR), RESUME is a run directory (or its checkpoints/),
-    continued from its latest checkpoint, or a checkpoint directory. A checkpoint continues
-    the run it belongs to when it is that run's newest checkpoint; otherwise, or given a
-    --run-dir of its own, it continues in that new run directory. So does a run directory's
-    latest checkpoint given a --run-dir other than RESUME: RESUME is left as it is. Nothing
-    is ever written inside a checkpoint."""
+    required). With --resume RESUME (a bare --resume: RUN_DIR), RESUME is a run directory (or
+    its checkpoints/), continued from its latest checkpoint, or a checkpoint directory. A
+    checkpoint continues the run it belongs to when it is that run's newest checkpoint;
+    otherwise, or given a --run-dir of its own, it continues in that new run directory. So
+    does a run directory's latest checkpoint given a --run-dir other than RESUME: RESUME is
+    left as it is. Nothing is ever written inside a checkpoint."""
     if resume is None:
         processes = launch_world_size()
         if not run_dir and processes > 1:

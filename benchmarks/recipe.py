@@ -3,13 +3,14 @@ wall-clock: which reaches the lower held-out loss in the same seconds of trainin
 
 Both train on the same bytes (tokenizer: bytes; the first 90% of `--data`) in the same token
 order (the same seeded window starts, block and batch), each with its recipe's learning rate,
-warm-up, betas, weight decay, clipping and dropout; the cosine runs over the budget's seconds
-(progress = seconds trained / budget), not over a step count nobody knows beforehand. The
-arms train in one process, one optimizer step each in turn, and each counts only its own
-steps' seconds (after one untimed forward and backward, which takes each arm's start-up off
-its clock), so machine load falls on all of them alike. When an arm has spent its budget
-it stops; then every arm is scored on the same held-out text (the last 10%; its first
-`--eval-bytes`), three ways, in nats per byte:
+warm-up, betas, weight decay, clipping, dropout and precision (`training.dtype`: forward
+passes under bfloat16 autocast where the trainer would take it on this CPU); the cosine runs
+over the budget's seconds (progress = seconds trained / budget), not over a step count nobody
+knows beforehand. The arms train in one process, one optimizer step each in turn, and each
+counts only its own steps' seconds (after one untimed forward and backward, which takes each
+arm's start-up off its clock), so machine load falls on all of them alike. When an arm has
+spent its budget it stops; then every arm is scored on the same held-out text (the last 10%;
+its first `--eval-bytes`), three ways, in nats per byte:
 
 * windows: non-overlapping `--context`-byte windows, each read from a fresh start (what every
   model sees in training: nothing before its block);

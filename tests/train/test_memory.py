@@ -312,11 +312,16 @@ def test_the_cgroup_headroom_counts_inactive_file_cache_as_free(tmp_path, monkey
     assert machine_memory._cgroup_headroom() == 100 * MIB
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["cpu-with-amx", "cpu-without"])
 @pytest.mark.parametrize("bf16_gpu", [True, False], ids=["cuda-with-bf16", "cuda-without"])
-def test_dtype_auto_is_bfloat16_autocast_only_on_a_cuda_device_with_bfloat16(monkeypatch, bf16_gpu):
+def test_dtype_auto_is_bfloat16_autocast_only_where_products_have_bfloat16_hardware(
+    monkeypatch, bf16_gpu, amx
+):
     """training.dtype = 'auto' resolves by device: bfloat16 autocast on CUDA with bfloat16
-    arithmetic, float32 on the CPU and on CUDA without it (a GPU that only emulates it); the
-    memory estimate and its lines follow the resolved dtype."""
+    arithmetic and on a CPU with AMX tiles, float32 on CUDA without it (a GPU that only
+    emulates it) and on other CPUs; the memory estimate and its lines follow the resolved
+    dtype."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     # every CUDA device emulates bfloat16 (V100, T4); only bf16_gpu ones have its arithmetic
     monkeypatch.setattr(
@@ -330,17 +335,18 @@ def test_dtype_auto_is_bfloat16_autocast_only_on_a_cuda_device_with_bfloat16(mon
         for d in ("auto", "bfloat16", "float32")
     )
     assert [t.bfloat16_autocast("cuda") for t in (auto, bf16, fp32)] == [bf16_gpu, True, False]
-    assert [t.bfloat16_autocast("cpu") for t in (auto, bf16, fp32)] == [False, True, False]
+    assert [t.bfloat16_autocast("cpu") for t in (auto, bf16, fp32)] == [amx, True, False]
     chosen = "bfloat16 autocast" if bf16_gpu else "float32"  # the banner's words
     assert [t.precision("cuda") for t in (auto, bf16, fp32)] == [
         f"{chosen} (dtype 'auto')",
         "bfloat16 autocast",
         "float32",
     ]
-    assert auto.precision("cpu") == "float32 (dtype 'auto')"
+    on_cpu = "bfloat16 autocast" if amx else "float32"
+    assert auto.precision("cpu") == f"{on_cpu} (dtype 'auto')"
     same = bf16 if bf16_gpu else fp32
     for device in ("cuda", "cpu"):
-        like = same if device == "cuda" else fp32
+        like = same if device == "cuda" else (bf16 if amx else fp32)
         got = estimate_step_memory(model, auto, device)
         assert got == estimate_step_memory(model, like, device)
         lines = memory_check.render_step_memory(got, model, auto, device)

@@ -479,7 +479,7 @@ def test_bfloat16_autocast_trains_with_float32_master_weights(tmp_path, monkeypa
     assert all(p.dtype == torch.float32 for p in params.values())
     assert abs(rows[0]["loss"] - fp32_rows[0]["loss"]) < 0.05 * fp32_rows[0]["loss"]
     assert rows[0]["loss"] != fp32_rows[0]["loss"]  # autocast really ran in bfloat16
-    # where 'auto' resolves to bfloat16 (CUDA with bfloat16 arithmetic; on a CPU it is float32:
+    # where 'auto' resolves to bfloat16 (CUDA with bfloat16 arithmetic, a CPU with AMX tiles:
     # tests/train/test_memory.py), the step autocasts and the banner's peak is measured in it
     monkeypatch.setattr(TrainingConfig, "bfloat16_autocast", lambda self, device: True)
     peaks: list[torch.dtype] = []

@@ -87,14 +87,17 @@ class RecallArm(Arm):
 
     def prime(self, task: Task) -> None:  # type: ignore[override]
         tokens, targets = task.batch_at(1 << 30)
-        self.model(tokens[:2], targets[:2])[1].backward()
+        with self.autocast():
+            loss = self.model(tokens[:2], targets[:2])[1]
+        loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, task: Task) -> None:  # type: ignore[override]
         started, cpu = time.perf_counter(), time.process_time()
         tokens, targets = task.batch_at(self.steps)
         self.set_lr()
-        _, loss = self.model(tokens, targets)
+        with self.autocast():
+            _, loss = self.model(tokens, targets)
         loss.backward()
         self.finish_step(started, loss)
         self.cpu += time.process_time() - cpu

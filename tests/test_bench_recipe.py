@@ -203,25 +203,30 @@ def test_recipe_runs_one_step_per_arm_and_prints_the_table(text_for_main, capsys
 
 def test_training_dtype_bfloat16_runs_every_arms_forward_under_autocast():
     """`--set training.dtype=bfloat16` reaches BDH's arms (a streamed one through the trainer's
-    step) and the GPT's alike: their forward passes give bfloat16 logits, float32 without."""
+    step) and the GPT's alike: every forward of their priming and their steps runs under
+    bfloat16 autocast, and none without it."""
     bf16 = recipe.Recipe("tiny", (*MICRO, "training.dtype=bfloat16"))
     streamed = ["training.tbptt_persist_across_steps=true", "training.min_logical_block_size=64"]
+    plain = recipe.Recipe("tiny", tuple(MICRO))
     arms = [
-        recipe.bdh_arm(bf16, "adamw", [], 1.0, "b"),
-        recipe.bdh_arm(bf16, "muon", streamed, 1.0, "s"),
-        recipe.gpt_arm(bf16, "adamw", 10_000, 1.0, 1),
+        (recipe.bdh_arm(bf16, "adamw", FRESH_BLOCKS, 1.0, "b"), True),
+        (recipe.bdh_arm(bf16, "muon", streamed, 1.0, "s"), True),
+        (recipe.gpt_arm(bf16, "adamw", 10_000, 1.0, 1), True),
+        (recipe.bdh_arm(plain, "adamw", streamed, 1.0, "s32"), False),
+        (recipe.gpt_arm(plain, "adamw", 10_000, 1.0, 1), False),
     ]
-    plain = recipe.gpt_arm(recipe.Recipe("tiny", tuple(MICRO)), "adamw", 10_000, 1.0, 1)
-    windows = torch.arange(34).view(2, 17) % 256
-    for arm, dtype in [*((a, torch.bfloat16) for a in arms), (plain, torch.float32)]:
-        with arm.autocast():
-            logits, _ = arm.model(windows[:, :-1], windows[:, 1:])
-        assert logits.dtype == dtype, arm.recipe
-    streamed_arm = arms[1]
-    assert isinstance(streamed_arm, recipe.StreamedArm)
-    streamed_arm.prime(torch.arange(1000) % 256)
-    assert streamed_arm.executor is not None
-    assert streamed_arm.executor.autocast == streamed_arm.autocast
+    assert type(arms[0][0]) is recipe.Arm and isinstance(arms[1][0], recipe.StreamedArm)
+    train = torch.arange(1000) % 256
+    for arm, cast in arms:
+        seen: list[bool] = []  # at each embedding lookup: a forward of the model, any entry
+        for module in arm.model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                module.register_forward_pre_hook(
+                    lambda *_, seen=seen: seen.append(torch.is_autocast_enabled("cpu"))
+                )
+        arm.prime(train)
+        arm.step(train)
+        assert len(seen) >= 2 and seen == [cast] * len(seen), arm.recipe
 
 
 def test_a_gpt_arm_takes_its_overrides_and_names_them():

@@ -1,6 +1,7 @@
 """benchmarks/window.py (the state recipe's control) and recall.py's curriculum: the three
 readings of the second block against a model whose prediction is known by hand, the paired
-difference's mean and standard error, and the pairs each training batch holds."""
+difference's mean and standard error, the pairs each training batch holds, and the precision
+recall's arms train in."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -66,6 +68,25 @@ def test_curriculum_gives_each_batch_its_pairs():
     for k, pairs in [(3, 4), (12, 8), (25, 16)]:
         _, targets = task.batch_at(k)
         assert ((targets != IGNORE_INDEX).sum(dim=1) == pairs).all()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_recall_arm_trains_in_its_configs_precision(dtype):
+    """A recall arm's priming and steps run their forward under bfloat16 autocast exactly when
+    its config's training.dtype asks for it, as recipe.py's arms do."""
+    micro = ["model.n_layer=1", "model.n_embd=16", "model.n_head=2", f"training.dtype={dtype}"]
+    rec = recall.Recipe("tiny", (*micro, "model.vocab_size=64"))
+    bdh = recall.bdh_arm(rec, "adamw", [], 1.0, "b", streamed=False)
+    arms = [recall.RecallArm.of(bdh), recall.RecallArm.of(recall.gpt_arm(rec, "adamw", 5000, 1.0))]
+    task = recall.Task(4, 32, 64, 2, 0)
+    for arm in arms:
+        seen: list[bool] = []
+        arm.model.register_forward_pre_hook(
+            lambda *_, seen=seen: seen.append(torch.is_autocast_enabled("cpu"))
+        )
+        arm.prime(task)
+        arm.step(task)
+        assert seen == [dtype == "bfloat16"] * 2, arm.model_name
 
 
 def test_recall_reads_its_task_and_model_from_a_config(capsys, monkeypatch):

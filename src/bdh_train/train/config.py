@@ -25,11 +25,11 @@ STREAM_DOCUMENTS = ("fixed", "corpus")
 
 def cpu_has_bfloat16_tiles() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in AMX tiles (Intel Xeon since Sapphire
-    Rapids), as torch reads it. On one, the tiny preset trained 1.55x faster under bfloat16
-    autocast (its 1024-square product 3.9x), to the same loss on the validation split's
-    first 8 batches (1.4565 against 1.4567); with AVX-512's bfloat16 dot products alone (AMX
-    turned off in oneDNN) it ran 0.87x as fast: docs/benchmarks.md, "bfloat16 on a CPU with
-    AMX"."""
+    Rapids), as torch reads the CPU's flags (not oneDNN's ONEDNN_MAX_CPU_ISA cap). On one, the
+    tiny preset trained 1.55x faster under bfloat16 autocast (its 1024-square product
+    3.4-3.9x), to the same loss on the validation split's first 8 batches (1.4565 against
+    1.4567); with AVX-512's bfloat16 dot products alone (AMX turned off in oneDNN) it ran
+    0.87x as fast: docs/benchmarks.md, "bfloat16 on a CPU with AMX"."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe is not None and probe())
 

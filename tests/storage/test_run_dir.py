@@ -24,6 +24,7 @@ from bdh_train.storage.run_dir import (
     ERROR_LOG,
     LOCK_FILE,
     RunDir,
+    RunDirInUse,
     RunDirLock,
     RunDirLost,
     lost_line,
@@ -152,6 +153,22 @@ def test_commands_of_one_second_stamp_directories_of_their_own(tmp_path):
     (tmp_path / "20261207-215736-3").symlink_to(tmp_path / "missing")
     assert stamped_run_dir(tmp_path, now) == tmp_path / "20261207-215736-4"
     assert stamped_run_dir(tmp_path, now.replace(second=37)) == tmp_path / "20261207-215737"
+
+
+def test_a_command_refused_a_stamped_directory_leaves_the_other_commands_run(tmp_path):
+    """Two commands that named the same absent runs/<date>-<time> at one instant: the first
+    takes it; the second is refused by its lock and, its error logged, leaves that run's lock
+    and directory as they are (it never made them: no error log of its in there either)."""
+    path = tmp_path / "runs" / "20261207-215736"
+    first, second = RunDir(path, stamped=True), RunDir(path, stamped=True)
+    first.lock()
+    held = (path / LOCK_FILE).read_bytes()
+    with pytest.raises(RunDirInUse, match="in use by another trainer"):
+        second.lock()
+    second.log_error("error: in use")
+    assert not first.lost() and (path / LOCK_FILE).read_bytes() == held
+    assert sorted(p.name for p in path.iterdir()) == [LOCK_FILE]
+    first.unlock()
 
 
 def test_a_launch_of_several_processes_needs_a_run_dir(tmp_path, monkeypatch, capsys):

@@ -58,6 +58,10 @@ RUNS_ROOT = "runs"
 """Where `bdh-train train` puts a run given no --run-dir: runs/<date>-<time>."""
 
 
+class RunDirInUse(ConfigError):
+    """Another trainer holds the run directory's lock."""
+
+
 class RunDirLock:
     """An exclusive `fcntl` lock on `run_dir/.lock`, which records the holder's pid. The
     kernel drops it when the process dies, so a killed run never leaves a stale lock."""
@@ -75,7 +79,7 @@ class RunDirLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise ConfigError(
+            raise RunDirInUse(
                 f"run directory {self.path.parent} is in use by another trainer (pid {holder}); "
                 "wait for it to finish or stop it, or use another --run-dir"
             ) from None
@@ -194,7 +198,8 @@ class RunDir:
     starting or resuming a run in it.
 
     The directory is the command's own (`owned`) when it did not exist before the command
-    named it, or once a trainer was built on it: only then does `log_error` write into it.
+    named it and no other trainer took it since (`lock`), or once a trainer was built on it:
+    only then does `log_error` write into it.
     A stamped directory (no --run-dir) that a failure left with nothing but the lock and log
     is removed instead. A refused command leaves the directory byte for byte as it was:
     taking the lock
@@ -270,7 +275,13 @@ class RunDir:
                     "it is no lock bdh-train wrote (a pid): move it away or delete it",
                 )
                 self._lock_file = (held, st.st_atime_ns, st.st_mtime_ns)
-            self._lock = RunDirLock(self.path).acquire()
+            try:
+                self._lock = RunDirLock(self.path).acquire()
+            except RunDirInUse:
+                # a command that named the same absent directory (two stamped at one instant)
+                # made it and holds it: the directory is that command's, never this one's
+                self.owned = False
+                raise
 
     def unlock(self, refused: bool = False) -> None:
         """Release the lock. After a refused start (`refused`), also undo what taking it did:

@@ -43,7 +43,8 @@ class TrainPlan:
 def stamped_run_dir(root: Path, now: _dt.datetime) -> Path:
     """root/<date>-<time> of `now`, or the first of root/<date>-<time>-2, -3, ... that does not
     exist where a command of the same second took the name. The name is checked, not claimed:
-    two commands that reach this at one instant can still pick the same one."""
+    two commands that reach this at one instant can still pick the same one, and the second is
+    then refused by the first's lock, leaving its run as it is (`RunDir.lock`)."""
     stamp = now.strftime("%Y%m%d-%H%M%S")
     path, n = root / stamp, 1
     while path.exists() or path.is_symlink():

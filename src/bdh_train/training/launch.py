@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import gc
+import os
 import signal
 import sys
 import traceback
@@ -47,7 +48,7 @@ def stamped_run_dir(root: Path, now: _dt.datetime) -> Path:
     then refused by the first's lock, leaving its run as it is (`RunDir.lock`)."""
     stamp = now.strftime("%Y%m%d-%H%M%S")
     path, n = root / stamp, 1
-    while path.exists() or path.is_symlink():
+    while os.path.lexists(path):  # a dangling link holds its name too
         n += 1
         path = root / f"{stamp}-{n}"
     return path

@@ -16,6 +16,7 @@ from helpers import FRESH_BLOCKS
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import recipe  # noqa: E402
 
+from bdh_train.train import config as training_config  # noqa: E402
 from bdh_train.train.optim import OptimizerConfig  # noqa: E402
 
 MICRO = [
@@ -201,19 +202,24 @@ def test_recipe_runs_one_step_per_arm_and_prints_the_table(text_for_main, capsys
     assert gpt_dropout == [0.0] * 4 + [0.5] * 4  # --gpt's overrides reach its arms only
 
 
-def test_training_dtype_bfloat16_runs_every_arms_forward_under_autocast():
+def test_training_dtype_bfloat16_runs_every_arms_forward_under_autocast(monkeypatch):
     """`--set training.dtype=bfloat16` reaches BDH's arms (a streamed one through the trainer's
     step) and the GPT's alike: every forward of their priming and their steps runs under
-    bfloat16 autocast, and none without it."""
+    bfloat16 autocast, and none without it. 'auto' on a CPU with AMX casts BDH's and leaves
+    the GPT's in float32 (each model's faster precision there)."""
     bf16 = recipe.Recipe("tiny", (*MICRO, "training.dtype=bfloat16"))
     streamed = ["training.tbptt_persist_across_steps=true", "training.min_logical_block_size=64"]
-    plain = recipe.Recipe("tiny", tuple(MICRO))
+    plain = recipe.Recipe("tiny", (*MICRO, "training.dtype=float32"))
+    auto = recipe.Recipe("tiny", (*MICRO, "training.dtype=auto"))
+    monkeypatch.setattr(training_config, "cpu_has_bfloat16_tiles", lambda: True)
     arms = [
         (recipe.bdh_arm(bf16, "adamw", FRESH_BLOCKS, 1.0, "b"), True),
         (recipe.bdh_arm(bf16, "muon", streamed, 1.0, "s"), True),
         (recipe.gpt_arm(bf16, "adamw", 10_000, 1.0, 1), True),
         (recipe.bdh_arm(plain, "adamw", streamed, 1.0, "s32"), False),
         (recipe.gpt_arm(plain, "adamw", 10_000, 1.0, 1), False),
+        (recipe.bdh_arm(auto, "adamw", streamed, 1.0, "auto"), True),
+        (recipe.gpt_arm(auto, "adamw", 10_000, 1.0, 1), False),
     ]
     assert type(arms[0][0]) is recipe.Arm and isinstance(arms[1][0], recipe.StreamedArm)
     train = torch.arange(1000) % 256

@@ -80,7 +80,7 @@ def test_a_cli_run_from_start_to_resume_in_other_directories(tmp_path, monkeypat
     train_tokens, val_tokens = len(train_split), len(val_split)
     banner = [
         f"run directory  {run}",
-        "device         cpu, float32",
+        "device         cpu, float32 (dtype 'auto')",
         f"threads        {TEST_THREADS} (auto: {usable_cpus()} CPUs, 0.0 busy with other work; "
         f"torch's count {TEST_THREADS})",
         f"model          {params / 1e6:.2f} M parameters ({params:,})",

@@ -30,7 +30,12 @@ from bdh_train.errors import ConfigError
 from bdh_train.model import BDHConfig
 from bdh_train.train import build, machine_memory, memory_check
 from bdh_train.train import memory_estimate as memory
-from bdh_train.train.config import TrainingConfig
+from bdh_train.train.config import (
+    ONEDNN_ISA_CAPS,
+    TrainingConfig,
+    cpu_has_bfloat16_tiles,
+    onednn_allows_amx,
+)
 from bdh_train.train.machine_memory import AvailableMemory
 from bdh_train.train.memory_check import check_step_memory
 from bdh_train.train.memory_estimate import GIB, MIB, estimate_step_memory
@@ -322,6 +327,8 @@ def test_dtype_auto_is_bfloat16_autocast_only_where_products_have_bfloat16_hardw
     emulates it) and on other CPUs; the memory estimate and its lines follow the resolved
     dtype."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    for cap in ONEDNN_ISA_CAPS:  # the suite caps oneDNN below AMX (suite_setup.py)
+        monkeypatch.delenv(cap, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     # every CUDA device emulates bfloat16 (V100, T4); only bf16_gpu ones have its arithmetic
     monkeypatch.setattr(
@@ -353,3 +360,35 @@ def test_dtype_auto_is_bfloat16_autocast_only_where_products_have_bfloat16_hardw
         assert lines == memory_check.render_step_memory(got, model, like, device)
     bf16_step, fp32_step = (estimate_step_memory(model, t, "cuda") for t in (bf16, fp32))
     assert bf16_step != fp32_step
+
+
+@pytest.mark.parametrize(
+    ("env", "allowed"),
+    [
+        ({}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "ALL"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "default"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX10_1_512_AMX_FP16"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "avx2"}, False),
+        ({"DNNL_MAX_CPU_ISA": "AVX512_CORE"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "", "DNNL_MAX_CPU_ISA": "AVX2"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX", "DNNL_MAX_CPU_ISA": "AVX2"}, True),
+    ],
+)
+def test_auto_takes_bfloat16_on_a_cpu_with_amx_only_where_onednn_may_use_it(
+    monkeypatch, env, allowed
+):
+    """oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA, else the older DNNL_MAX_CPU_ISA) below AMX leaves
+    AVX-512's bfloat16 dot products, 0.87x float32's speed: 'auto' is float32 there."""
+    assert onednn_allows_amx(env) is allowed
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    for cap in ONEDNN_ISA_CAPS:
+        monkeypatch.delenv(cap, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cpu_has_bfloat16_tiles() is allowed
+    assert TrainingConfig(dtype="auto").bfloat16_autocast("cpu") is allowed
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not cpu_has_bfloat16_tiles()

@@ -3,7 +3,9 @@ accumulation, intervals, device and precision, gradient scales."""
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -23,15 +25,29 @@ DTYPES = ("float32", "bfloat16", "auto")
 STREAM_DOCUMENTS = ("fixed", "corpus")
 
 
+ONEDNN_ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+"""oneDNN's environment variables that cap the instruction sets its kernels use, the first
+one set deciding (its older name second)."""
+
+
+def onednn_allows_amx(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether oneDNN may run its products in AMX tiles: its ISA cap (in `environ`, default
+    this process's environment) unset, ALL or DEFAULT, or a level that names AMX
+    (AVX512_CORE_AMX, AVX10_1_512_AMX_FP16, ...)."""
+    env = os.environ if environ is None else environ
+    cap = next((env[name] for name in ONEDNN_ISA_CAPS if env.get(name)), "ALL")
+    return cap.upper() in ("ALL", "DEFAULT") or "AMX" in cap.upper()
+
+
 def cpu_has_bfloat16_tiles() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in AMX tiles (Intel Xeon since Sapphire
-    Rapids), as torch reads the CPU's flags (not oneDNN's ONEDNN_MAX_CPU_ISA cap). On one, the
-    tiny preset trained 1.55x faster under bfloat16 autocast (its 1024-square product
-    3.4-3.9x), to the same loss on the validation split's first 8 batches (1.4565 against
-    1.4567); with AVX-512's bfloat16 dot products alone (AMX turned off in oneDNN) it ran
-    0.87x as fast: docs/benchmarks.md, "bfloat16 on a CPU with AMX"."""
+    Rapids): torch's reading of the CPU's flags, unless oneDNN's ISA cap keeps AMX off
+    (`onednn_allows_amx`). On one, the tiny preset trained 1.55x faster under bfloat16
+    autocast (its 1024-square product 3.4-3.9x), to the same loss on the validation split's
+    first 8 batches (1.4565 against 1.4567); with AMX capped off (AVX-512's bfloat16 dot
+    products alone) it ran 0.87x as fast: docs/benchmarks.md, "bfloat16 on a CPU with AMX"."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe is not None and probe())
+    return bool(probe is not None and probe()) and onednn_allows_amx()
 
 
 @dataclass
@@ -120,8 +136,8 @@ class TrainingConfig:
     dtype: str = "float32"
     """'float32'; 'bfloat16' autocast (products in bfloat16, float32 master weights); or
     'auto': bfloat16 autocast on a CUDA device with bfloat16 arithmetic and on a CPU with
-    bfloat16 matrix units (AMX), float32 everywhere else (`bfloat16_autocast`). The start
-    banner's device line says which it is."""
+    bfloat16 matrix units (AMX) that oneDNN may use (ONEDNN_MAX_CPU_ISA), float32 everywhere
+    else (`bfloat16_autocast`). The start banner's device line says which it is."""
     compile: str = "off"
     """What torch.compile builds for training: 'off'; 'layer': the whole shared layer, one
     graph; 'pointwise': only the layer's gate y = x * relu(pre), as two fused kernels with

@@ -3,8 +3,10 @@ wall-clock: which reaches the lower held-out loss in the same seconds of trainin
 
 Both train on the same bytes (tokenizer: bytes; the first 90% of `--data`) in the same token
 order (the same seeded window starts, block and batch), each with its recipe's learning rate,
-warm-up, betas, weight decay, clipping, dropout and precision (`training.dtype`: forward
-passes under bfloat16 autocast where the trainer would take it on this CPU); the cosine runs
+warm-up, betas, weight decay, clipping, dropout and precision (`training.dtype`: BDH's forward
+passes under bfloat16 autocast where the trainer would take it on this CPU, the GPT's where
+the config says 'bfloat16': its 'auto' is float32, its faster precision on a CPU with AMX
+too); the cosine runs
 over the budget's seconds (progress = seconds trained / budget), not over a step count nobody
 knows beforehand. The arms train in one process, one optimizer step each in turn, and each
 counts only its own steps' seconds (after one untimed forward and backward, which takes each
@@ -188,8 +190,9 @@ class Arm:
     total_steps: int = 0
     """Steps to train (the schedule runs over them); 0: train for `budget_s` seconds."""
     bfloat16: bool = False
-    """Forward passes under bfloat16 autocast (the config's `training.dtype`, as the trainer
-    takes it on the CPU); weights, optimizer and scoring stay float32."""
+    """Forward passes under bfloat16 autocast (the config's `training.dtype`: BDH's as the
+    trainer takes it on the CPU, the GPT's 'bfloat16' only); weights, optimizer and scoring
+    stay float32."""
     elapsed: float = 0.0
     steps: int = 0
     losses: list[float] = field(default_factory=list)
@@ -395,8 +398,9 @@ def gpt_arm(
     depth = f", {layers} layer{'s' if layers > 1 else ''}" if layers else ""
     label = f"{recipe.preset}'s ({optimizer}){depth}{f', {label}' if label else ''}"
     shape = (t.block_size, t.batch_size, budget, t.seed)
-    # 'auto' is float32 for the GPT: on a CPU with AMX its narrow products ran slower under
-    # bfloat16 autocast (0.94x at two layers, 0.78x at four), where BDH's ran 1.6x faster
+    # 'auto' is float32 for the GPT: on a CPU with AMX the tiny preset's GPT (width 96 to 136)
+    # ran slower under bfloat16 autocast (0.94x at two layers, 0.78x at four) where BDH ran
+    # 1.6x faster; a wider GPT (other presets) is unmeasured there
     bf16 = t.dtype == "bfloat16"
     return Arm("GPT", label, model, opt, cfg.optimizer, *shape, bfloat16=bf16)
 

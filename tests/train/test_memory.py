@@ -375,13 +375,18 @@ def test_dtype_auto_is_bfloat16_autocast_only_where_products_have_bfloat16_hardw
         ({"DNNL_MAX_CPU_ISA": "AVX512_CORE"}, False),
         ({"ONEDNN_MAX_CPU_ISA": "", "DNNL_MAX_CPU_ISA": "AVX2"}, False),
         ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX", "DNNL_MAX_CPU_ISA": "AVX2"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX512_CORE_AMX"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "avx512_core_amx"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "avx512_core_bf16"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX-512"}, True),  # not a level oneDNN knows: no cap
     ],
 )
 def test_auto_takes_bfloat16_on_a_cpu_with_amx_only_where_onednn_may_use_it(
     monkeypatch, env, allowed
 ):
-    """oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA, else the older DNNL_MAX_CPU_ISA) below AMX leaves
-    AVX-512's bfloat16 dot products, 0.87x float32's speed: 'auto' is float32 there."""
+    """oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA, else the older DNNL_MAX_CPU_ISA) at a level below
+    AMX leaves AVX-512's bfloat16 dot products, 0.87x float32's speed: 'auto' is float32
+    there. Its level names are read in any case; a name oneDNN does not know caps nothing."""
     assert onednn_allows_amx(env) is allowed
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     for cap in ONEDNN_ISA_CAPS:

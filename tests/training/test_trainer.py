@@ -475,7 +475,7 @@ def test_layer_recompute_trains_like_keeping_everything(tmp_path):
 
 def test_bfloat16_autocast_trains_with_float32_master_weights(tmp_path, monkeypatch):
     rows, params = _first_loss_and_params(tmp_path, ["training.dtype='bfloat16'"])
-    fp32_rows, _ = _first_loss_and_params(tmp_path / "fp32", [])
+    fp32_rows, _ = _first_loss_and_params(tmp_path / "fp32", ["training.dtype='float32'"])
     assert all(p.dtype == torch.float32 for p in params.values())
     assert abs(rows[0]["loss"] - fp32_rows[0]["loss"]) < 0.05 * fp32_rows[0]["loss"]
     assert rows[0]["loss"] != fp32_rows[0]["loss"]  # autocast really ran in bfloat16

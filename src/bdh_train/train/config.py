@@ -28,15 +28,31 @@ STREAM_DOCUMENTS = ("fixed", "corpus")
 ONEDNN_ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 """oneDNN's environment variables that cap the instruction sets its kernels use, the first
 one set deciding (its older name second)."""
+ONEDNN_LEVELS_BELOW_AMX = frozenset(
+    {
+        "SSE41",
+        "AVX",
+        "AVX2",
+        "AVX2_VNNI",
+        "AVX2_VNNI_2",
+        "AVX512_CORE",
+        "AVX512_CORE_VNNI",
+        "AVX512_CORE_BF16",
+        "AVX512_CORE_FP16",
+        "AVX10_1_512",
+        "AVX10_2_512",
+    }
+)
+"""The ISA caps oneDNN knows that leave AMX out (it reads them in any case)."""
 
 
 def onednn_allows_amx(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether oneDNN may run its products in AMX tiles: its ISA cap (in `environ`, default
-    this process's environment) unset, ALL or DEFAULT, or a level that names AMX
-    (AVX512_CORE_AMX, AVX10_1_512_AMX_FP16, ...)."""
+    """Whether oneDNN may run its products in AMX tiles: no ISA cap in `environ` (default this
+    process's environment) names a level below AMX. A value oneDNN does not know (DEFAULT,
+    ALL, a misspelling) is no cap to it, so AMX stays allowed."""
     env = os.environ if environ is None else environ
-    cap = next((env[name] for name in ONEDNN_ISA_CAPS if env.get(name)), "ALL")
-    return cap.upper() in ("ALL", "DEFAULT") or "AMX" in cap.upper()
+    cap = next((env[name] for name in ONEDNN_ISA_CAPS if env.get(name)), "")
+    return cap.strip().upper() not in ONEDNN_LEVELS_BELOW_AMX
 
 
 def cpu_has_bfloat16_tiles() -> bool:

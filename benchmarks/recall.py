@@ -87,18 +87,14 @@ class RecallArm(Arm):
 
     def prime(self, task: Task) -> None:  # type: ignore[override]
         tokens, targets = task.batch_at(1 << 30)
-        with self.autocast():
-            loss = self.model(tokens[:2], targets[:2])[1]
-        loss.backward()
+        self.forward_backward(tokens[:2], targets[:2])
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, task: Task) -> None:  # type: ignore[override]
         started, cpu = time.perf_counter(), time.process_time()
         tokens, targets = task.batch_at(self.steps)
         self.set_lr()
-        with self.autocast():
-            _, loss = self.model(tokens, targets)
-        loss.backward()
+        loss = self.forward_backward(tokens, targets)
         self.finish_step(started, loss)
         self.cpu += time.process_time() - cpu
 

@@ -4,15 +4,14 @@ wall-clock: which reaches the lower held-out loss in the same seconds of trainin
 Both train on the same bytes (tokenizer: bytes; the first 90% of `--data`) in the same token
 order (the same seeded window starts, block and batch), each with its recipe's learning rate,
 warm-up, betas, weight decay, clipping, dropout and precision (`training.dtype`: BDH's forward
-passes under bfloat16 autocast where the trainer would take it on this CPU, the GPT's where
-the config says 'bfloat16': its 'auto' is float32, its faster precision on a CPU with AMX
-too); the cosine runs
-over the budget's seconds (progress = seconds trained / budget), not over a step count nobody
-knows beforehand. The arms train in one process, one optimizer step each in turn, and each
-counts only its own steps' seconds (after one untimed forward and backward, which takes each
-arm's start-up off its clock), so machine load falls on all of them alike. When an arm has
-spent its budget it stops; then every arm is scored on the same held-out text (the last 10%;
-its first `--eval-bytes`), three ways, in nats per byte:
+passes under bfloat16 autocast where the trainer would take it on this CPU, the GPT's where the
+config says 'bfloat16': its 'auto' is float32, its faster precision on a CPU with AMX too); the
+cosine runs over the budget's seconds (progress = seconds trained / budget), not over a step
+count nobody knows beforehand. The arms train in one process, one optimizer step each in turn,
+and each counts only its own steps' seconds (after one untimed forward and backward, which takes
+each arm's start-up off its clock), so machine load falls on all of them alike. When an arm has
+spent its budget it stops; then every arm is scored on the same held-out text (the last 10%; its
+first `--eval-bytes`), three ways, in nats per byte:
 
 * windows: non-overlapping `--context`-byte windows, each read from a fresh start (what every
   model sees in training: nothing before its block);
@@ -232,13 +231,19 @@ class Arm:
         """The precision the arm's forward passes run in (`bfloat16`)."""
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bfloat16)
 
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model's loss on a batch, its forward in the arm's precision, and its gradients
+        accumulated."""
+        with self.autocast():
+            loss = self.model(inputs, targets)[1]
+        loss.backward()
+        return loss
+
     def prime(self, train: torch.Tensor) -> None:
         """An untimed forward and backward on the first windows of `train`, gradients dropped:
         one-time start-up (thread pools, kernel choices) is not charged to the budget."""
         windows = train[: 2 * (self.block + 1)].view(2, self.block + 1)
-        with self.autocast():
-            loss = self.model(windows[:, :-1], windows[:, 1:])[1]
-        loss.backward()
+        self.forward_backward(windows[:, :-1], windows[:, 1:])
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, train: torch.Tensor) -> None:
@@ -247,9 +252,7 @@ class Arm:
         starts = torch.randint(0, len(train) - self.block - 1, (self.batch,), generator=self.order)
         windows = torch.stack([train[s : s + self.block + 1] for s in starts.tolist()])
         self.set_lr()
-        with self.autocast():
-            _, loss = self.model(windows[:, :-1], windows[:, 1:])
-        loss.backward()
+        loss = self.forward_backward(windows[:, :-1], windows[:, 1:])
         self.finish_step(started, loss)
 
     def set_lr(self) -> None:

@@ -188,7 +188,7 @@ def test_recipe_runs_one_step_per_arm_and_prints_the_table(text_for_main, capsys
     widths = [recipe.gpt_width(256, n, 2, bdh_params) for n in (1, 2)]
     gpt = [recipe.gpt_parameter_count(256, n, w) for n, w in zip((1, 2), widths, strict=True)]
     assert gpt[0] != gpt[1]  # two depths, each as wide as equal parameters allow
-    assert all(r[2].strip() == "float32" for r in rows)  # the micro config's training.dtype
+    assert all(r[2].strip() == "float32" for r in rows)  # tiny's 'auto', oneDNN capped
     assert [int(r[4].replace(",", "")) for r in rows] == [bdh_params] * 3 + gpt * 4
     assert all(int(r[5]) == 1 and int(r[6].replace(",", "")) == 32 for r in rows)
     for r in rows:  # an untrained byte model: near ln 256 nats, bits = nats / ln 2

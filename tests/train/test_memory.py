@@ -317,6 +317,14 @@ def test_the_cgroup_headroom_counts_inactive_file_cache_as_free(tmp_path, monkey
     assert machine_memory._cgroup_headroom() == 100 * MIB
 
 
+@pytest.fixture
+def onednn_uncapped(monkeypatch):
+    """No oneDNN ISA cap in the environment (the suite sets one below AMX: suite_setup.py)."""
+    for cap in ONEDNN_ISA_CAPS:
+        monkeypatch.delenv(cap, raising=False)
+
+
+@pytest.mark.usefixtures("onednn_uncapped")
 @pytest.mark.parametrize("amx", [True, False], ids=["cpu-with-amx", "cpu-without"])
 @pytest.mark.parametrize("bf16_gpu", [True, False], ids=["cuda-with-bf16", "cuda-without"])
 def test_dtype_auto_is_bfloat16_autocast_only_where_products_have_bfloat16_hardware(
@@ -327,8 +335,6 @@ def test_dtype_auto_is_bfloat16_autocast_only_where_products_have_bfloat16_hardw
     emulates it) and on other CPUs; the memory estimate and its lines follow the resolved
     dtype."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    for cap in ONEDNN_ISA_CAPS:  # the suite caps oneDNN below AMX (suite_setup.py)
-        monkeypatch.delenv(cap, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     # every CUDA device emulates bfloat16 (V100, T4); only bf16_gpu ones have its arithmetic
     monkeypatch.setattr(
@@ -362,6 +368,7 @@ def test_dtype_auto_is_bfloat16_autocast_only_where_products_have_bfloat16_hardw
     assert bf16_step != fp32_step
 
 
+@pytest.mark.usefixtures("onednn_uncapped")
 @pytest.mark.parametrize(
     ("env", "allowed"),
     [
@@ -389,8 +396,6 @@ def test_auto_takes_bfloat16_on_a_cpu_with_amx_only_where_onednn_may_use_it(
     there. Its level names are read in any case; a name oneDNN does not know caps nothing."""
     assert onednn_allows_amx(env) is allowed
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    for cap in ONEDNN_ISA_CAPS:
-        monkeypatch.delenv(cap, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert cpu_has_bfloat16_tiles() is allowed

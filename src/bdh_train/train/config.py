@@ -43,7 +43,7 @@ ONEDNN_LEVELS_BELOW_AMX = frozenset(
         "AVX10_2_512",
     }
 )
-"""The ISA caps oneDNN knows that leave AMX out (it reads them in any case)."""
+"""The ISA caps oneDNN knows that leave AMX out (it reads them case-insensitively)."""
 
 
 def onednn_allows_amx(environ: Mapping[str, str] | None = None) -> bool:
